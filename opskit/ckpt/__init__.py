@@ -1,0 +1,1 @@
+"""Megatron-DeepSpeed checkpoints: read, check, convert (torch is imported only inside functions)."""

@@ -1,0 +1,149 @@
+"""Read Megatron-DeepSpeed checkpoint folders (reference section 2.1) and merge their TP/PP shards.
+
+A run's checkpoint directory holds ``latest`` and ``global_stepN/`` folders; a step folder holds one
+``layer_XX-model_YY-model_states.pt`` per layer and TP rank, one ``mp_rank_MM_model_states.pt`` per (PP, TP) rank
+(``MM = pp * TP + tp``) carrying the training ``args``, and ZeRO optimizer shards we never need for weights.
+
+TP merge rules, as in transformers' BLOOM converter and DeepSpeed's ds_to_universal: replicated tensors (LayerNorms,
+row-parallel biases, position embeddings) are averaged, row-parallel weights concatenated on dim 1, everything else on
+dim 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+STEP_DIR = re.compile(r"^global_step(\d+)$")
+
+REPLICATED_SUFFIXES = (
+    "input_layernorm.weight", "input_layernorm.bias",
+    "post_attention_layernorm.weight", "post_attention_layernorm.bias",
+    "self_attention.dense.bias", "mlp.dense_4h_to_h.bias",
+    "word_embeddings.norm.weight", "word_embeddings.norm.bias",
+    "position_embeddings.weight",
+)
+ROW_PARALLEL_WEIGHTS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+# Megatron-DeepSpeed's pipeline layer numbering: 1 embedding, 3..L+2 blocks, L+4 final LayerNorm.
+EMBEDDING_LAYER = 1
+FIRST_BLOCK_LAYER = 3
+
+
+def final_norm_layer(num_layers: int) -> int:
+    """Index of the final LayerNorm's file: ``layer_{L+4}``."""
+    return num_layers + 4
+
+
+class CheckpointFormatError(ValueError):
+    """A folder that is not a (complete) Megatron-DeepSpeed checkpoint; one line naming the folder and what is wrong."""
+
+
+@dataclass(frozen=True)
+class StepDir:
+    """One ``global_stepN`` folder.
+
+    Attributes:
+        path: the folder.
+        layers: layer index -> files ordered by TP rank.
+        tp, pp: parallel degrees read from the file names.
+    """
+
+    path: Path
+    layers: dict[int, list[Path]]
+    tp: int
+    pp: int
+
+    @property
+    def iteration(self) -> int:
+        return int(STEP_DIR.match(self.path.name).group(1)) if STEP_DIR.match(self.path.name) else -1
+
+    def mp_rank_file(self, pp_rank: int = 0, tp_rank: int = 0) -> Path:
+        return self.path / f"mp_rank_{pp_rank * self.tp + tp_rank:02d}_model_states.pt"
+
+
+def resolve_step_dir(path: str | Path, step: int | None = None) -> Path:
+    """A run's checkpoint dir (+ optional step) or a step folder -> the ``global_stepN`` folder to read.
+
+    Raises:
+        CheckpointFormatError: when there is no ``latest`` to follow or the step is missing.
+    """
+    path = Path(path)
+    if step is not None:
+        target = path / f"global_step{step}"
+    elif any(path.glob("layer_*-model_states.pt")):
+        return path
+    elif (path / "latest").is_file():
+        target = path / (path / "latest").read_text().strip()
+    else:
+        raise CheckpointFormatError(f"{path}: neither a global_stepN folder nor a checkpoint dir with a 'latest' file")
+    if not target.is_dir():
+        raise CheckpointFormatError(f"{target}: no such checkpoint step")
+    return target
+
+
+def scan_step_dir(path: str | Path) -> StepDir:
+    """Index a step folder's layer files and infer TP and PP.
+
+    Raises:
+        CheckpointFormatError: no layer files, a layer missing a TP rank, or mp_rank files that do not match TP.
+    """
+    path = Path(path)
+    layers: dict[int, dict[int, Path]] = {}
+    mp_ranks = 0
+    for f in path.iterdir():
+        if m := LAYER_FILE.match(f.name):
+            layers.setdefault(int(m.group(1)), {})[int(m.group(2))] = f
+        elif MP_RANK_FILE.match(f.name):
+            mp_ranks += 1
+    if not layers:
+        raise CheckpointFormatError(f"{path}: no layer_XX-model_YY-model_states.pt files")
+    tp = max(len(ranks) for ranks in layers.values())
+    for index, ranks in sorted(layers.items()):
+        if sorted(ranks) != list(range(tp)):
+            raise CheckpointFormatError(f"{path}: layer_{index:02d} has TP ranks {sorted(ranks)}, expected 0..{tp - 1}")
+    if mp_ranks == 0 or mp_ranks % tp:
+        raise CheckpointFormatError(f"{path}: {mp_ranks} mp_rank_XX_model_states.pt files for TP={tp}")
+    return StepDir(path, {i: [r[t] for t in range(tp)] for i, r in sorted(layers.items())}, tp, mp_ranks // tp)
+
+
+def _torch_load(path: Path):
+    import torch
+
+    try:
+        # Megatron-DeepSpeed pickles argparse.Namespace and numpy RNG states, so weights_only loading cannot be used.
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated or foreign file: name it in one line
+        raise CheckpointFormatError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
+
+
+def load_args(step: StepDir) -> argparse.Namespace:
+    """The training ``args`` saved in ``mp_rank_00_model_states.pt``."""
+    state = _torch_load(step.mp_rank_file())
+    if "args" not in state:
+        raise CheckpointFormatError(f"{step.mp_rank_file()}: no 'args' (not written by Megatron-DeepSpeed?)")
+    return state["args"]
+
+
+def merge_tp(key: str, shards: list):
+    """Merge one tensor's TP shards (ordered by rank) by the rules in the module docstring."""
+    import torch
+
+    if len(shards) == 1:
+        return shards[0]
+    if key.endswith(REPLICATED_SUFFIXES) or key in ("weight", "bias"):  # bare keys: the final LayerNorm
+        return torch.stack([s.float() for s in shards]).mean(0).to(shards[0].dtype)
+    return torch.cat(shards, dim=1 if key.endswith(ROW_PARALLEL_WEIGHTS) else 0)
+
+
+def merged_layers(step: StepDir) -> dict[int, dict]:
+    """Layer index -> its state dict merged to TP=1 (PP needs no merging: each layer lives in one stage's files)."""
+    merged = {}
+    for index, files in step.layers.items():
+        shards = [_torch_load(f) for f in files]
+        merged[index] = {key: merge_tp(key, [s[key] for s in shards]) for key in shards[0]}
+    return merged

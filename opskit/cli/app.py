@@ -1,0 +1,44 @@
+"""``opskit``: the command groups, registered on one typer app. Nothing here imports torch or deepspeed."""
+
+from __future__ import annotations
+
+import typer
+
+from opskit import __version__
+from opskit.cli import ckpt, data, logs, plan, status, submit, train
+
+app = typer.Typer(
+    name="opskit",
+    help="Operations toolkit for months-long LLM pretraining on SLURM: plan, submit, train, watch, sync, convert.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"opskit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Operations toolkit for months-long LLM pretraining on SLURM."""
+
+
+app.command("plan")(plan.plan)
+app.command("submit")(submit.submit)
+app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+            add_help_option=False)(train.train)
+app.command("status")(status.status)
+app.add_typer(ckpt.app, name="ckpt")
+app.add_typer(logs.app, name="logs")
+app.add_typer(data.app, name="data")
+
+
+def main() -> None:
+    app()

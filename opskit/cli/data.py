@@ -1,0 +1,36 @@
+"""``opskit data prepare NAME``: tokenizer + Megatron indexed dataset for a spec's corpus."""
+
+from __future__ import annotations
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from opskit.cli._common import console, friendly_errors
+
+app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
+
+
+@app.command("prepare")
+@friendly_errors
+def prepare(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
+    """Train the spec's BPE tokenizer and write its indexed dataset (skipped when already up to date)."""
+    from opskit.data import prepare_data
+    from opskit.spec import load_spec
+
+    spec = load_spec(name)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        result = prepare_data(spec.data.corpus, spec.data.dir, spec.data.vocab_size, name=spec.data.name,
+                              progress=progress)
+    verb = "up to date" if result.reused else "prepared"
+    console.print(f"data {verb}: {result.num_documents} documents, {result.num_tokens:,} tokens, "
+                  f"vocab {result.vocab_size}")
+    console.print(f"  --data-path {result.data_prefix}")
+    console.print(f"  --tokenizer-name-or-path {result.tokenizer_dir}")

@@ -1,0 +1,106 @@
+"""The only code that runs SLURM's commands: timeouts on every call, parsed output, typed errors.
+
+A call that times out or cannot reach slurmctld raises :class:`SchedulerUnreachable`, never "no jobs": the watchdog
+must not report a job as gone because the controller was slow.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+TIMEOUT_S = 20
+# squeue fields, '|'-separated: job id (with array task), partition, name, state, time used, nodes, start time,
+# reason (pending) or node list (running). Same fields as BigScience's slurm-status.py.
+SQUEUE_FORMAT = "%i|%P|%j|%T|%M|%D|%S|%R"
+
+
+class SlurmError(RuntimeError):
+    """A SLURM command failed; the message holds the command and its stderr in one line."""
+
+
+class SchedulerUnreachable(SlurmError):
+    """SLURM's commands are missing, time out, or cannot reach the controller."""
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One ``squeue`` row. ``job_id`` is e.g. ``682842_[1-5%1]`` (pending array) or ``711114_4`` (array task)."""
+
+    job_id: str
+    partition: str
+    name: str
+    state: str
+    time_used: str
+    nodes: str
+    start_time: str
+    reason: str  # "(JobArrayTaskLimit)", "(Dependency)", ... while pending; the node list while running
+
+    @property
+    def array_id(self) -> str:
+        """The job id without the array part (``682842``)."""
+        return self.job_id.split("_", 1)[0]
+
+
+def _run(cmd: list[str], timeout: float = TIMEOUT_S) -> str:
+    if shutil.which(cmd[0]) is None:
+        raise SchedulerUnreachable(f"{cmd[0]}: command not found (is SLURM installed? scripts/local-slurm.sh start)")
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SchedulerUnreachable(f"{' '.join(cmd)}: no answer within {timeout:.0f} s") from None
+    if done.returncode != 0:
+        message = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
+        unreachable = "Unable to contact slurm controller" in message or "Connection refused" in message
+        raise (SchedulerUnreachable if unreachable else SlurmError)(f"{' '.join(cmd)}: {message}")
+    return done.stdout
+
+
+def parse_squeue(text: str) -> list[QueueEntry]:
+    """Rows of ``squeue -h -o SQUEUE_FORMAT`` output; the name may contain '|', so split from both ends."""
+    entries = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        head = line.split("|", 2)
+        tail = head[2].rsplit("|", 5)
+        if len(tail) != 6:
+            continue
+        entries.append(QueueEntry(head[0], head[1], *tail))
+    return entries
+
+
+def squeue(users: list[str] | None = None) -> list[QueueEntry]:
+    """All queued and running jobs (one call), optionally only those of ``users``."""
+    cmd = ["squeue", "-h", "-o", SQUEUE_FORMAT]
+    if users:
+        cmd.append(f"--user={','.join(users)}")
+    return parse_squeue(_run(cmd))
+
+
+def sbatch(script: Path, array: int | None = None, dependency: str | None = None,
+           begin: str | None = None) -> str:
+    """Submit ``script``; returns the job id (``--parsable``).
+
+    Args:
+        array: N for a chained array ``--array=1-N%1`` (one task at a time, each resuming the last).
+        dependency: e.g. ``afterany:1234``.
+        begin: sbatch's ``--begin`` value, e.g. ``now+2hours``.
+    """
+    return _run(sbatch_command(script, array, dependency, begin)).strip().split(";", 1)[0]
+
+
+def sbatch_command(script: Path, array: int | None = None, dependency: str | None = None,
+                   begin: str | None = None) -> list[str]:
+    """The exact sbatch command line :func:`sbatch` runs (shown by ``--dry-run``)."""
+    cmd = ["sbatch", "--parsable"]
+    if array is not None and array > 1:
+        cmd.append(f"--array=1-{array}%1")
+    if dependency:
+        cmd.append(f"--dependency={dependency}")
+    if begin:
+        cmd.append(f"--begin={begin}")
+    cmd.append(str(script))
+    return cmd

@@ -1,0 +1,94 @@
+"""Is the training running or scheduled? BigScience's slurm-status pulse, from one ``squeue`` call.
+
+Lines keep BigScience's wording, which on-call people grep for: ``[%Y-%m-%d %H:%M:%S] PULSE: ...`` and
+``***ALERT: NAME is not RUNNING or SCHEDULED! ...***`` (reference section 1.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from opskit.slurm.client import QueueEntry, SchedulerUnreachable, squeue
+
+
+@dataclass(frozen=True)
+class Pulse:
+    """The outcome of one check. ``alert`` is True when the job is neither running nor scheduled; ``unreachable``
+    when SLURM did not answer (then nothing is known about the job, and no alert is raised)."""
+
+    lines: list[str]
+    alert: bool
+    unreachable: bool = False
+
+
+def _preamble(now: datetime) -> str:
+    return f"[{now:%Y-%m-%d %H:%M:%S}] PULSE:"
+
+
+def describe(entry: QueueEntry, now: datetime) -> str:
+    """One PULSE line for a queue entry of the watched job."""
+    pre = _preamble(now)
+    where = f"({entry.job_id} on '{entry.partition}' partition"
+    if entry.state == "RUNNING":
+        return f"{pre} {entry.name} is running for {entry.time_used} since {entry.start_time} {where} ({entry.reason})"
+    if entry.state == "PENDING" and entry.start_time in ("N/A", "Unknown", ""):
+        if entry.reason == "(JobArrayTaskLimit)":
+            return (f"{pre} {entry.name} is waiting for the previous Job Array job to finish before scheduling a "
+                    f"new one {where})")
+        if entry.reason == "(Dependency)":
+            return (f"{pre} {entry.name} is waiting for the previous job to finish before scheduling a new one "
+                    f"using the dependency mechanism {where})")
+        return f"{pre} {entry.name} is waiting to be scheduled {where})"
+    if entry.state == "PENDING":
+        start = datetime.strptime(entry.start_time, "%Y-%m-%dT%H:%M:%S")
+        remaining = (start - now.replace(microsecond=0))
+        return f"{pre} {entry.name} is scheduled to start in {remaining} (at {entry.start_time}) {where})"
+    return f"{pre} {entry.name} is unknown - fix me: (at {entry.start_time}) {where}) ({entry.reason})"
+
+
+def check(job_name: str, users: list[str] | None = None, now: datetime | None = None) -> Pulse:
+    """PULSE lines for every queue entry named exactly ``job_name``, or the ALERT line when there is none."""
+    now = now or datetime.now()
+    try:
+        entries = [e for e in squeue(users) if e.name == job_name]
+    except SchedulerUnreachable as e:
+        return Pulse([f"{_preamble(now)} {job_name}: scheduler unreachable, job state unknown ({e})"],
+                     alert=False, unreachable=True)
+    if not entries:
+        return Pulse([f"{_preamble(now)} ***ALERT: {job_name} is not RUNNING or SCHEDULED! Alert the on-call "
+                      f"person***"], alert=True)
+    return Pulse([describe(e, now) for e in entries], alert=False)
+
+
+def wait_until_gone(job_name: str, job_id: str, on_pulse, interval_s: float = 5.0, timeout_s: float | None = None,
+                    sleep=None) -> bool:
+    """Poll until no queue entry of array/job ``job_id`` named ``job_name`` is left (the chain has ended).
+
+    Args:
+        on_pulse: called with a :class:`Pulse` whenever a task's state or pending reason changes.
+        timeout_s: give up after this long.
+
+    Returns:
+        True when the chain ended, False on timeout.
+    """
+    import time
+
+    sleep = sleep or time.sleep
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    previous = None
+    while deadline is None or time.monotonic() < deadline:
+        try:
+            entries = [e for e in squeue() if e.name == job_name and e.array_id == job_id]
+        except SchedulerUnreachable:
+            entries = None  # keep waiting: a slow controller is not an ended chain
+        if entries == []:
+            return True
+        if entries:
+            key = [(e.job_id, e.state, e.reason) for e in entries]
+            if key != previous:
+                now = datetime.now()
+                on_pulse(Pulse([describe(e, now) for e in entries], alert=False))
+                previous = key
+        sleep(interval_s)
+    return False

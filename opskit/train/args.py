@@ -1,0 +1,113 @@
+"""The trainer's command line, with Megatron-DeepSpeed's flag names and semantics (reference section 2.4).
+
+The parsed ``argparse.Namespace`` is saved in every checkpoint as ``args``, as Megatron-DeepSpeed does, so the
+attribute names are Megatron's too (``consumed_train_samples``, ``padded_vocab_size``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m opskit.train",
+        description="Megatron-DeepSpeed-style GPT/BLOOM pretraining (DeepSpeed pipeline engine).",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--position-embedding-type", choices=["absolute", "alibi"], default="absolute")
+    g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the word embedding (BLOOM)")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--pad-vocab-size-to", type=int, default=None)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; DeepSpeed is always used")
+    g.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON; missing keys are filled from the flags")
+    g.add_argument("--zero-stage", type=int, choices=[0, 1], default=1)
+    g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with CUDA, gloo on CPU")
+
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"))
+    g.add_argument("--train-samples", type=int, required=True)
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
+    g.add_argument("--override-lr-scheduler", action="store_true")
+    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true")
+    g.add_argument("--optimizer", choices=["adam"], default="adam")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", required=True, help="indexed dataset prefix (without .bin/.idx)")
+    g.add_argument("--data-impl", choices=["mmap"], default="mmap")
+    g.add_argument("--tokenizer-type", choices=["PretrainedFromHF"], default="PretrainedFromHF")
+    g.add_argument("--tokenizer-name-or-path", required=True, help="folder with tokenizer.json")
+
+    g = p.add_argument_group("checkpoints and exit")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--kill-switch-path", default=None, help="if this file exists: save and exit")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the flags; a bad combination exits with argparse's one-line ``error:`` message."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+    args.params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    return args
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.fp16 and args.bf16:
+        parser.error("--fp16 and --bf16 are mutually exclusive")
+    if args.hidden_size % args.num_attention_heads:
+        parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+                     f"{args.num_attention_heads}")
+    if args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
+        parser.error(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                     f"{args.max_position_embeddings}")
+    if args.tensor_model_parallel_size != 1:
+        parser.error("--tensor-model-parallel-size > 1 is not supported yet")
+    if args.save and not args.save_interval:
+        parser.error("--save needs --save-interval")
+    if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
+        parser.error("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive")

@@ -1,0 +1,137 @@
+"""Save and resume in Megatron-DeepSpeed's layout (reference section 2.1).
+
+DeepSpeed writes the layer files, ``mp_rank_XX_model_states.pt`` (with our client state: ``args``, ``iteration``,
+``tokens``, ``checkpoint_version``, RNG states) and the ZeRO optimizer shards. We write ``latest`` ourselves, last and
+atomically (temp file + rename), after every rank has finished its files: a save killed half-way leaves ``latest`` at
+the previous complete step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from opskit.fsutil import atomic_write_text
+
+CHECKPOINT_VERSION = 3.0
+
+# Saved args that must match the command line on resume (Megatron's check_checkpoint_args).
+_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type", "padded_vocab_size",
+               "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; one line naming the folder and what differs."""
+
+
+def step_tag(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def read_latest(directory: str | Path) -> str | None:
+    """The tag in ``<dir>/latest`` (e.g. ``global_step95000``), or None when there is none."""
+    path = Path(directory) / "latest"
+    return path.read_text().strip() or None if path.is_file() else None
+
+
+def write_latest(directory: str | Path, tag: str) -> None:
+    """Point ``latest`` at ``tag`` atomically (no newline, as DeepSpeed writes it)."""
+    atomic_write_text(Path(directory) / "latest", tag)
+
+
+def _rng_state() -> dict:
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+
+
+def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_samples: int,
+                    consumed_tokens: int) -> None:
+    """Save ``global_step{iteration}`` under ``--save`` from every rank, then move ``latest`` to it."""
+    tag = step_tag(iteration)
+    if dist.get_rank() == 0:
+        print(f"saving checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
+    started = time.time()
+    saved_args = argparse.Namespace(**vars(args))
+    saved_args.consumed_train_samples = consumed_samples
+    saved_args.consumed_valid_samples = 0
+    saved_args.iteration = iteration
+    client_state = {
+        "args": saved_args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "tokens": consumed_tokens,
+        "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size,
+                            "original_vocab_size": args.original_vocab_size},
+        **_rng_state(),
+    }
+    engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_latest(args.save, tag)
+        print(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
+        print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
+
+
+def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
+    """Resume from ``--load``'s ``latest``: weights, optimizer, LR scheduler, RNG and counters.
+
+    Returns:
+        ``(iteration, consumed_samples, consumed_tokens)``; zeros when there is nothing to load.
+
+    Raises:
+        CheckpointError: when ``latest`` names a missing step or the saved architecture differs from the flags.
+    """
+    tag = read_latest(args.load) if args.load else None
+    if tag is None:
+        if dist.get_rank() == 0 and args.load:
+            print(f"WARNING: could not find the metadata file {args.load}/latest", flush=True)
+            print("    will not load any checkpoints and will start from random", flush=True)
+        return 0, 0, 0
+    if not (Path(args.load) / tag).is_dir():
+        raise CheckpointError(f"{args.load}/latest names {tag}, but {args.load}/{tag} does not exist")
+    if dist.get_rank() == 0:
+        print(f" loading checkpoint from {args.load} at {tag}", flush=True)
+    path, state = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    if path is None:
+        raise CheckpointError(f"{args.load}/{tag}: DeepSpeed could not load it")
+    _check_args(state["args"], args, f"{args.load}/{tag}")
+    _set_rng_state(state)
+    iteration = state["iteration"]
+    if dist.get_rank() == 0:
+        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
+    return iteration, state["args"].consumed_train_samples, state["tokens"]
+
+
+def _check_args(saved: argparse.Namespace, current: argparse.Namespace, where: str) -> None:
+    for name in _MUST_MATCH:
+        if getattr(saved, name, None) != getattr(current, name):
+            raise CheckpointError(
+                f"{where}: {name} is {getattr(saved, name, None)} in the checkpoint but "
+                f"{getattr(current, name)} on the command line"
+            )
+    if current.position_embedding_type != "alibi" and saved.max_position_embeddings != current.max_position_embeddings:
+        raise CheckpointError(
+            f"{where}: max_position_embeddings is {saved.max_position_embeddings} in the checkpoint but "
+            f"{current.max_position_embeddings} on the command line"
+        )

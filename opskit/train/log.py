@@ -1,0 +1,137 @@
+"""What the trainer prints and writes to TensorBoard, in Megatron-DeepSpeed's exact formats (reference section 2.3),
+because users grep for these lines and ``opskit logs`` / ``opskit status`` parse them."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+
+def print_datetime(message: str) -> None:
+    """Megatron's ``[message] datetime: %Y-%m-%d %H:%M:%S`` line."""
+    print(f"[{message}] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ", flush=True)
+
+
+def megatron_flops_per_iteration(batch_size: int, seq: int, layers: int, hidden: int, vocab: int,
+                                 recompute: bool) -> float:
+    """Model FLOPs of one iteration: ``24 c B s l h^2 (1 + s/(6h) + V/(16 l h))``, c = 4 with activation recompute
+    else 3 (Narayanan et al. 2021, eq. 3; Megatron-DeepSpeed's TFLOPs estimate)."""
+    c = 4 if recompute else 3
+    return 24 * c * batch_size * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations since the last log line (Megatron prints averages over ``--log-interval``)."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    nan_iterations: int = 0
+    skipped_iterations: int = 0
+    started: float = 0.0
+
+    def add(self, loss: float, skipped: bool) -> None:
+        self.iterations += 1
+        if skipped:
+            self.skipped_iterations += 1
+        elif math.isfinite(loss):
+            self.loss_sum += loss
+            self.loss_count += 1
+        else:
+            self.nan_iterations += 1
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss_sum / self.loss_count if self.loss_count else float("nan")
+
+
+def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
+                   seconds_per_iteration: float, learning_rate: float, global_batch_size: int, lm_loss: float,
+                   loss_scale: float | None, grad_norm: float | None, skipped_iterations: int,
+                   nan_iterations: int, tflops: float) -> str:
+    """Megatron-DeepSpeed's 2022 iteration line: `` iteration N/ T | key: value | ... |``."""
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d} |",
+        f" consumed samples: {consumed_samples:12d} |",
+        f" consumed tokens: {consumed_tokens:12d} |",
+        f" elapsed time per iteration (s): {seconds_per_iteration:.2f} |",
+        f" learning rate: {learning_rate:.3E} |",
+        f" global batch size: {global_batch_size:5d} |",
+    ]
+    if lm_loss > 0:  # Megatron prints a loss key only when its average is positive
+        parts.append(f" lm loss: {lm_loss:.6E} |")
+    if loss_scale is not None:
+        parts.append(f" loss scale: {loss_scale:.1f} |")
+    if grad_norm is not None:
+        parts.append(f" grad norm: {grad_norm:.3f} |")
+    parts += [
+        " num zeros: 0.0 |",
+        f" number of skipped iterations: {skipped_iterations:3d} |",
+        f" number of nan iterations: {nan_iterations:3d} |",
+        f" samples per second: {global_batch_size / seconds_per_iteration:.3f} |",
+        f" TFLOPs: {tflops:.2f} |",
+    ]
+    return "".join(parts)
+
+
+class TensorBoard:
+    """Megatron's scalar tags on the last rank; a no-op elsewhere or without ``--tensorboard-dir``."""
+
+    def __init__(self, log_dir: str | None, queue_size: int, enabled: bool):
+        self.writer = None
+        if log_dir and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=queue_size)
+
+    def restart_marker(self, iteration: int, world_size: int) -> None:
+        """``iteration-time/world_size``: world size at the (re)start iteration, 0 right after: a visible blip."""
+        if self.writer:
+            self.writer.add_scalar("iteration-time/world_size", world_size, iteration)
+            self.writer.add_scalar("iteration-time/world_size", 0, iteration + 1)
+
+    def iteration(self, iteration: int, samples: int, tokens: int, lr: float, batch_size: int, loss: float,
+                  grad_norm: float | None, loss_scale: float | None) -> None:
+        if not self.writer:
+            return
+        w = self.writer
+        w.add_scalar("steps-vs-samples/y=steps,x=samples", iteration, samples)
+        w.add_scalar("steps-vs-samples/y=samples,x=steps", samples, iteration)
+        w.add_scalar("steps-vs-tokens/y=steps,x=tokens", iteration, tokens)
+        w.add_scalar("steps-vs-tokens/y=tokens,x=steps", tokens, iteration)
+        w.add_scalar("learning-rate/learning-rate", lr, iteration)
+        w.add_scalar("learning-rate/learning-rate vs samples", lr, samples)
+        w.add_scalar("learning-rate/learning-rate vs tokens", lr, tokens)
+        w.add_scalar("batch-size/batch-size", batch_size, iteration)
+        w.add_scalar("batch-size/batch-size vs samples", batch_size, samples)
+        w.add_scalar("lm-loss-training/lm loss", loss, iteration)
+        w.add_scalar("lm-loss-training/lm loss vs samples", loss, samples)
+        w.add_scalar("lm-loss-training/lm loss vs tokens", loss, tokens)
+        if loss_scale is not None:
+            w.add_scalar("loss-scale/loss-scale", loss_scale, iteration)
+        if grad_norm is not None:
+            w.add_scalar("grad-norm/grad-norm", grad_norm, iteration)
+            w.add_scalar("grad-norm/grad-norm vs samples", grad_norm, samples)
+            w.add_scalar("grad-norm/grad-norm vs tokens", grad_norm, tokens)
+
+    def interval(self, iteration: int, samples: int, tokens: int, seconds_per_iteration: float, batch_size: int,
+                 seq_length: int, dp_size: int, tflops: float) -> None:
+        if not self.writer:
+            return
+        w = self.writer
+        samples_per_sec = batch_size / seconds_per_iteration
+        w.add_scalar("iteration-time/iteration-time", seconds_per_iteration, iteration)
+        w.add_scalar("iteration-time/iteration-time vs samples", seconds_per_iteration, samples)
+        w.add_scalar("iteration-time/iteration-time vs tokens", seconds_per_iteration, tokens)
+        w.add_scalar("iteration-time/samples per second", samples_per_sec, iteration)
+        w.add_scalar("iteration-time/samples per second per replica", samples_per_sec / dp_size, iteration)
+        w.add_scalar("iteration-time/tokens per second", samples_per_sec * seq_length, iteration)
+        w.add_scalar("iteration-time/tokens per second per replica", samples_per_sec * seq_length / dp_size,
+                     iteration)
+        w.add_scalar("iteration-time/TFLOPs per gpu (estimated)", tflops, iteration)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()

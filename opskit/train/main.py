@@ -1,0 +1,308 @@
+"""Entry point of ``python -m opskit.train``: parse, build, resume, train, save, exit.
+
+Build order (fixed): distributed -> tokenizer (vocab size) -> model on its pipeline stage -> optimizer -> LR schedule
+-> DeepSpeed engine -> resume -> data. Every rank runs the same loop; the last rank prints Megatron's log lines.
+
+Run with ``torchrun --nproc_per_node N -m opskit.train ...``, or as one process without a launcher.
+"""
+
+from __future__ import annotations
+
+import time
+
+# Megatron measures --exit-duration-in-mins from the import of its training module: start the clock before the slow
+# imports, since they count against the SLURM time limit too.
+_TRAIN_START_TIME = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from opskit.train.args import parse_args  # noqa: E402
+
+
+class TrainerError(RuntimeError):
+    """Bad input found at run time (data, tokenizer, checkpoint, DeepSpeed config); printed as one line."""
+
+
+class _ExitRequests:
+    """SIGUSR1 (sent by SLURM ``--signal=B:USR1@N`` through the job script) asks for save-and-exit."""
+
+    def __init__(self):
+        self.usr1 = False
+        signal.signal(signal.SIGUSR1, self._on_usr1)
+
+    def _on_usr1(self, signum, frame):
+        self.usr1 = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_requests = _ExitRequests()
+    from opskit.train.checkpointing import CheckpointError
+
+    try:
+        return train(args, exit_requests)
+    except (TrainerError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _init_distributed(args: argparse.Namespace) -> None:
+    """torchrun's environment, or a one-process world on a free port when started without a launcher."""
+    import deepspeed
+    import torch
+
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
+    """Megatron's padding: ``--pad-vocab-size-to`` or up to a multiple of make_vocab_size_divisible_by * TP."""
+    if args.pad_vocab_size_to is not None:
+        if args.pad_vocab_size_to < vocab_size:
+            raise TrainerError(f"--pad-vocab-size-to {args.pad_vocab_size_to} is smaller than the tokenizer's "
+                               f"vocabulary ({vocab_size})")
+        return args.pad_vocab_size_to
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def _load_vocab_size(args: argparse.Namespace) -> int:
+    from tokenizers import Tokenizer
+
+    path = Path(args.tokenizer_name_or_path) / "tokenizer.json"
+    if not path.is_file():
+        raise TrainerError(f"--tokenizer-name-or-path {args.tokenizer_name_or_path}: no tokenizer.json there")
+    return Tokenizer.from_file(str(path)).get_vocab_size()
+
+
+def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
+    """The DeepSpeed config: ``--deepspeed_config``'s JSON with the keys the flags imply filled in.
+
+    Raises:
+        TrainerError: when the JSON contradicts a flag (it names both).
+    """
+    config: dict = {}
+    if args.deepspeed_config:
+        try:
+            config = json.loads(Path(args.deepspeed_config).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: not a readable JSON file ({e})") from None
+    implied = {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_clipping": args.clip_grad,
+    }
+    for key, value in implied.items():
+        if key in config and config[key] != value:
+            raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {key} is {config[key]} but the flags "
+                               f"say {value}")
+        config[key] = value
+    # The ramp-up changes the batch size every few iterations; DeepSpeed starts from the first value.
+    config["train_batch_size"] = global_batch_size
+    zero = config.setdefault("zero_optimization", {"stage": args.zero_stage})
+    if zero.get("stage", 0) != args.zero_stage:
+        raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: zero_optimization.stage is "
+                           f"{zero.get('stage')} but --zero-stage is {args.zero_stage}")
+    config.setdefault("fp16", {"enabled": args.fp16, "loss_scale": 0, "initial_scale_power": 12})
+    config.setdefault("bf16", {"enabled": args.bf16})
+    config.setdefault("steps_per_print", 10**9)  # our own log lines replace DeepSpeed's
+    config.setdefault("wall_clock_breakdown", False)
+    return config
+
+
+def _param_groups(model) -> list[dict]:
+    """Megatron's weight-decay rule: no decay for biases and LayerNorm parameters."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if name.endswith("bias") or "norm" in name or param.ndim == 1 else decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from opskit.train.checkpointing import load_checkpoint, save_checkpoint
+    from opskit.train.data import GPTSamples, micro_batches
+    from opskit.train.log import (
+        IntervalStats,
+        TensorBoard,
+        iteration_line,
+        megatron_flops_per_iteration,
+        print_datetime,
+    )
+    from opskit.train.model import GPTConfig
+    from opskit.train.pipe import GPTModelPipe, make_topology
+    from opskit.train.schedules import AnnealingLR, BatchRampup, num_microbatches
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    _init_distributed(args)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    is_last_rank = rank == world_size - 1
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        raise TrainerError(f"{world_size} processes are not divisible by TP*PP = {tp * pp}")
+    dp = world_size // (tp * pp)
+
+    # Megatron takes the earliest start over all ranks, so every rank agrees on when to stop.
+    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
+    dist.all_reduce(start, op=dist.ReduceOp.MIN)
+    train_start_time = float(start.item())
+
+    if _on_any_rank(_kill_switch_on(args))[0]:  # lets a drained job array's tasks end at once
+        print_datetime(f"Detected kill switch at {args.kill_switch_path}. Exiting")
+        dist.destroy_process_group()
+        return 0
+
+    args.original_vocab_size = _load_vocab_size(args)
+    args.padded_vocab_size = _padded_vocab(args, args.original_vocab_size)
+    if rank == 0:
+        print(f" > padded vocab (size: {args.original_vocab_size}) with "
+              f"{args.padded_vocab_size - args.original_vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
+              flush=True)
+    cfg = GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
+        position_embedding_type=args.position_embedding_type, embed_layernorm=args.embed_layernorm,
+        init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+    )
+    model = GPTModelPipe(cfg, make_topology(tp, pp, dp), seed=args.seed,
+                         activation_checkpoint_interval=1 if args.checkpoint_activations else 0)
+
+    rampup = BatchRampup(args.global_batch_size, tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
+    train_iters = rampup.train_iters(args.train_samples)
+    optimizer = torch.optim.AdamW(_param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                  eps=args.adam_eps, weight_decay=args.weight_decay)
+    consumed = {"samples": 0}
+    scheduler = AnnealingLR(
+        optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
+        decay_steps=args.lr_decay_samples, decay_style=args.lr_decay_style,
+        step_size=lambda: rampup.batch_size(consumed["samples"]),
+        override=args.override_lr_scheduler, use_checkpoint=args.use_checkpoint_lr_scheduler,
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler,
+        config=_deepspeed_config(args, rampup.batch_size(0)),
+    )
+
+    try:
+        iteration, consumed["samples"], consumed_tokens = load_checkpoint(engine, args)
+    except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
+        raise TrainerError(f"{args.load}: {e}") from None
+    if rank == 0:
+        print(f"setting training iterations to {train_iters}", flush=True)
+    tensorboard = TensorBoard(args.tensorboard_dir, args.tensorboard_queue_size, enabled=is_last_rank)
+    tensorboard.restart_marker(iteration, world_size)
+
+    dp_rank = engine.grid.data_parallel_id
+    try:
+        samples = GPTSamples(IndexedDataset(args.data_path), args.seq_length, args.seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainerError(f"--data-path {args.data_path}: {e}") from None
+    data = micro_batches(samples, consumed["samples"], args.micro_batch_size, dp, dp_rank)
+
+    flops_recompute = args.checkpoint_activations
+    stats = IntervalStats(started=time.time())
+    last_saved = iteration if args.load and iteration else None
+    exit_reason = None
+    if rank == 0:
+        print_datetime("before the start of training step")
+    while iteration < train_iters:
+        global_batch_size = rampup.batch_size(consumed["samples"])
+        num_microbatches(global_batch_size, args.micro_batch_size, dp)  # Megatron's divisibility check
+        engine.set_train_batch_size(global_batch_size)
+        skipped_before = engine.skipped_steps
+        loss = float(engine.train_batch(data_iter=data))
+        iteration += 1
+        consumed["samples"] += global_batch_size
+        consumed_tokens += global_batch_size * args.seq_length
+        stats.add(loss, skipped=engine.skipped_steps > skipped_before)
+        lr = optimizer.param_groups[0]["lr"]
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        tensorboard.iteration(iteration, consumed["samples"], consumed_tokens, lr, global_batch_size, loss,
+                              grad_norm, None)
+
+        if iteration % args.log_interval == 0:
+            seconds = (time.time() - stats.started) / stats.iterations
+            flops = megatron_flops_per_iteration(global_batch_size, args.seq_length, args.num_layers,
+                                                 args.hidden_size, args.padded_vocab_size, flops_recompute)
+            tflops = flops / (seconds * world_size * 1e12)
+            if is_last_rank:
+                print(iteration_line(
+                    iteration=iteration, train_iters=train_iters, consumed_samples=consumed["samples"],
+                    consumed_tokens=consumed_tokens, seconds_per_iteration=seconds, learning_rate=lr,
+                    global_batch_size=global_batch_size, lm_loss=stats.mean_loss, loss_scale=None,
+                    grad_norm=grad_norm, skipped_iterations=stats.skipped_iterations,
+                    nan_iterations=stats.nan_iterations, tflops=tflops), flush=True)
+            tensorboard.interval(iteration, consumed["samples"], consumed_tokens, seconds, global_batch_size,
+                                 args.seq_length, dp, tflops)
+            stats = IntervalStats(started=time.time())
+
+        if args.save and iteration % args.save_interval == 0:
+            save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
+            last_saved = iteration
+        exit_reason = _exit_reason(args, iteration, train_start_time, exit_requests)
+        if exit_reason:
+            break
+
+    if args.save and last_saved != iteration:
+        save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
+    if rank == 0:
+        print_datetime(exit_reason or "after training is done")
+    tensorboard.close()
+    dist.barrier()
+    dist.destroy_process_group()  # DeepSpeed 0.19.8 may SIGABRT at exit without it
+    return 0
+
+
+def _kill_switch_on(args: argparse.Namespace) -> bool:
+    return bool(args.kill_switch_path) and os.path.exists(args.kill_switch_path)
+
+
+def _on_any_rank(*flags: bool) -> list[bool]:
+    """Each flag OR-ed over all ranks (one MAX all-reduce), so every rank takes the same decision."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([float(f) for f in flags])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in tensor.tolist()]
+
+
+def _exit_reason(args: argparse.Namespace, iteration: int, train_start_time: float,
+                 exit_requests: _ExitRequests) -> str | None:
+    """Why to save and stop after this iteration, or None. Megatron's order: duration, then interval; the kill switch
+    is checked here, before the next iteration starts."""
+    minutes = (time.time() - train_start_time) / 60
+    kill, timed_out, usr1 = _on_any_rank(
+        _kill_switch_on(args),
+        args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins,
+        exit_requests.usr1,
+    )
+    if kill:
+        return f"Detected kill switch at {args.kill_switch_path}. Exiting"
+    if timed_out:
+        return f"exiting program after {minutes:.4f} minutes"
+    if usr1:
+        return f"exiting program on SIGUSR1 at iteration {iteration}"
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"exiting program at iteration {iteration}"
+    return None

@@ -1,0 +1,70 @@
+"""The model as a DeepSpeed ``PipelineModule`` with Megatron-DeepSpeed's layer list, so checkpoints get its file names.
+
+Layer indices (reference section 2.1): 0 cast, 1 embedding (tied), 2 transpose, 3..L+2 transformer blocks, L+3 undo
+transpose, L+4 final LayerNorm, L+5 tied embedding as LM head (no state_dict of its own), L+6 cast. Our activations are
+already ``[b, s, h]`` and our casts happen elsewhere, so 0, 2, L+3 and L+6 are identity functions kept only for the
+numbering: they make the files ``layer_01``, ``layer_03..layer_{L+2}``, ``layer_{L+4}``.
+
+The topology always carries a model axis, even at TP=1, because DeepSpeed names files after it (``-model_00``) and
+numbers ``mp_rank_XX`` as ``pp * TP + tp``.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from opskit.train.model import (
+    EmbeddingPipe,
+    FinalLayerNorm,
+    GPTConfig,
+    ParallelTransformerLayerPipe,
+    lm_logits,
+    lm_loss,
+)
+
+
+def _keep_layer_number(x):
+    """Identity; stands where Megatron-DeepSpeed has a cast or transpose, to keep its layer numbering."""
+    return x
+
+
+def _seed_layer(seed) -> None:
+    """Seed each layer from (base seed + layer index), so weights do not depend on the pipeline partition.
+    Casting to int avoids DeepSpeed 0.19.8's crash on numpy-int seeds with several stages."""
+    torch.manual_seed(int(seed))
+
+
+class GPTModelPipe(PipelineModule):
+    """GPT/BLOOM pipeline. DeepSpeed checkpoints only ``ParallelTransformerLayerPipe`` layers of a ``GPTModelPipe``
+    when activation checkpointing is on, which is why the class carries Megatron-DeepSpeed's name."""
+
+    def __init__(self, cfg: GPTConfig, topology: PipeModelDataParallelTopology, seed: int,
+                 activation_checkpoint_interval: int = 0):
+        layers = [
+            _keep_layer_number,
+            TiedLayerSpec("embed", EmbeddingPipe, cfg, tied_weight_attr=["word_embeddings.weight"]),
+            _keep_layer_number,
+            *[LayerSpec(ParallelTransformerLayerPipe, cfg) for _ in range(cfg.num_layers)],
+            _keep_layer_number,
+            LayerSpec(FinalLayerNorm, cfg),
+            TiedLayerSpec("embed", EmbeddingPipe, cfg, forward_fn=lm_logits,
+                          tied_weight_attr=["word_embeddings.weight"]),
+            _keep_layer_number,
+        ]
+        super().__init__(
+            layers=layers,
+            topology=topology,
+            loss_fn=lm_loss,
+            partition_method="type:transformer|embedding",
+            seed_layers=True,
+            seed_fn=_seed_layer,
+            base_seed=seed,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+        )
+
+
+def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
+    """Axes ``['pipe', 'data', 'model']``: TP fastest, then DP, then PP (the order megatron-core uses too)."""
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)

@@ -1,0 +1,162 @@
+"""Batch-size ramp-up and the sample-based learning-rate schedule, with Megatron's exact rules.
+
+Sources: Megatron-LM ``megatron/microbatches.py`` (RampupBatchsizeNumMicroBatches), ``megatron/learning_rates.py``
+(AnnealingLR) and ``megatron/training.py`` (update_train_iters); reference section 2.4. Pure Python: ``opskit plan``
+uses the same functions without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchRampup:
+    """Global batch size as a function of consumed samples (``--rampup-batch-size start incr samples``).
+
+    ``rampup`` is None for a constant GBS.
+
+    Raises:
+        ValueError: (at construction) when ``GBS - start`` is not a multiple of the increment.
+    """
+
+    global_batch_size: int
+    rampup: tuple[int, int, int] | None = None
+
+    def __post_init__(self):
+        if self.rampup is not None:
+            start, incr, _ = self.rampup
+            if incr <= 0 or (self.global_batch_size - start) % incr:
+                raise ValueError(
+                    f"--rampup-batch-size: global batch size {self.global_batch_size} minus start {start} "
+                    f"is not a multiple of the increment {incr}"
+                )
+
+    def batch_size(self, consumed_samples: int) -> int:
+        """GBS for the next iteration: ``start + int(consumed / samples_per_increment) * incr`` until the ramp ends."""
+        if self.rampup is None:
+            return self.global_batch_size
+        start, incr, rampup_samples = self.rampup
+        num_increments = (self.global_batch_size - start) // incr
+        if consumed_samples > rampup_samples or num_increments == 0:
+            return self.global_batch_size
+        samples_per_increment = rampup_samples / num_increments
+        return min(start + int(consumed_samples / samples_per_increment) * incr, self.global_batch_size)
+
+    def train_iters(self, train_samples: int) -> int:
+        """Iterations of the run (the log line's ``/ train_iters``): Megatron's update_train_iters simulates the ramp,
+        then adds ``(train_samples - consumed) // GBS``; training stops after that many iterations."""
+        iterations, consumed = 0, 0
+        if self.rampup is not None:
+            while consumed <= self.rampup[2]:
+                consumed += self.batch_size(consumed)
+                iterations += 1
+        return iterations + (train_samples - consumed) // self.global_batch_size
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """Gradient-accumulation steps for a GBS.
+
+    Raises:
+        ValueError: with Megatron's wording when GBS is not divisible by MBS * DP.
+    """
+    per_step = micro_batch_size * data_parallel_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"current global batch size ({global_batch_size}) is not divisible by micro-batch-size "
+            f"({micro_batch_size}) times data parallel size ({data_parallel_size})"
+        )
+    return global_batch_size // per_step
+
+
+# Checkpointed AnnealingLR fields that must agree with the command line unless told otherwise.
+_CHECKED_FIELDS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
+
+class AnnealingLR:
+    """Megatron's AnnealingLR counted in samples: linear warmup to ``max_lr`` over ``warmup_steps`` samples, then
+    linear or cosine decay to ``min_lr`` at ``decay_steps`` samples, ``min_lr`` after.
+
+    It drives a torch optimizer's ``param_groups[*]['lr']``. DeepSpeed calls ``step()`` without arguments after each
+    optimizer step; ``step_size`` then says how many samples that step consumed (the current GBS).
+
+    Args:
+        optimizer: anything with ``param_groups``.
+        max_lr, min_lr: learning rates.
+        warmup_steps, decay_steps: in samples (``--lr-warmup-samples``, ``--lr-decay-samples``).
+        decay_style: ``constant``, ``linear`` or ``cosine``.
+        step_size: callable returning the samples consumed by one ``step()`` with no increment.
+        override / use_checkpoint: Megatron's ``--override-lr-scheduler`` / ``--use-checkpoint-lr-scheduler``.
+    """
+
+    def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
+                 decay_style: str, step_size: Callable[[], int], override: bool = False,
+                 use_checkpoint: bool = False):
+        if override and use_checkpoint:
+            raise ValueError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive")
+        if decay_steps <= 0:
+            raise ValueError(f"lr decay samples must be > 0, got {decay_steps}")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = float(max_lr), float(min_lr)
+        self.warmup_steps, self.decay_steps, self.decay_style = warmup_steps, decay_steps, decay_style
+        self.step_size, self.override, self.use_checkpoint = step_size, override, use_checkpoint
+        self.num_steps = 0
+        self.step(0)
+
+    def get_lr(self) -> float:
+        """The learning rate after ``num_steps`` samples."""
+        if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
+            return self.max_lr * self.num_steps / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.max_lr
+        if self.num_steps > self.decay_steps:
+            return self.min_lr
+        ratio = (self.num_steps - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            raise ValueError(f"{self.decay_style} decay style is not supported")
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def step(self, increment: int | None = None) -> None:
+        """Advance by ``increment`` samples (default: one global batch) and set the optimizer's lr."""
+        self.num_steps += self.step_size() if increment is None else increment
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        """Megatron's keys, so Megatron-DeepSpeed's tools read our checkpoints."""
+        return {
+            "max_lr": self.max_lr,
+            "warmup_steps": self.warmup_steps,
+            "num_steps": self.num_steps,
+            "warmup_tokens": 0,
+            "num_tokens": 0,
+            "decay_style": self.decay_style,
+            "decay_steps": self.decay_steps,
+            "min_lr": self.min_lr,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position; the schedule itself comes from the command line unless ``use_checkpoint``.
+
+        Raises:
+            ValueError: Megatron's mismatch message when a schedule field differs and neither flag allows it.
+        """
+        for name in _CHECKED_FIELDS:
+            mine, theirs = getattr(self, name), state[name]
+            if self.override or mine == theirs:
+                continue
+            if not self.use_checkpoint:
+                raise ValueError(
+                    f"AnnealingLR: class input value {mine} and checkpoint value {theirs} for {name} do not match; "
+                    "pass --override-lr-scheduler to use the command line's or --use-checkpoint-lr-scheduler"
+                )
+            setattr(self, name, theirs)
+        self.num_steps = state["num_steps"]
+        self.step(0)
