@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 USER_SPEC_DIR = Path("trainings")
 
@@ -152,6 +152,12 @@ class SlurmSpec(_Section):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment exported by the job script."""
 
+    @field_validator("time")
+    @classmethod
+    def _time_parses(cls, value: str) -> str:
+        parse_slurm_time(value)  # UNLIMITED has no exit duration: refuse at load time, not at submit
+        return value
+
     @property
     def time_minutes(self) -> float:
         """The time limit in minutes, parsed from sbatch's formats."""
@@ -263,7 +269,7 @@ def find_spec(name_or_path: str) -> Path:
         SpecError: when nothing or more than one spec matches.
     """
     path = Path(name_or_path)
-    if path.suffix in {".yaml", ".yml"} or path.exists():
+    if path.suffix in {".yaml", ".yml"} or path.is_file():  # a folder named like a spec (logs, runs) is no spec
         if not path.is_file():
             raise SpecError(f"{name_or_path}: no such spec file")
         return path

@@ -13,6 +13,9 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 40, seed:
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     if not (Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (not a Hugging Face model folder)")

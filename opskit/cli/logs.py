@@ -11,8 +11,9 @@ from opskit.cli._common import console, friendly_errors, print_json
 
 app = typer.Typer(help="Training logs (Megatron-style iteration lines).", no_args_is_help=True)
 
-COLUMNS = ("iteration", "consumed_samples", "consumed_tokens", "lm_loss", "learning_rate", "grad_norm",
-           "elapsed_time_per_iteration_s")
+# (record field, column header): short headers keep the table readable in an 80-column pipe.
+COLUMNS = (("iteration", "iteration"), ("consumed_tokens", "tokens"), ("lm_loss", "lm loss"),
+           ("learning_rate", "lr"), ("grad_norm", "grad norm"), ("elapsed_time_per_iteration_s", "s/it"))
 
 
 def _log_file(name_or_file: str) -> Path:
@@ -44,10 +45,10 @@ def show(
         console.print(f"{path}: no iteration lines yet")
         return
     table = Table(title=str(path))
-    for column in COLUMNS:
-        table.add_column(column, justify="right")
+    for _, header in COLUMNS:
+        table.add_column(header, justify="right")
     for r in records[-last:]:
-        table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in COLUMNS))
+        table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c, _ in COLUMNS))
     console.print(table)
     first, final = records[0], records[-1]
     console.print(f"lm loss: first {first['lm_loss']:.4f} (iteration {first['iteration']}), "

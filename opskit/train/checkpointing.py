@@ -109,13 +109,17 @@ def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
         return 0, 0, 0
     if not (Path(args.load) / tag).is_dir():
         raise CheckpointError(f"{args.load}/latest names {tag}, but {args.load}/{tag} does not exist")
+    # Check the architecture before DeepSpeed loads the weights: a mismatch would fail there with a shape traceback.
+    client_file = Path(args.load) / tag / "mp_rank_00_model_states.pt"
+    if not client_file.is_file():
+        raise CheckpointError(f"{args.load}/{tag}: no mp_rank_00_model_states.pt")
+    _check_args(torch.load(client_file, map_location="cpu", weights_only=False)["args"], args, f"{args.load}/{tag}")
     if dist.get_rank() == 0:
         print(f" loading checkpoint from {args.load} at {tag}", flush=True)
     path, state = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"{args.load}/{tag}: DeepSpeed could not load it")
-    _check_args(state["args"], args, f"{args.load}/{tag}")
     _set_rng_state(state)
     iteration = state["iteration"]
     if dist.get_rank() == 0:

@@ -213,6 +213,9 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
 
     dp_rank = engine.grid.data_parallel_id
     try:
+        for suffix in (".idx", ".bin"):  # megatron-core only asserts, and its __del__ then prints a traceback
+            if not Path(args.data_path + suffix).is_file():
+                raise FileNotFoundError(f"no {args.data_path}{suffix}")
         samples = GPTSamples(IndexedDataset(args.data_path), args.seq_length, args.seed)
     except (FileNotFoundError, ValueError) as e:
         raise TrainerError(f"--data-path {args.data_path}: {e}") from None

@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` and `make test`. Both install everything they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: demo test install system-deps lint clean
+
+# Python environment: torch first, pinned (an unpinned torch pulls GBs of CUDA wheels), then opskit with all extras.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[all,test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Debian packages (SLURM, munge, the KJV corpus, shellcheck); says so in one line where there is no root or apt.
+system-deps:
+	@scripts/system-deps.sh
+
+demo: install system-deps
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo.sh
+
+test: install system-deps
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+
+lint: install
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check opskit tests
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

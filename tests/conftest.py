@@ -1,0 +1,90 @@
+"""Shared fixtures: real data (the KJV Bible through opskit.data), a real local SLURM, a tiny trainer command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def kjv_data(tmp_path_factory):
+    """The KJV Bible as tokenizer + indexed dataset (vocab 2000 to keep the tiny models fast)."""
+    from opskit.data import prepare_data
+
+    return prepare_data("kjv", tmp_path_factory.mktemp("kjv"), vocab_size=2000, name="kjv")
+
+
+def tiny_trainer_args(data, out: Path, **overrides) -> list[str]:
+    """Flags for a ~0.4 M-parameter BLOOM that trains at a few ms per iteration on 2 CPU cores.
+
+    ``overrides`` replace or add flags: ``train_samples=64`` -> ``--train-samples 64``; ``True`` adds a switch,
+    ``None`` removes the flag.
+    """
+    flags = {
+        "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
+        "max_position_embeddings": 32, "position_embedding_type": "alibi", "embed_layernorm": True,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "micro_batch_size": 4, "global_batch_size": 8,
+        "train_samples": 320, "lr": 3e-3, "min_lr": 3e-4, "lr_decay_style": "cosine", "lr_warmup_samples": 32,
+        "seed": 1234, "log_interval": 1, "data_path": data.data_prefix,
+        "tokenizer_name_or_path": data.tokenizer_dir, "save": out / "checkpoints", "load": out / "checkpoints",
+        "save_interval": 20, "tensorboard_dir": out / "tensorboard",
+    }
+    flags.update(overrides)
+    args: list[str] = []
+    for key, value in flags.items():
+        if value is None or value is False:
+            continue
+        args.append("--" + (key if key == "deepspeed_config" else key.replace("_", "-")))
+        if value is not True:
+            args.append(str(value))
+    return args
+
+
+def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    """``python -m opskit.train`` (or under ``torchrun --nproc_per_node N``) as a real subprocess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else "2", PYTHONUNBUFFERED="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]
+    return subprocess.run(launcher + ["-m", "opskit.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO, **popen)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running single-node SLURM (scripts/local-slurm.sh start; needs root, as in CI)."""
+    if os.geteuid() != 0:
+        pytest.skip("the local SLURM needs root")
+    done = subprocess.run([str(REPO / "scripts" / "local-slurm.sh"), "start"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return True
+
+
+def write_spec(path: Path, data, output: Path, **sections) -> Path:
+    """The tiny preset as a YAML file at ``path``: data from ``data`` (a PreparedData, e.g. ``kjv_data``), run
+    directory ``output``, and ``sections`` merged in per key (``batch={"train_samples": 64}``; ``None`` drops a key,
+    a non-dict value replaces a top-level key)."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+    raw["data"].update(dir=str(Path(data.data_prefix).parent), name="kjv", vocab_size=2000)
+    raw["paths"]["output"] = str(output)
+    for section, values in sections.items():
+        if not isinstance(values, dict):
+            raw[section] = values
+            continue
+        for key, value in values.items():
+            raw.setdefault(section, {})[key] = value
+            if value is None:
+                del raw[section][key]
+    if raw.get("name") is None:
+        raw.pop("name", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path

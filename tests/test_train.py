@@ -1,0 +1,419 @@
+"""Tests of the embedded trainer (``python -m opskit.train``), run for real: DeepSpeed's pipeline engine on CPU, the KJV.
+
+Every run is a real subprocess (or two under torchrun). Runs that several tests read are module-scoped fixtures: the
+80-iteration PP=1 baseline serves the loss, log-format, resume, layout, PP=2, DP=2, bad-resume and TensorBoard tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, run_trainer, tiny_trainer_args
+
+from opskit.megatron_log import parse_iteration_line
+
+TRAIN_SAMPLES = 640  # 80 iterations of GBS 8
+GBS = 8
+SEQ = 32
+HIDDEN = 64
+BIG = 10**6  # --train-samples / --save-interval that a run never reaches
+
+# Megatron-DeepSpeed's 2022 iteration line (fp32: no loss scale), every field and width.
+LINE = re.compile(
+    r"^ iteration (?P<iteration>[ \d]{8})/(?P<train_iters>[ \d]{8}) \|"
+    r" consumed samples: (?P<samples>[ \d]{12}) \|"
+    r" consumed tokens: (?P<tokens>[ \d]{12}) \|"
+    r" elapsed time per iteration \(s\): \d+\.\d{2} \|"
+    r" learning rate: (?P<lr>\d\.\d{3}E[-+]\d{2}) \|"
+    r" global batch size: (?P<gbs>[ \d]{5}) \|"
+    r" lm loss: (?P<loss>\d\.\d{6}E[-+]\d{2}) \|"
+    r" grad norm: \d+\.\d{3} \|"
+    r" num zeros: 0\.0 \|"
+    r" number of skipped iterations: (?P<skipped>[ \d]{3}) \|"
+    r" number of nan iterations: (?P<nan>[ \d]{3}) \|"
+    r" samples per second: \d+\.\d{3} \|"
+    r" TFLOPs: \d+\.\d{2} \|$"
+)
+BLOCK_KEYS = {
+    "input_layernorm.weight": (HIDDEN,), "input_layernorm.bias": (HIDDEN,),
+    "self_attention.query_key_value.weight": (3 * HIDDEN, HIDDEN), "self_attention.query_key_value.bias": (3 * HIDDEN,),
+    "self_attention.dense.weight": (HIDDEN, HIDDEN), "self_attention.dense.bias": (HIDDEN,),
+    "post_attention_layernorm.weight": (HIDDEN,), "post_attention_layernorm.bias": (HIDDEN,),
+    "mlp.dense_h_to_4h.weight": (4 * HIDDEN, HIDDEN), "mlp.dense_h_to_4h.bias": (4 * HIDDEN,),
+    "mlp.dense_4h_to_h.weight": (HIDDEN, 4 * HIDDEN), "mlp.dense_4h_to_h.bias": (HIDDEN,),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+
+def iteration_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if parse_iteration_line(line)]
+
+
+def records(stdout: str) -> dict[int, dict]:
+    """Iteration -> parsed line; fails on an iteration printed twice."""
+    parsed = [parse_iteration_line(line) for line in iteration_lines(stdout)]
+    by_iteration = {r["iteration"]: r for r in parsed}
+    assert len(by_iteration) == len(parsed), "an iteration line was printed more than once"
+    return by_iteration
+
+
+def printed(stdout: str) -> dict[int, dict[str, str]]:
+    """Iteration -> the fields exactly as printed (strings), from the full-line regex."""
+    out = {}
+    for line in iteration_lines(stdout):
+        match = LINE.match(line)
+        assert match, f"not Megatron-DeepSpeed's iteration line: {line!r}"
+        out[int(match["iteration"])] = match.groupdict()
+    return out
+
+
+def succeeded(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done
+
+
+def latest(save: Path) -> str:
+    return (save / "latest").read_text()
+
+
+def close(a: float, b: float, rel: float = 1e-4) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def start_trainer(args: list[str], stderr_path: Path) -> subprocess.Popen:
+    """The trainer as one background process (run_trainer's environment), stdout piped line by line."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    with open(stderr_path, "w") as stderr:
+        return subprocess.Popen([sys.executable, "-m", "opskit.train", *args], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, env=env, cwd=REPO)
+
+
+def read_until_first_iteration(proc: subprocess.Popen, timeout: float = 180) -> list[str]:
+    """stdout lines up to and including the first iteration line (kills the process after ``timeout``)."""
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if parse_iteration_line(line):
+                return lines
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"no iteration line before exit {proc.wait()}:\n{''.join(lines)[-3000:]}")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 30) -> str:
+    """The rest of stdout; fails unless the process exits 0 within ``timeout``."""
+    try:
+        rest, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"the trainer did not exit within {timeout} s") from None
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{rest[-3000:]}"
+    return rest
+
+
+def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
+    """A non-zero exit with one ``error:`` line on stderr that contains every needle, and no traceback."""
+    assert done.returncode not in (0, None), done.stdout[-2000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, done.stderr[-4000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+# ---------------------------------------------------------------------------------------------------------- runs
+
+@pytest.fixture(scope="module")
+def baseline(kjv_data, tmp_path_factory):
+    """PP=1 DP=1, 80 iterations, checkpoints every 20, TensorBoard."""
+    out = tmp_path_factory.mktemp("baseline")
+    args = tiny_trainer_args(kjv_data, out, train_samples=TRAIN_SAMPLES)
+    done = succeeded(run_trainer(args))
+    return argparse.Namespace(out=out, save=out / "checkpoints", stdout=done.stdout, records=records(done.stdout))
+
+
+@pytest.fixture(scope="module")
+def pp2(kjv_data, tmp_path_factory):
+    """PP=2 under torchrun: uninterrupted to iteration 20; then a second run stopped at 10 and resumed to 20."""
+    runs = {}
+    for name, exit_interval in (("straight", 20), ("stopped", 10), ("resumed", 20)):
+        out = tmp_path_factory.mktemp("pp2") if name != "resumed" else runs["stopped"].out
+        args = tiny_trainer_args(kjv_data, out, train_samples=TRAIN_SAMPLES, pipeline_model_parallel_size=2,
+                                 exit_interval=exit_interval, save_interval=10)
+        done = run_trainer(args, nproc=2)
+        runs[name] = argparse.Namespace(out=out, save=out / "checkpoints", done=done, stdout=done.stdout)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------------- 1. loss
+
+def test_loss_falls_and_lines_have_megatron_format(baseline):
+    fields = printed(baseline.stdout)
+    assert sorted(fields) == list(range(1, TRAIN_SAMPLES // GBS + 1))
+    for iteration, f in fields.items():
+        assert int(f["train_iters"]) == TRAIN_SAMPLES // GBS
+        assert int(f["samples"]) == iteration * GBS
+        assert int(f["tokens"]) == iteration * GBS * SEQ
+        assert int(f["gbs"]) == GBS
+        assert int(f["skipped"]) == 0 and int(f["nan"]) == 0
+    losses = [baseline.records[i]["lm_loss"] for i in sorted(baseline.records)]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first - 1.0, (first, last)
+    # Warmup over 32 samples (4 iterations), then cosine down to min-lr at the last iteration.
+    lrs = [baseline.records[i]["learning_rate"] for i in sorted(baseline.records)]
+    assert lrs[:4] == pytest.approx([7.5e-4, 1.5e-3, 2.25e-3, 3e-3])
+    assert lrs[-1] == pytest.approx(3e-4)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert "[after training is done]" in baseline.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------- 2. resume
+
+def test_resume_is_exact(baseline, kjv_data, tmp_path):
+    stop = 30  # not a multiple of --save-interval 20: the exit itself must save
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, exit_interval=stop)
+    first = succeeded(run_trainer(args))
+    save = tmp_path / "checkpoints"
+    assert max(records(first.stdout)) == stop
+    assert f"[exiting program at iteration {stop}]" in first.stdout
+    assert latest(save) == f"global_step{stop}"
+    assert (save / f"global_step{stop}" / "mp_rank_00_model_states.pt").is_file()
+
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES)
+    second = succeeded(run_trainer(args))
+    assert f"loading checkpoint from {save} at global_step{stop}" in second.stdout
+    resumed, straight = printed(second.stdout), printed(baseline.stdout)
+    assert sorted(resumed) == list(range(stop + 1, TRAIN_SAMPLES // GBS + 1))
+    for iteration, f in resumed.items():
+        want = straight[iteration]
+        assert (f["loss"], f["lr"], f["samples"], f["tokens"]) == (want["loss"], want["lr"], want["samples"],
+                                                                   want["tokens"]), iteration
+    assert latest(save) == f"global_step{TRAIN_SAMPLES // GBS}"
+
+
+# ---------------------------------------------------------------------------------------------------------- 3. layout
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_checkpoint_layout_and_keys(baseline):
+    last = TRAIN_SAMPLES // GBS
+    assert latest(baseline.save) == f"global_step{last}"  # exactly, no newline
+    step = baseline.save / f"global_step{last}"
+    assert sorted(p.name for p in step.iterdir()) == [
+        "layer_01-model_00-model_states.pt", "layer_03-model_00-model_states.pt",
+        "layer_04-model_00-model_states.pt", "layer_06-model_00-model_states.pt",
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    ]
+    client = _load(step / "mp_rank_00_model_states.pt")
+    args = client["args"]
+    assert isinstance(args, argparse.Namespace)
+    assert args.consumed_train_samples == TRAIN_SAMPLES and args.num_layers == 2 and args.hidden_size == HIDDEN
+    vocab = args.padded_vocab_size
+    assert vocab % 128 == 0 and args.original_vocab_size <= vocab < args.original_vocab_size + 128
+    assert client["iteration"] == last
+    assert client["tokens"] == TRAIN_SAMPLES * SEQ
+    assert client["checkpoint_version"] == 3.0
+    sched = client["lr_scheduler"]
+    assert {"max_lr", "warmup_steps", "num_steps", "decay_style", "decay_steps", "min_lr"} <= set(sched)
+    assert sched["num_steps"] == TRAIN_SAMPLES
+    assert (sched["max_lr"], sched["min_lr"], sched["warmup_steps"], sched["decay_steps"], sched["decay_style"]) == (
+        3e-3, 3e-4, 32, TRAIN_SAMPLES, "cosine")
+
+    embedding = _load(step / "layer_01-model_00-model_states.pt")
+    assert {k: tuple(v.shape) for k, v in embedding.items()} == {
+        "word_embeddings.weight": (vocab, HIDDEN), "word_embeddings.norm.weight": (HIDDEN,),
+        "word_embeddings.norm.bias": (HIDDEN,)}
+    for layer in ("03", "04"):
+        block = _load(step / f"layer_{layer}-model_00-model_states.pt")
+        assert {k: tuple(v.shape) for k, v in block.items()} == BLOCK_KEYS
+    assert {k: tuple(v.shape) for k, v in _load(step / "layer_06-model_00-model_states.pt").items()} == {
+        "weight": (HIDDEN,), "bias": (HIDDEN,)}
+    # Each block got its own initialisation (per-layer seeds), and training moved the weights off the init.
+    a, b = (_load(step / f"layer_{i}-model_00-model_states.pt") for i in ("03", "04"))
+    assert not torch.equal(a["mlp.dense_h_to_4h.weight"], b["mlp.dense_h_to_4h.weight"])
+    assert not torch.equal(a["input_layernorm.weight"], torch.ones(HIDDEN))
+
+
+def test_absolute_position_embeddings_layout(kjv_data, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=2 * GBS, save_interval=2,
+                             position_embedding_type="absolute", embed_layernorm=None)
+    succeeded(run_trainer(args))
+    step = tmp_path / "checkpoints" / "global_step2"
+    embedding = _load(step / "layer_01-model_00-model_states.pt")
+    vocab = _load(step / "mp_rank_00_model_states.pt")["args"].padded_vocab_size
+    assert {k: tuple(v.shape) for k, v in embedding.items()} == {
+        "word_embeddings.weight": (vocab, HIDDEN), "position_embeddings.weight": (SEQ, HIDDEN)}
+
+
+# ---------------------------------------------------------------------------------------------------------- 4-6. exits
+
+def test_exit_duration_saves_and_exits(kjv_data, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=BIG, save_interval=BIG, exit_duration_in_mins=0.05)
+    done = succeeded(run_trainer(args, timeout=300))
+    match = re.search(r"^\[exiting program after (\d+\.\d+) minutes\] datetime: ", done.stdout, re.M)
+    assert match, done.stdout[-2000:]
+    assert float(match[1]) > 0.05
+    last = max(records(done.stdout))
+    assert 0 < last < BIG // GBS
+    assert latest(tmp_path / "checkpoints") == f"global_step{last}"
+    assert _load(tmp_path / "checkpoints" / f"global_step{last}" / "mp_rank_00_model_states.pt")["iteration"] == last
+
+
+def test_sigusr1_saves_and_exits(kjv_data, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=BIG, save_interval=BIG, log_interval=1)
+    proc = start_trainer(args, tmp_path / "stderr.txt")
+    head = read_until_first_iteration(proc)
+    proc.send_signal(signal.SIGUSR1)
+    stdout = "".join(head) + finish(proc)
+    last = max(records(stdout))
+    assert f"[exiting program on SIGUSR1 at iteration {last}]" in stdout
+    assert latest(tmp_path / "checkpoints") == f"global_step{last}"
+    assert last < 1000  # stopped by the signal, not by running out of samples
+
+
+def test_kill_switch_present_at_start_exits_at_once(kjv_data, tmp_path):
+    switch = tmp_path / "kill-switch"
+    switch.touch()
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, kill_switch_path=switch)))
+    assert f"Detected kill switch at {switch}. Exiting" in done.stdout
+    assert not iteration_lines(done.stdout)
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_kill_switch_created_while_running(kjv_data, tmp_path):
+    switch = tmp_path / "kill-switch"
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=BIG, save_interval=BIG, kill_switch_path=switch)
+    proc = start_trainer(args, tmp_path / "stderr.txt")
+    head = read_until_first_iteration(proc)
+    switch.touch()
+    stdout = "".join(head) + finish(proc)
+    last = max(records(stdout))
+    assert f"[Detected kill switch at {switch}. Exiting]" in stdout
+    assert latest(tmp_path / "checkpoints") == f"global_step{last}"
+    assert f"successfully saved checkpoint at iteration {last:7d}" in stdout
+
+
+# ---------------------------------------------------------------------------------------------------------- 7. PP=2
+
+def test_pp2_trains_like_pp1(pp2, baseline):
+    straight = pp2["straight"]
+    succeeded(straight.done)
+    # DeepSpeed's partition printout (rank 0): embedding and block 1 on stage 0, block 2 and final LN on stage 1.
+    stage0 = straight.stdout.split("stage=0 layers=")[1].split("stage=1 layers=")[0]
+    stage1 = straight.stdout.split("stage=1 layers=")[1].split("loss:")[0]
+    assert re.search(r"^\s+1: EmbeddingPipe$", stage0, re.M) and re.search(r"^\s+3: ParallelTransformerLayerPipe$",
+                                                                             stage0, re.M)
+    assert re.search(r"^\s+4: ParallelTransformerLayerPipe$", stage1, re.M) and re.search(r"^\s+6: FinalLayerNorm$",
+                                                                                            stage1, re.M)
+    got = records(straight.stdout)  # fails on a line printed by both ranks
+    assert sorted(got) == list(range(1, 21))
+    for iteration in range(1, 21):
+        want = baseline.records[iteration]
+        assert close(got[iteration]["lm_loss"], want["lm_loss"]), (iteration, got[iteration], want)
+        assert abs(got[iteration]["grad_norm"] - want["grad_norm"]) <= 0.0015, (iteration, got[iteration], want)
+        assert got[iteration]["learning_rate"] == want["learning_rate"]
+        assert got[iteration]["consumed_samples"] == want["consumed_samples"]
+    assert latest(straight.save) == "global_step20"
+    assert sorted(p.name for p in (straight.save / "global_step20").iterdir()) == [
+        "layer_01-model_00-model_states.pt", "layer_03-model_00-model_states.pt",
+        "layer_04-model_00-model_states.pt", "layer_06-model_00-model_states.pt",
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ]
+    for name in ("mp_rank_00", "mp_rank_01"):
+        client = _load(straight.save / "global_step20" / f"{name}_model_states.pt")
+        assert client["iteration"] == 20 and client["args"].pipeline_model_parallel_size == 2
+
+
+def test_pp2_resume_is_exact(pp2):
+    stopped, resumed = succeeded(pp2["stopped"].done), succeeded(pp2["resumed"].done)
+    assert max(records(stopped.stdout)) == 10
+    assert "loading checkpoint" in resumed.stdout and "at global_step10" in resumed.stdout
+    got, want = printed(resumed.stdout), printed(pp2["straight"].stdout)
+    assert sorted(got) == list(range(11, 21))
+    for iteration, f in got.items():
+        assert (f["loss"], f["lr"], f["samples"]) == (want[iteration]["loss"], want[iteration]["lr"],
+                                                      want[iteration]["samples"]), iteration
+    assert latest(pp2["resumed"].save) == "global_step20"
+
+
+# ---------------------------------------------------------------------------------------------------------- 8. DP=2
+
+def test_dp2_trains_like_dp1(kjv_data, tmp_path, baseline):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, exit_interval=10, save_interval=10)
+    done = succeeded(run_trainer(args, nproc=2))
+    got = records(done.stdout)
+    assert sorted(got) == list(range(1, 11))
+    for iteration, record in got.items():
+        want = baseline.records[iteration]
+        assert record["global_batch_size"] == GBS
+        assert close(record["lm_loss"], want["lm_loss"]), (iteration, record, want)
+        assert record["consumed_samples"] == want["consumed_samples"]
+    step = tmp_path / "checkpoints" / "global_step10"
+    # ZeRO-1 shards the optimizer over the two DP ranks; the model files are written once.
+    assert {p.name for p in step.glob("zero_*")} == {"zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                    "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert _load(step / "mp_rank_00_model_states.pt")["dp_world_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------- 9. bad input
+
+def test_missing_data_path(kjv_data, tmp_path):
+    missing = tmp_path / "nowhere" / "kjv_text_document"
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, data_path=missing, save=None, load=None))
+    one_line_error(done, "--data-path", str(missing))
+
+
+def test_tokenizer_folder_without_tokenizer_json(kjv_data, tmp_path):
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, tokenizer_name_or_path=folder, save=None, load=None))
+    one_line_error(done, "tokenizer.json", str(folder))
+
+
+def test_fp16_and_bf16(kjv_data, tmp_path):
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, fp16=True, bf16=True))
+    one_line_error(done, "--fp16", "--bf16")
+
+
+def test_resume_with_other_hidden_size(kjv_data, tmp_path, baseline):
+    args = tiny_trainer_args(kjv_data, tmp_path, hidden_size=2 * HIDDEN, save=None, load=baseline.save)
+    line = one_line_error(run_trainer(args), "hidden_size", str(HIDDEN), str(2 * HIDDEN))
+    assert f"global_step{TRAIN_SAMPLES // GBS}" in line
+
+
+# ---------------------------------------------------------------------------------------------------------- 10. TB
+
+def test_tensorboard_scalars(baseline):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(baseline.out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm-loss-training/lm loss", "learning-rate/learning-rate", "batch-size/batch-size",
+            "iteration-time/world_size"} <= tags
+    losses = {e.step: e.value for e in events.Scalars("lm-loss-training/lm loss")}
+    assert sorted(losses) == sorted(baseline.records)
+    for iteration, record in baseline.records.items():
+        assert losses[iteration] == pytest.approx(record["lm_loss"], rel=1e-6), iteration
+    lrs = {e.step: e.value for e in events.Scalars("learning-rate/learning-rate")}
+    assert lrs[1] == pytest.approx(7.5e-4) and lrs[TRAIN_SAMPLES // GBS] == pytest.approx(3e-4)
+    assert {e.value for e in events.Scalars("batch-size/batch-size")} == {GBS}
+    assert {e.step: e.value for e in events.Scalars("iteration-time/world_size")}[0] == 1
