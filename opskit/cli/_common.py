@@ -23,8 +23,10 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.slurm.client import SlurmError
     from opskit.spec import SpecError
     from opskit.submit import SubmitError
+    from opskit.sync import SyncError
 
-    return SpecError, DataError, SubmitError, SlurmError, CheckpointFormatError, ConvertError, FileNotFoundError
+    return (SpecError, DataError, SubmitError, SlurmError, CheckpointFormatError, ConvertError, SyncError,
+            FileNotFoundError)
 
 
 def friendly_errors(command: Callable) -> Callable:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from opskit import __version__
-from opskit.cli import ckpt, data, logs, plan, status, submit, train
+from opskit.cli import ckpt, data, logs, plan, status, submit, sync, train
 
 app = typer.Typer(
     name="opskit",
@@ -35,6 +35,7 @@ app.command("submit")(submit.submit)
 app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
             add_help_option=False)(train.train)
 app.command("status")(status.status)
+app.command("sync")(sync.sync)
 app.add_typer(ckpt.app, name="ckpt")
 app.add_typer(logs.app, name="logs")
 app.add_typer(data.app, name="data")
