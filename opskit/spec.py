@@ -12,14 +12,30 @@ A spec is found by path, by exact name, or by a unique name prefix (``tr11`` -> 
 from __future__ import annotations
 
 import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 USER_SPEC_DIR = Path("trainings")
+# Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
+_ONE_LINE = r"^[^\x00-\x1f\x7f]+$"
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 without base-60 integers: ``time: 20:00:00`` stays the string sbatch expects, not 72000."""
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)$"), list("-+0123456789")
+)
 
 
 class SpecError(ValueError):
@@ -132,7 +148,7 @@ class CheckpointSpec(_Section):
 class SlurmSpec(_Section):
     """The SBATCH header. ``time`` is sbatch's format (minutes, MM:SS, HH:MM:SS, D-HH:MM:SS)."""
 
-    job_name: str | None = None
+    job_name: str | None = Field(default=None, pattern=_ONE_LINE)
     """Defaults to the spec name."""
     partition: str | None = None
     account: str | None = None
@@ -152,9 +168,18 @@ class SlurmSpec(_Section):
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment exported by the job script."""
 
-    @field_validator("time")
+    @field_validator("env")
     @classmethod
-    def _time_parses(cls, value: str) -> str:
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:  # rendered unquoted as `export NAME=...`: anything but an identifier would run as code
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+        return value
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_parses(cls, value: str | int) -> str:
+        value = str(value)  # `time: 90` (minutes) arrives as an int
         parse_slurm_time(value)  # UNLIMITED has no exit duration: refuse at load time, not at submit
         return value
 
@@ -172,7 +197,7 @@ class PathsSpec(_Section):
 class Spec(_Section):
     """A whole training. Built by :func:`load_spec`; fields mirror Megatron-DeepSpeed flags."""
 
-    name: str
+    name: str = Field(pattern=_ONE_LINE)
     description: str = ""
     model: ModelSpec
     parallel: ParallelSpec = ParallelSpec()
@@ -182,6 +207,8 @@ class Spec(_Section):
     checkpoint: CheckpointSpec
     slurm: SlurmSpec = SlurmSpec()
     paths: PathsSpec
+    _file: Path | None = PrivateAttr(default=None)
+    """The YAML file :func:`load_spec` read."""
 
     @model_validator(mode="after")
     def _batch_fits_layout(self) -> Spec:
@@ -207,6 +234,19 @@ class Spec(_Section):
     @property
     def job_name(self) -> str:
         return self.slurm.job_name or self.name
+
+    @property
+    def cli_name(self) -> str:
+        """What to pass to other opskit commands for this spec: its name where that finds the same file (a preset,
+        ``trainings/``), else its path."""
+        if self._file is None:
+            return self.name
+        try:
+            if find_spec(self.name).resolve() == self._file.resolve():
+                return self.name
+        except SpecError:
+            pass
+        return str(self._file)
 
     @property
     def exit_duration_in_mins(self) -> float:
@@ -292,7 +332,7 @@ def load_spec(name_or_path: str) -> Spec:
     """
     path = find_spec(name_or_path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_SpecLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -301,9 +341,11 @@ def load_spec(name_or_path: str) -> Spec:
         raise SpecError(f"{path}: expected a mapping of sections (model, batch, ...), got {type(raw).__name__}")
     raw.setdefault("name", path.stem)
     try:
-        return Spec.model_validate(raw)
+        spec = Spec.model_validate(raw)
     except ValidationError as e:
         raise SpecError(f"{path}: {_describe(e)}") from None
+    spec._file = path
+    return spec
 
 
 def _describe(error: ValidationError) -> str:

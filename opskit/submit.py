@@ -34,7 +34,7 @@ def check_data(spec: Spec) -> None:
     missing = [p for p in (tokenizer_dir / "tokenizer.json", Path(f"{data_prefix}.bin"), Path(f"{data_prefix}.idx"))
                if not p.is_file()]
     if missing:
-        raise SubmitError(f"{missing[0]} is missing: run `opskit data prepare {spec.name}` first")
+        raise SubmitError(f"{missing[0]} is missing: run `opskit data prepare {shlex.quote(spec.cli_name)}` first")
 
 
 def render_run(spec: Spec) -> RunPaths:

@@ -66,14 +66,14 @@ def slurm():
     return True
 
 
-def write_spec(path: Path, data, output: Path, **sections) -> Path:
-    """The tiny preset as a YAML file at ``path``: data from ``data`` (a PreparedData, e.g. ``kjv_data``), run
+def write_spec(path: Path, prepared, output: Path, /, **sections) -> Path:
+    """The tiny preset as a YAML file at ``path``: data from ``prepared`` (a PreparedData, e.g. ``kjv_data``), run
     directory ``output``, and ``sections`` merged in per key (``batch={"train_samples": 64}``; ``None`` drops a key,
     a non-dict value replaces a top-level key)."""
     import yaml
 
     raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
-    raw["data"].update(dir=str(Path(data.data_prefix).parent), name="kjv", vocab_size=2000)
+    raw["data"].update(dir=str(Path(prepared.data_prefix).parent), name="kjv", vocab_size=2000)
     raw["paths"]["output"] = str(output)
     for section, values in sections.items():
         if not isinstance(values, dict):

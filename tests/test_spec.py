@@ -221,3 +221,50 @@ def test_exit_duration_is_time_limit_minus_margin(in_tmp):
     raw["slurm"] = {"time": "UNLIMITED"}  # no exit duration can be derived: refused when the spec is read
     message = spec_error(write(in_tmp / "unlimited.yaml", raw))
     assert "slurm.time: time 'UNLIMITED': expected sbatch's format" in message
+
+
+def test_names_that_would_break_the_job_script_are_refused(in_tmp):
+    # The job script exports env names unquoted and puts names on comment / #SBATCH lines.
+    raw = preset()
+    raw["slurm"]["env"] = {"OMP_NUM_THREADS": "2", "X=$(touch pwned) Y": "1"}
+    message = spec_error(write(in_tmp / "env.yaml", raw))
+    assert "slurm.env: Value error, " not in message
+    assert "slurm.env: 'X=$(touch pwned) Y' is not a valid environment variable name" in message
+
+    raw = preset()
+    raw["slurm"]["job_name"] = "tr11\ntouch pwned"
+    message = spec_error(write(in_tmp / "job.yaml", raw))
+    assert "slurm.job_name: String should match pattern" in message
+
+    raw = preset()
+    raw["name"] = "tiny\nrm -rf ~"
+    assert "name: String should match pattern" in spec_error(write(in_tmp / "name.yaml", raw))
+
+    raw = preset()
+    raw["slurm"]["job_name"] = "it's a \"job\" $(touch pwned) #1"  # odd but harmless: quoted when rendered
+    assert load_spec(str(write(in_tmp / "odd.yaml", raw))).job_name == "it's a \"job\" $(touch pwned) #1"
+
+
+def test_cli_name_is_what_other_commands_accept(in_tmp):
+    # Hints such as "run `opskit data prepare X` first" must name something `opskit` can find again.
+    assert load_spec("tiny").cli_name == "tiny"
+    assert load_spec("ti").cli_name == "tiny"
+    raw = preset()
+    write(in_tmp / "trainings" / "tr8-104B.yaml", raw)
+    assert load_spec("trainings/tr8-104B.yaml").cli_name == "tr8-104B"
+    path = write(in_tmp / "elsewhere" / "mine.yaml", raw)
+    assert load_spec(str(path)).cli_name == str(path)
+    raw["name"] = "tiny"  # named like the preset, but another file
+    path = write(in_tmp / "elsewhere" / "copy.yaml", raw)
+    assert load_spec(str(path)).cli_name == str(path)
+
+
+def test_unquoted_sbatch_times_stay_times(in_tmp):
+    # YAML 1.1 would read 20:00:00 as the base-60 integer 72000 (= 72000 minutes for sbatch).
+    text = yaml.safe_dump(preset(), sort_keys=False).replace("time: '3'", "time: 20:00:00")
+    assert "time: 20:00:00" in text
+    spec = load_spec(str(write(in_tmp / "unquoted.yaml", text)))
+    assert spec.slurm.time == "20:00:00"
+    assert spec.exit_duration_in_mins == 20 * 60 - spec.slurm.exit_margin_mins
+    minutes = load_spec(str(write(in_tmp / "minutes.yaml", text.replace("time: 20:00:00", "time: 90"))))
+    assert minutes.slurm.time_minutes == 90

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import write_spec
 
+from opskit import status
 from opskit.slurm import client
 from opskit.status import Pulse, check
 
@@ -231,3 +232,26 @@ def test_other_squeue_failure_is_an_error_not_unreachable(tmp_path, monkeypatch)
     assert done.stderr.startswith("error: squeue -h -o")
     assert "Invalid user: nobody42" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_wait_until_gone_keeps_waiting_while_unreachable(tmp_path, monkeypatch):
+    # A controller that does not answer must not read as "the chain has ended".
+    monkeypatch.setenv("PATH", fake_squeue(tmp_path / "bin", 'echo "Connection refused" >&2; exit 1'))
+    pulses = []
+    started = time.monotonic()
+    assert status.wait_until_gone("opskit-any", "123", pulses.append, interval_s=0.1, timeout_s=1) is False
+    assert 1 <= time.monotonic() - started < 5
+    assert pulses == []
+
+
+def test_wait_until_gone_reports_changes_and_the_end(jobs):
+    name = unique("opskit-gone")
+    job_id = jobs(name, "--array=1-2%1", wrap="sleep 1")
+    pulses: list[Pulse] = []
+    assert status.wait_until_gone(name, job_id, pulses.append, interval_s=0.2, timeout_s=60) is True
+    assert not [e for e in client.squeue() if e.array_id == job_id]
+    lines = [line for p in pulses for line in p.lines]
+    assert any(f"({job_id}_2 on 'debug' partition)" in line and "previous Job Array job" in line for line in lines)
+    # One pulse per change of a task's state or reason (~15 polls over the ~3 s the array takes): at most
+    # [1-2%1] pending, then 1 running + 2 throttled, then 2 running (+ COMPLETING states).
+    assert 1 <= len(pulses) <= 6, lines

@@ -20,6 +20,7 @@ from pathlib import Path
 from opskit.ckpt.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
+    CheckpointFormatError,
     StepDir,
     final_norm_layer,
     load_args,
@@ -45,13 +46,21 @@ class Converted:
 
 
 def bloom_state_dict(step: StepDir, num_layers: int) -> dict:
-    """Merged HF ``BloomForCausalLM`` state dict (without the tied ``lm_head``)."""
-    layers = merged_layers(step)
+    """Merged HF ``BloomForCausalLM`` state dict (without the tied ``lm_head``).
+
+    Raises:
+        CheckpointFormatError: a layer file is missing (named) or unreadable. ConvertError: not a BLOOM.
+    """
     final_norm = final_norm_layer(num_layers)
     expected = {EMBEDDING_LAYER, final_norm, *range(FIRST_BLOCK_LAYER, FIRST_BLOCK_LAYER + num_layers)}
-    if set(layers) != expected:
-        raise ConvertError(f"{step.path}: layer files {sorted(layers)}, expected {sorted(expected)} for "
+    missing = sorted(expected - set(step.layers))
+    if missing:  # an incomplete checkpoint (a save killed half-way, a partial copy): name the file, before loading
+        raise CheckpointFormatError(f"{step.path / f'layer_{missing[0]:02d}-model_00-model_states.pt'}: no such "
+                                    f"file; a {num_layers}-layer checkpoint has layer files {sorted(expected)}")
+    if set(step.layers) != expected:
+        raise ConvertError(f"{step.path}: layer files {sorted(step.layers)}, expected {sorted(expected)} for "
                            f"{num_layers} layers")
+    layers = merged_layers(step)
     embedding = layers[EMBEDDING_LAYER]
     if "word_embeddings.norm.weight" not in embedding:
         raise ConvertError(f"{step.path}: no embedding LayerNorm; BLOOM needs a run with --embed-layernorm")
@@ -110,7 +119,9 @@ def convert_to_bloom(path: str | Path, out_dir: str | Path, step: int | None = N
     """
     import torch
     from transformers import AutoTokenizer, BloomForCausalLM, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would garble the CLI's status line
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     step_dir = scan_step_dir(resolve_step_dir(path, step))

@@ -43,3 +43,7 @@ app.add_typer(data.app, name="data")
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":  # python -m opskit.cli.app
+    main()

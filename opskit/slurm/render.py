@@ -2,7 +2,7 @@
 functions.
 
 Every value that reaches the shell goes through ``shlex.quote``, so job names and paths with spaces, quotes or ``$()``
-stay literal.
+stay literal; the ``#SBATCH`` header too, since sbatch splits its lines on whitespace with the shell's quoting rules.
 """
 
 from __future__ import annotations

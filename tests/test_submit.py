@@ -1,0 +1,361 @@
+"""opskit.submit end to end: a real 2-task chain on the local SLURM (task 1 stops on its exit duration with a
+checkpoint, task 2 resumes and finishes), the same chain with the local executor (task 1 stopped by SIGUSR1), SIGUSR1
+through srun, --dry-run, the rendered script under bash -n / shellcheck, hostile names and paths, missing data."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import write_spec
+
+from opskit import status
+from opskit.runs import RunPaths
+from opskit.slurm import client
+from opskit.spec import load_spec
+from opskit.submit import SubmitError, submit
+
+OPSKIT = str(Path(sys.executable).with_name("opskit"))
+GBS = 8
+# ~0.2 M parameters at ~40 iterations/s on one core. One OpenMP thread: with two, a second busy process on a 2-core
+# machine slows such a tiny model down 10x or more (threads spin at every barrier).
+MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "max_position_embeddings": 32}
+# Each chain gets 1.4 tasks' worth of iterations at the speed measured on this machine just before (see `rate`), the
+# middle of the factor-2 window where task 1 cannot finish and task 2 can: the test holds if the machine gets up to
+# ~1.4x faster or slower meanwhile. Seconds of training per task (measured): the local executor's SIGUSR1 comes 20 s
+# after a task starts, SLURM's tasks stop on their 30 s exit duration; minus the imports and DeepSpeed's setup.
+LOCAL_TRAINING_S = 16
+SLURM_TRAINING_S = 27
+DEFAULT_RATE = 40.0  # iterations/s on one idle core, where no SLURM could measure it
+
+HEADER = re.compile(r"^\[opskit\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d job (\S+) \(array task (\S+)\) nodes (\S+): (.*)$",
+                    re.M)
+
+
+def chain_spec(folder: Path, data, job_name: str, iterations: int, output: Path | None = None, **slurm):
+    """The tiny preset shrunk to MODEL, ``iterations`` long, checkpointing only when a task exits."""
+    settings = {"job_name": job_name, "cpus_per_task": 1, "master_port": random.randint(20000, 29000),
+                "array": 2, "env": {"OMP_NUM_THREADS": "1"}, **slurm}
+    path = write_spec(
+        folder / "spec.yaml", data, output or folder / "run", model=MODEL,
+        batch={"micro_batch_size": 4, "global_batch_size": GBS, "train_samples": iterations * GBS},
+        optimizer={"lr_warmup_samples": 32}, checkpoint={"save_interval": 100_000, "log_interval": 50},
+        slurm=settings)
+    return load_spec(str(path))
+
+
+def tasks_of(log: str) -> list[tuple[str, str]]:
+    """(array task, text) for each task's section of main_log.txt, in file order."""
+    starts = [m for m in HEADER.finditer(log) if m.group(4) == "start"]
+    return [(m.group(2), log[m.start():(starts[i + 1].start() if i + 1 < len(starts) else len(log))])
+            for i, m in enumerate(starts)]
+
+
+def one(pattern: str, text: str) -> re.Match:
+    matches = list(re.finditer(pattern, text, re.M))
+    assert len(matches) == 1, f"{pattern!r}: {len(matches)} matches in\n{text[-3000:]}"
+    return matches[0]
+
+
+def iterations_logged(text: str) -> list[tuple[int, int, int, float]]:
+    """(iteration, train_iters, consumed samples, samples per second) of each iteration line."""
+    return [(int(m[1]), int(m[2]), int(m[3]), float(m[4])) for m in re.finditer(
+        r" iteration +(\d+)/ *(\d+) \| consumed samples: +(\d+) \|.*? samples per second: ([\d.]+) \|", text)]
+
+
+def assert_resumed_chain(run: RunPaths, task_ids: list[str], iterations: int, first_stop: str) -> int:
+    """main_log.txt shows task 1 stopping with a checkpoint at K (``first_stop`` is its exit line's regex), task 2
+    loading K and finishing; returns K."""
+    log = run.main_log.read_text()
+    tasks = tasks_of(log)
+    assert [t for t, _ in tasks] == task_ids, log[-3000:]
+    (_, first), (_, second) = tasks
+
+    one(r"\[" + first_stop + r"\] datetime: ", first)
+    saved = int(one(r"successfully saved checkpoint at iteration +(\d+) to ", first).group(1))
+    assert "after training is done" not in first, "task 1 finished everything: the test needs more iterations"
+    assert "successfully loaded checkpoint" not in first
+    assert "will not load any checkpoints and will start from random" in first
+    assert 0 < saved < iterations
+    assert one(r"end, exit code (\d+)$", first).group(1) == "0"
+
+    loaded = one(r"successfully loaded checkpoint from (.+) at iteration (\d+)$", second)
+    assert loaded.group(1) == str(run.checkpoints)
+    assert int(loaded.group(2)) == saved
+    assert "after training is done" in second, (f"task 2 did not finish (resumed at {saved} of {iterations}): "
+                                                f"the machine is slower than the test assumes\n{second[-2000:]}")
+    assert "exiting program" not in second
+    assert one(r"end, exit code (\d+)$", second).group(1) == "0"
+    assert int(one(r"successfully saved checkpoint at iteration +(\d+) to ", second).group(1)) == iterations
+
+    # No sample counted twice or skipped across the restart; task 2 continues where task 1 saved.
+    lines = iterations_logged(log)
+    assert lines and all(samples == it * GBS and total == iterations for it, total, samples, _ in lines)
+    assert all(it > saved for it, *_ in iterations_logged(second))
+    assert (run.checkpoints / "latest").read_text() == f"global_step{iterations}"
+    assert (run.checkpoints / f"global_step{saved}").is_dir()
+    return saved
+
+
+# --------------------------------------------------------------------------- SIGUSR1 on SLURM (and the speed)
+
+
+@pytest.fixture(scope="module")
+def usr1_run(kjv_data, tmp_path_factory, slurm):
+    """One SLURM task that trains until the test sends its batch shell SIGUSR1 (what --signal=B:USR1@N does), a few
+    seconds into training; it also measures this machine's training speed for the chains."""
+    folder = tmp_path_factory.mktemp("usr1")
+    name = f"opskit-usr1-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(folder, kjv_data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10, array=1)
+    sub = submit(spec)
+    try:
+        deadline = time.monotonic() + 90
+        while not (sub.run.main_log.is_file() and len(iterations_logged(sub.run.main_log.read_text())) >= 4):
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        signalled = subprocess.run(["scancel", "--batch", "--signal=USR1", sub.job_id], capture_output=True,
+                                   text=True)
+        ended = status.wait_until_gone(name, sub.job_id, lambda p: None, interval_s=0.5, timeout_s=60)
+    finally:
+        subprocess.run(["scancel", sub.job_id], capture_output=True, timeout=30)
+    return sub, signalled, ended
+
+
+@pytest.fixture(scope="module")
+def rate(request) -> float:
+    """Training iterations per second of MODEL here and now, from the SIGUSR1 run's iteration lines."""
+    if os.geteuid() != 0:
+        return DEFAULT_RATE
+    sub, _, _ = request.getfixturevalue("usr1_run")
+    # Samples/s has 3 decimals (seconds per iteration only 2); the first interval includes the warm-up.
+    lines = iterations_logged(sub.run.main_log.read_text())[1:]
+    return sum(speed for *_, speed in lines) / len(lines) / GBS if lines else DEFAULT_RATE
+
+
+def test_slurm_sigusr1_reaches_the_trainer_through_srun(usr1_run):
+    sub, signalled, ended = usr1_run
+    assert sub.command == ["sbatch", "--parsable", str(sub.run.script)]
+    assert signalled.returncode == 0, signalled.stderr
+    assert ended, "the job did not end after SIGUSR1"
+    log = sub.run.main_log.read_text()
+    one(r"nodes localhost: SIGUSR1: asking the trainer to save and exit$", log)
+    stopped = int(one(r"\[exiting program on SIGUSR1 at iteration (\d+)\]", log).group(1))
+    assert int(one(r"successfully saved checkpoint at iteration +(\d+) to ", log).group(1)) == stopped
+    assert one(r"end, exit code (\d+)$", log).group(1) == "0"
+    assert (sub.run.checkpoints / "latest").read_text() == f"global_step{stopped}"
+
+
+# --------------------------------------------------------------------------- the local executor
+
+
+def chain_iterations(rate: float, seconds: float) -> int:
+    """1.4 tasks' worth of iterations, a multiple of the log interval."""
+    return int(max(100, min(5000, 1.4 * rate * seconds))) // 50 * 50
+
+
+@pytest.fixture(scope="module")
+def local_chain(kjv_data, tmp_path_factory, rate):
+    """The local executor's 2-task chain, run once, in a run directory whose path and job name would run code if
+    the script ever let the shell evaluate them. Runs in a scratch working directory that must stay empty."""
+    folder = tmp_path_factory.mktemp("local")
+    scratch = tmp_path_factory.mktemp("cwd")
+    output = folder / "run dir $(touch PWNED-path) it's \"q\""
+    iterations = chain_iterations(rate, LOCAL_TRAINING_S)
+    spec = chain_spec(folder, kjv_data, "it's a \"local\" $(touch PWNED-name) chain", iterations, output=output,
+                      time="1", exit_margin_mins=0.5, signal_margin_secs=40)
+    cwd = os.getcwd()
+    os.chdir(scratch)
+    try:
+        started = time.monotonic()
+        sub = submit(spec, executor="local", array=2)
+        elapsed = time.monotonic() - started
+    finally:
+        os.chdir(cwd)
+    return spec, sub, elapsed, scratch, iterations
+
+
+def test_local_executor_runs_resumes_and_exits_0(local_chain):
+    spec, sub, elapsed, scratch, iterations = local_chain
+    run = sub.run
+    assert run.root.name == "run dir $(touch PWNED-path) it's \"q\""
+    assert [(t.task_id, t.exit_code, t.timed_out) for t in sub.local_tasks] == [(1, 0, False), (2, 0, False)], \
+        run.main_log.read_text()[-3000:]
+    assert elapsed < 60 + 30, "task 1 ran to its time limit"
+    job_id = f"local{os.getpid()}"
+    assert sub.command == ["bash", str(run.script)]
+    for task in sub.local_tasks:
+        assert task.output == run.slurm_dir / f"{spec.job_name}-{job_id}_{task.task_id}.out"
+        assert task.output.is_file()
+
+    # Task 1 was stopped by the SIGUSR1 the executor sends 40 s before its 60 s limit (before its 30 s exit
+    # duration): the batch shell passed it on to the trainer, which saved and exited 0.
+    log = run.main_log.read_text()
+    saved = assert_resumed_chain(run, [f"{job_id}_1", f"{job_id}_2"], iterations,
+                                 r"exiting program on SIGUSR1 at iteration (\d+)")
+    first = tasks_of(log)[0][1]
+    assert int(one(r"exiting program on SIGUSR1 at iteration (\d+)", first).group(1)) == saved
+    one(r"nodes \S+: SIGUSR1: asking the trainer to save and exit$", first)
+
+    # Nothing in the name or the path was ever run by a shell.
+    assert list(scratch.iterdir()) == []
+    assert not any(p.name.startswith("PWNED") for p in run.root.parent.iterdir())
+
+
+# --------------------------------------------------------------------------- SLURM
+
+
+@pytest.fixture
+def cancel_after(slurm):
+    """Job ids appended here are scancel-ed when the test ends, whatever happened."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+
+
+def test_slurm_chain_exit_duration_then_resume(kjv_data, tmp_path, rate, cancel_after):
+    # Task 1 cannot finish within its 30 s exit duration, task 2 can. (slurm.time 2 min minus 1.5: SLURM may send
+    # the USR1 up to a 30 s check period early, so its 30 s signal margin still cannot fire before the exit duration.)
+    iterations = chain_iterations(rate, SLURM_TRAINING_S)
+    name = f"opskit-chain-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, iterations, time="2", exit_margin_mins=1.5, signal_margin_secs=30)
+    assert spec.exit_duration_in_mins == 0.5
+
+    sub = submit(spec, array=2)
+    cancel_after.append(sub.job_id)
+    assert sub.command == ["sbatch", "--parsable", "--array=1-2%1", str(sub.run.script)]
+    assert re.fullmatch(r"\d+", sub.job_id)
+
+    pulses: list[str] = []
+    ended = status.wait_until_gone(name, sub.job_id, lambda p: pulses.extend(p.lines), interval_s=1,
+                                   timeout_s=240)
+    assert ended, f"job {sub.job_id} still queued after 4 min: {pulses[-3:]}"
+
+    # While task 1 ran, the watchdog saw task 2 held back by the array's %1 throttle.
+    assert any(" is running for " in p and f"({sub.job_id}_1 on " in p for p in pulses), pulses
+    assert any(f"{name} is waiting for the previous Job Array job to finish before scheduling a new one "
+               f"({sub.job_id}_2 on 'debug' partition)" in p for p in pulses), pulses
+
+    run = sub.run
+    log = run.main_log.read_text()
+    headers = [m for m in HEADER.finditer(log) if m.group(4) == "start"]
+    assert [m.group(2) for m in headers] == [f"{sub.job_id}_1", f"{sub.job_id}_2"], log[-3000:]
+    assert all(m.group(3) == "localhost" for m in headers)
+    assert len({m.group(1) for m in headers}) == 2  # two SLURM jobs, one per task
+    assert_resumed_chain(run, [f"{sub.job_id}_1", f"{sub.job_id}_2"], iterations,
+                         r"exiting program after (\d+\.\d+) minutes")
+    minutes = float(one(r"\[exiting program after (\d+\.\d+) minutes\]", log).group(1))
+    assert 0.5 <= minutes < 0.6
+    assert "SIGUSR1" not in log
+    # SLURM's own output files (%x-%j.out), one per task.
+    assert len(list(run.slurm_dir.glob(f"{name}-*.out"))) == 2
+
+
+# --------------------------------------------------------------------------- rendering, dry run, refusals
+
+
+def test_dry_run_renders_without_sbatch(kjv_data, tmp_path, slurm):
+    name = f"opskit-dry-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 100)
+    sub = submit(spec, array=2, dry_run=True)
+    assert sub.job_id is None
+    assert sub.command == ["sbatch", "--parsable", "--array=1-2%1", str(sub.run.script)]
+    assert sub.run.script.is_file() and sub.run.ds_config.is_file() and sub.run.resolved_spec.is_file()
+    assert os.access(sub.run.script, os.X_OK)
+    assert not [e for e in client.squeue() if e.name == name]
+
+    # One task: no --array at all; the spec's slurm.array is the default.
+    assert submit(spec, array=1, dry_run=True).command == ["sbatch", "--parsable", str(sub.run.script)]
+    assert submit(spec, dry_run=True).command[2] == "--array=1-2%1"
+
+    done = subprocess.run([OPSKIT, "submit", str(tmp_path / "spec.yaml"), "--dry-run", "--array", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("#!/bin/bash\n")
+    assert done.stdout.rstrip("\n").endswith(f"# would run: sbatch --parsable --array=1-3%1 {sub.run.script}")
+    assert not [e for e in client.squeue() if e.name == name]
+
+
+def test_rendered_script_passes_bash_n_and_shellcheck(kjv_data, tmp_path):
+    if shutil.which("shellcheck") is None:
+        if os.geteuid() == 0:
+            pytest.fail("shellcheck is missing: apt-get install -y shellcheck")
+        pytest.skip("shellcheck is missing (apt-get install -y shellcheck)")
+    script = submit(chain_spec(tmp_path, kjv_data, "tr11-176B-ml", 100), dry_run=True).run.script
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    done = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout
+    text = script.read_text()
+    assert "#SBATCH --job-name=tr11-176B-ml\n" in text
+    assert "#SBATCH --array" not in text  # given on sbatch's command line, never baked in
+    assert "--exit-duration-in-mins 2.0 " in text  # the preset's 3 min minus its 1 min margin
+
+
+HOSTILE_NAME = "it's a \"job\" $(touch /tmp/opskit-pwned-{tag}) `touch /tmp/opskit-pwned2-{tag}` #1"
+
+
+def test_hostile_names_and_paths_stay_literal(kjv_data, tmp_path, slurm, cancel_after):
+    tag = uuid.uuid4().hex[:8]
+    markers = [Path(f"/tmp/opskit-pwned-{tag}"), Path(f"/tmp/opskit-pwned2-{tag}")]
+    name = HOSTILE_NAME.format(tag=tag)
+    output = tmp_path / "runs" / "a b $(touch PWNED) `touch PWNED2` it's \"q\" ;x"
+    spec = chain_spec(tmp_path, kjv_data, name, 100, output=output)
+    script = submit(spec, dry_run=True).run.script
+    assert script == output / "slurm" / "train.slurm"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    if shutil.which("shellcheck"):  # literal `$(...)` in single quotes is the point here: SC2016 is expected
+        done = subprocess.run(["shellcheck", "--shell=bash", "--exclude=SC2016", str(script)], capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stdout
+
+    # The script's variable lines, evaluated by bash, give back the exact paths and run nothing.
+    assignments = [line for line in script.read_text().splitlines() if line.startswith(("LOG=", "export "))]
+    assert any(line.startswith("export OMP_NUM_THREADS=") for line in assignments)
+    probe = "\n".join(assignments + ['printf "%s\\n" "$LOG" "$OPSKIT_RUN_DIR"'])
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, cwd=scratch)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(output / "logs" / "main_log.txt"), str(output)]
+    assert list(scratch.iterdir()) == [] and not any(m.exists() for m in markers)
+
+    # sbatch reads the #SBATCH header with shell-like quoting: the name and the output path arrive intact.
+    done = subprocess.run(["sbatch", "--parsable", "--hold", str(script)], capture_output=True, text=True,
+                          cwd=scratch, timeout=30)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    cancel_after.append(job_id)
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert f"JobName={name}\n" in shown, shown
+    assert f"StdOut={output}/slurm/{name}-{job_id}.out\n" in shown, shown
+    assert list(scratch.iterdir()) == [] and not any(m.exists() for m in markers)
+
+
+def test_submit_without_data_names_the_prepare_command(kjv_data, tmp_path, slurm):
+    spec_path = write_spec(tmp_path / "my spec.yaml", kjv_data, tmp_path / "run", data={"dir": str(tmp_path / "nd")})
+    spec = load_spec(str(spec_path))
+    with pytest.raises(SubmitError) as info:
+        submit(spec, array=2)
+    message = str(info.value)
+    assert message == (f"{tmp_path / 'nd' / 'tokenizer' / 'tokenizer.json'} is missing: run "
+                       f"`opskit data prepare {shlex.quote(str(spec_path))}` first")
+    assert not (tmp_path / "run").exists()  # refused before rendering anything
+
+    done = subprocess.run([OPSKIT, "submit", str(spec_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr == f"error: {message}\n"
+    assert not [e for e in client.squeue() if e.name == spec.job_name]
+
+    with pytest.raises(SubmitError, match=r"^--executor pbs: expected 'slurm' or 'local'$"):
+        submit(load_spec(str(write_spec(tmp_path / "ok.yaml", kjv_data, tmp_path / "run2"))), executor="pbs")
