@@ -231,3 +231,21 @@ def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
     assert sorted(os.listdir(parent)) == ["bloom"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert (hf_logits(out, tokens) - reference_logits(run / "checkpoints", tokens, step=10)).abs().max() < 1e-5
+
+
+# --------------------------------------------------------------------------- tensor-parallel checkpoints
+
+
+def test_tp2_checkpoint_merges_to_the_same_model(kjv_data, run, tokens, tmp_path):
+    """A TP=2 run of the same flags: its two shards per layer merge (column splits on dim 0, row splits on dim 1,
+    vocabulary rows on dim 0) into a model whose transformers logits equal the merged trainer layers', and equal the
+    TP=1 run's (the same weights trained the same way)."""
+    out = tmp_path / "tp2"
+    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=10,
+                                         tensor_model_parallel_size=2), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "checkpoints" / "global_step20" / "layer_03-model_01-model_states.pt").is_file()
+    result = convert_to_bloom(out / "checkpoints", tmp_path / "hf")
+    merged = reference_logits(out / "checkpoints", tokens)
+    assert (hf_logits(result.out_dir, tokens) - merged).abs().max().item() <= 1e-5
+    assert (merged - reference_logits(run / "checkpoints", tokens)).abs().max().item() <= 1e-4

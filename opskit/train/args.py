@@ -105,8 +105,15 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
         parser.error(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                      f"{args.max_position_embeddings}")
-    if args.tensor_model_parallel_size != 1:
-        parser.error("--tensor-model-parallel-size > 1 is not supported yet")
+    tp = args.tensor_model_parallel_size
+    if args.num_attention_heads % tp:
+        parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                     f"--tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size and args.ffn_hidden_size % tp:
+        parser.error(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.pad_vocab_size_to and args.pad_vocab_size_to % tp:
+        parser.error(f"--pad-vocab-size-to {args.pad_vocab_size_to} is not divisible by "
+                     f"--tensor-model-parallel-size {tp}")
     if args.zero_stage == 0 and args.pipeline_model_parallel_size > 1 and args.clip_grad > 0 and not args.bf16:
         # Measured (tests/test_train.py): the clipping norm then counts stage 0's gradients only, so PP>1 drifts.
         parser.error("--zero-stage 0 with --pipeline-model-parallel-size > 1 clips gradients with stage 0's norm "

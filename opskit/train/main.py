@@ -158,6 +158,10 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     if world_size % (tp * pp):
         raise TrainerError(f"{world_size} processes are not divisible by TP*PP = {tp * pp}")
     dp = world_size // (tp * pp)
+    # megatron-core's TP groups for its layers; its rank order (TP fastest, then DP, then PP) is DeepSpeed's topology's.
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
     # Megatron takes the earliest start over all ranks, so every rank agrees on when to stop.
     start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
@@ -181,7 +185,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
         position_embedding_type=args.position_embedding_type, embed_layernorm=args.embed_layernorm,
         init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
+        attention_dropout=args.attention_dropout, tensor_parallel=True,
     )
     model = GPTModelPipe(cfg, make_topology(tp, pp, dp), seed=args.seed,
                          activation_checkpoint_interval=1 if args.checkpoint_activations else 0)
@@ -272,6 +276,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         print_datetime(exit_reason or "after training is done")
     tensorboard.close()
     dist.barrier()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()  # DeepSpeed 0.19.8 may SIGABRT at exit without it
     return 0
 

@@ -4,6 +4,11 @@ Names matter: checkpoints must hold exactly Megatron-DeepSpeed's keys (``word_em
 ``word_embeddings.norm.weight``, ``self_attention.query_key_value.weight``, ...; reference section 2.1), so that
 ``opskit ckpt convert`` and Megatron-DeepSpeed's own tools read them. Activations flow as ``[batch, seq, hidden]``.
 
+Tensor parallelism (``GPTConfig.tensor_parallel``): the trainer builds megatron-core's ColumnParallelLinear /
+RowParallelLinear / VocabParallelEmbedding (same parameter names, Megatron's TP splits: QKV and h->4h on dim 0, dense
+and 4h->h on dim 1, vocabulary on dim 0), which need ``megatron.core.parallel_state`` set up, also at TP=1. The plain
+torch path (``tensor_parallel=False``) is for single-process use of merged weights (``opskit.train.inference``).
+
 Sources: Megatron-LM / Megatron-DeepSpeed ``megatron/model/transformer.py`` and ``language_model.py`` (architecture and
 initialisation), BLOOM (ALiBi slopes, embedding LayerNorm, tanh-approximate GELU).
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +41,78 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
+    tensor_parallel: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+def tp_size_and_rank(cfg: GPTConfig) -> tuple[int, int]:
+    """(TP size, TP rank) from megatron-core's parallel state, or (1, 0) on the plain path."""
+    if not cfg.tensor_parallel:
+        return 1, 0
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def _mp_config():
+    """megatron-core's layer config: weights initialised on the CPU as the full matrix, then split, so that every TP
+    size draws the same weights from the same seed."""
+    from megatron.core import ModelParallelConfig, parallel_state
+
+    return ModelParallelConfig(tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                               use_cpu_initialization=True, perform_initialization=True)
+
+
+def linear(cfg: GPTConfig, in_features: int, out_features: int, std: float, parallel: str | None) -> nn.Module:
+    """A Linear with Megatron's init (N(0, std) weight, zero bias). ``parallel``: ``"column"`` (output split over TP),
+    ``"row"`` (input split, output all-reduced) or None. Forward: ``[..., in] -> [..., out(/TP for column)]``."""
+    if not cfg.tensor_parallel:
+        layer = nn.Linear(in_features, out_features)
+        init_normal(layer.weight, std)
+        nn.init.zeros_(layer.bias)
+        return layer
+    column, row = _parallel_linears()
+    init = lambda w: init_normal(w, std)  # noqa: E731
+    if parallel == "column":
+        return column(in_features, out_features, config=_mp_config(), init_method=init, bias=True,
+                      gather_output=False)
+    return row(in_features, out_features, config=_mp_config(), init_method=init, bias=True, input_is_parallel=True,
+               skip_bias_add=False)
+
+
+class _NoExtraState:
+    """megatron-core's layers add an ``_extra_state`` entry (None, for Transformer Engine) to their state dicts, and a
+    load pre-hook that inserts one; Megatron-DeepSpeed checkpoints have none, so neither save nor expect it."""
+
+    get_extra_state = nn.Module.get_extra_state
+    set_extra_state = nn.Module.set_extra_state
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if f"{prefix}_extra_state" in unexpected_keys:  # put there by megatron-core's own pre-hook
+            unexpected_keys.remove(f"{prefix}_extra_state")
+
+
+@lru_cache(maxsize=1)
+def _parallel_linears() -> tuple[type, type]:
+    """megatron-core's Column/RowParallelLinear returning only the output (they return ``(output, bias)``);
+    built on first use so that importing this module does not import megatron-core."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    class Column(_NoExtraState, ColumnParallelLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)[0]
+
+    class Row(_NoExtraState, RowParallelLinear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)[0]
+
+    return Column, Row
 
 
 def init_normal(weight: torch.Tensor, std: float) -> None:
@@ -61,6 +135,31 @@ class WordEmbedding(nn.Module):
         return self.norm(x) if self.norm is not None else x
 
 
+def word_embedding(cfg: GPTConfig) -> nn.Module:
+    """The word embedding: plain, or megatron-core's VocabParallelEmbedding (``weight [V_pad/TP, h]``, rows of this
+    rank's vocabulary slice, output all-reduced) with the same optional ``.norm``."""
+    if not cfg.tensor_parallel:
+        return WordEmbedding(cfg)
+    return _vocab_parallel_embedding()(cfg)
+
+
+@lru_cache(maxsize=1)
+def _vocab_parallel_embedding() -> type:
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    class VocabParallelWordEmbedding(_NoExtraState, VocabParallelEmbedding):
+        def __init__(self, cfg: GPTConfig):
+            super().__init__(cfg.padded_vocab_size, cfg.hidden_size, config=_mp_config(),
+                             init_method=lambda w: init_normal(w, cfg.init_method_std))
+            self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = super().forward(tokens)
+            return self.norm(x) if self.norm is not None else x
+
+    return VocabParallelWordEmbedding
+
+
 class EmbeddingPipe(nn.Module):
     """Pipeline layer 1 (and, tied, the LM head): word (+ position) embeddings.
 
@@ -69,7 +168,8 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.word_embeddings = WordEmbedding(cfg)
+        self.tensor_parallel = cfg.tensor_parallel
+        self.word_embeddings = word_embedding(cfg)
         if cfg.position_embedding_type == "absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             init_normal(self.position_embeddings.weight, cfg.init_method_std)
@@ -86,7 +186,12 @@ class EmbeddingPipe(nn.Module):
 
 
 def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """The tied output layer: ``[b, s, h] @ W_emb^T -> [b, s, V_pad]`` logits, in fp32 for the loss."""
+    """The tied output layer: ``[b, s, h] @ W_emb^T -> [b, s, V_pad / TP]`` logits (this rank's vocabulary slice), in
+    fp32 for the loss. Under TP the input passes megatron-core's copy region: identity forward, all-reduce backward."""
+    if embedding.tensor_parallel:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        hidden = copy_to_tensor_model_parallel_region(hidden)
     return F.linear(hidden, embedding.word_embeddings.weight).float()
 
 
@@ -106,13 +211,17 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 
 def attention_bias(cfg: GPTConfig, seq: int, device: torch.device) -> torch.Tensor:
-    """Additive attention bias ``[heads or 1, s, s]``: causal mask (``-inf`` above the diagonal) plus, with ALiBi,
-    ``slope_h * key_position`` (softmax is shift-invariant per row, so this equals ``-slope_h * (i - j)``)."""
+    """Additive attention bias ``[heads/TP or 1, s, s]``: causal mask (``-inf`` above the diagonal) plus, with ALiBi,
+    ``slope_h * key_position`` for this rank's heads (softmax is shift-invariant per row, so this equals
+    ``-slope_h * (i - j)``)."""
     causal = torch.full((seq, seq), float("-inf"), device=device).triu(1)
     if cfg.position_embedding_type != "alibi":
         return causal.unsqueeze(0)
+    tp, rank = tp_size_and_rank(cfg)
+    local = cfg.num_attention_heads // tp
+    slopes = alibi_slopes(cfg.num_attention_heads)[rank * local:(rank + 1) * local].to(device)
     positions = torch.arange(seq, device=device, dtype=torch.float32)
-    return alibi_slopes(cfg.num_attention_heads).to(device)[:, None, None] * positions[None, None, :] + causal
+    return slopes[:, None, None] * positions[None, None, :] + causal
 
 
 class SelfAttention(nn.Module):
@@ -121,16 +230,13 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, output_std: float):
         super().__init__()
         self.cfg = cfg
-        self.query_key_value = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        init_normal(self.query_key_value.weight, cfg.init_method_std)
-        init_normal(self.dense.weight, output_std)
-        nn.init.zeros_(self.query_key_value.bias)
-        nn.init.zeros_(self.dense.bias)
+        self.local_heads = cfg.num_attention_heads // tp_size_and_rank(cfg)[0]
+        self.query_key_value = linear(cfg, cfg.hidden_size, 3 * cfg.hidden_size, cfg.init_method_std, "column")
+        self.dense = linear(cfg, cfg.hidden_size, cfg.hidden_size, output_std, "row")
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
         b, s, _ = x.shape
-        heads, head_dim = self.cfg.num_attention_heads, self.cfg.head_dim
+        heads, head_dim = self.local_heads, self.cfg.head_dim
         qkv = self.query_key_value(x).view(b, s, heads, 3, head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each [b, heads, s, head_dim]
         dropout = self.cfg.attention_dropout if self.training else 0.0
@@ -143,12 +249,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig, output_std: float):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.dense_4h_to_h = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
-        init_normal(self.dense_h_to_4h.weight, cfg.init_method_std)
-        init_normal(self.dense_4h_to_h.weight, output_std)
-        nn.init.zeros_(self.dense_h_to_4h.bias)
-        nn.init.zeros_(self.dense_4h_to_h.bias)
+        self.dense_h_to_4h = linear(cfg, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, "column")
+        self.dense_4h_to_h = linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size, output_std, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
@@ -182,6 +284,11 @@ class FinalLayerNorm(nn.LayerNorm):
         super().__init__(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy: logits ``[b, s, V_pad]`` fp32, labels ``[b, s]`` -> scalar (nats per token)."""
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, tensor_parallel: bool = False) -> torch.Tensor:
+    """Mean token cross-entropy: logits ``[b, s, V_pad / TP]`` fp32, labels ``[b, s]`` -> scalar (nats per token).
+    Under TP, megatron-core's vocab-parallel cross-entropy combines the ranks' vocabulary slices."""
+    if tensor_parallel:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, labels).mean()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -11,6 +11,8 @@ numbers ``mp_rank_XX`` as ``pp * TP + tp``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -56,7 +58,7 @@ class GPTModelPipe(PipelineModule):
         super().__init__(
             layers=layers,
             topology=topology,
-            loss_fn=lm_loss,
+            loss_fn=partial(lm_loss, tensor_parallel=cfg.tensor_parallel),
             partition_method="type:transformer|embedding",
             seed_layers=True,
             seed_fn=_seed_layer,
