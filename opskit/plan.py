@@ -1,58 +1,719 @@
 """Numbers derived from a spec, before any GPU-hour is spent. Pure functions, no torch.
 
-Formulas from BigScience's math/README.md and the tr1/tr8 READMEs (reference section 1.9).
+What ``opskit plan`` prints, each with its source (docs/plan.md has the derivations and the seed figures each one
+reproduces):
+
+- parameters: Megatron's exact count (padded vocabulary) and the BigScience READMEs' one-liner
+  ``l*(12h^2 + 13h) + V*h + s*h + 2h`` (math/README.md; BLOOM: ``l*(12h^2 + 13h) + V*h + 4h``);
+- memory: 18 bytes per parameter with mixed-precision Adam (tr1-13B README), split over TP, PP stages and ZeRO, plus
+  an activation estimate after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+  Models"), with and without full activation checkpointing;
+- the layout and the node counts a batch ramp-up allows (Megatron's divisibility rule);
+- the ramp-up schedule, ``train_iters`` and the LR schedule in iterations, replayed with Megatron's own rules
+  (``opskit.train.schedules``: microbatches.py, training.py update_train_iters, learning_rates.py);
+- curriculum learning (DeepSpeed's seqlen curriculum: fixed_linear / fixed_root);
+- FLOPs per iteration (Megatron-DeepSpeed's log formula, Narayanan et al. 2021 eq. 3) and days at a TFLOPs figure,
+  ``tokens * 8 * params / (gpus * TFLOPs)`` (math/README.md), with the ramp-up's pipeline-bubble slowdown.
+
+Units: bytes in ``*_bytes``, 1e9 bytes in ``*_gb`` (the READMEs' 234 GB), 2**30 bytes in ``*_gib`` (GPU memory as
+vendors and torch.cuda count it), seconds, days of 86 400 s, FLOPs (not FLOP/s) per iteration.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from opskit.spec import Spec, padded_vocab_size
+from opskit.spec import (
+    CurriculumSpec,
+    Spec,
+    deepspeed_resume_problem,
+    installed_deepspeed_version,
+    padded_vocab_size,
+    valid_node_counts,
+)
+from opskit.train.log import megatron_flops_per_iteration
 from opskit.train.schedules import BatchRampup
+
+GIB = 2**30
+SECONDS_PER_DAY = 86_400
 
 # Mixed-precision Adam: 4 (fp32 weights) + 2 (half weights) + 8 (Adam states) + 4 (gradients) bytes per parameter.
 BYTES_PER_PARAMETER = 18
+MIXED_PRECISION_BYTES = {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 8, "gradients": 4}
+"""The tr1-13B / tr8-104B READMEs' breakdown ("Memory usage"): fp32 master weights, fp16/bf16 weights, Adam's two
+fp32 moments, fp32 gradients."""
+FP32_BYTES = {"fp32_weights": 4, "half_weights": 0, "optimizer_states": 8, "gradients": 4}
+"""fp32 training: no half-precision copy."""
+SHARDED_BY_ZERO = ("fp32_weights", "optimizer_states")
+"""What ZeRO stage 1 partitions over data parallelism: the optimizer states, fp32 master weights included (Rajbhandari
+et al. 2020, ZeRO, section 5.1 "P_os"); DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, BLOOM-176B's "bf16 must use
+z0! it implements its own zero stage 1 equivalent") partitions the same ones."""
+
+ACHIEVED_TFLOPS = {"V100": 45.0, "A100": 150.0}
+"""TFLOPs per GPU BigScience planned with, by GPU model: tr1-13B README "Estimated run time" (V100, 45) and
+math/README.md's BLOOM-176B example (A100, 150; the training logged 149)."""
+
+
+class _AnyEnv(Mapping):
+    """An environment in which every ``$VAR`` is set (to itself): lets the plan render flags on a laptop."""
+
+    def __getitem__(self, key: str) -> str:
+        return f"${key}"
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def layer_parameters(hidden: int, ffn: int | None = None) -> int:
+    """Parameters of one transformer layer: QKV + dense ``4h^2 + 4h``, MLP ``2hf + f + h``, two LayerNorms ``4h``;
+    ``12h^2 + 13h`` for Megatron's default ``f = 4h`` (math/README.md)."""
+    f = ffn or 4 * hidden
+    return 4 * hidden**2 + 2 * hidden * f + 9 * hidden + f
+
+
+def gpt_parameters(layers: int, hidden: int, vocab: int, positions: int, ffn: int | None = None) -> int:
+    """GPT-2 style: ``l*(12h^2 + 13h) + V*h + s*h + 2h`` (learned positions, final LayerNorm); BigScience
+    math/README.md and the tr8-104B README."""
+    return layers * layer_parameters(hidden, ffn) + vocab * hidden + positions * hidden + 2 * hidden
+
+
+def bloom_parameters(layers: int, hidden: int, vocab: int, ffn: int | None = None) -> int:
+    """BLOOM: ``l*(12h^2 + 13h) + V*h + 4h`` (ALiBi, so no position embeddings; embedding and final LayerNorms);
+    BigScience math/README.md."""
+    return layers * layer_parameters(hidden, ffn) + vocab * hidden + 4 * hidden
 
 
 def parameter_count(spec: Spec) -> int:
-    """GPT: ``l(12h^2 + 13h) + Vh + sh + 2h``; BLOOM (ALiBi, embedding LayerNorm): ``l(12h^2 + 13h) + Vh + 4h``.
+    """Megatron's exact parameter count (tied LM head counted once) with the padded vocabulary.
 
+    GPT: ``l*(12h^2 + 13h) + V*h + s*h + 2h``; BLOOM (ALiBi, embedding LayerNorm): ``l*(12h^2 + 13h) + V*h + 4h``;
     V is the padded vocabulary, s the position-embedding count, as in the BigScience READMEs."""
     m = spec.model
-    h, layers = m.hidden_size, m.num_layers
     vocab = padded_vocab_size(spec.data.vocab_size, m, spec.parallel.tensor_model_parallel_size)
-    blocks = layers * (12 * h**2 + 13 * h)
-    positions = m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0
-    embed_norm = 2 * h if m.embed_layernorm else 0
-    return blocks + vocab * h + positions + embed_norm + 2 * h
+    positions = m.max_position_embeddings if m.position_embedding_type == "absolute" else 0
+    embed_norm = 2 * m.hidden_size if m.embed_layernorm else 0
+    return gpt_parameters(m.num_layers, m.hidden_size, vocab, positions, m.ffn_size) + embed_norm
+
+
+def readme_parameter_count(spec: Spec) -> int:
+    """The BigScience READMEs' sanity-check one-liner, ``l*(12h^2 + 13h) + v*h + s*h + 2h`` with the tokenizer's
+    vocabulary (unpadded) and s = seq_length, whatever the architecture (the tr11-176B README applies it to BLOOM too;
+    the tr1-13B one leaves out the 2h). Printed by them as ``f"{n / 10**9:.0f}B"``: 13B, 104B, 176B."""
+    m = spec.model
+    return gpt_parameters(m.num_layers, m.hidden_size, spec.data.vocab_size, m.seq_length)
+
+
+@dataclass(frozen=True)
+class ParameterPlan:
+    total: int
+    """Megatron's exact count, padded vocabulary."""
+    architecture: str
+    """``gpt`` (learned positions) or ``bloom`` (ALiBi)."""
+    padded_vocab_size: int
+    per_layer: int
+    embedding: int
+    """Word (and position) embeddings and the embedding LayerNorm."""
+    readme_formula: int
+    """The READMEs' one-liner (tokenizer vocabulary, s*h): what printed "13B", "104B", "176B"."""
+    readme_billions: int
+    hidden_per_layer: float
+    hidden_per_head: float
+
+
+def _parameter_plan(spec: Spec) -> ParameterPlan:
+    m = spec.model
+    total = parameter_count(spec)
+    readme = readme_parameter_count(spec)
+    vocab = padded_vocab_size(spec.data.vocab_size, m, spec.parallel.tensor_model_parallel_size)
+    return ParameterPlan(
+        total=total, architecture="bloom" if m.position_embedding_type == "alibi" else "gpt",
+        padded_vocab_size=vocab, per_layer=layer_parameters(m.hidden_size, m.ffn_size),
+        embedding=total - m.num_layers * layer_parameters(m.hidden_size, m.ffn_size) - 2 * m.hidden_size,
+        readme_formula=readme, readme_billions=round(readme / 1e9),
+        hidden_per_layer=m.hidden_size / m.num_layers, hidden_per_head=m.hidden_size / m.num_attention_heads)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_PARAMETER) -> float:
+    """Bytes of the weights, gradients and Adam states of ``parameters`` parameters: 18 each with mixed precision
+    (tr1-13B README: "Total: 234GB (18*13)"; tr8-104B: "1872GB (18*104)")."""
+    return parameters * bytes_per_parameter
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1) -> float:
+    """Activations one transformer layer keeps for the backward pass of one micro-batch, without recomputation.
+
+    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations and tensor parallelism ``t`` (no sequence
+    parallelism); ``s*b*h*(34 + 5*a*s/h)`` at t = 1. Source: Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", section 4.1 and Table 2.
+    """
+    return seq * micro_batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp))
+
+
+def checkpointed_bytes_per_layer(seq: int, micro_batch: int, hidden: int) -> float:
+    """What full activation checkpointing keeps per layer and micro-batch: the layer's 16-bit input, ``2*s*b*h``
+    bytes (replicated over TP without sequence parallelism); Korthikanti et al. 2022, section 4.2."""
+    return 2 * seq * micro_batch * hidden
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage, per GPU (one TP rank of the stage)."""
+
+    index: int
+    layers: int
+    embedding: bool
+    """Holds the word embeddings (first stage; the last holds the tied LM-head copy)."""
+    lm_head: bool
+    parameters: int
+    """Parameters of the whole stage (all TP ranks)."""
+    parameters_per_gpu: float
+    in_flight_microbatches: int
+    """Micro-batches whose activations the stage holds at once under 1F1B: min(PP - index, micro-batches)."""
+    model_state_gib: float
+    activation_gib_no_recompute: float
+    activation_gib_recompute: float
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    bytes_per_parameter: dict[str, int]
+    total_bytes_per_parameter: int
+    replica_gb: float
+    """Model states of one full replica, 1e9 bytes: bytes/param * parameters."""
+    replica_gb_readme: float
+    """The READMEs' arithmetic, bytes/param * the rounded billions (234 for 13B, 1872 for 104B)."""
+    sharded_over: int
+    """How many GPUs share fp32 weights and optimizer states (DP under ZeRO-1 / bf16's optimizer, else 1)."""
+    sharding: str
+    stages: list[StagePlan]
+    heaviest_stage: int
+    model_state_gib_per_gpu: float
+    activation_gib_per_gpu_no_recompute: float
+    activation_gib_per_gpu_recompute: float
+    activation_checkpointing: bool
+    total_gib_per_gpu: float
+    """Model states + activations (with the spec's checkpointing choice) on the heaviest GPU."""
+    gpu_memory_gib: float | None
+    fits: bool | None
+
+
+def pipeline_stages(spec: Spec) -> list[tuple[int, bool, bool]]:
+    """(transformer layers, holds the embedding, holds the LM head) of each pipeline stage.
+
+    Megatron-DeepSpeed's default partition (``type:transformer``) balances transformer layers only; the first stage
+    also holds the word embeddings, the last the tied LM-head copy. ``type:transformer|embedding`` (BLOOM-176B) counts
+    the two embeddings as layers: 70 layers on 12 stages give [embed|5], 10 x [6], [5|embed]. Uneven counts go to the
+    first stages, as DeepSpeed's ``partition_uniform``."""
+    layers, pp = spec.model.num_layers, spec.parallel.pipeline_model_parallel_size
+    method = spec.parallel.pp_partition_method or "type:transformer"
+    with_embeddings = method.startswith("type:") and "embedding" in method.lower()
+    units = layers + 2 if with_embeddings and pp > 1 else layers
+    sizes = [units // pp + (1 if i < units % pp else 0) for i in range(pp)]
+    stages = []
+    for i, size in enumerate(sizes):
+        first, last = i == 0, i == pp - 1
+        if with_embeddings and pp > 1:
+            size -= int(first) + int(last)
+        stages.append((max(size, 0), first, last))
+    return stages
+
+
+def _memory_plan(spec: Spec) -> MemoryPlan:
+    m, p, b = spec.model, spec.parallel, spec.batch
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    breakdown = FP32_BYTES if m.precision == "fp32" else MIXED_PRECISION_BYTES
+    per_param = sum(breakdown.values())
+    sharded = p.zero_stage >= 1 or m.precision == "bf16"
+    shards = dp if sharded else 1
+    sharding = ("ZeRO-1: fp32 weights and optimizer states over DP" if p.zero_stage >= 1 else
+                "bf16 optimizer (ZeRO-0): fp32 weights and optimizer states over DP" if sharded else
+                "none (ZeRO-0): every DP rank holds all model states")
+    kept = sum(v for k, v in breakdown.items() if k not in SHARDED_BY_ZERO)
+    split = sum(v for k, v in breakdown.items() if k in SHARDED_BY_ZERO)
+    total = parameter_count(spec)
+    vocab = padded_vocab_size(spec.data.vocab_size, m, tp)
+    h = m.hidden_size
+    embedding = vocab * h + (m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0) + (
+        2 * h if m.embed_layernorm else 0)
+    microbatches = max(b.global_batch_size // (b.micro_batch_size * dp), 1)
+    scale = 2 if m.precision == "fp32" else 1  # the activation formulas count 16-bit activations
+    full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp)
+    kept_layer = scale * checkpointed_bytes_per_layer(m.seq_length, b.micro_batch_size, h)
+    stages = []
+    for index, (layers, first, last) in enumerate(pipeline_stages(spec)):
+        params = layers * layer_parameters(h, m.ffn_size) + (embedding if first else 0) + (
+            (vocab * h if pp > 1 else 0) + 2 * h if last else 0)
+        per_gpu = params / tp
+        in_flight = min(pp - index, microbatches)
+        no_recompute = layers * in_flight * full_layer
+        recompute = layers * in_flight * kept_layer + (full_layer if layers else 0)
+        stages.append(StagePlan(
+            index=index, layers=layers, embedding=first, lm_head=last, parameters=params, parameters_per_gpu=per_gpu,
+            in_flight_microbatches=in_flight, model_state_gib=per_gpu * (kept + split / shards) / GIB,
+            activation_gib_no_recompute=no_recompute / GIB, activation_gib_recompute=recompute / GIB))
+
+    def peak(stage: StagePlan) -> float:
+        active = stage.activation_gib_recompute if m.checkpoint_activations else stage.activation_gib_no_recompute
+        return stage.model_state_gib + active
+
+    heaviest = max(stages, key=peak)
+    return MemoryPlan(
+        bytes_per_parameter=dict(breakdown), total_bytes_per_parameter=per_param,
+        replica_gb=model_state_bytes(total, per_param) / 1e9,
+        replica_gb_readme=float(per_param * round(total / 1e9)),
+        sharded_over=shards, sharding=sharding, stages=stages, heaviest_stage=heaviest.index,
+        model_state_gib_per_gpu=heaviest.model_state_gib,
+        activation_gib_per_gpu_no_recompute=heaviest.activation_gib_no_recompute,
+        activation_gib_per_gpu_recompute=heaviest.activation_gib_recompute,
+        activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
+        gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    nodes: int
+    gpus_per_node: int
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    replicas: int
+    """Full model copies (= DP)."""
+    gpus_per_replica: int
+    nodes_per_replica: float
+    microbatches_per_iteration: int
+    """GBS / (MBS * DP) at the full global batch size (gradient-accumulation steps)."""
+    batch_granularity: int
+    """MBS * DP: every global batch size must be a multiple of it."""
+    valid_nodes_rampup: list[int]
+    """Node counts for which the whole ramp-up splits into micro-batches (start, increment and GBS)."""
+    valid_nodes_full_batch: list[int]
+    """Node counts for the full global batch size alone (a layout to switch to once the ramp-up is over)."""
+
+
+def _layout_plan(spec: Spec) -> LayoutPlan:
+    p, b = spec.parallel, spec.batch
+    sizes = [b.global_batch_size, *(b.rampup_batch_size[:2] if b.rampup_batch_size else ())]
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    return LayoutPlan(
+        nodes=p.nodes, gpus_per_node=p.gpus_per_node, world_size=p.world_size, tensor_parallel=tp,
+        pipeline_parallel=pp, data_parallel=p.data_parallel_size, replicas=p.data_parallel_size,
+        gpus_per_replica=tp * pp, nodes_per_replica=tp * pp / p.gpus_per_node,
+        microbatches_per_iteration=b.global_batch_size // (b.micro_batch_size * p.data_parallel_size),
+        batch_granularity=b.micro_batch_size * p.data_parallel_size,
+        valid_nodes_rampup=valid_node_counts(p.gpus_per_node, tp, pp, b.micro_batch_size, sizes),
+        valid_nodes_full_batch=valid_node_counts(p.gpus_per_node, tp, pp, b.micro_batch_size,
+                                                 [b.global_batch_size]))
+
+
+# --------------------------------------------------------------------------- batch ramp-up and schedule
+
+
+@dataclass(frozen=True)
+class RampupRow:
+    global_batch_size: int
+    iterations: int
+    """Iterations run at this GBS, replayed with Megatron's rules (the last row: after the ramp-up)."""
+    samples: int
+    nominal_iterations: int | None
+    """The READMEs' arithmetic, int(samples_per_increment / GBS): "4960 steps at GBS 16, 2480 at 32" (ramp rows)."""
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch_size: int
+    global_batch_size: int
+    rampup_start: int | None
+    rampup_increment: int | None
+    rampup_samples: int | None
+    num_increments: int | None
+    samples_per_increment: float | None
+    rows: list[RampupRow]
+    rampup_iterations: int
+    """Iterations of Megatron's ramp-up loop (until consumed samples exceed the ramp-up samples)."""
+    rampup_consumed_samples: int
+    train_samples: int
+    train_iters: int
+    """The iteration count Megatron computes (update_train_iters): the ``/ N`` of every log line."""
+    tokens: int
+    """Tokens of the run: train_tokens where set, else train_samples * seq_length (no curriculum)."""
+
+
+def rampup_rows(rampup: BatchRampup, train_samples: int) -> tuple[list[RampupRow], int, int]:
+    """Per-GBS iterations and samples of Megatron's run, ramp-up then the rest at the full GBS.
+
+    Replays ``update_train_iters`` (Megatron training.py): iterate ``consumed += GBS(consumed)`` while consumed <=
+    ramp-up samples, then ``(train_samples - consumed) // GBS`` iterations at the full GBS.
+
+    Returns:
+        (rows, ramp-up iterations, samples consumed by the ramp-up).
+    """
+    counts: dict[int, list[int]] = {}
+    consumed = iterations = 0
+    if rampup.rampup is not None:
+        limit = rampup.rampup[2]
+        while consumed <= limit:
+            gbs = rampup.batch_size(consumed)
+            row = counts.setdefault(gbs, [0, 0])
+            row[0] += 1
+            row[1] += gbs
+            consumed += gbs
+            iterations += 1
+    nominal = None
+    if rampup.rampup is not None and (rampup.global_batch_size - rampup.rampup[0]) // rampup.rampup[1]:
+        start, incr, limit = rampup.rampup
+        nominal = limit / ((rampup.global_batch_size - start) // incr)
+    rows = [RampupRow(gbs, n, samples, int(nominal / gbs) if nominal else None)
+            for gbs, (n, samples) in counts.items()]
+    rest = max(train_samples - consumed, 0) // rampup.global_batch_size
+    rows.append(RampupRow(rampup.global_batch_size, rest, rest * rampup.global_batch_size, None))
+    return rows, iterations, consumed
+
+
+def consumed_samples(rampup: BatchRampup, iterations: int) -> int:
+    """Samples consumed after ``iterations`` iterations under Megatron's ramp-up: the ``consumed samples`` of the log
+    line of that iteration (tr11-176B-ml: 9_841_584 at iteration 12695)."""
+    consumed = done = 0
+    if rampup.rampup is not None:
+        while done < iterations and consumed <= rampup.rampup[2]:
+            consumed += rampup.batch_size(consumed)
+            done += 1
+    return consumed + (iterations - done) * rampup.global_batch_size
+
+
+def iterations_to_samples(rampup: BatchRampup, samples: int) -> int:
+    """The first iteration after which at least ``samples`` samples are consumed, under Megatron's ramp-up (an LR
+    warmup in samples ends there)."""
+    consumed = iterations = 0
+    if rampup.rampup is not None:
+        while consumed < samples and consumed <= rampup.rampup[2]:
+            consumed += rampup.batch_size(consumed)
+            iterations += 1
+    if consumed < samples:
+        iterations += math.ceil((samples - consumed) / rampup.global_batch_size)
+    return iterations
+
+
+def rampup_samples_fixed_steps(steps: int, start: int, increment: int, steps_per_increment: int) -> int:
+    """Samples consumed after ``steps`` iterations if every GBS value lasted ``steps_per_increment`` iterations: the
+    tr1-13B README's LR-warmup arithmetic ("2000=160*12+80 ... 216_320 samples ``16*160*12*(12+1)/2+16*13*80``").
+
+    This is the README's model, not Megatron's: Megatron's ramp-up holds each GBS for a fixed number of *samples*
+    (samples_per_increment), so it runs many more iterations at the small batch sizes; see
+    :func:`iterations_to_samples` for the iteration at which the same sample count is really reached."""
+    full, rest = divmod(steps, steps_per_increment)
+    ramp = sum((start + k * increment) * steps_per_increment for k in range(full))
+    return ramp + (start + full * increment) * rest
+
+
+# --------------------------------------------------------------------------- curriculum learning
+
+
+def curriculum_seqlen(cl: CurriculumSpec, max_difficulty: int, step: int) -> int:
+    """DeepSpeed's seqlen curriculum at global step ``step``: ``d = floor((step/total)^(1/root) * (max - min) + min)``,
+    ``d -= d % difficulty_step``, ``min(d, max)`` (root 1 for fixed_linear); DeepSpeed curriculum_scheduler.py.
+    Megatron-DeepSpeed uses ``update_difficulty(iteration + 1)`` for each iteration."""
+    root = cl.root_degree or 1
+    fraction = (step / cl.total_curriculum_step) ** (1.0 / root)
+    difficulty = math.floor(fraction * (max_difficulty - cl.min_difficulty) + cl.min_difficulty)
+    difficulty -= difficulty % cl.difficulty_step
+    return min(difficulty, max_difficulty)
+
+
+@dataclass(frozen=True)
+class CurriculumPlan:
+    curriculum_type: str
+    schedule_type: str
+    min_difficulty: int
+    max_difficulty: int
+    difficulty_step: int
+    total_curriculum_step: int
+    recommended_total_curriculum_step: float
+    """DeepSpeed's guide (tr8-104B README): ~ train_tokens / GBS / seq_length / 2 ("~= 36_000" for 300B tokens)."""
+    iterations_per_difficulty_step: float
+    """total / ((max - min) / difficulty_step): the period between seqlen switches (fixed_linear; tr8b's eval
+    interval of 150)."""
+    curriculum_tokens: int
+    """Tokens of the curriculum's iterations (fewer than GBS * seq_length each)."""
+    iterations_to_train_tokens: int | None
+    """Iterations until train_tokens are consumed, with the curriculum's shorter sequences."""
+
+
+def _tokens_per_iteration(spec: Spec, rampup: BatchRampup):
+    """Yield (GBS, tokens) of iterations 1, 2, ... while the ramp-up or the curriculum still changes them."""
+    cl, consumed, iteration = spec.curriculum_learning, 0, 0
+    ramp_limit = rampup.rampup[2] if rampup.rampup is not None else -1
+    top = spec.curriculum_max_difficulty if cl else spec.model.seq_length
+    while consumed <= ramp_limit or (cl is not None and iteration < cl.total_curriculum_step):
+        iteration += 1
+        gbs = rampup.batch_size(consumed) if consumed <= ramp_limit else rampup.global_batch_size
+        seqlen = curriculum_seqlen(cl, top, iteration) if cl is not None else spec.model.seq_length
+        consumed += gbs
+        yield gbs, gbs * seqlen
+
+
+def iterations_to_tokens(spec: Spec, tokens: int) -> int:
+    """The first iteration after which ``tokens`` tokens are consumed (ramp-up and curriculum replayed)."""
+    rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
+    consumed = iterations = 0
+    for _, step_tokens in _tokens_per_iteration(spec, rampup):
+        if consumed >= tokens:
+            return iterations
+        consumed += step_tokens
+        iterations += 1
+    full = spec.batch.global_batch_size * spec.model.seq_length
+    return iterations + max(math.ceil((tokens - consumed) / full), 0)
+
+
+def _curriculum_plan(spec: Spec, tokens: int) -> CurriculumPlan | None:
+    cl = spec.curriculum_learning
+    if cl is None:
+        return None
+    top, gbs, seq = spec.curriculum_max_difficulty, spec.batch.global_batch_size, spec.model.seq_length
+    rampup = BatchRampup(gbs, spec.batch.rampup_batch_size)
+    steps = _tokens_per_iteration(spec, rampup)  # yields at least total_curriculum_step iterations
+    cl_tokens = sum(next(steps)[1] for _ in range(cl.total_curriculum_step))
+    return CurriculumPlan(
+        curriculum_type=cl.curriculum_type, schedule_type=cl.schedule_type, min_difficulty=cl.min_difficulty,
+        max_difficulty=top, difficulty_step=cl.difficulty_step, total_curriculum_step=cl.total_curriculum_step,
+        recommended_total_curriculum_step=tokens / gbs / seq / 2,
+        iterations_per_difficulty_step=cl.total_curriculum_step / ((top - cl.min_difficulty) / cl.difficulty_step),
+        curriculum_tokens=cl_tokens,
+        iterations_to_train_tokens=(iterations_to_tokens(spec, spec.batch.train_tokens)
+                                    if spec.batch.train_tokens else None))
+
+
+# --------------------------------------------------------------------------- learning rate
+
+
+@dataclass(frozen=True)
+class LrPlan:
+    lr: float
+    min_lr: float
+    decay_style: str
+    warmup_samples: int
+    warmup_iterations: int
+    decay_samples: int | None
+    """--lr-decay-samples, or Megatron's default train_samples (None under token-based decay)."""
+    decay_iterations: int | None
+    decay_tokens: int | None
+    decay_tokens_iterations: int | None
+
+
+def _lr_plan(spec: Spec, samples: int) -> LrPlan:
+    o = spec.optimizer
+    rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
+    decay_samples = o.lr_decay_samples if o.lr_decay_samples is not None else (
+        None if o.lr_decay_tokens is not None else samples)
+    return LrPlan(
+        lr=o.lr, min_lr=o.min_lr, decay_style=o.lr_decay_style, warmup_samples=o.lr_warmup_samples,
+        warmup_iterations=iterations_to_samples(rampup, o.lr_warmup_samples),
+        decay_samples=decay_samples,
+        decay_iterations=iterations_to_samples(rampup, decay_samples) if decay_samples is not None else None,
+        decay_tokens=o.lr_decay_tokens,
+        decay_tokens_iterations=iterations_to_tokens(spec, o.lr_decay_tokens) if o.lr_decay_tokens else None)
+
+
+# --------------------------------------------------------------------------- throughput and time
+
+
+def training_days(tokens: float, parameters: float, gpus: int, tflops: float, flops_per_token: float = 8) -> float:
+    """Days to train: ``tokens * 8 * params / (gpus * TFLOPs * 1e12 * 86400)``.
+
+    8 = 2 FLOPs per multiply-add x (1 forward + 1 recomputed forward + 2 backward) (BigScience math/README.md, after
+    Narayanan et al. 2021); use 6 for a run without activation recomputation and a TFLOPs figure measured so.
+    Example: 300B tokens, 13B parameters, 256 GPUs at 45 TFLOPs -> 31.35 days (tr1-13B README)."""
+    return tokens * flops_per_token * parameters / (gpus * tflops * 1e12 * SECONDS_PER_DAY)
+
+
+def pipeline_bubble_factor(microbatches: float, stages: int) -> float:
+    """Time of a pipelined iteration relative to its bubble-free time: ``(m + p - 1) / m`` for m micro-batches on p
+    stages (1F1B/GPipe bubble fraction (p - 1)/m; Narayanan et al. 2021, section 2.2)."""
+    return (microbatches + stages - 1) / microbatches
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    tflops: float | None
+    """Achieved TFLOPs per GPU assumed (--tflops, or the GPU model's BigScience figure)."""
+    tflops_source: str
+    gpus: int
+    flops_per_iteration_recompute: float
+    """Megatron-DeepSpeed's log formula at the full GBS, with activation recomputation (c = 4)."""
+    flops_per_iteration_no_recompute: float
+    """The same without recomputation (c = 3)."""
+    seconds_per_iteration: float | None
+    """At the full GBS: the spec's FLOPs per iteration / (GPUs * TFLOPs); what the log's TFLOPs column inverts."""
+    flops_per_token_per_parameter: int
+    """8 with activation checkpointing, 6 without (see training_days)."""
+    days: float | None
+    """tokens * factor * params / (gpus * TFLOPs): every iteration at the full-batch efficiency."""
+    rampup_days: float | None
+    """Days spent in the ramp-up, including its pipeline-bubble slowdown."""
+    days_with_rampup_slowdown: float | None
+    """days + the ramp-up's extra time: each ramp iteration with m = GBS/(MBS*DP) micro-batches runs
+    ((m + p - 1)/m) / ((M + p - 1)/M) times slower per token than at the full GBS's M micro-batches."""
+
+
+def _time_plan(spec: Spec, parameters: int, tokens: int, rows: list[RampupRow], tflops: float | None,
+               gpus: int | None, warnings: list[str]) -> TimePlan:
+    m, p, b = spec.model, spec.parallel, spec.batch
+    source = "--tflops"
+    if tflops is None and p.gpu in ACHIEVED_TFLOPS:
+        tflops, source = ACHIEVED_TFLOPS[p.gpu], f"BigScience's {p.gpu} figure"
+    elif tflops is None:
+        source = "none: pass --tflops"
+    gpus = gpus or p.world_size
+    vocab = padded_vocab_size(spec.data.vocab_size, m, p.tensor_model_parallel_size)
+    flops = {rc: megatron_flops_per_iteration(b.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, vocab,
+                                              recompute=rc) for rc in (True, False)}
+    factor = 8 if m.checkpoint_activations else 6
+    if tflops is None:
+        return TimePlan(None, source, gpus, flops[True], flops[False], None, factor, None, None, None)
+    seconds = flops[m.checkpoint_activations] / (gpus * tflops * 1e12)
+    days = training_days(tokens, parameters, gpus, tflops, factor)
+    mp = p.model_parallel_size
+    dp = gpus / mp
+    ramp_rows = rows[:-1]
+    slowdown_days = rampup_days = None
+    if gpus % mp:
+        warnings.append(f"--gpus {gpus} is not a multiple of TP*PP = {mp}: no ramp-up slowdown estimate")
+    elif any(r.global_batch_size % (b.micro_batch_size * (gpus // mp)) for r in rows):
+        warnings.append(f"the ramp-up cannot run on {gpus} GPUs (DP {dp:g}: a GBS of the ramp does not split into "
+                        f"micro-batches of {b.micro_batch_size}); no ramp-up slowdown estimate")
+    else:
+        pp = p.pipeline_model_parallel_size
+        full = pipeline_bubble_factor(b.global_batch_size / (b.micro_batch_size * dp), pp)
+        per_token_day = factor * parameters / (gpus * tflops * 1e12 * SECONDS_PER_DAY)
+        rampup_days = sum(r.samples * m.seq_length * per_token_day * pipeline_bubble_factor(
+            r.global_batch_size / (b.micro_batch_size * dp), pp) / full for r in ramp_rows)
+        plain = sum(r.samples * m.seq_length * per_token_day for r in ramp_rows)
+        slowdown_days = days + rampup_days - plain
+    return TimePlan(tflops, source, gpus, flops[True], flops[False], seconds, factor, days, rampup_days,
+                    slowdown_days)
+
+
+# --------------------------------------------------------------------------- the plan
 
 
 @dataclass(frozen=True)
 class Plan:
-    parameters: int
-    hidden_per_layer: float
-    hidden_per_head: float
-    data_parallel_size: int
-    train_iters: int
-    tokens: int
-    model_state_gb_per_gpu: float
-    """18 bytes/parameter split over TP*PP (ZeRO-1 would shard the 12 optimizer bytes over DP too)."""
+    name: str
+    parameters: ParameterPlan
+    memory: MemoryPlan
+    layout: LayoutPlan
+    batch: BatchPlan
+    lr: LrPlan
+    curriculum: CurriculumPlan | None
+    time: TimePlan
+    warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """JSON-ready: the sections above, plus the flat keys of opskit 0.1 (``parameters``, ``train_iters``, ...);
+        docs/plan.md lists every key."""
+        data = asdict(self)
+        data["parameter_details"] = data.pop("parameters")
+        data.update(
+            parameters=self.parameters.total, hidden_per_layer=self.parameters.hidden_per_layer,
+            hidden_per_head=self.parameters.hidden_per_head, data_parallel_size=self.layout.data_parallel,
+            train_iters=self.batch.train_iters, tokens=self.batch.tokens,
+            model_state_gb_per_gpu=self.memory.model_state_gib_per_gpu * GIB / 1e9)
+        return data
 
 
-def make_plan(spec: Spec) -> Plan:
-    params = parameter_count(spec)
-    p = spec.parallel
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
-    return Plan(
-        parameters=params,
-        hidden_per_layer=spec.model.hidden_size / spec.model.num_layers,
-        hidden_per_head=spec.model.hidden_size / spec.model.num_attention_heads,
-        data_parallel_size=p.data_parallel_size,
-        train_iters=rampup.train_iters(spec.batch.train_samples),
-        tokens=spec.batch.train_samples * spec.model.seq_length,
-        model_state_gb_per_gpu=BYTES_PER_PARAMETER * params / mp / 1e9,
-    )
+def make_plan(spec: Spec, tflops: float | None = None, gpus: int | None = None) -> Plan:
+    """Every number ``opskit plan`` shows for a validated spec.
+
+    Args:
+        tflops: achieved TFLOPs per GPU for the time estimate (default: BigScience's figure for parallel.gpu).
+        gpus: GPUs for the time estimate (default: the layout's nodes * gpus_per_node).
+
+    Raises:
+        ValueError: ``tflops`` or ``gpus`` not positive.
+    """
+    if tflops is not None and tflops <= 0:
+        raise ValueError(f"--tflops {tflops}: expected a positive number of TFLOPs per GPU")
+    if gpus is not None and gpus <= 0:
+        raise ValueError(f"--gpus {gpus}: expected a positive number of GPUs")
+    warnings: list[str] = []
+    b, m = spec.batch, spec.model
+    params = _parameter_plan(spec)
+    rampup = BatchRampup(b.global_batch_size, b.rampup_batch_size)
+    samples = b.samples
+    rows, ramp_iterations, ramp_consumed = rampup_rows(rampup, samples)
+    tokens = b.train_tokens or samples * m.seq_length
+    start, incr, ramp_samples = b.rampup_batch_size or (None, None, None)
+    increments = (b.global_batch_size - start) // incr if incr else None
+    batch = BatchPlan(
+        micro_batch_size=b.micro_batch_size, global_batch_size=b.global_batch_size, rampup_start=start,
+        rampup_increment=incr, rampup_samples=ramp_samples, num_increments=increments,
+        samples_per_increment=ramp_samples / increments if increments else None, rows=rows,
+        rampup_iterations=ramp_iterations, rampup_consumed_samples=ramp_consumed, train_samples=samples,
+        train_iters=rampup.train_iters(samples) if b.train_iters is None else b.train_iters, tokens=tokens)
+    memory = _memory_plan(spec)
+    time = _time_plan(spec, params.total, tokens, rows, tflops, gpus, warnings)
+    plan = Plan(spec.name, params, memory, _layout_plan(spec), batch, _lr_plan(spec, samples),
+                _curriculum_plan(spec, tokens), time, warnings)
+    warnings.extend(_warnings(spec, plan))
+    return plan
+
+
+def _warnings(spec: Spec, plan: Plan) -> list[str]:
+    """What would not fail validation but deserves a look before the GPU-hours are spent."""
+    from opskit.runs import RunPaths
+    from opskit.slurm.render import trainer_args, trainer_rejections
+
+    found = []
+    if plan.batch.rampup_start is not None and plan.batch.train_samples < plan.batch.rampup_consumed_samples:
+        found.append(f"batch.train_samples {plan.batch.train_samples:,} ends inside the batch ramp-up "
+                     f"({plan.batch.rampup_consumed_samples:,} samples): Megatron's train_iters is "
+                     f"{plan.batch.train_iters:,} and the full global batch size is never reached")
+    mem = plan.memory
+    if mem.fits is False:
+        which = "with" if mem.activation_checkpointing else "without"
+        found.append(f"GPU memory: {mem.total_gib_per_gpu:.1f} GiB estimated on pipeline stage {mem.heaviest_stage} "
+                     f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
+                     f"{spec.parallel.gpu or 'GPU'}")
+    args = trainer_args(spec, RunPaths(Path("/run")), environ=_AnyEnv())
+    if problems := trainer_rejections(args):
+        found.append(f"opskit's trainer would refuse this job today ({'; '.join(problems)}): `opskit submit` "
+                     "refuses it")
+    version = spec.parallel.deepspeed_version or installed_deepspeed_version()
+    if version and (problem := deepspeed_resume_problem(spec.model.precision, spec.parallel.zero_stage, version)):
+        found.append(problem)
+    cl = plan.curriculum
+    if cl is not None:
+        if spec.batch.rampup_batch_size is not None:
+            found.append("curriculum learning with a batch ramp-up: DeepSpeed's guide removes --rampup-batch-size "
+                         "(tr8-104B README)")
+        ratio = cl.total_curriculum_step / cl.recommended_total_curriculum_step
+        if not 0.5 <= ratio <= 2:
+            found.append(f"curriculum_learning.total_curriculum_step {cl.total_curriculum_step} is {ratio:.1f}x the "
+                         f"recommended ~{cl.recommended_total_curriculum_step:,.0f} (tokens / GBS / seq_length / 2)")
+    if spec.batch.train_tokens is not None:
+        found.append(f"batch.train_tokens: Megatron-DeepSpeed parses --train-tokens but stops on train_iters "
+                     f"({plan.batch.train_iters:,} from train_samples) since PR #177; the time estimate counts "
+                     f"train_tokens")
+    seconds = plan.time.seconds_per_iteration
+    if seconds is not None and spec.slurm.exit_margin_mins * 60 < seconds:
+        found.append(f"slurm.exit_margin_mins {spec.slurm.exit_margin_mins:g} is shorter than one iteration "
+                     f"(~{seconds:.0f} s at {plan.time.tflops:g} TFLOPs): the job may be killed before it saves")
+    return found

@@ -3,19 +3,36 @@ checkpoints, SLURM header, paths), validated with pydantic.
 
 Keys are the snake_case of Megatron-DeepSpeed's flags (``global_batch_size`` <-> ``--global-batch-size``) and of
 sbatch's options (``cpus_per_task`` <-> ``--cpus-per-task``), so one name can be grepped from YAML to script to log
-to checkpoint.
+to checkpoint. Flags that no section models go verbatim under ``megatron_args`` (``use_bnb_optimizer: true`` ->
+``--use-bnb-optimizer``), extra DeepSpeed JSON keys under ``deepspeed_config``.
 
 A spec is found by path, by exact name, or by a unique name prefix (``tr11`` -> ``tr11-176B-ml``); the project's own
-``trainings/`` folder is searched before the bundled presets in ``opskit/presets/``.
+``trainings/`` folder is searched before the bundled presets in ``opskit/presets/``. A file may carry named
+*variants* (partial specs under ``variants:``, deep-merged over the rest of the file; ``null`` deletes a key), chosen
+with ``NAME:VARIANT`` (``tr8b-104B:cl``, ``tr8b:cl``, ``trainings/mine.yaml:cl``).
+
+String values of ``paths``, ``data`` paths, ``slurm.env`` and ``megatron_args`` may use ``$VAR`` / ``${VAR}``
+(BigScience's ``$six_ALL_CCFRSCRATCH``): they are expanded from the environment where the job is rendered (``opskit
+submit``), and an unset variable is an error there, never an empty string.
+
+Every refusal is one line naming the file, the field, the reason and the fix; the cluster-level rules (divisibility
+of batch sizes, heads, layers and vocabulary by the parallel layout, curriculum-learning alignment, the exit duration,
+the DeepSpeed bf16 resume bug) are checked when the spec is read, so ``opskit plan`` and ``opskit submit`` never see a
+spec that Megatron or SLURM would reject.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
-from importlib import resources
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import metadata, resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -23,6 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 USER_SPEC_DIR = Path("trainings")
 # Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
 _ONE_LINE = r"^[^\x00-\x1f\x7f]+$"
+_VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_SPEC_NAME = _VARIANT_NAME
+_FLAG_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
+_ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -42,216 +63,12 @@ class SpecError(ValueError):
     """A spec that cannot be found, read or validated; the message is one line naming the file and field."""
 
 
-class _Section(BaseModel):
-    # Unknown keys are typos: reject them and let pydantic list the valid ones.
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSpec(_Section):
-    """Architecture (Megatron-DeepSpeed GPT: GPT-2 style or BLOOM style)."""
-
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    ffn_hidden_size: int | None = Field(default=None, gt=0)
-    """Defaults to 4 * hidden_size, as in Megatron."""
-    seq_length: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)
-    position_embedding_type: Literal["absolute", "alibi"] = "absolute"
-    embed_layernorm: bool = False
-    """LayerNorm right after the word embedding (BLOOM)."""
-    pad_vocab_size_to: int | None = Field(default=None, gt=0)
-    make_vocab_size_divisible_by: int = Field(default=128, gt=0)
-    init_method_std: float = Field(default=0.02, gt=0)
-    hidden_dropout: float = Field(default=0.1, ge=0, lt=1)
-    attention_dropout: float = Field(default=0.1, ge=0, lt=1)
-    precision: Literal["fp32", "fp16", "bf16"] = "bf16"
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> ModelSpec:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must be divisible by num_attention_heads {self.num_attention_heads}"
-            )
-        if self.seq_length > self.max_position_embeddings:
-            raise ValueError(
-                f"seq_length {self.seq_length} exceeds max_position_embeddings {self.max_position_embeddings}"
-            )
-        return self
-
-
-class ParallelSpec(_Section):
-    """Layout over the job's nodes: TP x PP model replicas, the rest is data parallel."""
-
-    nodes: int = Field(default=1, gt=0)
-    gpus_per_node: int = Field(default=1, gt=0)
-    """Processes per node (GPUs on a cluster, CPU processes locally)."""
-    tensor_model_parallel_size: int = Field(default=1, gt=0)
-    pipeline_model_parallel_size: int = Field(default=1, gt=0)
-    zero_stage: Literal[0, 1] = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def data_parallel_size(self) -> int:
-        """DP = GPUs / (TP * PP)."""
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
-
-    @model_validator(mode="after")
-    def _model_parallel_divides_world(self) -> ParallelSpec:
-        mp = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        if self.world_size % mp:
-            raise ValueError(f"{self.world_size} processes are not divisible by TP*PP = {mp}")
-        return self
-
-
-class BatchSpec(_Section):
-    micro_batch_size: int = Field(gt=0)
-    global_batch_size: int = Field(gt=0)
-    rampup_batch_size: tuple[int, int, int] | None = None
-    """[start, increment, ramp-up samples], Megatron's --rampup-batch-size."""
-    train_samples: int = Field(gt=0)
-
-
-class OptimizerSpec(_Section):
-    lr: float = Field(gt=0)
-    min_lr: float = Field(default=0.0, ge=0)
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
-    lr_warmup_samples: int = Field(default=0, ge=0)
-    lr_decay_samples: int | None = Field(default=None, gt=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = Field(default=0.01, ge=0)
-    clip_grad: float = Field(default=1.0, ge=0)
-
-
-class DataSpec(_Section):
-    corpus: str | list[str]
-    """A named corpus (``kjv``) or a list of .txt/.jsonl files for ``opskit data prepare``."""
-    dir: str
-    """Folder that holds tokenizer.json and the indexed dataset (relative paths: to the current directory)."""
-    name: str = "corpus"
-    """Dataset file stem: ``<dir>/<name>_text_document.bin/.idx``."""
-    vocab_size: int = Field(gt=0)
-    """Size of the BPE tokenizer that ``opskit data prepare`` trains."""
-
-
-class CheckpointSpec(_Section):
-    save_interval: int = Field(gt=0)
-    log_interval: int = Field(default=1, gt=0)
-    seed: int = 42
-
-
-class SlurmSpec(_Section):
-    """The SBATCH header. ``time`` is sbatch's format (minutes, MM:SS, HH:MM:SS, D-HH:MM:SS)."""
-
-    job_name: str | None = Field(default=None, pattern=_ONE_LINE)
-    """Defaults to the spec name."""
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    reservation: str | None = None
-    constraint: str | None = None
-    cpus_per_task: int | None = Field(default=None, gt=0)
-    gres: str | None = None
-    time: str = "20:00:00"
-    array: int = Field(default=1, gt=0)
-    """Tasks in a chained array (--array=1-N%1)."""
-    exit_margin_mins: float = Field(default=10, ge=0)
-    """--exit-duration-in-mins = time limit minus this margin (BigScience: 1190 for 20 h)."""
-    signal_margin_secs: int = Field(default=120, ge=0)
-    """SLURM sends USR1 this long before the time limit (--signal=B:USR1@N)."""
-    master_port: int = 6000
-    env: dict[str, str] = Field(default_factory=dict)
-    """Extra environment exported by the job script."""
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:  # rendered unquoted as `export NAME=...`: anything but an identifier would run as code
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                raise ValueError(f"{name!r} is not a valid environment variable name")
-        return value
-
-    @field_validator("time", mode="before")
-    @classmethod
-    def _time_parses(cls, value: str | int) -> str:
-        value = str(value)  # `time: 90` (minutes) arrives as an int
-        parse_slurm_time(value)  # UNLIMITED has no exit duration: refuse at load time, not at submit
-        return value
-
-    @property
-    def time_minutes(self) -> float:
-        """The time limit in minutes, parsed from sbatch's formats."""
-        return parse_slurm_time(self.time)
-
-
-class PathsSpec(_Section):
-    output: str
-    """Run directory (checkpoints/, tensorboard/, logs/main_log.txt, slurm/); relative to the current directory."""
-
-
-class Spec(_Section):
-    """A whole training. Built by :func:`load_spec`; fields mirror Megatron-DeepSpeed flags."""
-
-    name: str = Field(pattern=_ONE_LINE)
-    description: str = ""
-    model: ModelSpec
-    parallel: ParallelSpec = ParallelSpec()
-    batch: BatchSpec
-    optimizer: OptimizerSpec
-    data: DataSpec
-    checkpoint: CheckpointSpec
-    slurm: SlurmSpec = SlurmSpec()
-    paths: PathsSpec
-    _file: Path | None = PrivateAttr(default=None)
-    """The YAML file :func:`load_spec` read."""
-
-    @model_validator(mode="after")
-    def _batch_fits_layout(self) -> Spec:
-        mbs_dp = self.batch.micro_batch_size * self.parallel.data_parallel_size
-        for what, gbs in [("global_batch_size", self.batch.global_batch_size), *self._rampup_sizes()]:
-            if gbs % mbs_dp:
-                raise ValueError(
-                    f"batch.{what} {gbs} is not divisible by micro_batch_size*DP = {mbs_dp}"
-                )
-        return self
-
-    def _rampup_sizes(self) -> list[tuple[str, int]]:
-        if self.batch.rampup_batch_size is None:
-            return []
-        start, incr, _ = self.batch.rampup_batch_size
-        if incr <= 0 or (self.batch.global_batch_size - start) % incr:
-            raise ValueError(
-                f"batch.rampup_batch_size: global_batch_size - start = {self.batch.global_batch_size - start} "
-                f"must be a positive multiple of the increment {incr}"
-            )
-        return [("rampup_batch_size start", start), ("rampup_batch_size increment", incr)]
-
-    @property
-    def job_name(self) -> str:
-        return self.slurm.job_name or self.name
-
-    @property
-    def cli_name(self) -> str:
-        """What to pass to other opskit commands for this spec: its name where that finds the same file (a preset,
-        ``trainings/``), else its path."""
-        if self._file is None:
-            return self.name
-        try:
-            if find_spec(self.name).resolve() == self._file.resolve():
-                return self.name
-        except SpecError:
-            pass
-        return str(self._file)
-
-    @property
-    def exit_duration_in_mins(self) -> float:
-        """Time limit minus the margin, so the job saves before SLURM kills it."""
-        return max(self.slurm.time_minutes - self.slurm.exit_margin_mins, 0.5)
+def installed_deepspeed_version() -> str | None:
+    """The DeepSpeed version installed here (package metadata, without importing it), or None."""
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def parse_slurm_time(value: str) -> float:
@@ -280,6 +97,591 @@ def parse_slurm_time(value: str) -> float:
     return d * 1440 + h * 60 + m + s / 60
 
 
+class _Section(BaseModel):
+    # Unknown keys are typos: reject them and let pydantic list the valid ones.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Section):
+    """Architecture (Megatron-DeepSpeed GPT: GPT-2 style or BLOOM style)."""
+
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    ffn_hidden_size: int | None = Field(default=None, gt=0)
+    """Defaults to 4 * hidden_size, as in Megatron."""
+    seq_length: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    position_embedding_type: Literal["absolute", "alibi"] = "absolute"
+    embed_layernorm: bool = False
+    """LayerNorm right after the word embedding (BLOOM)."""
+    pad_vocab_size_to: int | None = Field(default=None, gt=0)
+    make_vocab_size_divisible_by: int = Field(default=128, gt=0)
+    init_method_std: float = Field(default=0.02, gt=0)
+    hidden_dropout: float = Field(default=0.1, ge=0, lt=1)
+    attention_dropout: float = Field(default=0.1, ge=0, lt=1)
+    precision: Literal["fp32", "fp16", "bf16"] = "bf16"
+    checkpoint_activations: bool = False
+    """``--checkpoint-activations``: recompute each layer's activations in the backward pass (full recompute)."""
+
+    @property
+    def ffn_size(self) -> int:
+        """FFN width: ``ffn_hidden_size`` or Megatron's default 4 * hidden_size."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelSpec:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"seq_length {self.seq_length} exceeds max_position_embeddings {self.max_position_embeddings}"
+            )
+        return self
+
+
+class ParallelSpec(_Section):
+    """Layout over the job's nodes: TP x PP model replicas, the rest is data parallel."""
+
+    nodes: int = Field(default=1, gt=0)
+    gpus_per_node: int = Field(default=1, gt=0)
+    """Processes per node (GPUs on a cluster, CPU processes locally)."""
+    gpu: str | None = None
+    """GPU model (``V100``, ``A100``): informative, and picks the default TFLOPs of ``opskit plan``."""
+    gpu_memory_gb: float | None = Field(default=None, gt=0)
+    """Memory of one GPU as vendors count it (32 for a V100-32GB, 80 for an A100-80GB; GiB): ``opskit plan`` warns
+    when its per-GPU estimate exceeds it."""
+    tensor_model_parallel_size: int = Field(default=1, gt=0)
+    pipeline_model_parallel_size: int = Field(default=1, gt=0)
+    pp_partition_method: str | None = Field(default=None, pattern=_ONE_LINE)
+    """``--pp-partition-method`` (Megatron-DeepSpeed), e.g. ``type:transformer|embedding`` (BLOOM-176B): counts the
+    embeddings as layers when balancing pipeline stages, so num_layers need not be a multiple of PP."""
+    zero_stage: Literal[0, 1] = 1
+    deepspeed_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+)?([^\n]*)$")
+    """DeepSpeed version the job will run with; default: the one installed where opskit runs (``opskit submit``)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def model_parallel_size(self) -> int:
+        """GPUs of one model replica: TP * PP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP = GPUs / (TP * PP) (the spec checks that TP * PP divides the GPUs)."""
+        return self.world_size // self.model_parallel_size
+
+
+class BatchSpec(_Section):
+    micro_batch_size: int = Field(gt=0)
+    global_batch_size: int = Field(gt=0)
+    rampup_batch_size: tuple[int, int, int] | None = None
+    """[start, increment, ramp-up samples], Megatron's --rampup-batch-size."""
+    train_samples: int | None = Field(default=None, gt=0)
+    train_iters: int | None = Field(default=None, gt=0)
+    """``--train-iters``: the alternative to train_samples, without a batch ramp-up."""
+    train_tokens: int | None = Field(default=None, gt=0)
+    """``--train-tokens`` (curriculum learning, Megatron-DeepSpeed): stop after this many tokens."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> BatchSpec:
+        if self.rampup_batch_size is not None:
+            start, incr, samples = self.rampup_batch_size
+            if start <= 0 or samples <= 0:
+                raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: the start batch size and the "
+                                 "ramp-up samples must be > 0 (Megatron divides the samples by the increments)")
+            if self.train_iters is not None:
+                raise ValueError("rampup_batch_size needs train_samples: Megatron refuses --rampup-batch-size with "
+                                 "--train-iters (the ramp is counted in samples); replace train_iters with "
+                                 "train_samples")
+        if (self.train_samples is None) == (self.train_iters is None):
+            raise ValueError("set exactly one of train_samples and train_iters (Megatron's --train-samples / "
+                             "--train-iters)")
+        return self
+
+    @property
+    def samples(self) -> int:
+        """Samples of the whole run: train_samples, or train_iters * GBS (train_iters excludes a ramp-up)."""
+        return self.train_samples if self.train_samples is not None else self.train_iters * self.global_batch_size
+
+
+class OptimizerSpec(_Section):
+    lr: float = Field(gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    lr_warmup_samples: int = Field(default=0, ge=0)
+    lr_decay_samples: int | None = Field(default=None, gt=0)
+    lr_decay_tokens: int | None = Field(default=None, gt=0)
+    """``--lr-decay-tokens`` (Megatron-DeepSpeed, with curriculum learning): decay by consumed tokens."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = Field(default=0.01, ge=0)
+    clip_grad: float = Field(default=1.0, ge=0)
+
+
+class DataSpec(_Section):
+    """Where the tokens come from: a corpus that ``opskit data prepare`` turns into a tokenizer and an indexed dataset
+    (``corpus`` + ``dir``), or an indexed dataset prepared elsewhere (``data_path`` or the weighted split files) with
+    its tokenizer. Paths prepared elsewhere are checked by ``opskit submit``, not when the spec is read."""
+
+    corpus: str | list[str] | None = None
+    """A named corpus (``kjv``) or a list of .txt/.jsonl files for ``opskit data prepare``."""
+    dir: str | None = None
+    """Folder that holds tokenizer.json and the indexed dataset (relative paths: to the current directory)."""
+    name: str = "corpus"
+    """Dataset file stem: ``<dir>/<name>_text_document.bin/.idx``."""
+    vocab_size: int = Field(gt=0)
+    """Size of the tokenizer's vocabulary (the BPE that ``opskit data prepare`` trains, or the external one's)."""
+    data_path: str | list[str] | None = None
+    """``--data-path``: an indexed dataset prefix prepared elsewhere, or Megatron's ``weight prefix weight prefix``."""
+    train_weighted_split_paths_path: str | None = None
+    """``--train-weighted-split-paths-path`` (BigScience's catalogue blend, BLOOM-176B)."""
+    valid_weighted_split_paths_path: str | None = None
+    data_impl: Literal["mmap"] | None = None
+    split: str | None = Field(default=None, pattern=r"^\d+(,\d+)*$")
+    """``--split 949,50,1``: train/valid/test proportions of ``data_path``."""
+    tokenizer_type: Literal["PretrainedFromHF", "GPT2BPETokenizer"] = "PretrainedFromHF"
+    tokenizer_name_or_path: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+
+    @property
+    def prepared_by_opskit(self) -> bool:
+        """True when ``opskit data prepare`` builds this data (a corpus), False for a dataset prepared elsewhere."""
+        return self.corpus is not None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        sources = [key for key in ("corpus", "data_path", "train_weighted_split_paths_path")
+                   if getattr(self, key) is not None]
+        if len(sources) != 1:
+            raise ValueError(
+                "set exactly one source: corpus (+ dir, built by `opskit data prepare`), data_path (a Megatron "
+                "indexed dataset prefix) or train_weighted_split_paths_path" + (f"; got {', '.join(sources)}"
+                                                                                if sources else ""))
+        if self.corpus is not None:
+            if self.dir is None:
+                raise ValueError("corpus needs dir, the folder `opskit data prepare` writes the tokenizer and "
+                                 "dataset to")
+            extra = [k for k in ("tokenizer_name_or_path", "vocab_file", "merge_file") if getattr(self, k)]
+            if extra or self.tokenizer_type != "PretrainedFromHF":
+                raise ValueError(f"corpus brings its own tokenizer (opskit data prepare trains it): remove "
+                                 f"{', '.join(extra) or 'tokenizer_type'}")
+        elif self.tokenizer_type == "GPT2BPETokenizer":
+            if not (self.vocab_file and self.merge_file):
+                raise ValueError("tokenizer_type GPT2BPETokenizer needs vocab_file and merge_file "
+                                 "(gpt2-vocab.json, gpt2-merges.txt)")
+        elif not self.tokenizer_name_or_path:
+            raise ValueError("tokenizer_type PretrainedFromHF needs tokenizer_name_or_path (a folder or a Hub name)")
+        if self.train_weighted_split_paths_path is not None and self.valid_weighted_split_paths_path is None:
+            raise ValueError("train_weighted_split_paths_path needs valid_weighted_split_paths_path")
+        return self
+
+
+class CheckpointSpec(_Section):
+    """Checkpoints, evaluation, logging and the seed."""
+
+    save_interval: int = Field(gt=0)
+    log_interval: int = Field(default=1, gt=0)
+    eval_interval: int | None = Field(default=None, gt=0)
+    eval_iters: int | None = Field(default=None, ge=0)
+    tensorboard_queue_size: int | None = Field(default=None, gt=0)
+    seed: int = 42
+
+
+class SlurmSpec(_Section):
+    """The SBATCH header. ``time`` is sbatch's format (minutes, MM:SS, HH:MM:SS, D-HH:MM:SS)."""
+
+    job_name: str | None = Field(default=None, pattern=_ONE_LINE)
+    """Defaults to the spec name."""
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    reservation: str | None = None
+    constraint: str | None = None
+    cpus_per_task: int | None = Field(default=None, gt=0)
+    hint: str | None = None
+    """``--hint`` (BigScience: ``nomultithread``, physical cores only)."""
+    gres: str | None = None
+    time: str = "20:00:00"
+    array: int = Field(default=1, gt=0)
+    """Tasks in a chained array (--array=1-N%1)."""
+    exit_margin_mins: float = Field(default=10, ge=0)
+    """--exit-duration-in-mins = time limit minus this margin (BigScience: 1190 for 20 h)."""
+    signal_margin_secs: int = Field(default=120, ge=0)
+    """SLURM sends USR1 this long before the time limit (--signal=B:USR1@N)."""
+    master_port: int = 6000
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment exported by the job script."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:  # rendered unquoted as `export NAME=...`: anything but an identifier would run as code
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+        return value
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_parses(cls, value: str | int) -> str:
+        value = str(value)  # `time: 90` (minutes) arrives as an int
+        parse_slurm_time(value)  # UNLIMITED has no exit duration: refuse at load time, not at submit
+        return value
+
+    @model_validator(mode="after")
+    def _exit_before_the_limit(self) -> SlurmSpec:
+        limit = self.time_minutes
+        exit_after = limit - self.exit_margin_mins
+        if exit_after >= limit:
+            raise ValueError(f"exit_margin_mins {self.exit_margin_mins:g}: --exit-duration-in-mins {exit_after:g} is "
+                             f"not below the time limit {self.time} ({limit:g} min), so SLURM kills the job before "
+                             "it saves; set a margin of one iteration plus one checkpoint save (BigScience: 10)")
+        if exit_after <= 0:
+            raise ValueError(f"exit_margin_mins {self.exit_margin_mins:g} leaves no training time within the time "
+                             f"limit {self.time} ({limit:g} min): use a smaller margin or a longer time")
+        return self
+
+    @property
+    def time_minutes(self) -> float:
+        """The time limit in minutes, parsed from sbatch's formats."""
+        return parse_slurm_time(self.time)
+
+
+class PathsSpec(_Section):
+    output: str
+    """Run directory (checkpoints/, tensorboard/, logs/main_log.txt, slurm/); relative to the current directory."""
+    hub_repos: dict[str, str] = Field(default_factory=dict)
+    """Hugging Face Hub repositories the run publishes to, by kind (``logs: bigscience/tr11-176B-ml-logs``)."""
+
+
+class CurriculumSpec(_Section):
+    """DeepSpeed's sequence-length curriculum (Li et al. 2021, arXiv:2108.06084), rendered as the DeepSpeed JSON's
+    ``curriculum_learning`` block (``schedule_config`` flattened into this section)."""
+
+    curriculum_type: Literal["seqlen"] = "seqlen"
+    min_difficulty: int = Field(gt=0)
+    """Starting sequence length; a multiple of 8 (Tensor Cores). 64 recommended for large models."""
+    max_difficulty: int | None = Field(default=None, gt=0)
+    """Final sequence length; defaults to model.seq_length ("always", DeepSpeed's guide)."""
+    schedule_type: Literal["fixed_linear", "fixed_root"] = "fixed_linear"
+    total_curriculum_step: int = Field(gt=0)
+    """Steps from min to max difficulty; ~ train_tokens / GBS / seq_length / 2 (DeepSpeed's recommendation)."""
+    difficulty_step: int = Field(default=8, gt=0)
+    root_degree: int | None = Field(default=None, gt=0)
+    """fixed_root only: 2 = square root."""
+
+    @model_validator(mode="after")
+    def _root_degree(self) -> CurriculumSpec:
+        if (self.schedule_type == "fixed_root") != (self.root_degree is not None):
+            raise ValueError("root_degree is required with schedule_type fixed_root, and only there")
+        return self
+
+
+FlagScalar = bool | int | float | str
+FlagValue = FlagScalar | list[int | float | str] | None
+
+# Flags opskit derives from other keys (never from megatron_args): where each comes from.
+_DERIVED_FLAGS = {
+    "fp16": "model.precision", "bf16": "model.precision", "deepspeed": "opskit (always on)",
+    "deepspeed_config": "opskit (the rendered ds_config.json)", "save": "paths.output", "load": "paths.output",
+    "tensorboard_dir": "paths.output", "kill_switch_path": "paths.output",
+    "exit_duration_in_mins": "slurm.time and slurm.exit_margin_mins", "rampup_batch_size": "batch.rampup_batch_size",
+}
+# DeepSpeed JSON keys that other keys of the spec own.
+_DERIVED_DS_KEYS = {
+    ("train_micro_batch_size_per_gpu",): "batch.micro_batch_size", ("train_batch_size",): "batch.global_batch_size",
+    ("gradient_clipping",): "optimizer.clip_grad", ("zero_optimization", "stage"): "parallel.zero_stage",
+    ("fp16", "enabled"): "model.precision", ("bf16", "enabled"): "model.precision",
+    ("curriculum_learning",): "the curriculum_learning section",
+}
+
+
+class Spec(_Section):
+    """A whole training. Built by :func:`load_spec`; fields mirror Megatron-DeepSpeed flags."""
+
+    name: str = Field(pattern=_ONE_LINE)
+    description: str = ""
+    model: ModelSpec
+    parallel: ParallelSpec = ParallelSpec()
+    batch: BatchSpec
+    optimizer: OptimizerSpec
+    data: DataSpec
+    checkpoint: CheckpointSpec
+    slurm: SlurmSpec = SlurmSpec()
+    paths: PathsSpec
+    curriculum_learning: CurriculumSpec | None = None
+    megatron_args: dict[str, FlagValue] = Field(default_factory=dict)
+    """Megatron-DeepSpeed flags no section models, passed verbatim in this order: ``key_name: value`` ->
+    ``--key-name value``; ``true`` -> a bare switch, ``false``/``null`` -> left out, a list -> several values."""
+    deepspeed_config: dict[str, Any] = Field(default_factory=dict)
+    """Extra keys deep-merged into the rendered DeepSpeed JSON (e.g. ``zero_allow_untested_optimizer: true``)."""
+    _file: Path | None = PrivateAttr(default=None)
+    """The YAML file :func:`load_spec` read."""
+    _variant: str | None = PrivateAttr(default=None)
+
+    @field_validator("megatron_args")
+    @classmethod
+    def _verbatim_flags(cls, value: dict[str, FlagValue]) -> dict[str, FlagValue]:
+        for key, flag_value in value.items():
+            if not _FLAG_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is not the snake_case of a flag (write use_bnb_optimizer for "
+                                 "--use-bnb-optimizer)")
+            owner = _DERIVED_FLAGS.get(key) or _structured_owner(key)
+            if owner:
+                raise ValueError(f"{key}: --{key.replace('_', '-')} comes from {owner}; set it there")
+            if isinstance(flag_value, list) and not flag_value:
+                raise ValueError(f"{key}: an empty list; use false or null to leave the flag out")
+        return value
+
+    @field_validator("deepspeed_config")
+    @classmethod
+    def _extra_ds_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for path, owner in _DERIVED_DS_KEYS.items():
+            node: Any = value
+            for part in path:
+                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+            if node is not _MISSING:
+                raise ValueError(f"{'.'.join(path)} comes from {owner}; set it there")
+        return value
+
+    @model_validator(mode="after")
+    def _cluster_rules(self) -> Spec:
+        p, b = self.parallel, self.batch
+        if p.world_size % p.model_parallel_size:
+            sizes = [b.global_batch_size, *(b.rampup_batch_size[:2] if b.rampup_batch_size else ())]
+            nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size,
+                                      p.pipeline_model_parallel_size, b.micro_batch_size, sizes)
+            fix = f"valid parallel.nodes for this layout: {_listed(nodes)}" if nodes else "change TP or PP"
+            raise ValueError(f"parallel: {p.world_size} processes ({p.nodes} nodes x {p.gpus_per_node}) are not "
+                             f"divisible by TP*PP = {p.model_parallel_size}; {fix}")
+        problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems()]
+        version = self.parallel.deepspeed_version
+        if version and (problem := deepspeed_resume_problem(self.model.precision, self.parallel.zero_stage,
+                                                            version)):
+            problems.append(f"parallel.deepspeed_version {version}: {problem}")
+        if (gpus := _gres_gpus(self.slurm.gres)) is not None and gpus != self.parallel.gpus_per_node:
+            problems.append(f"slurm.gres {self.slurm.gres} asks for {gpus} GPUs per node but parallel.gpus_per_node "
+                            f"is {self.parallel.gpus_per_node}: make them equal")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _layout_problems(self) -> list[str]:
+        m, p = self.model, self.parallel
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        problems = []
+        if m.num_attention_heads % tp:
+            problems.append(f"model.num_attention_heads {m.num_attention_heads} is not divisible by "
+                            f"parallel.tensor_model_parallel_size {tp} (Megatron splits heads over TP): use TP in "
+                            f"{_listed(_divisors(m.num_attention_heads))}")
+        elif m.ffn_size % tp:
+            problems.append(f"model.ffn_hidden_size {m.ffn_size} is not divisible by "
+                            f"parallel.tensor_model_parallel_size {tp}: use TP in {_listed(_divisors(m.ffn_size))}")
+        if p.pp_partition_method is None and m.num_layers % pp:
+            problems.append(f"model.num_layers {m.num_layers} is not divisible by "
+                            f"parallel.pipeline_model_parallel_size {pp}: use PP in "
+                            f"{_listed(_divisors(m.num_layers))}, or set parallel.pp_partition_method (e.g. "
+                            "'type:transformer|embedding') to balance uneven stages")
+        elif pp > m.num_layers + 2:
+            problems.append(f"parallel.pipeline_model_parallel_size {pp} exceeds the {m.num_layers} layers (+2 "
+                            "embeddings): some pipeline stages would be empty")
+        if m.pad_vocab_size_to is not None:
+            multiple = m.make_vocab_size_divisible_by * tp
+            if m.pad_vocab_size_to % multiple:
+                fix = math.ceil(m.pad_vocab_size_to / multiple) * multiple
+                problems.append(f"model.pad_vocab_size_to {m.pad_vocab_size_to} is not divisible by "
+                                f"make_vocab_size_divisible_by*TP = {m.make_vocab_size_divisible_by}*{tp} = "
+                                f"{multiple}: use {fix}")
+            elif m.pad_vocab_size_to < self.data.vocab_size:
+                problems.append(f"model.pad_vocab_size_to {m.pad_vocab_size_to} is below data.vocab_size "
+                                f"{self.data.vocab_size}: it must hold every token")
+        return problems
+
+    def _batch_problems(self) -> list[str]:
+        b, p = self.batch, self.parallel
+        mbs_dp = b.micro_batch_size * p.data_parallel_size
+        sizes = [("global_batch_size", b.global_batch_size)]
+        if b.rampup_batch_size is not None:
+            start, incr, _ = b.rampup_batch_size
+            if incr <= 0 or (b.global_batch_size - start) % incr or start > b.global_batch_size:
+                return [f"batch.rampup_batch_size: global_batch_size - start = {b.global_batch_size - start} must "
+                        f"be a positive multiple of the increment {incr}"]
+            sizes += [("rampup_batch_size start", start), ("rampup_batch_size increment", incr)]
+        bad = [(what, gbs) for what, gbs in sizes if gbs % mbs_dp]
+        if not bad:
+            return []
+        nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                  b.micro_batch_size, [gbs for _, gbs in sizes])
+        if nodes:
+            fix = f"valid parallel.nodes for this layout: {_listed(nodes)}"
+        else:
+            fix = (f"no node count works with micro_batch_size {b.micro_batch_size}: use a micro_batch_size that "
+                   f"divides {math.gcd(*[gbs for _, gbs in sizes])}")
+        return [f"batch.{what} {gbs} is not divisible by micro_batch_size*DP = {mbs_dp} "
+                f"({b.micro_batch_size}*{p.data_parallel_size} at {p.nodes} nodes); {fix}" for what, gbs in bad]
+
+    def _curriculum_problems(self) -> list[str]:
+        cl = self.curriculum_learning
+        if cl is None:
+            return []
+        problems = []
+        if cl.min_difficulty % 8:
+            problems.append(f"curriculum_learning.min_difficulty {cl.min_difficulty} is not a multiple of 8 (Tensor "
+                            f"Core alignment, DeepSpeed's curriculum guide): use {cl.min_difficulty // 8 * 8 or 8} "
+                            f"or {(cl.min_difficulty // 8 + 1) * 8}")
+        if cl.difficulty_step % 8:
+            problems.append(f"curriculum_learning.difficulty_step {cl.difficulty_step} is not a multiple of 8 "
+                            "(Tensor Core alignment): use 8")
+        top = self.curriculum_max_difficulty
+        if top > self.model.seq_length:
+            problems.append(f"curriculum_learning.max_difficulty {top} exceeds model.seq_length "
+                            f"{self.model.seq_length}: use {self.model.seq_length}")
+        elif cl.min_difficulty >= top:
+            problems.append(f"curriculum_learning.min_difficulty {cl.min_difficulty} must be below max_difficulty "
+                            f"{top}")
+        return problems
+
+    @property
+    def curriculum_max_difficulty(self) -> int:
+        """The curriculum's final sequence length (its max_difficulty, default model.seq_length)."""
+        assert self.curriculum_learning is not None
+        return self.curriculum_learning.max_difficulty or self.model.seq_length
+
+    @property
+    def variant(self) -> str | None:
+        """The variant of the spec file this spec was built with (``cl`` for ``tr8b-104B:cl``), or None."""
+        return self._variant
+
+    @property
+    def file(self) -> Path | None:
+        """The YAML file the spec was read from."""
+        return self._file
+
+    @property
+    def job_name(self) -> str:
+        return self.slurm.job_name or self.name.replace(":", "-")
+
+    @property
+    def cli_name(self) -> str:
+        """What to pass to other opskit commands for this spec: its name where that finds the same file (a preset,
+        ``trainings/``), else its path (with ``:variant`` where there is one)."""
+        suffix = f":{self._variant}" if self._variant else ""
+        if self._file is None:
+            return self.name
+        base = self.name[: -len(suffix)] if suffix and self.name.endswith(suffix) else self.name
+        try:
+            if find_spec(base).resolve() == self._file.resolve():
+                return base + suffix
+        except SpecError:
+            pass
+        return str(self._file) + suffix
+
+    @property
+    def exit_duration_in_mins(self) -> float:
+        """Time limit minus the margin, so the job saves before SLURM kills it (validated to be in (0, limit))."""
+        return self.slurm.time_minutes - self.slurm.exit_margin_mins
+
+    def expand(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> str:
+        """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``).
+
+        Raises:
+            SpecError: naming the file, ``field`` and the variable when it is not set.
+        """
+        env = os.environ if environ is None else environ
+
+        def substitute(match: re.Match) -> str:
+            var = match.group(1) or match.group(2)
+            if var not in env:
+                raise SpecError(f"{self._file or self.name}: {field}: ${var} is not set in this environment; export "
+                                "it (as on the cluster's login node) or write the path out")
+            return env[var]
+
+        return _ENV_VAR.sub(substitute, value)
+
+
+_MISSING = object()
+
+
+def _structured_owner(key: str) -> str | None:
+    """``section.key`` of the spec field named like a flag, if a section models it."""
+    for section in ("model", "parallel", "batch", "optimizer", "data", "checkpoint"):
+        annotation = Spec.model_fields[section].annotation
+        if key in annotation.model_fields:
+            return f"{section}.{key}"
+    return None
+
+
+def _gres_gpus(gres: str | None) -> int | None:
+    """GPUs per node in an sbatch ``--gres`` value (``gpu:4``, ``gpu:a100:8``), None when it names no GPU count."""
+    if not gres:
+        return None
+    match = re.fullmatch(r"gpu(?::[^:,]+)?:(\d+)", gres.strip())
+    return int(match.group(1)) if match else None
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _listed(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def valid_node_counts(gpus_per_node: int, tp: int, pp: int, micro_batch_size: int, batch_sizes: list[int]) -> list[int]:
+    """Node counts whose data-parallel size lets every batch size in ``batch_sizes`` split into micro-batches.
+
+    A layout is valid when ``nodes * gpus_per_node = TP * PP * DP`` and ``MBS * DP`` divides every batch size (for a
+    ramp-up: the start, the increment and the final GBS, hence every GBS on the way). Source: Megatron's
+    ``RampupBatchsizeNumMicroBatches`` divisibility assert; tr1-13B README ("we can do only DP_SIZE=16, which means
+    that at most we can use 32 nodes").
+
+    Returns:
+        the valid node counts, ascending (empty when MBS divides no common batch size).
+    """
+    common = 0
+    for size in batch_sizes:
+        common = math.gcd(common, size)
+    if common == 0 or common % micro_batch_size:
+        return []
+    nodes = set()
+    for dp in _divisors(common // micro_batch_size):
+        world = dp * tp * pp
+        if world % gpus_per_node == 0:
+            nodes.add(world // gpus_per_node)
+    return sorted(nodes)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def deepspeed_resume_problem(precision: str, zero_stage: int, version: str) -> str | None:
+    """Why bf16 with ZeRO stage 0 cannot resume on this DeepSpeed version, or None.
+
+    DeepSpeed 0.18.0 (PR #7586) stopped loading ZeRO checkpoint files when ZeRO is off, while bf16 still saved its
+    optimizer states into them (BF16_Optimizer, which the pipeline engine uses for bf16 + ZeRO-0, as BLOOM-176B did);
+    0.18.5 (PR #7786) saves and loads them with the model states again. In between, every resume silently restarts
+    Adam's moments and step count from zero. Read from deepspeedai/DeepSpeed's engine.py at v0.17.6, v0.18.0,
+    v0.18.4 and v0.18.5 (``load_zero_checkpoint`` / ``zero_optimizer_state`` conditions).
+    """
+    if precision != "bf16" or zero_stage != 0:
+        return None
+    parsed = _version_tuple(version)
+    if (0, 18, 0) <= parsed < (0, 18, 5):
+        return (f"bf16 with zero_stage 0 on DeepSpeed {version} saves the optimizer states but never loads them back "
+                "(DeepSpeed 0.18.0-0.18.4; fixed in 0.18.5, deepspeedai/DeepSpeed#7786), so every resume restarts "
+                "Adam from zero: use DeepSpeed >= 0.18.5 (or <= 0.17.x), or zero_stage 1")
+    return None
+
+
 def padded_vocab_size(vocab_size: int, model: ModelSpec, tp: int) -> int:
     """Megatron's vocab padding: ``--pad-vocab-size-to`` or the next multiple of make_vocab_size_divisible_by * TP."""
     if model.pad_vocab_size_to is not None:
@@ -288,22 +690,39 @@ def padded_vocab_size(vocab_size: int, model: ModelSpec, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+# --------------------------------------------------------------------------- finding and reading specs
+
+
 def preset_names() -> list[str]:
     """Names of the bundled presets."""
     files = resources.files("opskit.presets").iterdir()
     return sorted(p.name[: -len(".yaml")] for p in files if p.name.endswith(".yaml"))
 
 
+def _preset_file(name: str) -> Path:
+    return Path(str(resources.files("opskit.presets") / f"{name}.yaml"))
+
+
 def _candidates() -> dict[str, Path]:
     """Spec name -> file; the user's ``trainings/`` folder shadows bundled presets of the same name."""
-    found = {name: Path(str(resources.files("opskit.presets") / f"{name}.yaml")) for name in preset_names()}
+    found = {name: _preset_file(name) for name in preset_names()}
     if USER_SPEC_DIR.is_dir():
         found.update({p.stem: p for p in sorted(USER_SPEC_DIR.glob("*.yaml"))})
     return found
 
 
+def split_variant(name_or_path: str) -> tuple[str, str | None]:
+    """``tr8b:cl`` -> (``tr8b``, ``cl``); a name, path or existing file without a variant -> (it, None)."""
+    if ":" not in name_or_path or Path(name_or_path).is_file():
+        return name_or_path, None
+    base, _, variant = name_or_path.rpartition(":")
+    if base and _VARIANT_NAME.fullmatch(variant):
+        return base, variant
+    return name_or_path, None
+
+
 def find_spec(name_or_path: str) -> Path:
-    """Resolve a spec argument to its YAML file.
+    """Resolve a spec argument (without its ``:variant``) to its YAML file.
 
     Raises:
         SpecError: when nothing or more than one spec matches.
@@ -324,13 +743,7 @@ def find_spec(name_or_path: str) -> Path:
     raise SpecError(f"no spec named {name_or_path!r}; known: {', '.join(sorted(candidates))}")
 
 
-def load_spec(name_or_path: str) -> Spec:
-    """Find, read and validate a spec.
-
-    Raises:
-        SpecError: one line naming the file and every invalid field with what was expected.
-    """
-    path = find_spec(name_or_path)
+def _read_yaml(path: Path) -> dict:
     try:
         raw = yaml.load(path.read_text(), Loader=_SpecLoader)
     except yaml.YAMLError as e:
@@ -339,24 +752,122 @@ def load_spec(name_or_path: str) -> Spec:
         raise SpecError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of sections (model, batch, ...), got {type(raw).__name__}")
+    return raw
+
+
+def _variants_of(path: Path, raw: dict) -> dict[str, dict]:
+    """The file's ``variants`` mapping, checked: names, partial-spec mappings, no nested ``variants``/``name``."""
+    variants = raw.get("variants") or {}
+    if not isinstance(variants, dict):
+        raise SpecError(f"{path}: variants: expected a mapping of variant name -> partial spec")
+    for name, overlay in variants.items():
+        if not isinstance(name, str) or not _VARIANT_NAME.fullmatch(name):
+            raise SpecError(f"{path}: variants: {name!r} is not a valid variant name (letters, digits, _ . -)")
+        if not isinstance(overlay, dict):
+            raise SpecError(f"{path}: variants.{name}: expected a mapping of sections, got {type(overlay).__name__}")
+        for key in ("variants", "name"):
+            if key in overlay:
+                raise SpecError(f"{path}: variants.{name}.{key}: not allowed in a variant (it is named "
+                                f"NAME:{name} after its file)")
+    return variants
+
+
+def deep_merge(base: Mapping, overlay: Mapping) -> dict:
+    """``overlay`` over ``base``: mappings merge key by key, anything else replaces, ``None`` deletes the key."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A spec file's mapping with its variant applied, before validation."""
+
+    path: Path
+    raw: dict
+    variant: str | None
+    variants: list[str]
+    """Variant names the file defines."""
+
+
+def resolve_spec(name_or_path: str, overrides: Mapping | None = None) -> ResolvedSpec:
+    """Find a spec file and apply ``:variant`` and then ``overrides`` (deep merges); no validation.
+
+    Raises:
+        SpecError: unknown spec or variant, unreadable YAML.
+    """
+    base, variant = split_variant(name_or_path)
+    path = find_spec(base)
+    raw = _read_yaml(path)
+    variants = _variants_of(path, raw)
+    raw = {k: v for k, v in raw.items() if k != "variants"}
+    if variant is not None:
+        if variant not in variants:
+            known = ", ".join(variants) or "none"
+            raise SpecError(f"{path}: no variant {variant!r} (known: {known})")
+        raw = deep_merge(raw, variants[variant])
+        raw["name"] = f"{raw.get('name', path.stem)}:{variant}"
+    if overrides:
+        raw = deep_merge(raw, overrides)
     raw.setdefault("name", path.stem)
+    return ResolvedSpec(path, raw, variant, list(variants))
+
+
+def load_spec(name_or_path: str, overrides: Mapping | None = None) -> Spec:
+    """Find, read and validate a spec: ``NAME``, ``NAME:VARIANT``, a unique prefix or a YAML path.
+
+    Args:
+        overrides: a partial spec deep-merged last (``opskit plan --nodes 24`` passes ``{"parallel": {"nodes": 24}}``).
+
+    Raises:
+        SpecError: one line naming the file and every invalid field with what was expected.
+    """
+    resolved = resolve_spec(name_or_path, overrides)
+    return validate_spec(resolved.raw, resolved.path, resolved.variant, overrides)
+
+
+def validate_spec(raw: Mapping, path: Path, variant: str | None = None, overrides: Mapping | None = None) -> Spec:
+    """Validate a resolved mapping as a :class:`Spec` read from ``path``.
+
+    Raises:
+        SpecError: ``<path>[: variant V]: field: reason; ...`` on one line.
+    """
     try:
-        spec = Spec.model_validate(raw)
+        spec = Spec.model_validate(dict(raw))
     except ValidationError as e:
-        raise SpecError(f"{path}: {_describe(e)}") from None
+        where = f"{path}: variant {variant}" if variant else f"{path}"
+        given = f" (with {_flatten(overrides)} from the command line)" if overrides else ""
+        raise SpecError(f"{where}: {_describe(e)}{given}") from None
     spec._file = path
+    spec._variant = variant
     return spec
 
 
+def _flatten(mapping: Mapping, prefix: str = "") -> str:
+    parts = []
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            parts.append(_flatten(value, f"{prefix}{key}."))
+        else:
+            parts.append(f"{prefix}{key}={value}")
+    return ", ".join(parts)
+
+
 def _describe(error: ValidationError) -> str:
-    """Every pydantic error as `field.path: message`, joined on one line."""
+    """Every pydantic error as `field.path: message`, joined on one line (cross-section rules name their fields)."""
     parts = []
     for err in error.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        field = ".".join(str(p) for p in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             message = f"unknown key (expected one of: {', '.join(_section_keys(err['loc'][:-1]))})"
-        parts.append(f"{field}: {message}")
+        parts.append(f"{field}: {message}" if field else message)
     return "; ".join(parts)
 
 
@@ -364,8 +875,136 @@ def _section_keys(loc: tuple) -> list[str]:
     """The valid keys of the section at `loc` (a pydantic error location), for 'unknown key' messages."""
     model: type[BaseModel] = Spec
     for part in loc:
-        annotation = model.model_fields[str(part)].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        annotation = _model_of(model.model_fields[str(part)].annotation)
+        if annotation is None:
             return []
         model = annotation
-    return list(model.model_fields)
+    keys = list(model.model_fields)
+    return [*keys, "variants"] if model is Spec else keys
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model in an annotation (``CurriculumSpec | None`` -> CurriculumSpec)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        for member in typing.get_args(annotation):
+            if isinstance(member, type) and issubclass(member, BaseModel):
+                return member
+    return None
+
+
+# --------------------------------------------------------------------------- listing and creating specs
+
+
+@dataclass(frozen=True)
+class SpecEntry:
+    """One row of ``opskit specs list``."""
+
+    name: str
+    """``NAME`` or ``NAME:VARIANT``, as other commands accept it."""
+    description: str
+    source: Path
+    origin: Literal["preset", "trainings"]
+
+
+def list_specs() -> list[SpecEntry]:
+    """Every spec and variant that a name finds: the user's ``trainings/*.yaml`` (first) and the bundled presets they
+    do not shadow. Unreadable files are listed with their one-line error as description."""
+    entries = []
+    candidates = _candidates()
+    user = {name for name, path in candidates.items() if path.parent == USER_SPEC_DIR}
+    for name in sorted(candidates, key=lambda n: (n not in user, n)):
+        path = candidates[name]
+        origin: Literal["preset", "trainings"] = "trainings" if name in user else "preset"
+        try:
+            raw = _read_yaml(path)
+            variants = _variants_of(path, raw)
+        except SpecError as e:
+            entries.append(SpecEntry(name, f"error: {e}", path, origin))
+            continue
+        entries.append(SpecEntry(name, str(raw.get("description", "")), path, origin))
+        for variant, overlay in variants.items():
+            entries.append(SpecEntry(f"{name}:{variant}", str(overlay.get("description", "")), path, origin))
+    return entries
+
+
+@dataclass(frozen=True)
+class CreatedSpec:
+    path: Path
+    source: Path
+    renamed: list[str]
+    """Fields where the source's name was replaced by the new one (``paths.output``, ``slurm.job_name``, ...)."""
+    still_named: list[str]
+    """Other string fields that still mention the source's name: to check by hand."""
+
+
+def create_user_spec(name: str, source: str) -> CreatedSpec:
+    """Write ``trainings/NAME.yaml`` from ``source`` (a preset, ``NAME:VARIANT`` or a path), validated first.
+
+    The copy is the source's mapping with its variant applied (a copy of a whole file keeps its variants); the
+    source's name is replaced by ``name`` in ``paths.*`` and ``slurm.job_name`` (of the variants too), so the new
+    training never writes into the source's run directory or shares its SLURM job name.
+
+    Raises:
+        SpecError: invalid name, an existing file (never overwritten), or an invalid source spec.
+    """
+    if not _SPEC_NAME.fullmatch(name):
+        raise SpecError(f"spec name {name!r}: use letters, digits and _ . - (it becomes trainings/{name}.yaml)")
+    resolved = resolve_spec(source)
+    validate_spec(resolved.raw, resolved.path, resolved.variant)
+    old = resolved.path.stem
+    raw = dict(resolved.raw)
+    raw.pop("name", None)
+    if resolved.variant is None:
+        whole = _read_yaml(resolved.path)
+        if "variants" in whole:
+            raw["variants"] = whole["variants"]
+    renamed: list[str] = []
+    raw = _renamed(raw, old, name, "", renamed)
+    still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description"))
+    target = USER_SPEC_DIR / f"{name}.yaml"
+    header = (f"# Created by `opskit specs new {name} --from {source}` from {resolved.path}; see that file for the "
+              "source of each value.\n")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(target, "x") as out:  # exclusive create: never overwrite, even racing another `specs new`
+            out.write(header + yaml.safe_dump(raw, sort_keys=False, width=120))
+    except FileExistsError:
+        raise SpecError(f"{target} already exists: pick another name, or edit that file") from None
+    return CreatedSpec(target, resolved.path, renamed, still)
+
+
+def _renamed(raw: dict, old: str, new: str, prefix: str, renamed: list[str]) -> dict:
+    out = dict(raw)
+    for section, keys in (("paths", None), ("slurm", ("job_name",))):
+        values = out.get(section)
+        if not isinstance(values, dict):
+            continue
+        values = dict(values)
+        for key, value in values.items():
+            if keys is not None and key not in keys:
+                continue
+            if isinstance(value, str) and old in value:
+                values[key] = value.replace(old, new)
+                renamed.append(f"{prefix}{section}.{key}")
+            elif isinstance(value, dict):  # paths.hub_repos
+                replaced = {k: v.replace(old, new) if isinstance(v, str) else v for k, v in value.items()}
+                if replaced != value:
+                    values[key] = replaced
+                    renamed.append(f"{prefix}{section}.{key}")
+        out[section] = values
+    if isinstance(out.get("variants"), dict):
+        out["variants"] = {v: _renamed(o, old, new, f"variants.{v}.", renamed) if isinstance(o, dict) else o
+                           for v, o in out["variants"].items()}
+    return out
+
+
+def _mentions(value: Any, old: str, where: str) -> set[str]:
+    if isinstance(value, str):
+        return {where.rstrip(".")} if old in value else set()
+    if isinstance(value, dict):
+        return set().union(*(_mentions(v, old, f"{where}{k}.") for k, v in value.items()))
+    if isinstance(value, list):
+        return set().union(*(_mentions(v, old, where) for v in value))
+    return set()

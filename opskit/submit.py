@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import yaml
 
 from opskit.fsutil import atomic_write_text
-from opskit.runs import RunPaths, data_paths
+from opskit.runs import RunPaths
 from opskit.slurm import client, local
-from opskit.slurm.render import render_job
-from opskit.spec import Spec
+from opskit.slurm.render import data_files, render_job, trainer_args, trainer_rejections
+from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
 
 
 class SubmitError(RuntimeError):
@@ -29,12 +28,44 @@ class Submission:
 
 
 def check_data(spec: Spec) -> None:
-    """The job would fail minutes later in the queue without its data: refuse now."""
-    tokenizer_dir, data_prefix = data_paths(spec)
-    missing = [p for p in (tokenizer_dir / "tokenizer.json", Path(f"{data_prefix}.bin"), Path(f"{data_prefix}.idx"))
-               if not p.is_file()]
-    if missing:
-        raise SubmitError(f"{missing[0]} is missing: run `opskit data prepare {shlex.quote(spec.cli_name)}` first")
+    """The job would fail minutes later in the queue without its data: refuse now.
+
+    Raises:
+        SubmitError: the first missing file, with the command or step that makes it.
+    """
+    missing = [(field, path) for field, path in data_files(spec) if not path.is_file()]
+    if not missing:
+        return
+    field, path = missing[0]
+    if spec.data.prepared_by_opskit:
+        raise SubmitError(f"{path} is missing: run `opskit data prepare {shlex.quote(spec.cli_name)}` first")
+    how = _MAKES.get(field, "Megatron's tools/preprocess_data.py writes indexed datasets")
+    raise SubmitError(f"{path} is missing ({field} of {spec.file or spec.name}): prepare it before submitting ({how})")
+
+
+# What makes each kind of data file a spec may read (the hint of check_data's refusal).
+_MAKES = {
+    "data.train_weighted_split_paths_path": "BigScience wrote it with data/catalogue/load_ratios_meg_ds_format.py",
+    "data.valid_weighted_split_paths_path": "BigScience wrote it with data/catalogue/load_ratios_meg_ds_format.py",
+    "data.vocab_file": "GPT-2's gpt2-vocab.json",
+    "data.merge_file": "GPT-2's gpt2-merges.txt",
+    "data.tokenizer_name_or_path": "a tokenizer folder saved with transformers' save_pretrained",
+}
+
+
+def check_trainer(spec: Spec, run: RunPaths) -> None:
+    """Refuse a job that opskit's trainer or this DeepSpeed would reject or could not resume.
+
+    Raises:
+        SubmitError: the trainer's flag problems (unknown flags, refused combinations), or the DeepSpeed version's.
+    """
+    where = spec.file or spec.name
+    if problems := trainer_rejections(trainer_args(spec, run)):
+        raise SubmitError(f"{where}: opskit's trainer would exit at once on this job: {'; '.join(problems)}; "
+                          "remove those settings from the spec (megatron_args holds the verbatim flags)")
+    version = spec.parallel.deepspeed_version or installed_deepspeed_version()
+    if version and (problem := deepspeed_resume_problem(spec.model.precision, spec.parallel.zero_stage, version)):
+        raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
 
 
 def render_run(spec: Spec) -> RunPaths:
@@ -59,11 +90,13 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         on_local_task: progress callback for the local executor, ``(task_id, job_id)``.
 
     Raises:
-        SubmitError: missing data or unknown executor. ``client.SlurmError`` when sbatch fails.
+        SubmitError: missing data, a job the trainer would refuse, unknown executor. ``client.SlurmError`` when
+            sbatch fails. ``SpecError`` for a ``$VAR`` of the spec that is not set here.
     """
     if executor not in ("slurm", "local"):
         raise SubmitError(f"--executor {executor}: expected 'slurm' or 'local'")
     check_data(spec)
+    check_trainer(spec, RunPaths.of(spec))
     tasks = array or spec.slurm.array
     run = render_run(spec)
     if executor == "local":

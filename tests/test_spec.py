@@ -77,14 +77,17 @@ def test_ambiguous_prefix_and_unknown_name_list_candidates(in_tmp):
 
     with pytest.raises(SpecError) as info:
         load_spec("tr1")
-    assert str(info.value) == "spec 'tr1' is ambiguous: tr11-176B-ml, tr11b-1B3"
+    assert str(info.value) == "spec 'tr1' is ambiguous: tr1-13B, tr11-176B-ml, tr11b-1B3"
 
     assert load_spec("tr11-").name == "tr11-176B-ml"
-    assert load_spec("tr8").name == "tr8-104B"
+    assert load_spec("tr8-").name == "tr8-104B"
+    with pytest.raises(SpecError, match=r"^spec 'tr8' is ambiguous: tr8-104B, tr8b-104B$"):
+        load_spec("tr8")
 
     with pytest.raises(SpecError) as info:
         load_spec("tr12")
-    assert str(info.value) == "no spec named 'tr12'; known: tiny, tr11-176B-ml, tr11b-1B3, tr8-104B"
+    assert str(info.value) == ("no spec named 'tr12'; known: tiny, tr1-13B, tr11-176B-ml, tr11b-1B3, tr8-104B, "
+                               "tr8b-104B")
 
 
 def test_trainings_folder_shadows_presets(in_tmp):
@@ -118,7 +121,8 @@ def test_unknown_key_lists_valid_keys(in_tmp):
     raw["slurmm"] = raw.pop("slurm")
     message = spec_error(write(in_tmp / "section.yaml", raw))
     assert message == (f"{in_tmp / 'section.yaml'}: slurmm: unknown key (expected one of: name, description, model, "
-                       f"parallel, batch, optimizer, data, checkpoint, slurm, paths)")
+                       f"parallel, batch, optimizer, data, checkpoint, slurm, paths, curriculum_learning, "
+                       f"megatron_args, deepspeed_config, variants)")
 
 
 def test_wrong_type_names_the_field(in_tmp):

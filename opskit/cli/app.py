@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from opskit import __version__
-from opskit.cli import ckpt, data, logs, plan, status, submit, sync, train
+from opskit.cli import ckpt, data, logs, plan, specs, status, submit, sync, train
 
 app = typer.Typer(
     name="opskit",
@@ -39,6 +39,7 @@ app.command("sync")(sync.sync)
 app.add_typer(ckpt.app, name="ckpt")
 app.add_typer(logs.app, name="logs")
 app.add_typer(data.app, name="data")
+app.add_typer(specs.app, name="specs")
 
 
 def main() -> None:

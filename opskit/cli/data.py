@@ -15,9 +15,11 @@ app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 def prepare(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
     """Train the spec's BPE tokenizer and write its indexed dataset (skipped when already up to date)."""
     from opskit.data import prepare_data
+    from opskit.runs import corpus_inputs
     from opskit.spec import load_spec
 
     spec = load_spec(name)
+    corpus, output_dir = corpus_inputs(spec)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         tasks: dict[str, int] = {}
@@ -27,8 +29,7 @@ def prepare(name: str = typer.Argument(..., help="Spec name, unique prefix or YA
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
-        result = prepare_data(spec.data.corpus, spec.data.dir, spec.data.vocab_size, name=spec.data.name,
-                              progress=progress)
+        result = prepare_data(corpus, output_dir, spec.data.vocab_size, name=spec.data.name, progress=progress)
     verb = "up to date" if result.reused else "prepared"
     console.print(f"data {verb}: {result.num_documents} documents, {result.num_tokens:,} tokens, "
                   f"vocab {result.vocab_size}")

@@ -1,34 +1,160 @@
-"""``opskit plan NAME``: a spec turned into numbers."""
+"""``opskit plan NAME``: a spec turned into numbers (opskit.plan computes, this prints)."""
 
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from opskit.cli._common import console, friendly_errors, print_json
+from opskit.cli._common import console, err_console, friendly_errors, print_json
+
+ROWS_SHOWN = 6
+"""Ramp-up rows shown at each end of the table (``--json`` has them all)."""
 
 
 @friendly_errors
 def plan(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    name: str = typer.Argument(..., help="Spec name (NAME or NAME:VARIANT), unique prefix or YAML path."),
+    nodes: int = typer.Option(None, "--nodes", min=1, help="Plan this many nodes instead of the spec's."),
+    gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs for the time estimate (default: the layout's)."),
+    tflops: float = typer.Option(None, "--tflops", min=0.001,
+                                 help="Achieved TFLOPs per GPU (default: BigScience's figure for the spec's GPU)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output (keys: docs/plan.md)."),
 ) -> None:
-    """Parameters, layout, iterations and memory of a training spec."""
+    """Parameters, memory, layout, batch ramp-up, LR and curriculum schedules, FLOPs and days of a training spec."""
     from opskit.plan import make_plan
     from opskit.spec import load_spec
 
-    spec = load_spec(name)
-    result = make_plan(spec)
+    spec = load_spec(name, overrides={"parallel": {"nodes": nodes}} if nodes else None)
+    result = make_plan(spec, tflops=tflops, gpus=gpus)
     if json_output:
         print_json({"name": spec.name, **result.as_dict()})
         return
-    table = Table(title=f"plan: {spec.name}", show_header=False)
-    table.add_row("parameters", f"{result.parameters:,} ({result.parameters / 1e9:.3f}B)")
-    table.add_row("hidden/layers, hidden/heads", f"{result.hidden_per_layer:.0f}, {result.hidden_per_head:.0f}")
-    p = spec.parallel
-    table.add_row("layout", f"{p.world_size} processes = TP {p.tensor_model_parallel_size} x PP "
-                            f"{p.pipeline_model_parallel_size} x DP {result.data_parallel_size}")
-    table.add_row("train iterations", f"{result.train_iters:,}")
-    table.add_row("tokens", f"{result.tokens:,}")
-    table.add_row("model states per GPU (18 B/param / (TP*PP))", f"{result.model_state_gb_per_gpu:.2f} GB")
-    console.print(table)
+    for table in _tables(spec, result):
+        console.print(table)
+    for warning in result.warnings:
+        err_console.print(f"warning: {warning}", markup=False)
+
+
+def _table(title: str) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    return table
+
+
+def _num(value: float) -> str:
+    """A size for a table cell: one decimal from 10 up, three significant digits below (tiny models)."""
+    return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+def _nodes(values: list[int]) -> str:
+    return ", ".join(str(v) for v in values) if values else "none"
+
+
+def _tables(spec, result) -> list[Table]:
+    pp, m, lay, b, lr, t = result.parameters, result.memory, result.layout, result.batch, result.lr, result.time
+    tables = []
+
+    model = _table(f"plan: {escape(spec.name)} - model")
+    model.add_row("parameters", f"{pp.total:,} ({pp.total / 1e9:.3f}B), {pp.architecture.upper()} formula, padded "
+                                f"vocab {pp.padded_vocab_size:,}")
+    model.add_row("README formula", f"{pp.readme_formula:,} -> {pp.readme_formula / 1e9:.0f}B  (l*(12h^2+13h) + V*h + "
+                                    f"s*h + 2h, V = {spec.data.vocab_size:,})")
+    model.add_row("per layer / embeddings", f"{pp.per_layer:,} / {pp.embedding:,}")
+    model.add_row("hidden/layers, hidden/heads", f"{pp.hidden_per_layer:.0f}, {pp.hidden_per_head:.0f}")
+    tables.append(model)
+
+    memory = _table("memory")
+    parts = " + ".join(f"{v} {k.replace('_', ' ')}" for k, v in m.bytes_per_parameter.items() if v)
+    memory.add_row("bytes per parameter", f"{m.total_bytes_per_parameter} = {parts}")
+    rounded = (f" ({m.total_bytes_per_parameter} x {pp.readme_billions}B = {m.replica_gb_readme:,.0f} GB as the "
+               "READMEs round it)" if pp.readme_billions else "")
+    memory.add_row("model states per replica", f"{_num(m.replica_gb)} GB{rounded}")
+    memory.add_row("sharding", f"{m.sharding} (/{m.sharded_over})")
+    stage = m.stages[m.heaviest_stage]
+    holds = (" + embeddings" if stage.embedding else "") + (" + LM head" if stage.lm_head else "")
+    memory.add_row("heaviest GPU", f"pipeline stage {stage.index}: {stage.layers} layers{holds}, "
+                                   f"{stage.parameters_per_gpu / 1e9:.3f}B parameters per GPU, "
+                                   f"{stage.in_flight_microbatches} micro-batches in flight")
+    memory.add_row("  model states", f"{_num(m.model_state_gib_per_gpu)} GiB")
+    chosen = "  (the spec's choice)"
+    memory.add_row("  activations, recompute", f"{_num(m.activation_gib_per_gpu_recompute)} GiB"
+                                               f"{chosen if m.activation_checkpointing else ''}")
+    memory.add_row("  activations, no recompute", f"{_num(m.activation_gib_per_gpu_no_recompute)} GiB"
+                                                  f"{'' if m.activation_checkpointing else chosen}")
+    capacity = f" of {m.gpu_memory_gib:g} GiB" if m.gpu_memory_gib else ""
+    verdict = "" if m.fits is None else ("  fits" if m.fits else "  DOES NOT FIT")
+    memory.add_row("  total", f"{_num(m.total_gib_per_gpu)} GiB{capacity}{verdict}")
+    tables.append(memory)
+
+    layout = _table("layout")
+    gpu = f" ({escape(spec.parallel.gpu)})" if spec.parallel.gpu else ""
+    layout.add_row("GPUs", f"{lay.world_size} = {lay.nodes} nodes x {lay.gpus_per_node}{gpu}")
+    layout.add_row("TP x PP x DP", f"{lay.tensor_parallel} x {lay.pipeline_parallel} x {lay.data_parallel}: "
+                                   f"{lay.replicas} replicas of {lay.gpus_per_replica} GPUs "
+                                   f"({lay.nodes_per_replica:g} nodes)")
+    layout.add_row("micro-batches per iteration", f"{lay.microbatches_per_iteration} (GBS {b.global_batch_size} / "
+                                                  f"(MBS {b.micro_batch_size} x DP {lay.data_parallel}))")
+    if b.rampup_start is not None:
+        layout.add_row("valid nodes, ramp-up", f"{_nodes(lay.valid_nodes_rampup)}  (GBS steps of "
+                                               f"{b.rampup_increment}, granularity MBS x DP = {lay.batch_granularity})")
+    layout.add_row("valid nodes, GBS " + str(b.global_batch_size), _nodes(lay.valid_nodes_full_batch))
+    tables.append(layout)
+
+    ramp = Table(title="batch size schedule", title_justify="left")
+    for column in ("GBS", "iterations", "samples", "README's steps"):
+        ramp.add_column(column, justify="right")
+    if b.rampup_start is not None:
+        ramp.caption = (f"--rampup-batch-size {b.rampup_start} {b.rampup_increment} {b.rampup_samples:_}: "
+                        f"{b.num_increments} increments of {b.samples_per_increment:,.2f} samples; ramp-up "
+                        f"{b.rampup_iterations:,} iterations, {b.rampup_consumed_samples:,} samples")
+    rows = b.rows
+    shown = rows if len(rows) <= 2 * ROWS_SHOWN + 1 else [*rows[:ROWS_SHOWN], None, *rows[-ROWS_SHOWN:]]
+    for row in shown:
+        if row is None:
+            ramp.add_row("...", "", "", "")
+            continue
+        ramp.add_row(str(row.global_batch_size), f"{row.iterations:,}", f"{row.samples:,}",
+                     "" if row.nominal_iterations is None else f"{row.nominal_iterations:,}")
+    tables.append(ramp)
+
+    schedule = _table("schedule")
+    schedule.add_row("train samples / iterations", f"{b.train_samples:,} / {b.train_iters:,} (the log's "
+                                                   f"'iteration N/ {b.train_iters}')")
+    schedule.add_row("tokens", f"{b.tokens:,} ({b.tokens / 1e9:,.1f}B)")
+    schedule.add_row("LR", f"{lr.lr:g} -> {lr.min_lr:g}, {lr.decay_style}")
+    schedule.add_row("LR warmup", f"{lr.warmup_samples:,} samples = {lr.warmup_iterations:,} iterations")
+    if lr.decay_samples is not None:
+        schedule.add_row("LR decay", f"{lr.decay_samples:,} samples = {lr.decay_iterations:,} iterations")
+    if lr.decay_tokens is not None:
+        schedule.add_row("LR decay", f"{lr.decay_tokens:,} tokens = {lr.decay_tokens_iterations:,} iterations")
+    tables.append(schedule)
+
+    if (cl := result.curriculum) is not None:
+        curriculum = _table("curriculum learning")
+        curriculum.add_row("seqlen", f"{cl.min_difficulty} -> {cl.max_difficulty} by {cl.difficulty_step}, "
+                                     f"{cl.schedule_type}")
+        curriculum.add_row("total_curriculum_step", f"{cl.total_curriculum_step:,} (recommended ~"
+                                                    f"{cl.recommended_total_curriculum_step:,.0f} = tokens / GBS / "
+                                                    "seq_length / 2)")
+        curriculum.add_row("iterations per seqlen step", f"{cl.iterations_per_difficulty_step:.1f}")
+        curriculum.add_row("tokens during the curriculum", f"{cl.curriculum_tokens:,}")
+        if cl.iterations_to_train_tokens is not None:
+            curriculum.add_row("iterations to train_tokens", f"{cl.iterations_to_train_tokens:,}")
+        tables.append(curriculum)
+
+    time = _table("throughput and time")
+    time.add_row("FLOPs per iteration", f"{t.flops_per_iteration_recompute:.4g} with recompute, "
+                                        f"{t.flops_per_iteration_no_recompute:.4g} without (full GBS)")
+    if t.tflops is None:
+        time.add_row("days", "pass --tflops X (achieved TFLOPs per GPU)")
+    else:
+        time.add_row("TFLOPs per GPU", f"{t.tflops:g} ({t.tflops_source}) on {t.gpus} GPUs")
+        time.add_row("seconds per iteration", f"{t.seconds_per_iteration:.2f} at GBS {b.global_batch_size}")
+        time.add_row("days", f"{t.days:.2f}  (tokens x {t.flops_per_token_per_parameter} x params / (GPUs x TFLOPs))")
+        if t.days_with_rampup_slowdown is not None and b.rampup_start is not None:
+            time.add_row("days with ramp-up slowdown", f"{t.days_with_rampup_slowdown:.2f}  (ramp-up: "
+                                                       f"{t.rampup_days:.2f} days, pipeline bubble (m+p-1)/m)")
+    tables.append(time)
+    return tables

@@ -7,16 +7,19 @@ stay literal; the ``#SBATCH`` header too, since sbatch splits its lines on white
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
 from opskit.runs import RunPaths, data_paths
-from opskit.spec import Spec
+from opskit.spec import Spec, deep_merge
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm_templates"
 
@@ -29,10 +32,17 @@ def _flag(key: str) -> str:
     return "--" + (key if key in _UNDERSCORE_FLAGS else key.replace("_", "-"))
 
 
-def trainer_args(spec: Spec, run: RunPaths) -> list[str]:
-    """The ``python -m opskit.train`` flags for a spec, Megatron-DeepSpeed spelling (key ``a_b`` -> ``--a-b``)."""
+def trainer_args(spec: Spec, run: RunPaths, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``python -m opskit.train`` flags for a spec, Megatron-DeepSpeed spelling (key ``a_b`` -> ``--a-b``): the
+    structured sections first, then the data flags, then ``megatron_args`` verbatim, then the switches.
+
+    Args:
+        environ: where ``$VAR`` values come from (default ``os.environ``).
+
+    Raises:
+        SpecError: a ``$VAR`` in a path or flag value that is not set in this environment.
+    """
     m, p, b, o, c = spec.model, spec.parallel, spec.batch, spec.optimizer, spec.checkpoint
-    tokenizer_dir, data_prefix = data_paths(spec)
     values: dict[str, object] = {
         "num_layers": m.num_layers,
         "hidden_size": m.hidden_size,
@@ -48,16 +58,20 @@ def trainer_args(spec: Spec, run: RunPaths) -> list[str]:
         "pad_vocab_size_to": m.pad_vocab_size_to,
         "tensor_model_parallel_size": p.tensor_model_parallel_size,
         "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+        "pp_partition_method": p.pp_partition_method,
         "zero_stage": p.zero_stage,
         "micro_batch_size": b.micro_batch_size,
         "global_batch_size": b.global_batch_size,
         "rampup_batch_size": b.rampup_batch_size,
         "train_samples": b.train_samples,
+        "train_iters": b.train_iters,
+        "train_tokens": b.train_tokens,
         "lr": o.lr,
         "min_lr": o.min_lr,
         "lr_decay_style": o.lr_decay_style,
         "lr_warmup_samples": o.lr_warmup_samples,
         "lr_decay_samples": o.lr_decay_samples,
+        "lr_decay_tokens": o.lr_decay_tokens,
         "adam_beta1": o.adam_beta1,
         "adam_beta2": o.adam_beta2,
         "adam_eps": o.adam_eps,
@@ -66,44 +80,157 @@ def trainer_args(spec: Spec, run: RunPaths) -> list[str]:
         "seed": c.seed,
         "log_interval": c.log_interval,
         "save_interval": c.save_interval,
+        "eval_interval": c.eval_interval,
+        "eval_iters": c.eval_iters,
         "exit_duration_in_mins": spec.exit_duration_in_mins,
         "save": run.checkpoints,
         "load": run.checkpoints,
         "tensorboard_dir": run.tensorboard,
+        "tensorboard_queue_size": c.tensorboard_queue_size,
         "kill_switch_path": run.kill_switch,
-        "data_path": data_prefix,
-        "tokenizer_type": "PretrainedFromHF",
-        "tokenizer_name_or_path": tokenizer_dir,
+        **data_flags(spec, environ),
         "deepspeed_config": run.ds_config,
     }
+    switches = {"embed_layernorm": m.embed_layernorm, "checkpoint_activations": m.checkpoint_activations,
+                "fp16": m.precision == "fp16", "bf16": m.precision == "bf16", "deepspeed": True}
+    for key, value in spec.megatron_args.items():
+        if value is True:
+            switches[key] = True
+        elif value is not False:
+            values[key] = _expanded(spec, value, f"megatron_args.{key}", environ)
     args: list[str] = []
     for key, value in values.items():
         if value is None:
             continue
         args.append(_flag(key))
-        args.extend(str(v) for v in value) if isinstance(value, tuple) else args.append(str(value))
-    switches = {"embed_layernorm": m.embed_layernorm, "fp16": m.precision == "fp16",
-                "bf16": m.precision == "bf16", "deepspeed": True}
+        args.extend(str(v) for v in value) if isinstance(value, (tuple, list)) else args.append(str(value))
     args += [_flag(key) for key, on in switches.items() if on]
     return args
 
 
+def _expanded(spec: Spec, value, field: str, environ: Mapping[str, str] | None = None):
+    """``value`` (a flag value or a list of them) with ``$VAR`` expanded in its strings."""
+    if isinstance(value, list):
+        return [_expanded(spec, v, field, environ) for v in value]
+    return spec.expand(value, field, environ) if isinstance(value, str) else value
+
+
+def data_flags(spec: Spec, environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The data and tokenizer flags: what ``opskit data prepare`` wrote (a corpus), or the spec's own paths.
+
+    Raises:
+        SpecError: a ``$VAR`` in a data path that is not set in this environment.
+    """
+    d = spec.data
+    if d.prepared_by_opskit:
+        tokenizer_dir, data_prefix = data_paths(spec, environ)
+        return {"data_path": data_prefix, "tokenizer_type": "PretrainedFromHF", "tokenizer_name_or_path": tokenizer_dir}
+    flags: dict[str, object] = {}
+    for key in ("data_path", "train_weighted_split_paths_path", "valid_weighted_split_paths_path"):
+        if (value := getattr(d, key)) is not None:
+            flags[key] = _expanded(spec, value, f"data.{key}", environ)
+    flags.update(data_impl=d.data_impl, split=d.split, tokenizer_type=d.tokenizer_type)
+    for key in ("tokenizer_name_or_path", "vocab_file", "merge_file"):
+        if (value := getattr(d, key)) is not None:
+            flags[key] = spec.expand(value, f"data.{key}", environ)
+    return flags
+
+
+def data_files(spec: Spec) -> list[tuple[str, Path]]:
+    """(field, file) of every local file the job reads its data and tokenizer from; a tokenizer given as a Hub name
+    (no such local folder) is left out, since the job reads it from the Hugging Face cache.
+
+    Raises:
+        SpecError: a ``$VAR`` in a data path that is not set in this environment.
+    """
+    d = spec.data
+    if d.prepared_by_opskit:
+        tokenizer_dir, prefix = data_paths(spec)
+        return [("data.dir", tokenizer_dir / "tokenizer.json"), ("data.dir", Path(f"{prefix}.bin")),
+                ("data.dir", Path(f"{prefix}.idx"))]
+    flags = data_flags(spec)
+    files: list[tuple[str, Path]] = []
+    if "data_path" in flags:
+        prefixes = flags["data_path"] if isinstance(flags["data_path"], list) else [flags["data_path"]]
+        for prefix in prefixes:
+            if _is_number(prefix):  # Megatron's blend: weight prefix weight prefix ...
+                continue
+            files += [("data.data_path", Path(f"{prefix}.bin")), ("data.data_path", Path(f"{prefix}.idx"))]
+    for key in ("train_weighted_split_paths_path", "valid_weighted_split_paths_path", "vocab_file", "merge_file"):
+        if key in flags:
+            files.append((f"data.{key}", Path(str(flags[key]))))
+    tokenizer = flags.get("tokenizer_name_or_path")
+    if tokenizer is not None and Path(str(tokenizer)).is_dir():
+        files.append(("data.tokenizer_name_or_path", Path(str(tokenizer)) / "tokenizer.json"))
+    return files
+
+
+def _is_number(text) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def trainer_rejections(args: list[str]) -> list[str]:
+    """Why ``python -m opskit.train`` would exit at once on ``args`` (its own argparse rules), or [].
+
+    Lists every flag the trainer does not define, then the first error its parser and checks report for the rest
+    (an invalid choice, a missing required flag, a combination it refuses). Pure Python: the trainer's flag module
+    imports only argparse.
+    """
+    from opskit.train import args as trainer_flags
+
+    parser = trainer_flags.build_parser()
+    known = {option for action in parser._actions for option in action.option_strings}
+    unknown: list[str] = []
+    kept: list[str] = []
+    skipping = False
+    for arg in args:
+        if arg.startswith("--"):
+            skipping = arg not in known
+            if skipping:
+                unknown.append(arg)
+                continue
+        elif skipping:
+            continue
+        kept.append(arg)
+    problems = [f"it does not accept {', '.join(unknown)}"] if unknown else []
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            trainer_flags.parse_args(kept)
+    except SystemExit:
+        lines = [line for line in stderr.getvalue().splitlines() if "error: " in line]
+        problems.append(lines[-1].split("error: ", 1)[1] if lines else stderr.getvalue().strip())
+    return problems
+
+
 def deepspeed_config(spec: Spec) -> dict:
-    """The DeepSpeed JSON the job passes with ``--deepspeed_config`` (as BigScience's heredoc wrote it)."""
+    """The DeepSpeed JSON the job passes with ``--deepspeed_config`` (as BigScience's heredoc wrote it), with the
+    curriculum-learning block and the spec's extra ``deepspeed_config`` keys."""
     config: dict = {
         "train_micro_batch_size_per_gpu": spec.batch.micro_batch_size,
         "train_batch_size": spec.batch.global_batch_size,
         "gradient_clipping": spec.optimizer.clip_grad,
         "zero_optimization": {"stage": spec.parallel.zero_stage},
-        "steps_per_print": 2000,
-        "wall_clock_breakdown": False,
     }
     if spec.model.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                           "min_loss_scale": 1, "initial_scale_power": 12}
     elif spec.model.precision == "bf16":
         config["bf16"] = {"enabled": True}
-    return config
+    if (cl := spec.curriculum_learning) is not None:
+        schedule = {"total_curriculum_step": cl.total_curriculum_step, "difficulty_step": cl.difficulty_step}
+        if cl.root_degree is not None:
+            schedule["root_degree"] = cl.root_degree
+        config["curriculum_learning"] = {
+            "enabled": True, "curriculum_type": cl.curriculum_type, "min_difficulty": cl.min_difficulty,
+            "max_difficulty": spec.curriculum_max_difficulty, "schedule_type": cl.schedule_type,
+            "schedule_config": schedule}
+    config.update(steps_per_print=2000, wall_clock_breakdown=False)
+    return deep_merge(config, spec.deepspeed_config)
 
 
 @dataclass(frozen=True)
@@ -128,6 +255,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable) -> Rende
         "nodes": spec.parallel.nodes,
         "ntasks-per-node": 1,
         "cpus-per-task": s.cpus_per_task,
+        "hint": s.hint,
         "gres": s.gres,
         "time": s.time,
         "signal": f"B:USR1@{s.signal_margin_secs}",
@@ -140,7 +268,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable) -> Rende
         python=python,
         gpus_per_node=spec.parallel.gpus_per_node,
         master_port=s.master_port,
-        env=s.env,
+        env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},
         trainer_args=" ".join(shlex.quote(a) for a in trainer_args(spec, run)),
     )
     return RenderedJob(script=script, ds_config=json.dumps(deepspeed_config(spec), indent=2) + "\n")

@@ -1,0 +1,64 @@
+"""``opskit specs list|show|new``: the bundled presets and the project's ``trainings/*.yaml``."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from opskit.cli._common import console, err_console, friendly_errors
+
+app = typer.Typer(help="List, show and create training specs.", no_args_is_help=True)
+
+
+@app.command("list")
+@friendly_errors
+def list_() -> None:
+    """Every spec a NAME finds: trainings/*.yaml first, then the bundled presets, with their variants."""
+    from opskit.spec import list_specs
+
+    table = Table(title="specs (NAME or NAME:VARIANT)", title_justify="left")
+    for column in ("name", "description", "source"):
+        table.add_column(column, overflow="fold")
+    for entry in list_specs():
+        source = f"preset {entry.source.name}" if entry.origin == "preset" else str(entry.source)
+        table.add_row(Text(entry.name), Text(entry.description), Text(source))
+    console.print(table)
+
+
+@app.command("show")
+@friendly_errors
+def show(
+    name: str = typer.Argument(..., help="Spec name (NAME or NAME:VARIANT), unique prefix or YAML path."),
+    defaults: bool = typer.Option(False, "--defaults", help="Every field, with the defaults the file leaves out."),
+) -> None:
+    """The spec as opskit reads it: validated, its variant merged in (YAML on stdout)."""
+    import yaml
+
+    from opskit.spec import resolve_spec, validate_spec
+
+    resolved = resolve_spec(name)
+    spec = validate_spec(resolved.raw, resolved.path, resolved.variant)
+    data = spec.model_dump(mode="json") if defaults else resolved.raw
+    header = f"# {spec.cli_name} from {resolved.path}"
+    if resolved.variants and resolved.variant is None:
+        header += f"; variants: {', '.join(resolved.variants)} (NAME:VARIANT)"
+    console.print(header + "\n" + yaml.safe_dump(data, sort_keys=False, width=120), markup=False, end="")
+
+
+@app.command("new")
+@friendly_errors
+def new(
+    name: str = typer.Argument(..., help="Name of the new spec: writes trainings/NAME.yaml."),
+    source: str = typer.Option(..., "--from", help="Preset, NAME:VARIANT or YAML path to start from."),
+) -> None:
+    """Start a spec of your own from a preset (never overwrites an existing file)."""
+    from opskit.spec import create_user_spec
+
+    created = create_user_spec(name, source)
+    console.print(f"wrote {created.path} (from {created.source})", markup=False)
+    if created.renamed:
+        console.print(f"  renamed for {name}: {', '.join(created.renamed)}", markup=False)
+    if created.still_named:
+        err_console.print(f"warning: still mentions {created.source.stem}: {', '.join(created.still_named)}; "
+                          "check them", markup=False)
