@@ -62,7 +62,8 @@ def _tables(spec, result) -> list[Table]:
     model.add_row("README formula", f"{pp.readme_formula:,} -> {pp.readme_formula / 1e9:.0f}B  (l*(12h^2+13h) + V*h + "
                                     f"s*h + 2h, V = {spec.data.vocab_size:,})")
     model.add_row("per layer / embeddings", f"{pp.per_layer:,} / {pp.embedding:,}")
-    model.add_row("hidden/layers, hidden/heads", f"{pp.hidden_per_layer:.0f}, {pp.hidden_per_head:.0f}")
+    # int() like the READMEs' sanity check (14336/70 -> 204)
+    model.add_row("hidden/layers, hidden/heads", f"{int(pp.hidden_per_layer)}, {int(pp.hidden_per_head)}")
     tables.append(model)
 
     memory = _table("memory")
