@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON; missing keys are filled from the flags")
     g.add_argument("--zero-stage", type=int, choices=[0, 1], default=1)
     g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--torch-compile", action="store_true",
+                   help="opskit extension: torch.compile each transformer layer (GPUs)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, gloo on CPU")
 

@@ -21,6 +21,18 @@ def megatron_flops_per_iteration(batch_size: int, seq: int, layers: int, hidden:
     return 24 * c * batch_size * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
 
 
+def memory_line(rank: int, iteration: int) -> str:
+    """Megatron's one-time GPU memory report: ``[Rank N] (after K iterations) memory (MB) | allocated: ... |``."""
+    import torch
+
+    mb = 2**20
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB) | "
+            f"allocated: {torch.cuda.memory_allocated() / mb:.1f} | "
+            f"max allocated: {torch.cuda.max_memory_allocated() / mb:.1f} | "
+            f"reserved: {torch.cuda.memory_reserved() / mb:.1f} | "
+            f"max reserved: {torch.cuda.max_memory_reserved() / mb:.1f}")
+
+
 @dataclass
 class IntervalStats:
     """Sums over the iterations since the last log line (Megatron prints averages over ``--log-interval``)."""

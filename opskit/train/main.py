@@ -144,10 +144,11 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         TensorBoard,
         iteration_line,
         megatron_flops_per_iteration,
+        memory_line,
         print_datetime,
     )
     from opskit.train.model import GPTConfig
-    from opskit.train.pipe import GPTModelPipe, make_topology
+    from opskit.train.pipe import GPTModelPipe, compile_transformer_layers, make_topology
     from opskit.train.schedules import AnnealingLR, BatchRampup, num_microbatches
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -164,7 +165,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
     # Megatron takes the earliest start over all ranks, so every rank agrees on when to stop.
-    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64)
+    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(start, op=dist.ReduceOp.MIN)
     train_start_time = float(start.item())
 
@@ -192,8 +193,13 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
 
     rampup = BatchRampup(args.global_batch_size, tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
     train_iters = rampup.train_iters(args.train_samples)
+    if args.torch_compile:
+        compile_transformer_layers(model)
+    if torch.cuda.is_available():
+        model.cuda()  # before the optimizer: fused AdamW wants its parameters on the GPU already
     optimizer = torch.optim.AdamW(_param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps, weight_decay=args.weight_decay)
+                                  eps=args.adam_eps, weight_decay=args.weight_decay,
+                                  fused=torch.cuda.is_available())  # one kernel per step on GPUs
     consumed = {"samples": 0}
     scheduler = AnnealingLR(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
@@ -229,6 +235,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     stats = IntervalStats(started=time.time())
     last_saved = iteration if args.load and iteration else None
     exit_reason = None
+    memory_reported = False
     if rank == 0:
         print_datetime("before the start of training step")
     while iteration < train_iters:
@@ -261,6 +268,9 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
                     nan_iterations=stats.nan_iterations, tflops=tflops), flush=True)
             tensorboard.interval(iteration, consumed["samples"], consumed_tokens, seconds, global_batch_size,
                                  args.seq_length, dp, tflops)
+            if not memory_reported and torch.cuda.is_available():
+                print(memory_line(rank, iteration), flush=True)
+                memory_reported = True
             stats = IntervalStats(started=time.time())
 
         if args.save and iteration % args.save_interval == 0:
@@ -281,6 +291,13 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     return 0
 
 
+def _collective_device():
+    """Where small all-reduce tensors live: NCCL only reduces GPU tensors, gloo CPU ones."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _kill_switch_on(args: argparse.Namespace) -> bool:
     return bool(args.kill_switch_path) and os.path.exists(args.kill_switch_path)
 
@@ -290,7 +307,7 @@ def _on_any_rank(*flags: bool) -> list[bool]:
     import torch
     import torch.distributed as dist
 
-    tensor = torch.tensor([float(f) for f in flags])
+    tensor = torch.tensor([float(f) for f in flags], device=_collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [bool(v) for v in tensor.tolist()]
 

@@ -224,6 +224,24 @@ def attention_bias(cfg: GPTConfig, seq: int, device: torch.device) -> torch.Tens
     return slopes[:, None, None] * positions[None, None, :] + causal
 
 
+def flex_alibi_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """Causal ALiBi attention with FlexAttention on GPUs: the bias ``slope_h * (k - q)`` is applied inside the fused
+    kernel and fully masked blocks are skipped, instead of materialising a ``[heads, s, s]`` bias.
+    ``q, k, v: [b, heads/TP, s, head_dim] -> [b, heads/TP, s, head_dim]``."""
+    kernel, block_mask, slopes = _flex_alibi(q.shape[2], q.device, cfg.num_attention_heads, *tp_size_and_rank(cfg))
+    return kernel(q, k, v, score_mod=lambda score, b, h, qi, ki: score + slopes[h] * (ki - qi), block_mask=block_mask)
+
+
+@lru_cache(maxsize=8)
+def _flex_alibi(seq: int, device: torch.device, heads: int, tp: int, rank: int):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    local = heads // tp
+    slopes = alibi_slopes(heads)[rank * local:(rank + 1) * local].to(device)
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, seq, seq, device=device)
+    return torch.compile(flex_attention), block_mask, slopes
+
+
 class SelfAttention(nn.Module):
     """Fused QKV projection (rows ordered per head ``[head][q|k|v][head_dim]``, Megatron checkpoint_version >= 2.0)."""
 
@@ -234,13 +252,19 @@ class SelfAttention(nn.Module):
         self.query_key_value = linear(cfg, cfg.hidden_size, 3 * cfg.hidden_size, cfg.init_method_std, "column")
         self.dense = linear(cfg, cfg.hidden_size, cfg.hidden_size, output_std, "row")
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
         b, s, _ = x.shape
         heads, head_dim = self.local_heads, self.cfg.head_dim
         qkv = self.query_key_value(x).view(b, s, heads, 3, head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each [b, heads, s, head_dim]
         dropout = self.cfg.attention_dropout if self.training else 0.0
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout)
+        if self.cfg.position_embedding_type == "alibi" and q.is_cuda and dropout == 0.0:
+            context = flex_alibi_attention(q, k, v, self.cfg)
+        elif self.cfg.position_embedding_type == "alibi":
+            bias = attention_bias(self.cfg, s, x.device).to(q.dtype)
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
+        else:  # no bias to add: the fused causal kernels (flash attention on GPUs)
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return self.dense(context.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -272,8 +296,7 @@ class ParallelTransformerLayerPipe(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
-        bias = attention_bias(self.cfg, x.shape[1], x.device)
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), bias))
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x)))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 

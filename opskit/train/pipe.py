@@ -70,3 +70,10 @@ class GPTModelPipe(PipelineModule):
 def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
     """Axes ``['pipe', 'data', 'model']``: TP fastest, then DP, then PP (the order megatron-core uses too)."""
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+
+
+def compile_transformer_layers(model: GPTModelPipe) -> None:
+    """``torch.compile`` every transformer block of this stage in place (same parameters, same state-dict keys)."""
+    for layer in model.forward_funcs:
+        if isinstance(layer, ParallelTransformerLayerPipe):
+            layer.compile()

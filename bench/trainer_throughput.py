@@ -1,0 +1,118 @@
+"""Throughput of opskit's trainer on one GPU, next to Hugging Face transformers in the same run.
+
+Model: the 1.3B GPT-2 shape of the reference baselines (24 layers, hidden 2048, 16 heads, seq 2048, vocab 50304),
+micro-batch 4, bf16, ZeRO-1, one process. Data: random tokens in a Megatron indexed dataset (speed only; nothing is
+learned). The trainer runs as users run it (``python -m opskit.train``) and its own log lines give the seconds per
+iteration; MFU = Megatron's model FLOPs without recompute / 989 TFLOP/s (H100 dense bf16).
+
+Usage (on a GPU machine, DeepSpeed and megatron-core installed)::
+
+    python bench/trainer_throughput.py [gpt] [bloom] [hf] [hf-bloom] --iters 30 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+L, H, HEADS, S, VOCAB = 24, 2048, 16, 2048, 50257  # padded to 50304 by the trainer
+PEAK_FLOPS = float(os.environ.get("PEAK", "989e12"))
+BLOOM = ["--position-embedding-type", "alibi", "--embed-layernorm"]
+TRAINER_VARIANTS = {"gpt": [], "gpt-compile": ["--torch-compile"], "bloom": BLOOM,
+                    "bloom-compile": [*BLOOM, "--torch-compile"]}
+
+
+def model_flops(batch: int, padded_vocab: int = 50304) -> float:
+    """Megatron's FLOPs per iteration without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
+    return 72 * batch * S * L * H * H * (1 + S / (6 * H) + padded_vocab / (12 * L * H))
+
+
+def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
+    """Random tokens as one indexed dataset, and a word-level tokenizer.json with VOCAB entries."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    prefix = folder / "random_text_document"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(tokens // 8192):
+        builder.add_item(torch.from_numpy(rng.integers(0, VOCAB, 8192, dtype=np.int64)))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    tokenizer_dir = folder / "tokenizer"
+    tokenizer_dir.mkdir()
+    Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(tokenizer_dir / "tokenizer.json"))
+    return prefix, tokenizer_dir
+
+
+def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int) -> dict:
+    args = [
+        "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
+        "--max-position-embeddings", str(S), "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs),
+        "--train-samples", str(mbs * iters), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-samples", str(mbs),
+        "--bf16", "--zero-stage", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5",
+        "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), "--seed", "1", *extra,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-m", "opskit.train", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO)
+    if done.returncode != 0:
+        print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
+        return {"name": name, "error": f"exit {done.returncode}"}
+    # The log's TFLOPs (model FLOPs without recompute, 2 decimals) is more precise than its seconds (2 decimals).
+    tflops = [float(t) for t in re.findall(r"TFLOPs: ([\d.]+)", done.stdout)]
+    steady_tflops = statistics.median(tflops[1:]) if len(tflops) > 1 else tflops[0]  # window 1 holds warm-up
+    steady = model_flops(mbs) / (steady_tflops * 1e12)
+    peak = re.findall(r"max allocated: ([\d.]+)", done.stdout)
+    return {"name": name, "s_per_iter": round(steady, 4), "tokens_per_s": round(mbs * S / steady),
+            "mfu": round(model_flops(mbs) / steady / PEAK_FLOPS, 4),
+            "log_tflops": steady_tflops,
+            "peak_mem_gb": round(float(peak[0]) / 1024, 1) if peak else None}
+
+
+def run_hf(which: str, iters: int, mbs: int) -> dict:
+    env = dict(os.environ, MBS=str(mbs), STEPS=str(iters), PYTHONUNBUFFERED="1")
+    script = os.environ.get("GPU_BASELINE", str(REPO / "bench" / "gpu_baseline.py"))
+    done = subprocess.run([sys.executable, script, which], capture_output=True, text=True, env=env)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
+        return {"name": which, "error": f"exit {done.returncode}"}
+    return lines[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("which", nargs="*", default=["gpt", "hf"])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--out", default=None)
+    opts = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data, tokenizer = make_data(Path(tmp), tokens=(opts.iters + 5) * opts.mbs * (S + 1) * 2)
+        for which in opts.which:
+            if which in TRAINER_VARIANTS:
+                results.append(run_trainer(f"opskit-{which}", TRAINER_VARIANTS[which], data, tokenizer, opts.iters,
+                                           opts.mbs))
+            else:
+                results.append(run_hf(which, opts.iters, opts.mbs))
+            print(json.dumps(results[-1]), flush=True)
+    if opts.out:
+        Path(opts.out).write_text(json.dumps(results, indent=2))
+    print("SUMMARY", json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
