@@ -7,6 +7,7 @@ Every run is a real subprocess (or two under torchrun). Runs that several tests 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_trainer, tiny_trainer_args
@@ -477,3 +479,300 @@ def test_tensorboard_scalars(baseline):
     assert lrs[1] == pytest.approx(7.5e-4) and lrs[TRAIN_SAMPLES // GBS] == pytest.approx(3e-4)
     assert {e.value for e in events.Scalars("batch-size/batch-size")} == {GBS}
     assert {e.step: e.value for e in events.Scalars("iteration-time/world_size")}[0] == 1
+
+
+# ---------------------------------------------------------------------------------------------------------- 11. valid
+
+VALIDATION = re.compile(r"^(?P<dashes>-+)\n(?P<line> validation loss at (?P<prefix>.+?) \| lm loss value: "
+                        r"(?P<loss>\d\.\d{6}E[-+]\d{2}) \| lm loss PPL: (?P<ppl>\d\.\d{6}E[-+]\d{2}) \| )\n"
+                        r"(?P=dashes)$", re.M)
+EVAL_ITERS = 2
+
+
+def validations(stdout: str) -> dict[str, re.Match]:
+    """Prefix (``iteration 10``, ``the end of training for val data``) -> the matched three-line block."""
+    found = {m["prefix"]: m for m in VALIDATION.finditer(stdout)}
+    assert len(found) == stdout.count("validation loss at"), stdout[-3000:]
+    return found
+
+
+@pytest.fixture(scope="module")
+def validated(kjv_data, tmp_path_factory):
+    """20 iterations validating every 10 (2 global batches each), checkpoints every 10; and the same run stopped at
+    10 and resumed."""
+    runs = {}
+    for name, exit_interval in (("straight", None), ("stopped", 10), ("resumed", None)):
+        out = tmp_path_factory.mktemp("valid") if name != "resumed" else runs["stopped"].out
+        args = tiny_trainer_args(kjv_data, out, train_samples=20 * GBS, save_interval=10, eval_interval=10,
+                                 eval_iters=EVAL_ITERS, exit_interval=exit_interval,
+                                 log_validation_ppl_to_tensorboard=True)
+        done = succeeded(run_trainer(args))
+        runs[name] = argparse.Namespace(out=out, save=out / "checkpoints", stdout=done.stdout,
+                                        validations=validations(done.stdout))
+    return runs
+
+
+def test_split_document_ranges_megatron_rule():
+    from opskit.train.data import split_document_ranges
+
+    assert split_document_ranges("969, 30, 1", 1189) == [(0, 1152), (1152, 1188), (1188, 1189)]
+    assert split_document_ranges("949,50,1", 1000) == [(0, 949), (949, 999), (999, 1000)]
+    assert split_document_ranges("98/2", 10) == [(0, 10), (10, 10), (10, 10)]  # 9.8 -> 10, 0.2 -> 0
+    # Rounding up overshoots by one document: the diff comes off every boundary after the first.
+    assert split_document_ranges("1,1,1", 8) == [(0, 2), (2, 5), (5, 8)]
+
+
+def test_train_samples_never_read_valid_documents(kjv_data):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from opskit.train.data import GPTSamples, split_document_ranges
+
+    class Recording:
+        def __init__(self, dataset):
+            self.sequence_lengths, self.dataset, self.read = dataset.sequence_lengths, dataset, set()
+
+        def get(self, index, offset, length):
+            self.read.add(index)
+            return self.dataset.get(index, offset=offset, length=length)
+
+    dataset = Recording(IndexedDataset(str(kjv_data.data_prefix)))
+    (train_begin, train_end), (valid_begin, valid_end), _ = split_document_ranges("949,50,1",
+                                                                                 len(dataset.sequence_lengths))
+    train = GPTSamples(dataset, SEQ, 1234, documents=(train_begin, train_end))
+    for i in range(train.samples_per_epoch + 100):  # a whole epoch and the start of the next
+        train[i]
+    assert dataset.read == set(range(train_begin, train_end))
+    dataset.read.clear()
+    valid = GPTSamples(dataset, SEQ, 1234, documents=(valid_begin, valid_end))
+    for i in range(valid.samples_per_epoch):
+        valid[i]
+    assert dataset.read == set(range(valid_begin, valid_end))
+
+
+def test_validation_lines_have_megatron_format(validated):
+    found = validated["straight"].validations
+    assert list(found) == ["iteration 10", "iteration 20", "the end of training for val data"]
+    stdout = validated["straight"].stdout
+    for match in found.values():
+        assert len(match["dashes"]) == len(match["line"]) + 1
+        loss, ppl = float(match["loss"]), float(match["ppl"])
+        assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
+        assert 0 < loss < 10
+    # Megatron's order: iteration line, validation, save; the end-of-training one after "after training is done".
+    assert stdout.index(" iteration       10/") < stdout.index("validation loss at iteration 10") < stdout.index(
+        "saving checkpoint at iteration      10")
+    assert stdout.index("[after training is done]") < stdout.index("validation loss at the end of training")
+    assert float(found["iteration 20"]["loss"]) < float(found["iteration 10"]["loss"])
+
+
+def test_validation_loss_matches_an_independent_evaluation(validated, kjv_data):
+    """The printed loss is the mean token cross-entropy of the plain model loaded from the same step on the next
+    EVAL_ITERS * GBS samples of the valid split (the validation sample order continues from one evaluation to the
+    next); the counter is saved as Megatron's args.consumed_valid_samples."""
+    import torch.nn.functional as F
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from opskit.train.data import GPTSamples, split_document_ranges
+    from opskit.train.inference import GPTModel
+
+    run = validated["straight"]
+    dataset = IndexedDataset(str(kjv_data.data_prefix))
+    valid = GPTSamples(dataset, SEQ, 1234, documents=split_document_ranges("969, 30, 1",
+                                                                           len(dataset.sequence_lengths))[1])
+    per_eval = EVAL_ITERS * GBS
+    for n, (step, prefix) in enumerate(((10, "iteration 10"), (20, "iteration 20"),
+                                        (20, "the end of training for val data"))):
+        model = GPTModel.from_checkpoint(run.save, step=step)
+        batch = torch.from_numpy(np.stack([valid[i] for i in range(n * per_eval, (n + 1) * per_eval)]))
+        with torch.no_grad():
+            logits = model(batch[:, :-1])
+        want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1)).item()
+        assert float(run.validations[prefix]["loss"]) == pytest.approx(want, rel=1e-5), prefix
+    for step, consumed in ((10, per_eval), (20, 2 * per_eval)):
+        saved = _load(run.save / f"global_step{step}" / "mp_rank_00_model_states.pt")["args"]
+        assert saved.consumed_valid_samples == consumed
+
+
+def test_validation_resumes_exactly(validated):
+    stopped, resumed, straight = (validated[k] for k in ("stopped", "resumed", "straight"))
+    assert list(stopped.validations) == ["iteration 10"]  # an exit skips the end-of-training evaluation
+    assert list(resumed.validations) == ["iteration 20", "the end of training for val data"]
+    for prefix, match in {**stopped.validations, **resumed.validations}.items():
+        assert match["line"] == straight.validations[prefix]["line"], prefix
+
+
+def test_validation_tensorboard(validated):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(validated["straight"].out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("lm loss validation", "lm loss validation ppl"):
+        assert {f"lm-loss-validation/{name}{s}" for s in ("", " vs samples", " vs tokens")} <= tags
+    found = validated["straight"].validations
+    by_step = [(e.step, e.value) for e in events.Scalars("lm-loss-validation/lm loss validation")]
+    assert [s for s, _ in by_step] == [10, 20, 20]
+    assert [v for _, v in by_step] == pytest.approx([float(m["loss"]) for m in found.values()], rel=1e-6)
+    ppl = [e.value for e in events.Scalars("lm-loss-validation/lm loss validation ppl")]
+    assert ppl == pytest.approx([math.exp(float(m["loss"])) for m in found.values()], rel=1e-5)
+    samples = [e.step for e in events.Scalars("lm-loss-validation/lm loss validation vs samples")]
+    assert samples == [10 * GBS, 20 * GBS, 20 * GBS]
+
+
+@pytest.mark.parametrize("split", ["969,30,x", "1,2,3,4", "0,0,0", "1,-2"])
+def test_bad_split_is_a_one_line_error(kjv_data, tmp_path, split):
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, split=split, save=None, load=None))
+    one_line_error(done, "--split", split)
+
+
+def test_no_validation_by_default(baseline):
+    assert "validation loss" not in baseline.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------- 12. skip
+
+def test_skip_ranges_parse_like_megatron():
+    from opskit.train.args import parse_skip_ranges
+
+    assert parse_skip_ranges(["251-300", "101-200"]) == [[101, 200], [251, 300]]
+    assert parse_skip_ranges(["1-5", "2-6", "8-8"]) == [[1, 6], [8, 8]]
+    assert parse_skip_ranges(["1-5", "6-10"]) == [[1, 5], [6, 10]]  # only overlapping ranges merge
+
+
+@pytest.mark.parametrize("value", ["101", "200-101", "a-b", "1-2-3"])
+def test_bad_skip_range_is_a_one_line_error(kjv_data, tmp_path, value):
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, skip_train_iteration_range=value, save=None, load=None))
+    one_line_error(done, "--skip-train-iteration-range", value)
+
+
+def test_skip_range_skips_exactly_those_global_batches(kjv_data, tmp_path):
+    """With the learning rate at 0 the loss of an iteration depends on its data only: skipping iterations 6-10 makes
+    iterations 6.. see the data of iterations 11.. of the run without the flag (whole global batches, GBS 8 = two
+    micro-batches), while the printed iteration, LR and consumed samples go on as if nothing was skipped."""
+    runs = {}
+    for name, skip in (("plain", None), ("skip", "6-10")):
+        args = tiny_trainer_args(kjv_data, tmp_path / name, train_samples=15 * GBS, lr=0.0, min_lr=0.0,
+                                 skip_train_iteration_range=skip, save=None, load=None)
+        runs[name] = succeeded(run_trainer(args)).stdout
+    plain, skip = printed(runs["plain"]), printed(runs["skip"])
+    assert sorted(skip) == list(range(1, 16))
+    assert runs["skip"].count("Skipped iterations 6 to 10 due to --skip-train-iteration-range flag.") == 1
+    for iteration in range(1, 6):
+        assert skip[iteration]["loss"] == plain[iteration]["loss"], iteration
+    for iteration in range(6, 11):
+        assert skip[iteration]["loss"] == plain[iteration + 5]["loss"], iteration
+    for iteration, f in skip.items():
+        assert (f["samples"], f["lr"]) == (plain[iteration]["samples"], plain[iteration]["lr"]), iteration
+
+
+def test_skip_range_keeps_lr_and_resumes_without_skipping_again(kjv_data, tmp_path, baseline):
+    """A real schedule: iterations 1-5 and every iteration's LR and consumed samples are the baseline's, iteration 6
+    differs (other data); a run stopped at 8 (after the skip, inside the range's numbers) and resumed neither skips
+    again nor replays the skipped data."""
+    runs = {}
+    for name, exit_interval in (("straight", None), ("stopped", 8), ("resumed", None)):
+        out = tmp_path / ("straight" if name == "straight" else "chain")
+        args = tiny_trainer_args(kjv_data, out, train_samples=12 * GBS, skip_train_iteration_range="6-10",
+                                 exit_interval=exit_interval)
+        runs[name] = succeeded(run_trainer(args)).stdout
+    straight, want = printed(runs["straight"]), printed(baseline.stdout)
+    for iteration in range(1, 6):
+        assert straight[iteration]["loss"] == want[iteration]["loss"], iteration
+    assert straight[6]["loss"] != want[6]["loss"]
+    assert "Skipped iterations" not in runs["resumed"]
+    resumed = printed(runs["resumed"])
+    assert sorted(resumed) == list(range(9, 13))
+    for iteration, f in resumed.items():
+        assert (f["loss"], f["lr"], f["samples"]) == (straight[iteration]["loss"], straight[iteration]["lr"],
+                                                      straight[iteration]["samples"]), iteration
+    saved = _load(tmp_path / "chain" / "checkpoints" / "global_step12" / "mp_rank_00_model_states.pt")["args"]
+    assert saved.skipped_train_samples == 5 * GBS and saved.consumed_train_samples == 12 * GBS
+
+
+# ---------------------------------------------------------------------------------------------------------- 13. bf16
+
+def test_fp16_without_accelerator_support_is_a_one_line_error(kjv_data, tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator supports fp16")
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, fp16=True, save=None, load=None))
+    one_line_error(done, "--fp16", "does not support fp16", "--bf16")
+
+
+def test_bf16_zero1_trains_and_resumes_exactly(kjv_data, tmp_path):
+    runs = {}
+    for name, exit_interval in (("straight", None), ("stopped", 5), ("resumed", None)):
+        out = tmp_path / ("straight" if name == "straight" else "chain")
+        args = tiny_trainer_args(kjv_data, out, train_samples=10 * GBS, bf16=True, zero_stage=1,
+                                 exit_interval=exit_interval)
+        runs[name] = printed(succeeded(run_trainer(args)).stdout)
+    straight = runs["straight"]
+    assert sorted(straight) == list(range(1, 11))
+    assert float(straight[10]["loss"]) < float(straight[1]["loss"])
+    assert sorted(runs["stopped"]) == list(range(1, 6)) and sorted(runs["resumed"]) == list(range(6, 11))
+    for iteration, f in {**runs["stopped"], **runs["resumed"]}.items():
+        assert (f["loss"], f["lr"], f["samples"]) == (straight[iteration]["loss"], straight[iteration]["lr"],
+                                                      straight[iteration]["samples"]), iteration
+    step = tmp_path / "chain" / "checkpoints" / "global_step10"
+    assert (step / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file()
+    assert _load(step / "layer_03-model_00-model_states.pt")["input_layernorm.weight"].dtype == torch.bfloat16
+
+
+def test_bf16_zero0_resume_is_refused(kjv_data, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=10 * GBS, bf16=True, zero_stage=0, exit_interval=2)
+    succeeded(run_trainer(args))  # a fresh bf16 ZeRO-0 run trains and saves
+    one_line_error(run_trainer(args), "--zero-stage 0", "bf16", str(tmp_path / "checkpoints"))
+
+
+# ---------------------------------------------------------------------------------------------------------- 14. flags
+
+def test_pp_partition_method_changes_the_stages(kjv_data, tmp_path, baseline):
+    """uniform splits the 9-entry layer list 5 + 4: both blocks on stage 0 (the default puts one on each); the
+    losses are PP=1's."""
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, pipeline_model_parallel_size=2,
+                             pp_partition_method="uniform", exit_interval=3, save=None, load=None)
+    done = succeeded(run_trainer(args, nproc=2))
+    stage0 = done.stdout.split("stage=0 layers=")[1].split("stage=1 layers=")[0]
+    assert re.search(r"^\s+3: ParallelTransformerLayerPipe$", stage0, re.M)
+    assert re.search(r"^\s+4: ParallelTransformerLayerPipe$", stage0, re.M)
+    for iteration, record in records(done.stdout).items():
+        assert close(record["lm_loss"], baseline.records[iteration]["lm_loss"]), iteration
+
+
+def test_bad_pp_partition_method_is_a_one_line_error(kjv_data, tmp_path):
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, pp_partition_method="balanced", save=None, load=None))
+    one_line_error(done, "--pp-partition-method", "balanced")
+
+
+def test_logging_only_flags_are_accepted_and_documented(kjv_data, tmp_path):
+    """BigScience's scripts pass them; they tune nothing here, and --help says so."""
+    from opskit.train.args import build_parser
+
+    flags = {"log_timers_to_tensorboard": True, "log_batch_size_to_tensorboard": True, "tensorboard_queue_size": 5,
+             "num_workers": 2, "valid_num_workers": 0, "abort_on_unmet_fused_kernel_constraints": True,
+             "deepspeed_activation_checkpointing": True, "distributed_backend": "gloo"}
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=2 * GBS, save=None, load=None,
+                                                   **flags)))
+    assert sorted(records(done.stdout)) == [1, 2]
+    helps = {a.dest: a.help or "" for a in build_parser()._actions}
+    for dest in ("log_timers_to_tensorboard", "num_workers", "valid_num_workers",
+                 "abort_on_unmet_fused_kernel_constraints", "deepspeed_activation_checkpointing"):
+        assert helps[dest].startswith("accepted, no effect"), dest
+    assert helps["log_batch_size_to_tensorboard"].startswith("accepted; ")
+
+
+def test_bigscience_flags_refused_only_where_the_trainer_cannot_do_it(kjv_data, tmp_path):
+    """tr11-176B-ml's flags (opskit plan / submit ask the trainer's own parser): only the weighted split paths and
+    --sync-tp-duplicated-parameters are still refused."""
+    from opskit.slurm.render import trainer_rejections
+
+    args = tiny_trainer_args(kjv_data, tmp_path) + [
+        "--pp-partition-method", "type:transformer|embedding", "--zero-stage", "0", "--bf16", "--eval-interval",
+        "1000", "--eval-iters", "1", "--tensorboard-queue-size", "5", "--num-workers", "2", "--valid-num-workers",
+        "0", "--distributed-backend", "nccl", "--checkpoint-activations", "--abort-on-unmet-fused-kernel-constraints",
+        "--deepspeed-activation-checkpointing", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard", "--train-weighted-split-paths-path", "x.txt",
+        "--valid-weighted-split-paths-path", "y.txt", "--sync-tp-duplicated-parameters"]
+    assert trainer_rejections(args) == ["it does not accept --train-weighted-split-paths-path, "
+                                        "--valid-weighted-split-paths-path, --sync-tp-duplicated-parameters"]

@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON; missing keys are filled from the flags")
     g.add_argument("--zero-stage", type=int, choices=[0, 1], default=1)
     g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="accepted, no effect: --checkpoint-activations always uses DeepSpeed's (pipeline) activation "
+                        "checkpointing")
+    g.add_argument("--pp-partition-method", default=None,
+                   help="DeepSpeed PipelineModule partition_method: parameters, uniform or type:REGEX "
+                        "(default: type:transformer|embedding, BLOOM-176B's)")
+    g.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true",
+                   help="accepted, no effect: this trainer has no fused softmax kernels whose constraints could fail")
     g.add_argument("--torch-compile", action="store_true",
                    help="opskit extension: torch.compile each transformer layer (GPUs)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
@@ -70,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-impl", choices=["mmap"], default="mmap")
     g.add_argument("--tokenizer-type", choices=["PretrainedFromHF"], default="PretrainedFromHF")
     g.add_argument("--tokenizer-name-or-path", required=True, help="folder with tokenizer.json")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="accepted, no effect: samples are read from the mmap in the training process (no DataLoader)")
+    g.add_argument("--valid-num-workers", type=int, default=2,
+                   help="accepted, no effect: validation samples are read in the training process too")
+    g.add_argument("--split", default="969, 30, 1",
+                   help="train,valid,test weights: the documents, in index order, are cut proportionally "
+                        "(Megatron's rule; default 969, 30, 1)")
+
+    g = p.add_argument_group("validation")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validate every N iterations and at the end of training (default: never)")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches of the valid split per validation (default 100)")
 
     g = p.add_argument_group("checkpoints and exit")
     g.add_argument("--save", default=None)
@@ -78,11 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--kill-switch-path", default=None, help="if this file exists: save and exit")
+    g.add_argument("--skip-train-iteration-range", nargs="+", default=None, metavar="START-END",
+                   help="skip the global batches of data these iterations would have trained on (e.g. 101-200 "
+                        "251-300); iteration, LR and consumed samples do not advance")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="accepted; batch-size/batch-size (+ vs samples) is always written")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="accepted, no effect: the trainer keeps no Megatron timers to write")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write 'lm-loss-validation/lm loss validation ppl'")
     return p
 
 
@@ -95,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.lr_decay_samples = args.lr_decay_samples or args.train_samples
     args.params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    if args.skip_train_iteration_range is not None:
+        args.skip_train_iteration_range = parse_skip_ranges(args.skip_train_iteration_range)
     return args
 
 
@@ -122,5 +154,63 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                      "only (DeepSpeed 0.19.8); use --zero-stage 1, or --clip-grad 0")
     if args.save and not args.save_interval:
         parser.error("--save needs --save-interval")
+    method = args.pp_partition_method
+    if method is not None and method not in ("parameters", "uniform") and not method.startswith("type:"):
+        parser.error(f"--pp-partition-method {method!r}: use parameters, uniform or type:REGEX "
+                     "(e.g. type:transformer|embedding)")
+    try:
+        parse_split(args.split)
+    except ValueError as e:
+        parser.error(f"--split {e}")
+    if args.eval_interval is not None and args.eval_interval <= 0:
+        parser.error(f"--eval-interval must be > 0, got {args.eval_interval}")
+    if args.eval_iters < 0:
+        parser.error(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    try:
+        parse_skip_ranges(args.skip_train_iteration_range or [])
+    except ValueError as e:
+        parser.error(f"--skip-train-iteration-range: {e}")
     if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
         parser.error("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive")
+
+
+def parse_split(split: str) -> list[float]:
+    """``--split`` weights (``969,30,1`` or ``969/30/1``; missing ones are 0) normalised to sum 1.
+
+    Raises:
+        ValueError: when a weight is not a number, is negative, or all are 0.
+    """
+    bad = ValueError(f"{split!r} is not up to three non-negative weights with a positive sum, e.g. 969,30,1")
+    try:
+        weights = [float(part) for part in (split.split(",") if "," in split else split.split("/"))]
+    except ValueError:
+        raise bad from None
+    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise bad
+    weights += [0.0] * (3 - len(weights))
+    return [w / sum(weights) for w in weights]
+
+
+def parse_skip_ranges(ranges: list[str]) -> list[list[int]]:
+    """``--skip-train-iteration-range`` values (``START-END``, 1-based iterations, both included) as Megatron parses
+    them: sorted, overlapping ranges merged (``1-5 2-6`` -> ``[[1, 6]]``).
+
+    Raises:
+        ValueError: for a value that is not ``START-END`` with ``1 <= START <= END``.
+    """
+    parsed = []
+    for value in ranges:
+        parts = value.split("-")
+        if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+            raise ValueError(f"{value!r} is not START-END, e.g. 101-200")
+        start, end = int(parts[0]), int(parts[1])
+        if not 1 <= start <= end:
+            raise ValueError(f"{value!r}: the end of a skip range cannot be smaller than its start (both >= 1)")
+        parsed.append([start, end])
+    merged: list[list[int]] = []
+    for start, end in sorted(parsed):
+        if merged and merged[-1][1] >= start:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged

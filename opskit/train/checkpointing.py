@@ -73,7 +73,7 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
     started = time.time()
     saved_args = argparse.Namespace(**vars(args))
     saved_args.consumed_train_samples = consumed_samples
-    saved_args.consumed_valid_samples = 0
+    saved_args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)  # kept up to date by evaluation
     saved_args.iteration = iteration
     client_state = {
         "args": saved_args,
@@ -93,7 +93,9 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
 
 
 def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
-    """Resume from ``--load``'s ``latest``: weights, optimizer, LR scheduler, RNG and counters.
+    """Resume from ``--load``'s ``latest``: weights, optimizer, LR scheduler, RNG and counters
+    (``args.consumed_valid_samples``, ``args.skipped_train_samples`` and the skip ranges already applied are set
+    from the saved args, as Megatron does for its counters).
 
     Returns:
         ``(iteration, consumed_samples, consumed_tokens)``; zeros when there is nothing to load.
@@ -121,6 +123,9 @@ def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
     if path is None:
         raise CheckpointError(f"{args.load}/{tag}: DeepSpeed could not load it")
     _set_rng_state(state)
+    args.consumed_valid_samples = getattr(state["args"], "consumed_valid_samples", 0)
+    args.skipped_train_samples = getattr(state["args"], "skipped_train_samples", 0)
+    args.applied_skip_train_iteration_ranges = getattr(state["args"], "applied_skip_train_iteration_ranges", [])
     iteration = state["iteration"]
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)

@@ -42,6 +42,10 @@ class _ExitRequests:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # One write per line: under PYTHONUNBUFFERED print() writes text and newline separately, and two ranks sharing
+    # torchrun's stdout then splice lines (rank 0's "saving checkpoint ..." glued to the last rank's iteration line).
+    if hasattr(sys.stdout, "reconfigure"):  # a real text stream (not a test's capture object)
+        sys.stdout.reconfigure(write_through=False, line_buffering=True)
     args = parse_args(argv)
     exit_requests = _ExitRequests()
     from opskit.train.checkpointing import CheckpointError
@@ -123,6 +127,29 @@ def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
     return config
 
 
+def _check_precision(args: argparse.Namespace) -> None:
+    """Refuse, in one line, the precisions DeepSpeed would fail on later with a traceback.
+
+    Raises:
+        TrainerError: ``--fp16`` on an accelerator without fp16 (DeepSpeed's CPU accelerator has it only where oneDNN
+            does: CPUs with AVX512-FP16 / AMX-FP16); ``--bf16 --zero-stage 0`` resuming a checkpoint (measured on
+            DeepSpeed 0.19.8: the pipeline engine's BF16_Optimizer fails in ``_load_legacy_checkpoint`` with
+            ``KeyError: 0``; ZeRO-1 resumes exactly).
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from opskit.train.checkpointing import read_latest
+
+    accelerator = get_accelerator()
+    if args.fp16 and not accelerator.is_fp16_supported():
+        raise TrainerError(f"--fp16: DeepSpeed {deepspeed.__version__} does not support fp16 on this "
+                           f"{accelerator.device_name()} accelerator; use --bf16 (or a GPU)")
+    if args.bf16 and args.zero_stage == 0 and args.load and read_latest(args.load):
+        raise TrainerError(f"--load {args.load} has a checkpoint, but DeepSpeed {deepspeed.__version__}'s pipeline "
+                           "engine cannot resume bf16 with --zero-stage 0; train bf16 with --zero-stage 1")
+
+
 def _param_groups(model) -> list[dict]:
     """Megatron's weight-decay rule: no decay for biases and LayerNorm parameters."""
     decay, no_decay = [], []
@@ -138,7 +165,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from opskit.train.checkpointing import load_checkpoint, save_checkpoint
-    from opskit.train.data import GPTSamples, micro_batches
+    from opskit.train.data import GPTSamples, micro_batches, split_document_ranges
     from opskit.train.log import (
         IntervalStats,
         TensorBoard,
@@ -146,6 +173,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         megatron_flops_per_iteration,
         memory_line,
         print_datetime,
+        validation_lines,
     )
     from opskit.train.model import GPTConfig
     from opskit.train.pipe import GPTModelPipe, compile_transformer_layers, make_topology
@@ -153,6 +181,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     _init_distributed(args)
+    _check_precision(args)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     is_last_rank = rank == world_size - 1
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -189,7 +218,8 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         attention_dropout=args.attention_dropout, tensor_parallel=True,
     )
     model = GPTModelPipe(cfg, make_topology(tp, pp, dp), seed=args.seed,
-                         activation_checkpoint_interval=1 if args.checkpoint_activations else 0)
+                         activation_checkpoint_interval=1 if args.checkpoint_activations else 0,
+                         partition_method=args.pp_partition_method or "type:transformer|embedding")
 
     rampup = BatchRampup(args.global_batch_size, tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
     train_iters = rampup.train_iters(args.train_samples)
@@ -212,6 +242,9 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         config=_deepspeed_config(args, rampup.batch_size(0)),
     )
 
+    args.consumed_valid_samples = 0  # Megatron's counter, saved in the checkpoint's args
+    args.skipped_train_samples = 0  # samples passed over by --skip-train-iteration-range (as newer Megatron-LM)
+    args.applied_skip_train_iteration_ranges = []  # ranges already skipped, so a resume does not skip them again
     try:
         iteration, consumed["samples"], consumed_tokens = load_checkpoint(engine, args)
     except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
@@ -226,10 +259,29 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         for suffix in (".idx", ".bin"):  # megatron-core only asserts, and its __del__ then prints a traceback
             if not Path(args.data_path + suffix).is_file():
                 raise FileNotFoundError(f"no {args.data_path}{suffix}")
-        samples = GPTSamples(IndexedDataset(args.data_path), args.seq_length, args.seed)
+        dataset = IndexedDataset(args.data_path)
+        splits = split_document_ranges(args.split, len(dataset.sequence_lengths))
+        samples = GPTSamples(dataset, args.seq_length, args.seed, documents=splits[0])
     except (FileNotFoundError, ValueError) as e:
-        raise TrainerError(f"--data-path {args.data_path}: {e}") from None
-    data = micro_batches(samples, consumed["samples"], args.micro_batch_size, dp, dp_rank)
+        raise TrainerError(f"--data-path {args.data_path} (--split {args.split}, train): {e}") from None
+    data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size, dp,
+                         dp_rank)
+    skip_ranges = _pending_skip_ranges(args, iteration)
+    do_valid = args.eval_interval is not None and args.eval_iters > 0
+    if do_valid:
+        try:
+            valid_samples = GPTSamples(dataset, args.seq_length, args.seed, documents=splits[1])
+        except ValueError as e:
+            raise TrainerError(f"--data-path {args.data_path} (--split {args.split}, valid): {e}") from None
+        valid_data = micro_batches(valid_samples, args.consumed_valid_samples, args.micro_batch_size, dp, dp_rank)
+
+    def evaluate_and_print_results(prefix: str) -> None:
+        loss = _evaluate(engine, valid_data, args)
+        if is_last_rank:
+            for line in validation_lines(prefix, loss):  # one print per line: see main()
+                print(line, flush=True)
+        tensorboard.validation(iteration, consumed["samples"], consumed_tokens, loss,
+                               args.log_validation_ppl_to_tensorboard)
 
     flops_recompute = args.checkpoint_activations
     stats = IntervalStats(started=time.time())
@@ -239,6 +291,15 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     if rank == 0:
         print_datetime("before the start of training step")
     while iteration < train_iters:
+        if skip_ranges and skip_ranges[0][0] <= iteration + 1 <= skip_ranges[0][1]:
+            first, last = skip_ranges.popleft()
+            if rank == 0:
+                print(f"Skipped iterations {first} to {last} due to --skip-train-iteration-range flag.", flush=True)
+            args.skipped_train_samples += rampup.batch_size(consumed["samples"]) * (last - iteration)
+            args.applied_skip_train_iteration_ranges.append([first, last])
+            data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size,
+                                 dp, dp_rank)
+            continue
         global_batch_size = rampup.batch_size(consumed["samples"])
         num_microbatches(global_batch_size, args.micro_batch_size, dp)  # Megatron's divisibility check
         engine.set_train_batch_size(global_batch_size)
@@ -273,6 +334,8 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
                 memory_reported = True
             stats = IntervalStats(started=time.time())
 
+        if do_valid and iteration % args.eval_interval == 0:
+            evaluate_and_print_results(f"iteration {iteration}")
         if args.save and iteration % args.save_interval == 0:
             save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
             last_saved = iteration
@@ -280,15 +343,45 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         if exit_reason:
             break
 
+    if exit_reason is None:  # Megatron's exits leave from inside train(), before the end-of-training evaluation
+        if rank == 0:
+            print_datetime("after training is done")
+        if do_valid:
+            evaluate_and_print_results("the end of training for val data")
     if args.save and last_saved != iteration:
         save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
-    if rank == 0:
-        print_datetime(exit_reason or "after training is done")
+    if exit_reason and rank == 0:
+        print_datetime(exit_reason)
     tensorboard.close()
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()  # DeepSpeed 0.19.8 may SIGABRT at exit without it
     return 0
+
+
+def _pending_skip_ranges(args: argparse.Namespace, iteration: int):
+    """The ``--skip-train-iteration-range`` ranges still to apply after ``iteration``: Megatron drops those that end
+    before it; we also drop those the checkpoint says were applied already (their iteration numbers were trained
+    again, on later data, right after the skip)."""
+    from collections import deque
+
+    applied = args.applied_skip_train_iteration_ranges
+    return deque(r for r in args.skip_train_iteration_range or [] if r[1] > iteration and r not in applied)
+
+
+def _evaluate(engine, valid_data, args: argparse.Namespace) -> float:
+    """Megatron's evaluate() under DeepSpeed's pipeline: ``--eval-iters`` global batches of the valid split through
+    ``engine.eval_batch`` (eval mode, no gradients; it returns the mean of the batch's micro-batch losses, averaged
+    over DP), then the mean of those: the average over ``eval_iters * num_microbatches`` micro-batches, in nats per
+    token. The global batch is the last iteration's (Megatron's get_num_microbatches() during a ramp-up); each eval
+    iteration advances ``args.consumed_valid_samples`` by it."""
+    global_batch_size = engine.train_batch_size()
+    total = 0.0
+    for _ in range(args.eval_iters):
+        total += float(engine.eval_batch(data_iter=valid_data))
+        args.consumed_valid_samples += global_batch_size
+    engine.module.train()  # train_batch does it too; done here so that nothing runs in eval mode by accident
+    return total / args.eval_iters
 
 
 def _collective_device():

@@ -43,7 +43,7 @@ class GPTModelPipe(PipelineModule):
     when activation checkpointing is on, which is why the class carries Megatron-DeepSpeed's name."""
 
     def __init__(self, cfg: GPTConfig, topology: PipeModelDataParallelTopology, seed: int,
-                 activation_checkpoint_interval: int = 0):
+                 activation_checkpoint_interval: int = 0, partition_method: str = "type:transformer|embedding"):
         layers = [
             _keep_layer_number,
             TiedLayerSpec("embed", EmbeddingPipe, cfg, tied_weight_attr=["word_embeddings.weight"]),
@@ -59,7 +59,7 @@ class GPTModelPipe(PipelineModule):
             layers=layers,
             topology=topology,
             loss_fn=partial(lm_loss, tensor_parallel=cfg.tensor_parallel),
-            partition_method="type:transformer|embedding",
+            partition_method=partition_method,
             seed_layers=True,
             seed_fn=_seed_layer,
             base_seed=seed,
