@@ -84,6 +84,14 @@ def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def _check_data_files(args: argparse.Namespace) -> None:
+    """megatron-core only asserts on a missing dataset (and its ``__del__`` then prints a traceback): check first."""
+    for suffix in (".idx", ".bin"):
+        if not Path(args.data_path + suffix).is_file():
+            raise TrainerError(f"--data-path {args.data_path} (--split {args.split}, train): "
+                               f"no {args.data_path}{suffix}")
+
+
 def _load_vocab_size(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
@@ -203,6 +211,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         dist.destroy_process_group()
         return 0
 
+    _check_data_files(args)  # from the flags alone: fail before minutes of model building, not after
     args.original_vocab_size = _load_vocab_size(args)
     args.padded_vocab_size = _padded_vocab(args, args.original_vocab_size)
     if rank == 0:
@@ -256,9 +265,6 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
 
     dp_rank = engine.grid.data_parallel_id
     try:
-        for suffix in (".idx", ".bin"):  # megatron-core only asserts, and its __del__ then prints a traceback
-            if not Path(args.data_path + suffix).is_file():
-                raise FileNotFoundError(f"no {args.data_path}{suffix}")
         dataset = IndexedDataset(args.data_path)
         splits = split_document_ranges(args.split, len(dataset.sequence_lengths))
         samples = GPTSamples(dataset, args.seq_length, args.seed, documents=splits[0])
