@@ -33,7 +33,7 @@ class GPTModel(nn.Module):
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
-        return lm_logits(self.embedding, self.final_layernorm(x))
+        return lm_logits(self.embedding, self.final_layernorm(x)).float()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, step: int | None = None) -> GPTModel:

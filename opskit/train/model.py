@@ -112,6 +112,11 @@ def _parallel_linears() -> tuple[type, type]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x)[0]
 
+        def _forward_impl(self, *args, **kwargs):
+            # megatron-core 0.16's RowParallelLinear passes tp_group=None here, which makes it warn on every call:
+            # a graph break in each torch.compile'd layer. Its own group is the same one.
+            return super()._forward_impl(*args, **{**kwargs, "tp_group": kwargs.get("tp_group") or self.tp_group})
+
     return Column, Row
 
 
@@ -187,12 +192,13 @@ class EmbeddingPipe(nn.Module):
 
 def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     """The tied output layer: ``[b, s, h] @ W_emb^T -> [b, s, V_pad / TP]`` logits (this rank's vocabulary slice), in
-    fp32 for the loss. Under TP the input passes megatron-core's copy region: identity forward, all-reduce backward."""
+    the model's dtype (:func:`lm_loss` takes them to fp32). Under TP the input passes megatron-core's copy region:
+    identity forward, all-reduce backward."""
     if embedding.tensor_parallel:
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         hidden = copy_to_tensor_model_parallel_region(hidden)
-    return F.linear(hidden, embedding.word_embeddings.weight).float()
+    return F.linear(hidden, embedding.word_embeddings.weight)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -307,11 +313,14 @@ class FinalLayerNorm(nn.LayerNorm):
         super().__init__(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, tensor_parallel: bool = False) -> torch.Tensor:
-    """Mean token cross-entropy: logits ``[b, s, V_pad / TP]`` fp32, labels ``[b, s]`` -> scalar (nats per token).
-    Under TP, megatron-core's vocab-parallel cross-entropy combines the ranks' vocabulary slices."""
-    if tensor_parallel:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_parallel: bool = False) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 (Megatron's default, without ``--fp16-lm-cross-entropy``): logits
+    ``[b, s, V_pad / TP]`` in any float dtype, labels ``[b, s]`` -> scalar (nats per token). With ``vocab_parallel``
+    (TP > 1), megatron-core's vocab-parallel cross-entropy combines the ranks' vocabulary slices; at TP = 1 plain
+    cross-entropy computes the same, and under ``torch.compile`` (``compile_transformer_layers``) fuses into a few passes over the logits instead
+    of materialising their fp32 copy and softmax."""
+    if vocab_parallel:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        return vocab_parallel_cross_entropy(logits, labels).mean()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return vocab_parallel_cross_entropy(logits.float(), labels).mean()
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())

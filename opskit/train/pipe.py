@@ -58,7 +58,7 @@ class GPTModelPipe(PipelineModule):
         super().__init__(
             layers=layers,
             topology=topology,
-            loss_fn=partial(lm_loss, tensor_parallel=cfg.tensor_parallel),
+            loss_fn=partial(lm_loss, vocab_parallel=topology.get_dim("model") > 1),
             partition_method=partition_method,
             seed_layers=True,
             seed_fn=_seed_layer,
@@ -73,7 +73,9 @@ def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
 
 
 def compile_transformer_layers(model: GPTModelPipe) -> None:
-    """``torch.compile`` every transformer block of this stage in place (same parameters, same state-dict keys)."""
+    """``torch.compile`` every transformer block of this stage in place (same parameters, same state-dict keys), and
+    the loss function (at TP = 1 it then fuses the fp32 cross-entropy into a few passes over the logits)."""
+    model.loss_fn = torch.compile(model.loss_fn)
     for layer in model.forward_funcs:
         if isinstance(layer, ParallelTransformerLayerPipe):
             layer.compile()

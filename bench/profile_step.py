@@ -1,0 +1,154 @@
+"""Where one training iteration of opskit's trainer spends its time on a GPU (the bench/trainer_throughput.py model).
+
+Runs ``opskit.train`` in-process with DeepSpeed's pipeline-engine instructions wrapped: iterations ``--phase-from`` ..
+``--profile-from - 1`` are timed phase by phase (a device synchronize around each instruction, so the phases add up to
+the iteration), then ``--profile-iters`` iterations run under ``torch.profiler`` (no synchronizes) to give the GPU's
+busy fraction and the top kernels. Prints a short table last; the Chrome trace goes to ``$OUT`` when set.
+
+Usage (GPU machine)::
+
+    python bench/profile_step.py [--mbs 4] [--gbs 4] [--bloom] [--compile] [--extra "--flag value ..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_throughput import BLOOM, HEADS, H, L, S, make_data  # noqa: E402
+
+PHASES = ("_exec_load_micro_batch", "_exec_forward_pass", "_exec_backward_pass", "_exec_reduce_grads",
+          "_exec_reduce_tied_grads", "_exec_optimizer_step")
+
+
+def trainer_args(data: Path, tokenizer: Path, opts) -> list[str]:
+    iters = opts.profile_from + opts.profile_iters + 1
+    return [
+        "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
+        "--max-position-embeddings", str(S), "--micro-batch-size", str(opts.mbs), "--global-batch-size", str(opts.gbs),
+        "--train-samples", str(opts.gbs * iters), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-samples", "4",
+        "--bf16", "--zero-stage", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5",
+        "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), "--seed", "1",
+        *(BLOOM if opts.bloom else []), *(["--torch-compile"] if opts.compile else []), *shlex.split(opts.extra),
+    ]
+
+
+class PhaseTimer:
+    """Wraps PipelineEngine instructions: synchronized wall time per phase while ``timing`` is on."""
+
+    def __init__(self):
+        self.timing = False
+        self.seconds = collections.defaultdict(float)
+        self.iteration_seconds: list[float] = []
+
+    def wrap(self, cls, name: str) -> None:
+        import torch
+
+        inner = getattr(cls, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            if not timer.timing:
+                with torch.profiler.record_function(name):
+                    return inner(*args, **kwargs)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            torch.cuda.synchronize()
+            timer.seconds[name] += time.perf_counter() - start
+            return result
+
+        setattr(cls, name, timed)
+
+
+def busy_fraction(prof, iterations: int) -> tuple[float, float]:
+    """(GPU busy ms per iteration, kernel-time ms per iteration) from the profiler's device events."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type.name == "CUDA")
+    busy, end = 0.0, -1.0
+    total = sum(b - a for a, b in intervals)
+    for a, b in intervals:
+        if a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / 1000 / iterations, total / 1000 / iterations
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--gbs", type=int, default=4)
+    parser.add_argument("--bloom", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--extra", default="")
+    parser.add_argument("--phase-from", type=int, default=4)
+    parser.add_argument("--profile-from", type=int, default=10)
+    parser.add_argument("--profile-iters", type=int, default=3)
+    opts = parser.parse_args()
+
+    import torch
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from opskit.train.main import main as train_main
+
+    timer = PhaseTimer()
+    for phase in PHASES:
+        timer.wrap(PipelineEngine, phase)
+    calls = {"n": 0}
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                 torch.profiler.ProfilerActivity.CUDA])
+    inner_train_batch = PipelineEngine.train_batch
+
+    def train_batch(self, *args, **kwargs):
+        calls["n"] += 1
+        n = calls["n"]
+        timer.timing = opts.phase_from <= n < opts.profile_from
+        if n == opts.profile_from:
+            profile.start()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = inner_train_batch(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        if timer.timing:
+            timer.iteration_seconds.append(time.perf_counter() - start)
+        if n == opts.profile_from + opts.profile_iters - 1:
+            profile.stop()
+        return loss
+
+    PipelineEngine.train_batch = train_batch
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    with tempfile.TemporaryDirectory() as tmp:
+        data, tokenizer = make_data(Path(tmp), tokens=(opts.profile_from + opts.profile_iters + 3) * opts.gbs
+                                    * (S + 1) * 2)
+        train_main(trainer_args(data, tokenizer, opts))
+
+    timed = len(timer.iteration_seconds)
+    if os.environ.get("OUT"):
+        profile.export_chrome_trace(os.path.join(os.environ["OUT"], "trace.json"))
+    print(profile.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    busy, kernels = busy_fraction(profile, opts.profile_iters)
+    iteration_ms = 1000 * sum(timer.iteration_seconds) / timed
+    print(f"\nPHASES (synchronized, mean of {timed} iterations, MBS {opts.mbs} GBS {opts.gbs}):")
+    for phase in PHASES:
+        print(f"  {phase:28s} {1000 * timer.seconds[phase] / timed:8.1f} ms")
+    print(f"  {'(iteration)':28s} {iteration_ms:8.1f} ms")
+    print(f"PROFILED: GPU busy {busy:.1f} ms/iteration, kernel time {kernels:.1f} ms/iteration")
+
+
+if __name__ == "__main__":
+    main()
