@@ -8,6 +8,7 @@ iteration; MFU = Megatron's model FLOPs without recompute / 989 TFLOP/s (H100 de
 Usage (on a GPU machine, DeepSpeed and megatron-core installed)::
 
     python bench/trainer_throughput.py [gpt] [bloom] [hf] [hf-bloom] --iters 30 --out results.json
+    python bench/trainer_throughput.py gpt-compile --mbs 8 --gpus 1 2 4        # DP weak scaling
 """
 
 from __future__ import annotations
@@ -56,29 +57,32 @@ def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
     return prefix, tokenizer_dir
 
 
-def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int) -> dict:
+def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int, gpus: int = 1) -> dict:
+    """One trainer run at data parallelism ``gpus`` (torchrun when > 1), global batch ``mbs * gpus`` (one micro-batch
+    per GPU and iteration, so weak scaling). ``tokens_per_s`` counts all GPUs; ``mfu`` is per GPU."""
+    gbs = mbs * gpus
     args = [
         "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
-        "--max-position-embeddings", str(S), "--micro-batch-size", str(mbs), "--global-batch-size", str(mbs),
-        "--train-samples", str(mbs * iters), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-samples", str(mbs),
+        "--max-position-embeddings", str(S), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+        "--train-samples", str(gbs * iters), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-samples", str(gbs),
         "--bf16", "--zero-stage", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5",
         "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), "--seed", "1", *extra,
     ]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)] if gpus > 1 else \
+        [sys.executable]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, "-m", "opskit.train", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO)
+    done = subprocess.run([*launcher, "-m", "opskit.train", *args], capture_output=True, text=True, env=env, cwd=REPO)
     if done.returncode != 0:
         print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
-        return {"name": name, "error": f"exit {done.returncode}"}
-    # The log's TFLOPs (model FLOPs without recompute, 2 decimals) is more precise than its seconds (2 decimals).
+        return {"name": name, "gpus": gpus, "error": f"exit {done.returncode}"}
+    # The log's TFLOPs (model FLOPs per GPU without recompute, 2 decimals) is more precise than its seconds.
     tflops = [float(t) for t in re.findall(r"TFLOPs: ([\d.]+)", done.stdout)]
     steady_tflops = statistics.median(tflops[1:]) if len(tflops) > 1 else tflops[0]  # window 1 holds warm-up
-    steady = model_flops(mbs) / (steady_tflops * 1e12)
+    steady = model_flops(gbs) / (steady_tflops * 1e12 * gpus)
     peak = re.findall(r"max allocated: ([\d.]+)", done.stdout)
-    return {"name": name, "s_per_iter": round(steady, 4), "tokens_per_s": round(mbs * S / steady),
-            "mfu": round(model_flops(mbs) / steady / PEAK_FLOPS, 4),
-            "log_tflops": steady_tflops,
-            "peak_mem_gb": round(float(peak[0]) / 1024, 1) if peak else None}
+    return {"name": name, "gpus": gpus, "s_per_iter": round(steady, 4), "tokens_per_s": round(gbs * S / steady),
+            "mfu": round(model_flops(gbs) / gpus / steady / PEAK_FLOPS, 4), "log_tflops": steady_tflops,
+            "peak_mem_gb": round(max(float(p) for p in peak) / 1024, 1) if peak else None}
 
 
 def run_hf(which: str, iters: int, mbs: int) -> dict:
@@ -92,23 +96,36 @@ def run_hf(which: str, iters: int, mbs: int) -> dict:
     return lines[-1]
 
 
+def report_weak_scaling(results: list[dict]) -> None:
+    """Per variant: tokens/s at N GPUs over N x tokens/s at 1 GPU."""
+    single = {r["name"]: r["tokens_per_s"] for r in results if r.get("gpus") == 1 and "tokens_per_s" in r}
+    for r in results:
+        if r.get("gpus", 1) > 1 and r["name"] in single and "tokens_per_s" in r:
+            r["weak_scaling_efficiency"] = round(r["tokens_per_s"] / (r["gpus"] * single[r["name"]]), 4)
+            print(f"WEAK SCALING {r['name']} 1 -> {r['gpus']} GPUs: {r['weak_scaling_efficiency']:.1%}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("which", nargs="*", default=["gpt", "hf"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1], help="DP sizes to run each trainer variant at.")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        data, tokenizer = make_data(Path(tmp), tokens=(opts.iters + 5) * opts.mbs * (S + 1) * 2)
+        data, tokenizer = make_data(Path(tmp), tokens=(opts.iters + 5) * opts.mbs * max(opts.gpus) * (S + 1) * 2)
         for which in opts.which:
             if which in TRAINER_VARIANTS:
-                results.append(run_trainer(f"opskit-{which}", TRAINER_VARIANTS[which], data, tokenizer, opts.iters,
-                                           opts.mbs))
+                for gpus in opts.gpus:
+                    results.append(run_trainer(f"opskit-{which}", TRAINER_VARIANTS[which], data, tokenizer,
+                                               opts.iters, opts.mbs, gpus))
+                    print(json.dumps(results[-1]), flush=True)
             else:
                 results.append(run_hf(which, opts.iters, opts.mbs))
-            print(json.dumps(results[-1]), flush=True)
+                print(json.dumps(results[-1]), flush=True)
+        report_weak_scaling(results)
     if opts.out:
         Path(opts.out).write_text(json.dumps(results, indent=2))
     print("SUMMARY", json.dumps(results))

@@ -154,14 +154,19 @@ def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_
     return parameters * bytes_per_parameter
 
 
-def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1) -> float:
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               attention_scores: bool = False) -> float:
     """Activations one transformer layer keeps for the backward pass of one micro-batch, without recomputation.
 
     ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations and tensor parallelism ``t`` (no sequence
     parallelism); ``s*b*h*(34 + 5*a*s/h)`` at t = 1. Source: Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", section 4.1 and Table 2.
+    Recomputation in Large Transformer Models", section 4.1 and Table 2. The ``5*a*s/(h*t)`` term is the ``[b, a, s,
+    s]`` attention scores, softmax and dropout mask that Megatron's unfused softmax keeps (BigScience's runs); opskit's
+    trainer uses fused attention kernels (flash / FlexAttention) that keep none of them, so the term is counted only
+    with ``attention_scores=True``. Measured against the trainer: docs/benchmarks.md.
     """
-    return seq * micro_batch * hidden * (10 + 24 / tp + 5 * heads * seq / (hidden * tp))
+    scores = 5 * heads * seq / (hidden * tp) if attention_scores else 0.0
+    return seq * micro_batch * hidden * (10 + 24 / tp + scores)
 
 
 def checkpointed_bytes_per_layer(seq: int, micro_batch: int, hidden: int) -> float:
