@@ -1,0 +1,93 @@
+"""Parsing speed of ``opskit.logs.parse`` on a generated 1-million-line Megatron log, side by side with
+``grep -c iteration`` on the same file (issue 6: >= 500_000 lines/s).
+
+The log imitates tr11-176B-ml's main_log.txt (seed 004): ``[default7]:`` iteration lines in the 2022 format with small
+noise, a DeepSpeed ``step=`` line every 10 iterations, checkpoint save lines every 100, a validation block every 1000,
+and a NCCL warning now and then; every 5000th iteration line is cut inside its lm loss value.
+
+    python bench/log_parse.py [--lines 1000000] [--repeat 3] [--file /tmp/opskit-bench.log]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import time
+from pathlib import Path
+
+from opskit.logs.parse import read_from
+
+ITERATION = ("[default7]: iteration {it:8d}/  115311 | consumed samples: {samples:12d} | consumed tokens: {tokens:12d} "
+             "| elapsed time per iteration (s): {t:.2f} | learning rate: {lr:.3E} | global batch size:  2048 | "
+             "lm loss: {loss:.6E} | grad norm: {gn:.3f} | num zeros: 0.0 | number of skipped iterations:   0 | "
+             "number of nan iterations:   0 | samples per second: {sps:.3f} | TFLOPs: {tflops:.2f} |")
+
+
+def generate(path: Path, lines: int, seed: int = 0) -> int:
+    """Write ``lines`` lines; returns how many are whole iteration lines."""
+    rng = random.Random(seed)
+    out, whole, it = [], 0, 12000
+    while len(out) < lines:
+        it += 1
+        t = rng.gauss(105.5, 0.4)
+        line = ITERATION.format(it=it, samples=it * 2048, tokens=it * 2048 * 2048, t=t, lr=6e-5 * (1 - it / 2e5),
+                                loss=2.3 + rng.gauss(0, 0.02), gn=abs(rng.gauss(0.2, 0.03)), sps=2048 / t,
+                                tflops=15640 / t)
+        if it % 5000 == 0:
+            line = line[:line.index("lm loss: ") + rng.randrange(10, 20)]  # cut inside a value
+        else:
+            whole += 1
+        out.append(line)
+        if it % 10 == 0:
+            out.append(f"[default0]:[2022-04-12 10:{it % 60:02d}:00,{it % 1000:03d}] [INFO] [logging.py:68:log_dist] "
+                       f"[Rank 0] step={it}, skipped=0, lr=[{6e-5:.6e}], mom=[(0.9, 0.95)]")
+        if it % 100 == 0:
+            out += [f"[default0]:saving checkpoint at iteration {it:7d} to /gpfsscratch/checkpoints/tr11-176B-ml",
+                    f"[default0]:[2022-04-12 10:00:00,000] [INFO] [engine.py:3263:_save_zero_checkpoint] zero "
+                    f"checkpoint saved /gpfsscratch/checkpoints/global_step{it}/bf16_zero_pp_rank_0_states.pt",
+                    f"[default0]:  successfully saved checkpoint at iteration {it:7d} to /gpfsscratch/checkpoints",
+                    "[default0]:time (ms) | save-checkpoint: 40123.45"]
+        if it % 1000 == 0:
+            text = f" validation loss at iteration {it} | lm loss value: 2.342049E+00 | lm loss PPL: 1.040253E+01 | "
+            out += ["[default7]:" + "-" * (len(text) + 1), "[default7]:" + text, "[default7]:" + "-" * (len(text) + 1)]
+        if rng.random() < 0.001:
+            out.append("[default3]:NCCL WARN Call to ibv_reg_mr failed")
+    path.write_text("\n".join(out[:lines]) + "\n")
+    return whole
+
+
+def best_of(repeat: int, run) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--file", type=Path, default=Path("/tmp/opskit-bench.log"))
+    args = parser.parse_args()
+    whole = generate(args.file, args.lines)
+    chunk = read_from(args.file)
+    assert len(chunk.iterations) == whole, (len(chunk.iterations), whole)
+    fields = ("lm_loss", "grad_norm", "consumed_tokens")  # what `opskit logs plot` / `spikes` read
+    assert [r["lm_loss"] for r in read_from(args.file, fields=fields).iterations] == [r["lm_loss"] for r in
+                                                                                   chunk.iterations]
+    full = best_of(args.repeat, lambda: read_from(args.file))
+    some = best_of(args.repeat, lambda: read_from(args.file, fields=fields))
+    grep = best_of(args.repeat, lambda: subprocess.run(["grep", "-c", "iteration", str(args.file)], check=False,
+                                                       capture_output=True))
+    size_mb = args.file.stat().st_size / 1e6
+    print(f"{args.lines:,} lines ({size_mb:.0f} MB, {whole:,} iteration records, {chunk.skipped} cut lines counted)")
+    for label, seconds in ((f"opskit, fields={','.join(fields)}", some), ("opskit, every field", full),
+                           ("grep -c iteration", grep)):
+        print(f"{label:48s} {seconds:7.3f} s {args.lines / seconds:12,.0f} lines/s  {seconds / grep:6.1f}x grep's time")
+
+
+if __name__ == "__main__":
+    main()
