@@ -92,15 +92,33 @@ def show(
 def _progress_lines(state, recent: int) -> list[str]:
     lines = [f"progress: iteration {state.iteration:,} of {state.train_iters:,} "
              f"({state.iteration / state.train_iters:.1%}), {state.iterations_left:,} left"]
-    if state.seconds_per_iteration is not None:
+    if state.iterations_left == 0:
+        lines.append("ETA: finished")
+    elif state.seconds_per_iteration is not None:
         lines.append(f"ETA: {state.iterations_left:,} x {state.seconds_per_iteration:.2f} s (median of the last "
-                     f"{recent}) = {state.days_left:.1f} days at this speed without downtime")
+                     f"{recent}) = {_duration(state.seconds_left)} at this speed without downtime")
     if state.consumed_tokens is not None:
         planned = "" if state.planned_tokens is None else (
-            f" / {state.planned_tokens / 1e9:,.1f}B planned ({state.planned_tokens_source}), "
+            f" / {_count(state.planned_tokens)} planned ({state.planned_tokens_source}), "
             f"{state.consumed_tokens / state.planned_tokens:.1%}")
-        lines.append(f"tokens: {state.consumed_tokens / 1e9:,.1f}B consumed{planned}")
+        lines.append(f"tokens: {_count(state.consumed_tokens)} consumed{planned}")
     return lines
+
+
+def _duration(seconds: float) -> str:
+    """``124.7 days`` from a day on (the chronicles' unit), else ``5 h 03 min``."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _count(n: int) -> str:
+    """``97980874752`` -> ``98.0B`` (the chronicles write "20B/450B tokens"); ``819200`` -> ``819.2K``."""
+    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{suffix}"
+    return str(n)
 
 
 @app.command("tail")
