@@ -26,10 +26,14 @@ from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
 from opskit.train.log import iteration_line, validation_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
-TR11_12695 = ("[default7]: iteration    12695/  115311 | consumed samples:      9841584 | consumed tokens:  20155564032 "
-              "| elapsed time per iteration (s): 105.22 | learning rate: 5.969E-05 | global batch size:  2048 | lm "
-              "loss: 2.463556E+00 | grad norm: 0.174 | num zeros: 0.0 | number of skipped iterations:   0 | number "
-              "of nan iterations:   0 | samples per second: 19.463 | TFLOPs: 149.02 |")
+
+
+def fixture_line(name: str, iteration: int) -> str:
+    """The line of ``iteration`` in a fixture, as the chronicle quotes it."""
+    (line,) = [x for x in (FIXTURES / name).read_text().splitlines() if f" iteration {iteration:8d}/" in x]
+    return line
+
+
 runner = CliRunner()
 
 
@@ -62,10 +66,8 @@ def test_104b_loss_scale_ms_with_tokens_and_a_wrapped_line_is_skipped():
 
 
 def test_176b_default7_prefix_line_as_in_the_reference():
-    line = ("[default7]: iteration    31217/  115311 | consumed samples:     47774640 | consumed tokens:  97842462720 | "
-            "elapsed time per iteration (s): 106.33 | learning rate: 5.279E-05 | global batch size:  2048 | lm loss: "
-            "2.241558E+00 | grad norm: 15.886 | num zeros: 0.0 | number of skipped iterations:   0 | number of nan "
-            "iterations:   0 | samples per second: 19.260 | TFLOPs: 147.46 |")
+    line = fixture_line("tr11-176B-spike.txt", 31217)
+    assert line.startswith("[default7]: iteration    31217/  115311 | consumed samples:     47774640 |")
     assert parse_iteration_line(line) == {
         "kind": "iteration", "iteration": 31217, "train_iters": 115311, "consumed_samples": 47774640,
         "consumed_tokens": 97842462720, "elapsed_time_per_iteration_s": 106.33, "learning_rate": 5.279e-05,
@@ -196,7 +198,7 @@ def test_no_spike_in_a_smooth_run_and_nan_is_always_one():
 
 
 def test_eta_is_the_tr11_chronicles_arithmetic(monkeypatch, tmp_path):
-    record = parse_iteration_line(TR11_12695)
+    record = parse_iteration_line(fixture_line("malformed.txt", 12695))  # seed 004's line
     # "we need 125 days more `(115311-12695)*105/(3600*24)=124.7`"
     by_hand = progress([record], seconds_per_iteration=105)
     assert by_hand.days_left == (115311 - 12695) * 105 / (3600 * 24)

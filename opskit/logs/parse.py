@@ -263,7 +263,7 @@ def _only(record, wanted):
 def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
     """:func:`_scan` with :func:`_iteration`'s ``wanted`` branch inlined for the common iteration line (the hot loop
     of plots and spike detection); anything unusual goes through :func:`_parse`."""
-    needles = [(key, needle, convert) for key, printed in wanted for needle, convert in printed]
+    needles = [(key, needle, len(needle), convert) for key, printed in wanted for needle, convert in printed]
     records, cut = chunk.records, 0
     append = records.append
     for line in lines:
@@ -278,7 +278,7 @@ def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
         bar = line.find("|")
         at = line.find("iteration ", 0, bar)
         done, slash, total = line[at + 10:bar].partition("/")
-        if at < 3 or line[at - 3:at] == "at " or not slash:  # validation lines, cut headers, odd lines
+        if at < 3 or line.startswith("at ", at - 3) or not slash:  # validation lines, cut headers, odd lines
             record = _parse(line, wanted)
         elif not (line.endswith("|") or line.rstrip().endswith("|")):
             record = _CUT
@@ -287,10 +287,10 @@ def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
         else:
             try:
                 record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
-                for key, needle, convert in needles:
+                for key, needle, size, convert in needles:
                     start = line.find(needle, bar)
                     if start >= 0:
-                        start += len(needle)
+                        start += size
                         record[key] = convert(line[start:line.index("|", start)])
             except ValueError:
                 record = _only(_parse(line), wanted)
