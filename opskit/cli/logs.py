@@ -168,7 +168,7 @@ def plot(
     series = []
     for item in inputs:
         source = resolve(item)
-        records, skipped = source.records()
+        records, skipped = source.records(_fields_for(key, x))
         _report_skipped(item, skipped)
         iterations = _timeline_or_fail(source, records)
         points = iterations if not key.startswith("validation_") else [r for r in records if r["kind"] ==
@@ -182,6 +182,17 @@ def plot(
         console.print(f"wrote {draw_png(series, out, x, key, log_y)}", markup=False)
     else:
         sys.stdout.write(draw_text(series, x, key, log_y) + "\n")
+
+
+def _fields_for(key: str, x: str) -> tuple[str, ...] | None:
+    """The iteration fields a plot needs (its axes, and what spike markers need), or None (all) for other keys."""
+    from opskit.logs.parse import iteration_fields
+    from opskit.logs.plot import X_AXES
+
+    wanted = {X_AXES.get(x, "iteration"), "lm_loss", "grad_norm"}
+    if not key.startswith("validation_"):  # validation records always come whole
+        wanted.add(key)
+    return tuple(sorted(wanted)) if wanted <= iteration_fields() else None
 
 
 def _timeline_or_fail(source, records: list[dict]) -> list[dict]:

@@ -163,6 +163,11 @@ def _read(convert, text: str):
         return int(float(text))
 
 
+def iteration_fields() -> set[str]:
+    """Record keys an iteration line can have outside ``extra`` (what ``fields=`` accepts)."""
+    return {"iteration", "train_iters", *(k for k in _PRINTED_AS if not k.startswith("validation_"))}
+
+
 def _wanted(fields: tuple[str, ...] | None):
     """``fields`` -> [(record key, [(needle, converter)])] for :func:`_iteration`.
 
@@ -171,10 +176,11 @@ def _wanted(fields: tuple[str, ...] | None):
     """
     if fields is None:
         return None
-    unknown = [f for f in fields if f not in _PRINTED_AS or f.startswith("validation_")]
+    known = iteration_fields()
+    unknown = [f for f in fields if f not in known]
     if unknown:
         raise LogFormatError(f"unknown iteration field(s) {', '.join(unknown)}: expected some of "
-                             f"{', '.join(k for k in _PRINTED_AS if not k.startswith('validation_'))}")
+                             f"{', '.join(sorted(known))}")
     return [(key, _PRINTED_AS[key]) for key in fields if key not in ("iteration", "train_iters")]
 
 

@@ -91,13 +91,28 @@ def _labels(x: str, y: str) -> tuple[str, str]:
     return ("consumed " + x if x != "iteration" else x), y.replace("_", " ")
 
 
+class PlotUnavailable(LogFormatError):
+    """matplotlib or plotext is not installed (they come with ``pip install 'opskit[plot]'``)."""
+
+
+def _require(module: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PlotUnavailable(f"{module} is not installed: pip install 'opskit[plot]'") from None
+
+
 def draw_png(series: list[Series], out: str | Path, x: str, y: str, log_y: bool = False, title: str | None = None,
              size: tuple[int, int] = (1200, 675)) -> Path:
     """Write a PNG of ``size`` pixels: one line per series (colours from :data:`COLORS`, legend = series names),
-    black ``x`` at spike peaks. Written to a temporary name and renamed, so readers never see half a file."""
-    import matplotlib
+    black ``x`` at spike peaks. Written to a temporary name and renamed, so readers never see half a file.
 
-    matplotlib.use("Agg")
+    Raises:
+        PlotUnavailable: matplotlib is not installed.
+    """
+    _require("matplotlib").use("Agg")
     from matplotlib import pyplot as plt
 
     from opskit.fsutil import staging_path
@@ -130,9 +145,12 @@ def draw_png(series: list[Series], out: str | Path, x: str, y: str, log_y: bool 
 
 def draw_text(series: list[Series], x: str, y: str, log_y: bool = False, width: int | None = None,
               height: int | None = None) -> str:
-    """The same plot as text for a terminal (plotext), colours and legend included."""
-    import plotext
+    """The same plot as text for a terminal (plotext), colours and legend included.
 
+    Raises:
+        PlotUnavailable: plotext is not installed.
+    """
+    plotext = _require("plotext")
     plotext.clear_figure()
     if width and height:
         plotext.plotsize(width, height)
