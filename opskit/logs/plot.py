@@ -64,7 +64,7 @@ def make_series(name: str, records: list[dict], x: str, y: str, x_range=(None, N
         if record.get(x_key) is None:
             continue
         x_of[record["iteration"]] = record[x_key]
-        value = record.get(y)
+        value = _value(record, y)
         if value is None or (low is not None and record[x_key] < low) or (high is not None and record[x_key] > high):
             continue
         xs.append(record[x_key])
@@ -73,6 +73,14 @@ def make_series(name: str, records: list[dict], x: str, y: str, x_range=(None, N
                if s.metric == y and s.peak_iteration in x_of and (low is None or x_of[s.peak_iteration] >= low)
                and (high is None or x_of[s.peak_iteration] <= high)]
     return Series(name, xs, _trailing_mean(ys, smooth), markers)
+
+
+def _value(record: dict, y: str) -> float | None:
+    """``y`` of a record: a field, or an unknown one kept under ``extra`` (``moe_loss`` or ``extra.moe_loss``)."""
+    value = record.get(y)
+    if value is None:
+        value = record.get("extra", {}).get(y.removeprefix("extra."))
+    return value if isinstance(value, (int, float)) else None
 
 
 def _trailing_mean(values: list[float], n: int) -> list[float]:
