@@ -7,27 +7,21 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from opskit.logs.parse import LogFormatError
+from opskit.logs.parse import LogFormatError, from_end
 
 
 def last_lines(path: str | Path, n: int) -> tuple[list[str], int]:
-    """(the last ``n`` complete lines, byte offset after them), reading backwards from the end in growing blocks.
+    """(the last ``n`` complete lines, byte offset after them), reading only the end of the file.
 
     Raises:
         FileNotFoundError: no such file.
     """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        span = 1 << 14
-        while True:
-            start = max(0, size - span)
-            f.seek(start)
-            data = f.read(size - start)
-            end = data.rfind(b"\n") + 1
-            lines = data[:end].decode("utf-8", errors="replace").split("\n")[:-1]
-            if start == 0 or len(lines) > n:
-                return (lines[-n:] if n else []), start + end
-            span *= 4
+
+    def enough(text: str, at_start: bool) -> list[str] | None:
+        lines = text.split("\n")[:-1]
+        return (lines[-n:] if n else []) if at_start or len(lines) >= n else None
+
+    return from_end(path, enough)
 
 
 def new_lines(path: str | Path, offset: int) -> tuple[list[str], int]:

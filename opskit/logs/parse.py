@@ -17,9 +17,12 @@ Speed: str methods only, no per-line regex (bench/log_parse.py, docs/benchmarks.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class LogFormatError(ValueError):
@@ -340,10 +343,11 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
     return chunk
 
 
-def read_tail(path: str | Path, iterations: int) -> LogChunk:
-    """Records near the end of a file holding at least ``iterations`` iteration records (or all there are), reading
-    backwards in growing blocks so that a multi-GB log costs a few reads. The first, possibly partial, line of the
-    block read is dropped unless the block starts the file. ``offset`` is where a follower continues.
+def from_end(path: str | Path, attempt: Callable[[str, bool], T | None]) -> tuple[T, int]:
+    """Read a file backwards in growing blocks (64 KiB, x4 each time) until ``attempt(text, at_start)`` returns
+    something; ``text`` holds the complete lines of the block (the block's first, possibly partial, line dropped
+    unless the block starts the file). Returns (that result, byte offset after the last complete line), the offset
+    being where a follower continues.
 
     Raises:
         FileNotFoundError: no such file.
@@ -355,14 +359,29 @@ def read_tail(path: str | Path, iterations: int) -> LogChunk:
             start = max(0, size - span)
             f.seek(start)
             data = f.read(size - start)
-            if start:
-                data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+            head = data.find(b"\n") + 1 if start else 0
             end = data.rfind(b"\n") + 1
-            chunk = parse_text(data[:end].decode("utf-8", errors="replace"))
-            if start == 0 or len(chunk.iterations) >= iterations:
-                chunk.offset = size - (len(data) - end)
-                return chunk
+            result = attempt(data[head:max(head, end)].decode("utf-8", errors="replace"), start == 0)
+            if result is not None:
+                return result, start + end
             span *= 4
+
+
+def read_tail(path: str | Path, iterations: int) -> LogChunk:
+    """Records near the end of a file holding at least ``iterations`` iteration records (or all there are): a
+    multi-GB log costs a few reads (:func:`from_end`). ``offset`` is where a follower continues.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+
+    def enough(text: str, at_start: bool) -> LogChunk | None:
+        chunk = parse_text(text)
+        return chunk if at_start or len(chunk.iterations) >= iterations else None
+
+    chunk, offset = from_end(path, enough)
+    chunk.offset = offset
+    return chunk
 
 
 def first_iteration(path: str | Path) -> dict | None:
