@@ -37,6 +37,12 @@ def fixture_line(name: str, iteration: int) -> str:
 runner = CliRunner()
 
 
+def read_from_text(text: str, fields=None):
+    from opskit.logs.parse import parse_text
+
+    return parse_text(text + "\n", fields=fields)
+
+
 def invoke(*args: str):
     return runner.invoke(app, list(args), catch_exceptions=False)
 
@@ -91,6 +97,11 @@ def test_prefixes_extra_fields_cut_interleaved_and_named_validation_sets():
                                                                                         12.33456)
     assert (end["where"], end["validation_lm_loss"]) == ("the end of training for val data", 2.4)
     assert parse_line("[default0]:saving checkpoint at iteration   12700 to /ckpt") is None
+    odd = " iteration 3/ 9 |  global batch size:  16.0 | lm loss:1.5 | number of nan iterations: x |"
+    assert parse_line(odd) is None  # "x" is no count
+    for fields in (None, ("global_batch_size", "lm_loss")):
+        (record,) = read_from_text(odd.replace(": x |", ": 0 |"), fields).records
+        assert (record["global_batch_size"], record["lm_loss"]) == (16, 1.5)
 
 
 @pytest.mark.parametrize("name", ["tr1-13B", "tr8b-104B", "tr11-176B-spike", "malformed", "restart"])

@@ -95,13 +95,16 @@ def _fields(record: dict, rest: str):
     for part in parts:
         name, sep, value = part.partition(":")
         spec = known.get(name)
-        try:
-            if spec is None:
-                if not sep:
-                    return _CUT
-                _other(record, name, value)
-            else:
+        if spec is not None:
+            try:
                 record[spec[0]] = spec[1](value)
+                continue
+            except ValueError:
+                pass  # "0.0" for an integer field, or garbage: _other tells which
+        if not sep:
+            return _CUT
+        try:
+            _other(record, name, value)
         except ValueError:
             return _CUT
     return record
@@ -129,10 +132,9 @@ def _other(record: dict, name: str, value: str) -> None:
     record.setdefault("extra", {})[key] = number
 
 
-def _iteration(line: str, at: int, bar: int, wanted):
+def _iteration(line: str, at: int, bar: int):
     """Record of the line whose ``iteration `` word starts at ``at`` (``bar``: its first ``|``); None when it is not an
-    iteration line at all (``saving checkpoint at iteration 100 to ...``), ``_CUT`` when it is one but not whole.
-    ``wanted``: None for every field, else the fields to read (see :func:`_wanted`)."""
+    iteration line at all (``saving checkpoint at iteration 100 to ...``), ``_CUT`` when it is one but not whole."""
     done, slash, total = line[at + 10:bar if bar >= 0 else len(line)].partition("/")
     if bar < 0:  # cut inside the header ("iteration    127") or another line ("saving checkpoint at iteration 100 to")
         return _CUT if (done + total).strip().replace(" ", "").isdigit() else None
@@ -140,30 +142,7 @@ def _iteration(line: str, at: int, bar: int, wanted):
         record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
     except ValueError:
         return None
-    if wanted is None:
-        return _fields(record, line[bar + 1:])
-    if not (line.endswith("|") or line.rstrip().endswith("|")):
-        return _CUT
-    try:
-        for key, printed in wanted:
-            for needle, convert in printed:
-                start = line.find(needle, bar)
-                if start >= 0:
-                    start += len(needle)
-                    record[key] = _read(convert, line[start:line.index("|", start)])
-                    break
-    except ValueError:
-        return _CUT
-    return record
-
-
-def _read(convert, text: str):
-    try:
-        return convert(text)
-    except ValueError:
-        if convert is not int:
-            raise
-        return int(float(text))
+    return _fields(record, line[bar + 1:])
 
 
 def iteration_fields() -> set[str]:
@@ -172,7 +151,7 @@ def iteration_fields() -> set[str]:
 
 
 def _wanted(fields: tuple[str, ...] | None):
-    """``fields`` -> [(record key, [(needle, converter)])] for :func:`_iteration`.
+    """``fields`` -> [(record key, [(needle, converter)])] for :func:`_scan_fields`.
 
     Raises:
         LogFormatError: a name that is not an iteration-line field.
@@ -205,7 +184,7 @@ def _validation(line: str, head: str, at: int):
     return record
 
 
-def _parse(line: str, wanted=None):
+def _parse(line: str):
     """One line -> record, None (not a record line) or ``_CUT``."""
     bar = line.find("|")
     head = line if bar < 0 else line[:bar]
@@ -215,7 +194,7 @@ def _parse(line: str, wanted=None):
     at = head.find("iteration ")
     if at < 0:
         return None
-    return _iteration(line, at, bar, wanted)
+    return _iteration(line, at, bar)
 
 
 def parse_line(line: str) -> dict | None:
@@ -238,20 +217,20 @@ def parse_text(text: str, chunk: LogChunk | None = None, fields: tuple[str, ...]
     wanted = _wanted(fields)
     lines = text.split("\n")
     if wanted is None:
-        _scan(lines, chunk, None)
+        _scan(lines, chunk)
     else:
         _scan_fields(lines, chunk, wanted)
     return chunk
 
 
-def _scan(lines: list[str], chunk: LogChunk, wanted) -> None:
+def _scan(lines: list[str], chunk: LogChunk) -> None:
     records, cut = chunk.records, 0
     append = records.append
     for line in lines:
         # Prefilter with two substring tests: most lines of a real log are neither kind.
         if "iteration " not in line and " loss at " not in line:
             continue
-        record = _parse(line, wanted)
+        record = _parse(line)
         if record is None:
             continue
         if record is _CUT:
@@ -270,15 +249,16 @@ def _only(record, wanted):
 
 
 def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
-    """:func:`_scan` with :func:`_iteration`'s ``wanted`` branch inlined for the common iteration line (the hot loop
-    of plots and spike detection); anything unusual goes through :func:`_parse`."""
-    needles = [(key, needle, len(needle), convert) for key, printed in wanted for needle, convert in printed]
+    """:func:`_scan` reading only the ``wanted`` fields of the common iteration line with ``str.find`` (the hot loop
+    of plots and spike detection); anything unusual is parsed whole by :func:`_parse` and cut down to them."""
+    needles = [(key, needle, len(needle), convert, needle[2:]) for key, printed in wanted
+               for needle, convert in printed]
     records, cut = chunk.records, 0
     append = records.append
     for line in lines:
         if "iteration " not in line:
             if " loss at " in line:
-                record = _parse(line, wanted)
+                record = _parse(line)
                 if record is _CUT:
                     cut += 1
                 elif record is not None:
@@ -288,7 +268,7 @@ def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
         at = line.find("iteration ", 0, bar)
         done, slash, total = line[at + 10:bar].partition("/")
         if at < 3 or line.startswith("at ", at - 3) or not slash:  # validation lines, cut headers, odd lines
-            record = _parse(line, wanted)
+            record = _only(_parse(line), wanted)
         elif not (line.endswith("|") or line.rstrip().endswith("|")):
             record = _CUT
         elif line.count("|", bar) != line.count(":", bar) + 1:  # not one "name: value |" per field: check them all
@@ -296,11 +276,14 @@ def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
         else:
             try:
                 record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
-                for key, needle, size, convert in needles:
+                for key, needle, size, convert, name in needles:
                     start = line.find(needle, bar)
                     if start >= 0:
                         start += size
                         record[key] = convert(line[start:line.index("|", start)])
+                    elif name in line:  # there, with other spacing: the full parser reads it
+                        record = _only(_parse(line), wanted)
+                        break
             except ValueError:
                 record = _only(_parse(line), wanted)
         if record is _CUT:
