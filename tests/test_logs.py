@@ -337,3 +337,25 @@ def test_plot_series_smooths_ranges_and_reads_extra_fields():
     assert series.y == [losses[0], (losses[0] + losses[1]) / 2, (losses[1] + losses[2]) / 2]
     with pytest.raises(LogFormatError, match="--range 5-9: expected A:B"):
         parse_range("5-9")
+
+
+@pytest.mark.timeout(60)  # a tail that never prints would otherwise hang the suite
+def test_cli_tail_follows_the_published_copy(tmp_path):
+    """`opskit logs tail RUN --remote file://...` as a user runs it: the last lines, then what sync adds."""
+    import subprocess
+    import sys
+
+    run, published = tmp_path / "run", tmp_path / "pub"
+    for folder in (run, published):
+        (folder / "logs").mkdir(parents=True)
+        (folder / "logs" / "main_log.txt").write_text("old\nlast\n")
+    proc = subprocess.Popen([sys.executable, "-m", "opskit.cli.app", "logs", "tail", str(run), "--remote",
+                             f"file://{published}", "-n", "1", "--interval", "0.1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "last\n"
+        with open(published / "logs" / "main_log.txt", "a") as f:
+            f.write("[default7]: iteration 1/ 2 | lm loss: 1.0 |\n")
+        assert proc.stdout.readline() == "[default7]: iteration 1/ 2 | lm loss: 1.0 |\n"
+    finally:
+        proc.kill()
+        proc.wait()
