@@ -300,6 +300,16 @@ def test_tensorboard_event_folder_reads_back(event_dir):
         (100, pytest.approx(4.9))]
 
 
+def test_show_and_tail_refuse_an_event_folder_in_one_line(event_dir):
+    for command in ("show", "tail"):
+        done = invoke("logs", command, str(event_dir))
+        assert done.exit_code == 1
+        assert done.output == (f"error: {event_dir}: a TensorBoard event folder; `opskit logs {command}` reads text "
+                               "logs (plot and spikes read event folders)\n")
+    done = invoke("logs", "spikes", str(event_dir), "--json")
+    assert json.loads(done.stdout)["spikes"] == []  # a smooth, linear loss
+
+
 def test_plot_png_draws_one_line_per_run_with_its_colour(event_dir, tmp_path):
     from PIL import Image
 

@@ -61,21 +61,22 @@ def show(
     from opskit.logs.sources import resolve
 
     source = resolve(name_or_file)
-    chunk = read_tail(source.path, last + recent)
+    path = source.text_log("show")
+    chunk = read_tail(path, last + recent)
     records = timeline(chunk.records)
     if not records:
         if json_output:
-            print_json({"file": str(source.path), "records": [], "progress": None})
+            print_json({"file": str(path), "records": [], "progress": None})
         else:
-            console.print(f"{source.path}: no iteration lines yet", markup=False)
+            console.print(f"{path}: no iteration lines yet", markup=False)
         return
     state = progress(records, recent=recent, planned_tokens=source.planned_tokens)
-    first = first_iteration(source.path)
+    first = first_iteration(path)
     if json_output:
-        print_json({"file": str(source.path), "records": records[-last:], "first": first,
+        print_json({"file": str(path), "records": records[-last:], "first": first,
                     "progress": state.as_dict(), "skipped_in_tail": chunk.skipped})
         return
-    table = Table(title=str(source.path))
+    table = Table(title=str(path))
     for _, header in COLUMNS:
         table.add_column(header, justify="right")
     for r in records[-last:]:
@@ -134,8 +135,8 @@ def tail(
     from opskit.logs.follow import follow, published_copy
     from opskit.logs.sources import resolve
 
-    source = resolve(name_or_file)
-    path = published_copy(source.path, remote) if remote else source.path
+    local = resolve(name_or_file).text_log("tail")
+    path = published_copy(local, remote) if remote else local
     try:
         for line in follow(path, lines, interval, sleep=time.sleep):
             sys.stdout.write(line + "\n")

@@ -28,6 +28,17 @@ class LogSource:
         chunk = read_from(self.path, fields=fields)
         return chunk.records, chunk.skipped
 
+    def text_log(self, command: str) -> Path:
+        """The text log of this source, for commands that read text only.
+
+        Raises:
+            LogFormatError: the source is a TensorBoard event folder.
+        """
+        if self.events:
+            raise LogFormatError(f"{self.path}: a TensorBoard event folder; `opskit logs {command}` reads text logs "
+                                 "(plot and spikes read event folders)")
+        return self.path
+
     def timeline(self, fields: tuple[str, ...] | None = None) -> list[dict]:
         """Iteration records as the training stands (restarts resolved), or a one-line error when there are none.
 
