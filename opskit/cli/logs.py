@@ -85,9 +85,13 @@ def show(
     for line in _progress_lines(state, recent):
         console.print(line, markup=False)
     final = records[-1]
-    console.print(f"lm loss: first {first['lm_loss']:.4f} (iteration {first['iteration']}), "
-                  f"last {final['lm_loss']:.4f} (iteration {final['iteration']} of {final['train_iters']})",
-                  markup=False)
+    console.print(f"lm loss: first {_loss(first)} (iteration {first['iteration']}), "
+                  f"last {_loss(final)} (iteration {final['iteration']} of {final['train_iters']})", markup=False)
+
+
+def _loss(record: dict) -> str:
+    """Megatron prints no ``lm loss`` when the interval's average is not positive (all iterations skipped)."""
+    return f"{record['lm_loss']:.4f}" if "lm_loss" in record else "none logged"
 
 
 def _progress_lines(state, recent: int) -> list[str]:
@@ -126,12 +130,12 @@ def _count(n: int) -> str:
 @friendly_errors
 def tail(
     name_or_file: str = typer.Argument(..., help="Spec name, run folder or log file."),
-    lines: int = typer.Option(10, "--lines", "-n", min=0, help="Iteration lines to show first."),
+    lines: int = typer.Option(10, "--lines", "-n", min=0, help="How many of the file's last lines to show first."),
     remote: str = typer.Option(None, "--remote", help="Follow the copy published by `opskit sync` to this target "
                                                       "(file:///path) instead of the local log."),
     interval: float = typer.Option(2.0, "--interval", min=0.05, help="Seconds between polls."),
 ) -> None:
-    """Follow a log as `tail -f` does, from its last iteration lines; survives the file being replaced (a sync)."""
+    """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync)."""
     from opskit.logs.follow import follow, published_copy
     from opskit.logs.sources import resolve
 
@@ -157,7 +161,8 @@ def plot(
     log_y: bool = typer.Option(False, "--log-y", help="Logarithmic y axis."),
     out: Path = typer.Option(None, "--out", help="PNG to write; without it, a terminal plot (stdout a terminal)."),
 ) -> None:
-    """One line per run, spikes marked with x; restarts resolved (what a resume re-ran replaces the old lines)."""
+    """Plot a metric of one or more runs: a PNG with --out, else a terminal plot. One line per run, spikes marked
+    with x; restarts resolved (what a resume re-ran replaces the old lines)."""
     from opskit.logs.parse import LogFormatError
     from opskit.logs.plot import draw_png, draw_text, make_series, parse_range, y_key
     from opskit.logs.sources import resolve
