@@ -21,7 +21,7 @@ from pathlib import Path
 
 from opskit.logs.parse import read_from
 
-ITERATION = ("[default7]: iteration {it:8d}/  115311 | consumed samples: {samples:12d} | consumed tokens: {tokens:12d} "
+ITERATION = ("[default7]: iteration {it:8d}/  600000 | consumed samples: {samples:12d} | consumed tokens: {tokens:12d} "
              "| elapsed time per iteration (s): {t:.2f} | learning rate: {lr:.3E} | global batch size:  2048 | "
              "lm loss: {loss:.6E} | grad norm: {gn:.3f} | num zeros: 0.0 | number of skipped iterations:   0 | "
              "number of nan iterations:   0 | samples per second: {sps:.3f} | TFLOPs: {tflops:.2f} |")
