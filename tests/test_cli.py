@@ -183,8 +183,10 @@ def test_logs_show_prints_first_and_last_loss(trainer_log, tmp_path):
     rows = [line for line in done.stdout.splitlines() if re.match(r"^\W*\s*(14|16|18|20|2|4|6)\s", line)]
     assert [re.match(r"^\W*\s*(\d+)", row).group(1) for row in rows] == ["16", "18", "20"], done.stdout
 
-    records = json.loads(opskit_cli("logs", "show", str(trainer_log), "--json", cwd=tmp_path).stdout)
+    shown = json.loads(opskit_cli("logs", "show", str(trainer_log), "--json", cwd=tmp_path).stdout)
+    records = shown["records"]
     assert [(r["iteration"], r["lm_loss"]) for r in records] == found
+    assert (shown["first"]["iteration"], shown["progress"]["iterations_left"]) == (2, 0)
     assert all(r["consumed_samples"] == 8 * r["iteration"] and r["train_iters"] == 20 for r in records)
 
     # The same lines as they land in a chain's main_log.txt (torchrun --tee prefixes), found through a spec name.

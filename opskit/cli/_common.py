@@ -20,13 +20,14 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.ckpt.convert import ConvertError
     from opskit.ckpt.layout import CheckpointFormatError
     from opskit.data import DataError
+    from opskit.logs.parse import LogFormatError
     from opskit.slurm.client import SlurmError
     from opskit.spec import SpecError
     from opskit.submit import SubmitError
     from opskit.sync import SyncError
 
     return (SpecError, DataError, SubmitError, SlurmError, CheckpointFormatError, ConvertError, SyncError,
-            FileNotFoundError)
+            LogFormatError, FileNotFoundError)
 
 
 def friendly_errors(command: Callable) -> Callable:

@@ -1,48 +1,80 @@
-"""``opskit logs show NAME|FILE``: the training's iteration lines as a table, first and last lm loss."""
+"""``opskit logs parse|show|tail|plot|spikes``: Megatron-style training logs from the command line."""
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from opskit.cli._common import console, friendly_errors, print_json
+from opskit.cli._common import console, err_console, friendly_errors, print_json
 
-app = typer.Typer(help="Training logs (Megatron-style iteration lines).", no_args_is_help=True)
+app = typer.Typer(help="Training logs (Megatron-style iteration and validation lines).", no_args_is_help=True)
 
 # (record field, column header): short headers keep the table readable in an 80-column pipe.
 COLUMNS = (("iteration", "iteration"), ("consumed_tokens", "tokens"), ("lm_loss", "lm loss"),
-           ("learning_rate", "lr"), ("grad_norm", "grad norm"), ("elapsed_time_per_iteration_s", "s/it"))
+           ("learning_rate", "lr"), ("grad_norm", "grad norm"), ("elapsed_time_per_iteration_s", "s/it"),
+           ("tflops", "TFLOPs"))
 
 
-def _log_file(name_or_file: str) -> Path:
-    path = Path(name_or_file)
-    if path.is_file():
-        return path
-    from opskit.runs import RunPaths
-    from opskit.spec import load_spec
+def _report_skipped(name: str, skipped: int) -> None:
+    if skipped:
+        err_console.print(f"{name}: {skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)",
+                          markup=False)
 
-    return RunPaths.of(load_spec(name_or_file)).main_log
+
+@app.command("parse")
+@friendly_errors
+def parse(
+    files: list[Path] = typer.Argument(..., help="Log files."),
+    output_format: str = typer.Option("jsonl", "--format", help="jsonl or csv."),
+) -> None:
+    """One record per iteration and validation line, with its restart segment (0, 1, ... each time the iteration
+    goes back); unknown `key: value |` fields under `extra` (csv: `extra.KEY` columns)."""
+    from opskit.logs.export import write_csv, write_jsonl
+    from opskit.logs.parse import LogFormatError, read_from, split_segments
+
+    if output_format not in ("jsonl", "csv"):
+        raise LogFormatError(f"--format {output_format}: expected jsonl or csv")
+    rows = []
+    for path in files:
+        chunk = read_from(path)
+        _report_skipped(str(path), chunk.skipped)
+        for segment, records in enumerate(split_segments(chunk.records)):
+            rows += [{"file": str(path), "segment": segment, **r} for r in records]
+    (write_jsonl if output_format == "jsonl" else write_csv)(rows, sys.stdout)
 
 
 @app.command("show")
 @friendly_errors
 def show(
-    name_or_file: str = typer.Argument(..., help="Spec name (its main_log.txt) or a log file."),
+    name_or_file: str = typer.Argument(..., help="Spec name (its main_log.txt), run folder or log file."),
     last: int = typer.Option(10, "--last", min=1, help="How many iteration lines to show."),
-    json_output: bool = typer.Option(False, "--json", help="All records as JSON."),
+    recent: int = typer.Option(20, "--recent", min=1, help="Iterations whose median time gives the ETA."),
+    json_output: bool = typer.Option(False, "--json", help="Records, progress and ETA as JSON."),
 ) -> None:
-    """The last iteration lines, and the first and last lm loss."""
-    from opskit.megatron_log import read_iterations
+    """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
+    from opskit.logs.eta import progress
+    from opskit.logs.parse import first_iteration, read_tail, timeline
+    from opskit.logs.sources import resolve
 
-    path = _log_file(name_or_file)
-    records = list(read_iterations(path))
-    if json_output:
-        print_json(records)
-        return
+    source = resolve(name_or_file)
+    path = source.text_log("show")
+    chunk = read_tail(path, last + recent)
+    records = timeline(chunk.records)
     if not records:
-        console.print(f"{path}: no iteration lines yet")
+        if json_output:
+            print_json({"file": str(path), "records": [], "progress": None})
+        else:
+            console.print(f"{path}: no iteration lines yet", markup=False)
+        return
+    state = progress(records, recent=recent, planned_tokens=source.planned_tokens)
+    first = first_iteration(path)
+    if json_output:
+        print_json({"file": str(path), "records": records[-last:], "first": first,
+                    "progress": state.as_dict(), "skipped_in_tail": chunk.skipped})
         return
     table = Table(title=str(path))
     for _, header in COLUMNS:
@@ -50,6 +82,182 @@ def show(
     for r in records[-last:]:
         table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c, _ in COLUMNS))
     console.print(table)
-    first, final = records[0], records[-1]
-    console.print(f"lm loss: first {first['lm_loss']:.4f} (iteration {first['iteration']}), "
-                  f"last {final['lm_loss']:.4f} (iteration {final['iteration']} of {final['train_iters']})")
+    for line in _progress_lines(state, recent):
+        console.print(line, markup=False)
+    final = records[-1]
+    console.print(f"lm loss: first {_loss(first)} (iteration {first['iteration']}), "
+                  f"last {_loss(final)} (iteration {final['iteration']} of {final['train_iters']})", markup=False)
+
+
+def _loss(record: dict) -> str:
+    """Megatron prints no ``lm loss`` when the interval's average is not positive (all iterations skipped)."""
+    return f"{record['lm_loss']:.4f}" if "lm_loss" in record else "none logged"
+
+
+def _progress_lines(state, recent: int) -> list[str]:
+    lines = [f"progress: iteration {state.iteration:,} of {state.train_iters:,} "
+             f"({state.iteration / state.train_iters:.1%}), {state.iterations_left:,} left"]
+    if state.iterations_left == 0:
+        lines.append("ETA: finished")
+    elif state.seconds_per_iteration is not None:
+        lines.append(f"ETA: {state.iterations_left:,} x {state.seconds_per_iteration:.2f} s (median of the last "
+                     f"{recent}) = {_duration(state.seconds_left)} at this speed without downtime")
+    if state.consumed_tokens is not None:
+        planned = "" if state.planned_tokens is None else (
+            f" / {_count(state.planned_tokens)} planned ({state.planned_tokens_source}), "
+            f"{state.consumed_tokens / state.planned_tokens:.1%}")
+        lines.append(f"tokens: {_count(state.consumed_tokens)} consumed{planned}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    """``124.7 days`` from a day on (the chronicles' unit), else ``5 h 03 min``."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _count(n: int) -> str:
+    """``97980874752`` -> ``98.0B`` (the chronicles write "20B/450B tokens"); ``819200`` -> ``819.2K``."""
+    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{suffix}"
+    return str(n)
+
+
+@app.command("tail")
+@friendly_errors
+def tail(
+    name_or_file: str = typer.Argument(..., help="Spec name, run folder or log file."),
+    lines: int = typer.Option(10, "--lines", "-n", min=0, help="How many of the file's last lines to show first."),
+    remote: str = typer.Option(None, "--remote", help="Follow the copy published by `opskit sync` to this target "
+                                                      "(file:///path) instead of the local log."),
+    interval: float = typer.Option(2.0, "--interval", min=0.05, help="Seconds between polls."),
+) -> None:
+    """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync)."""
+    from opskit.logs.follow import follow, published_copy
+    from opskit.logs.sources import resolve
+
+    local = resolve(name_or_file).text_log("tail")
+    path = published_copy(local, remote) if remote else local
+    try:
+        for line in follow(path, lines, interval, sleep=time.sleep):
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@app.command("plot")
+@friendly_errors
+def plot(
+    inputs: list[str] = typer.Argument(..., help="Spec names, run folders, log files or TensorBoard event folders."),
+    x: str = typer.Option("iteration", "--x", help="iteration, samples or tokens."),
+    y: str = typer.Option("lm_loss", "--y", help="lm_loss, grad_norm, lr, tflops, loss_scale, validation_lm_loss, "
+                                                 "elapsed_time_per_iteration_s, ... (record keys)."),
+    x_range: str = typer.Option(None, "--range", help="A:B on the x axis (A: or :B open), e.g. 0:24e9."),
+    smooth: int = typer.Option(1, "--smooth", min=1, help="Trailing mean over N points."),
+    log_y: bool = typer.Option(False, "--log-y", help="Logarithmic y axis."),
+    out: Path = typer.Option(None, "--out", help="PNG to write; without it, a terminal plot (stdout a terminal)."),
+) -> None:
+    """Plot a metric of one or more runs: a PNG with --out, else a terminal plot. One line per run, spikes marked
+    with x; restarts resolved (what a resume re-ran replaces the old lines)."""
+    from opskit.logs.parse import LogFormatError
+    from opskit.logs.plot import draw_png, draw_text, make_series, parse_range, y_key
+    from opskit.logs.sources import resolve
+    from opskit.logs.spikes import find_spikes
+
+    key, bounds = y_key(y), parse_range(x_range)
+    if out is None and not sys.stdout.isatty():
+        raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
+    series = []
+    for item in inputs:
+        source = resolve(item)
+        records, skipped = source.records(_fields_for(key, x))
+        _report_skipped(item, skipped)
+        iterations = _timeline_or_fail(source, records)
+        points = iterations if not key.startswith("validation_") else [r for r in records if r["kind"] ==
+                                                                       "validation" and r["iteration"] is not None]
+        spikes = find_spikes(iterations) if key in ("lm_loss", "grad_norm") else []
+        one = make_series(source.name, _with_x(points, iterations), x, key, bounds, smooth, spikes)
+        if not one.x:
+            raise LogFormatError(f"{item}: no '{key}' values with an x ({x}) in range")
+        series.append(one)
+    if out is not None:
+        console.print(f"wrote {draw_png(series, out, x, key, log_y)}", markup=False)
+    else:
+        sys.stdout.write(draw_text(series, x, key, log_y) + "\n")
+
+
+def _fields_for(key: str, x: str) -> tuple[str, ...] | None:
+    """The iteration fields a plot needs (its axes, and what spike markers need), or None (all) for other keys."""
+    from opskit.logs.parse import iteration_fields
+    from opskit.logs.plot import X_AXES
+
+    wanted = {X_AXES.get(x, "iteration"), "lm_loss", "grad_norm"}
+    if not key.startswith("validation_"):  # validation records always come whole
+        wanted.add(key)
+    return tuple(sorted(wanted)) if wanted <= iteration_fields() else None
+
+
+def _timeline_or_fail(source, records: list[dict]) -> list[dict]:
+    from opskit.logs.parse import LogFormatError, timeline
+
+    iterations = timeline(records)
+    if not iterations:
+        raise LogFormatError(f"{source.path}: no iteration lines")
+    return iterations
+
+
+def _with_x(points: list[dict], iterations: list[dict]) -> list[dict]:
+    """Validation records get consumed samples/tokens from the iteration record of the same iteration."""
+    by_iteration = {r["iteration"]: r for r in iterations}
+    keys = ("consumed_samples", "consumed_tokens")
+    return [p if p["kind"] == "iteration" else {**{k: by_iteration.get(p["iteration"], {}).get(k) for k in keys}, **p}
+            for p in points]
+
+
+@app.command("spikes")
+@friendly_errors
+def spikes(
+    name_or_file: str = typer.Argument(..., help="Spec name, run folder, log file or TensorBoard event folder."),
+    save_interval: int = typer.Option(None, "--save-interval", min=1,
+                                      help="Checkpoint interval (default: the spec's; with a spec, the existing "
+                                           "global_stepN folders come first)."),
+    window: int = typer.Option(100, "--window", min=5, help="Previous values the robust z-score is taken over."),
+    threshold: float = typer.Option(6.0, "--threshold", help="Robust z-score above which a value is a spike."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
+    --skip-train-iteration-range to restart with."""
+    from opskit.logs.sources import resolve
+    from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
+
+    source = resolve(name_or_file)
+    iterations = source.timeline(None if source.events else ("lm_loss", "grad_norm"))
+    found = find_spikes(iterations, SpikeConfig(window=window, threshold=threshold))
+    fixes = remedies(found, save_interval or source.save_interval,
+                     None if save_interval else source.checkpoints)
+    if json_output:
+        print_json({"file": str(source.path), "spikes": [s.as_dict() for s in found],
+                    "remedies": [f.as_dict() for f in fixes]})
+        return
+    if not found:
+        console.print(f"{source.path}: no spikes in {len(iterations):,} iterations "
+                      f"({iterations[0]['iteration']}-{iterations[-1]['iteration']})", markup=False)
+        return
+    table = Table(title=str(source.path))
+    for header in ("metric", "first", "last", "peak at", "peak", "baseline", "back to normal at"):
+        table.add_column(header, justify="right")
+    for s in found:
+        table.add_row(s.metric, str(s.first), str(s.last), str(s.peak_iteration), f"{s.peak:.4g}",
+                      f"{s.baseline:.4g}", "not yet" if s.recovered_at is None else str(s.recovered_at))
+    console.print(table)
+    for fix in fixes:
+        if fix.checkpoint is None:
+            console.print(f"iterations {fix.first}-{fix.end}: no checkpoint before it known (give --save-interval)",
+                          markup=False)
+        else:
+            console.print(f"iterations {fix.first}-{fix.end}: roll back to {fix.checkpoint} and restart with "
+                          f"--skip-train-iteration-range {fix.skip_range}", markup=False)

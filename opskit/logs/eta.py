@@ -1,0 +1,69 @@
+"""Progress and ETA from the last iteration records: iterations left x recent seconds per iteration, and tokens
+consumed / planned, as the tr11 chronicle computed "125 days more" by hand from one log line:
+``(115311-12695)*105/(3600*24)=124.7``, "We consumed 20B/450B tokens"."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a training stands.
+
+    ``seconds_per_iteration`` is the median of the recent records' elapsed time per iteration; ``seconds_left`` =
+    (train_iters - iteration) x that. ``planned_tokens`` comes from the spec (train_samples x seq_length) when given,
+    else it is estimated as consumed + iterations left x global batch size x tokens per sample (exact once the batch
+    size ramp-up is over, since ``train_iters`` is computed from the sample budget); ``planned_tokens_source`` says
+    which. Token fields are None for 2021-format logs, which print no consumed tokens.
+    """
+
+    iteration: int
+    train_iters: int
+    seconds_per_iteration: float | None
+    seconds_left: float | None
+    consumed_samples: int | None
+    consumed_tokens: int | None
+    planned_tokens: int | None
+    planned_tokens_source: str | None
+
+    @property
+    def iterations_left(self) -> int:
+        return max(0, self.train_iters - self.iteration)
+
+    @property
+    def days_left(self) -> float | None:
+        return None if self.seconds_left is None else self.seconds_left / (3600 * 24)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "iterations_left": self.iterations_left, "days_left": self.days_left}
+
+
+def progress(iterations: list[dict], recent: int = 20, planned_tokens: int | None = None,
+             seconds_per_iteration: float | None = None) -> Progress:
+    """Progress at the last of ``iterations`` (iteration records, file order).
+
+    Args:
+        recent: how many of the last records' times the median is taken over.
+        planned_tokens: the plan's token budget (spec: train_samples x seq_length), if known.
+        seconds_per_iteration: use this instead of the log's (the chronicle rounded 105.22 s to 105).
+
+    Raises:
+        ValueError: ``iterations`` is empty.
+    """
+    if not iterations:
+        raise ValueError("no iteration records")
+    last = iterations[-1]
+    if seconds_per_iteration is None:
+        times = [r["elapsed_time_per_iteration_s"] for r in iterations[-recent:] if "elapsed_time_per_iteration_s" in r]
+        seconds_per_iteration = statistics.median(times) if times else None
+    left = max(0, last["train_iters"] - last["iteration"])
+    tokens, samples = last.get("consumed_tokens"), last.get("consumed_samples")
+    source = "spec" if planned_tokens is not None else None
+    if planned_tokens is None and tokens and samples and "global_batch_size" in last:
+        planned_tokens = tokens + left * last["global_batch_size"] * round(tokens / samples)
+        source = "estimated from the log"
+    return Progress(last["iteration"], last["train_iters"], seconds_per_iteration,
+                    None if seconds_per_iteration is None else left * seconds_per_iteration, samples, tokens,
+                    planned_tokens, source)

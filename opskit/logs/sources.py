@@ -1,0 +1,92 @@
+"""What ``opskit logs`` commands take as input: a log file, a TensorBoard event folder, a run folder, or a spec name
+(its ``<run>/logs/main_log.txt``, save interval, existing checkpoints and token budget)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from opskit.logs.parse import LogFormatError, read_from, timeline
+from opskit.logs.tensorboard import is_event_dir, read_event_dir
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """One input. ``name`` names the run in legends and titles; the spec-only fields are None for bare files."""
+
+    name: str
+    path: Path
+    events: bool = False
+    save_interval: int | None = None
+    checkpoints: tuple[int, ...] | None = None
+    planned_tokens: int | None = None
+
+    def records(self, fields: tuple[str, ...] | None = None) -> tuple[list[dict], int]:
+        """(records in file/step order, lines skipped as cut or garbled). ``fields`` as in ``read_from``."""
+        if self.events:
+            return read_event_dir(self.path), 0
+        chunk = read_from(self.path, fields=fields)
+        return chunk.records, chunk.skipped
+
+    def text_log(self, command: str) -> Path:
+        """The text log of this source, for commands that read text only.
+
+        Raises:
+            LogFormatError: the source is a TensorBoard event folder.
+        """
+        if self.events:
+            raise LogFormatError(f"{self.path}: a TensorBoard event folder; `opskit logs {command}` reads text logs "
+                                 "(plot and spikes read event folders)")
+        return self.path
+
+    def timeline(self, fields: tuple[str, ...] | None = None) -> list[dict]:
+        """Iteration records as the training stands (restarts resolved), or a one-line error when there are none.
+
+        Raises:
+            LogFormatError: no iteration records.
+        """
+        records = timeline(self.records(fields)[0])
+        if not records:
+            raise LogFormatError(f"{self.path}: no iteration lines")
+        return records
+
+
+def resolve(name_or_path: str) -> LogSource:
+    """A file, an event folder, a run folder (with ``logs/main_log.txt``), else a spec name.
+
+    Raises:
+        SpecError: not a path, and no spec of that name.
+    """
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix not in (".yaml", ".yml"):
+        return LogSource(_file_name(path), path)
+    if path.is_dir():
+        if (path / "logs" / "main_log.txt").is_file():
+            return LogSource(path.name, path / "logs" / "main_log.txt")
+        if is_event_dir(path):
+            return LogSource(path.name, path, events=True)
+    return from_spec(name_or_path)
+
+
+def from_spec(name: str) -> LogSource:
+    """The run of spec ``name``: its main log, save interval, ``global_stepN`` folders and planned tokens
+    (samples of the run x seq_length).
+
+    Raises:
+        SpecError: no such spec.
+    """
+    from opskit.ckpt.layout import STEP_DIR
+    from opskit.runs import RunPaths
+    from opskit.spec import load_spec
+
+    spec = load_spec(name)
+    run = RunPaths.of(spec)
+    steps = tuple(sorted(int(m.group(1)) for p in (run.checkpoints.iterdir() if run.checkpoints.is_dir() else ())
+                         if (m := STEP_DIR.match(p.name))))
+    return LogSource(spec.name, run.main_log, save_interval=spec.checkpoint.save_interval,
+                     checkpoints=steps or None, planned_tokens=spec.batch.samples * spec.model.seq_length)
+
+
+def _file_name(path: Path) -> str:
+    """``runs/tr11/logs/main_log.txt`` -> ``tr11``; other files by their stem."""
+    return path.parent.parent.name if path.name == "main_log.txt" and path.parent.name == "logs" else path.stem

@@ -1,0 +1,173 @@
+"""Loss and grad-norm spikes: where they are, which checkpoint to roll back to, which iterations to skip.
+
+The chronicles' recipe (tr8b-104B, train/lessons-learned.md): roll back to the last checkpoint before the spike and
+restart with ``--skip-train-iteration-range A-B`` so that the batches that caused it are never seen again, A being the
+first iteration after that checkpoint and B the last one before the training was back to normal.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    """How spikes are told from noise.
+
+    A value is a spike when its robust z-score ``(x - median) / scale`` over the ``window`` previous non-spike values
+    exceeds ``threshold``; ``scale`` is the inter-quartile range / 1.349 (the standard deviation for normal noise,
+    untouched by outliers), floored at ``min_relative[metric]`` x |median| so that neither a flat series nor the
+    noise of a 100-value quartile estimate makes a wiggle a spike: lm loss spikes worth a rollback are +10% and more
+    (2.21 -> 2.60 at tr11's 31216), grad-norm ones several-fold (0.24 -> 0.95 at 31215), while healthy grad norms
+    wander by tens of percent. Nothing is flagged before ``min_history`` values have been seen. Spikes less than
+    ``merge_gap`` records apart are one event. NaN/inf values are always spikes.
+    """
+
+    window: int = 100
+    threshold: float = 6.0
+    min_history: int = 20
+    min_relative: tuple[tuple[str, float], ...] = (("lm_loss", 0.01), ("grad_norm", 0.25))
+    merge_gap: int = 5
+    metrics: tuple[str, ...] = ("lm_loss", "grad_norm")
+
+    def relative_floor(self, metric: str) -> float:
+        return dict(self.min_relative).get(metric, 0.01)
+
+
+@dataclass(frozen=True)
+class Spike:
+    """One spike of one metric: first and last flagged iteration, the highest value and where, the median before it,
+    and ``recovered_at``, the first iteration logged back within the threshold (None: not recovered yet)."""
+
+    metric: str
+    first: int
+    last: int
+    peak_iteration: int
+    peak: float
+    baseline: float
+    recovered_at: int | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """What to do about spikes overlapping in [first, end]: resume from ``rollback_to`` (a ``global_stepN``, None when
+    no checkpoint precedes the spike) with ``--skip-train-iteration-range skip_range``."""
+
+    first: int
+    end: int
+    rollback_to: int | None
+    skip_range: str | None
+
+    @property
+    def checkpoint(self) -> str | None:
+        return None if self.rollback_to is None else f"global_step{self.rollback_to}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "checkpoint": self.checkpoint}
+
+
+class _Window:
+    """The last ``size`` accepted values, kept sorted so median and quartiles cost O(1) to read."""
+
+    def __init__(self, size: int):
+        self.size, self.order, self.sorted = size, [], []
+
+    def add(self, value: float) -> None:
+        self.order.append(value)
+        bisect.insort(self.sorted, value)
+        if len(self.order) > self.size:
+            self.sorted.pop(bisect.bisect_left(self.sorted, self.order.pop(0)))
+
+    def quantile(self, q: float) -> float:
+        return self.sorted[min(len(self.sorted) - 1, int(q * len(self.sorted)))]
+
+
+def find_spikes(records: Iterable[dict], config: SpikeConfig = SpikeConfig()) -> list[Spike]:
+    """Upward spikes of each metric of ``config.metrics`` over iteration records in iteration order (a
+    :func:`opskit.logs.parse.timeline`), sorted by first iteration. Records without the metric are passed over.
+
+    Source: robust z-score with median and IQR, as in any robust-statistics text (e.g. Rousseeuw & Croux 1993).
+    """
+    records = [r for r in records if r["kind"] == "iteration"]
+    spikes = [s for metric in config.metrics for s in _metric_spikes(records, metric, config)]
+    return sorted(spikes, key=lambda s: (s.first, s.metric))
+
+
+def _metric_spikes(records: list[dict], metric: str, config: SpikeConfig) -> list[Spike]:
+    window, floor = _Window(config.window), config.relative_floor(metric)
+    spikes: list[Spike] = []
+    current = None  # open spike: [first, last, peak_iteration, peak, baseline, recovered_at, normal records since]
+    for record in records:
+        value = record.get(metric)
+        if value is None:
+            continue
+        iteration = record["iteration"]
+        flagged, baseline = _is_spike(window, value, config, floor)
+        if flagged:
+            if current is None:
+                current = [iteration, iteration, iteration, value, baseline, None, 0]
+            else:
+                current[1], current[5], current[6] = iteration, None, 0
+                if not value <= current[3]:  # NaN counts as the highest
+                    current[2], current[3] = iteration, value
+            continue
+        window.add(value)
+        if current is not None:
+            current[5] = current[5] or iteration
+            current[6] += 1
+            if current[6] >= config.merge_gap:
+                spikes.append(Spike(metric, *current[:6]))
+                current = None
+    if current is not None:
+        spikes.append(Spike(metric, *current[:6]))
+    return spikes
+
+
+def _is_spike(window: _Window, value: float, config: SpikeConfig, floor: float) -> tuple[bool, float]:
+    if not math.isfinite(value):
+        return True, window.quantile(0.5) if window.sorted else math.nan
+    if len(window.sorted) < config.min_history:
+        return False, math.nan
+    median = window.quantile(0.5)
+    scale = max((window.quantile(0.75) - window.quantile(0.25)) / 1.349, floor * abs(median), 1e-12)
+    return (value - median) / scale > config.threshold, median
+
+
+def remedies(spikes: list[Spike], save_interval: int | None = None,
+             checkpoints: Iterable[int] | None = None) -> list[Remedy]:
+    """One :class:`Remedy` per group of overlapping spikes (lm loss and grad norm usually move together).
+
+    The group spans [first flagged, end], end = the iteration before the first one logged back to normal (the last
+    flagged one while not recovered). The rollback checkpoint is the last one strictly before ``first``: the highest
+    of ``checkpoints`` (existing ``global_stepN`` numbers) below it, else the last multiple of ``save_interval``; the
+    skip range is ``rollback+1 .. end`` (the chronicles' ``13251-14000`` after rolling back to 13250).
+    """
+    existing = sorted(set(checkpoints)) if checkpoints is not None else None
+    groups: list[list[int]] = []
+    for spike in sorted(spikes, key=lambda s: s.first):
+        end = spike.recovered_at - 1 if spike.recovered_at is not None else spike.last
+        if groups and spike.first <= groups[-1][1] + 1:
+            groups[-1][1] = max(groups[-1][1], end)
+        else:
+            groups.append([spike.first, end])
+    out = []
+    for first, end in groups:
+        rollback = _rollback(first, save_interval, existing)
+        out.append(Remedy(first, end, rollback, None if rollback is None else f"{rollback + 1}-{end}"))
+    return out
+
+
+def _rollback(first: int, save_interval: int | None, existing: list[int] | None) -> int | None:
+    if existing is not None:
+        below = [step for step in existing if step < first]
+        return below[-1] if below else None
+    if save_interval:
+        step = (first - 1) // save_interval * save_interval
+        return step if step > 0 else None
+    return None
