@@ -242,3 +242,34 @@ def test_python_hook_imports_no_torch():
                            "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"],
                           capture_output=True, text=True, timeout=60)
     assert done.stdout == "[]\n", done.stderr
+
+
+def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, cancel_after):
+    name = f"opskit-cancel-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10)
+    spec_path = str(tmp_path / "spec.yaml")
+    sub = submit(spec, array=2)
+    cancel_after.append(sub.job_id)
+
+    # The exact sbatch command, with the automatic dependency, --after, --begin and --nodes.
+    done = cli("submit", spec_path, "--dry-run", "--array", "3", "--nodes", "2", "--after", "99", "--begin",
+               "now+2hours")
+    assert done.returncode == 0, done.stderr
+    assert "\n#SBATCH --nodes=2\n" in done.stdout
+    assert f"# note: {name} already has 2 task(s) running or pending (job {sub.job_id})" in done.stdout
+    assert done.stdout.rstrip("\n").endswith(f"# would run: sbatch --parsable --array=1-3%1 --dependency=afterany:"
+                                             f"{sub.job_id}:99 --begin=now+2hours {sub.run.script}")
+    bad = cli("submit", spec_path, "--dry-run", "--after", "$(id)")
+    assert (bad.returncode, bad.stderr) == (1, "error: --after $(id): expected a SLURM job id such as 1234 or "
+                                               "1234_2\n")
+
+    # scancel reaches the batch shell as SIGTERM: the ledger says CANCELLED, not FAILED.
+    wait_for(lambda: list(sub.run.node_logs.glob("*.log")), 120, "task 1 never started")
+    cancelled = cli("cancel", spec_path, "--yes")
+    assert cancelled.stdout == f"cancelled {name}: job(s) {sub.job_id}\n", cancelled.stderr
+    wait_gone(name, sub.job_id)
+    one(r"SIGTERM: the job ends \(CANCELLED\)$", sub.run.main_log.read_text())
+    rows = chain.read_ledger(sub.run)
+    assert [(r.task, r.state, r.exit_code) for r in rows] == [(f"{sub.job_id}_1", "CANCELLED", 143)]
+    assert chain.consecutive_failures(rows) == []
+    assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job named {name}\n"
