@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -100,12 +99,17 @@ def test_ledger_counts_failures_since_the_last_success(tmp_path):
 # --------------------------------------------------------------------------- SLURM
 
 
+def long_chain(tmp_path, data, kind: str, cancel_after):
+    """A 2-task chain that trains far longer than any test waits (stopped by the test), submitted."""
+    name = f"opskit-{kind}-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10)
+    sub = submit(spec, array=2)
+    cancel_after.append(sub.job_id)
+    return name, spec, str(tmp_path / "spec.yaml"), sub
+
+
 def test_second_submit_chains_keep_hold_release_kill_switch(kjv_data, tmp_path, slurm, cancel_after):
-    name = f"opskit-ks-{uuid.uuid4().hex[:8]}"
-    spec = chain_spec(tmp_path, kjv_data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10)
-    spec_path = str(tmp_path / "spec.yaml")
-    first = submit(spec, array=2)
-    cancel_after.append(first.job_id)
+    name, spec, spec_path, first = long_chain(tmp_path, kjv_data, "ks", cancel_after)
     assert first.after is None and not any(c.startswith("--dependency") for c in first.command)
     run = first.run
     wait_for(lambda: run.main_log.is_file() and iterations_logged(run.main_log.read_text()), 120,
@@ -237,19 +241,8 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
                                                 ". _ -)\n")
 
 
-def test_python_hook_imports_no_torch():
-    done = subprocess.run([sys.executable, "-c", "import sys, opskit.slurm.chain, opskit.slurm.cron; "
-                           "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.stdout == "[]\n", done.stderr
-
-
 def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, cancel_after):
-    name = f"opskit-cancel-{uuid.uuid4().hex[:8]}"
-    spec = chain_spec(tmp_path, kjv_data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10)
-    spec_path = str(tmp_path / "spec.yaml")
-    sub = submit(spec, array=2)
-    cancel_after.append(sub.job_id)
+    name, _, spec_path, sub = long_chain(tmp_path, kjv_data, "cancel", cancel_after)
 
     # The exact sbatch command, with the automatic dependency, --after, --begin and --nodes.
     done = cli("submit", spec_path, "--dry-run", "--array", "3", "--nodes", "2", "--after", "99", "--begin",

@@ -30,6 +30,7 @@ from opskit.slurm.client import QueueEntry
 
 STATES = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "SKIPPED", "ALERT")
 FAILURES = ("FAILED", "TIMEOUT")
+_QUEUED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -91,9 +92,8 @@ class Queue:
 
 
 def queue_of(job_name: str, entries: list[QueueEntry]) -> Queue:
-    """The running and pending rows named exactly ``job_name``."""
-    return Queue([e for e in entries if e.name == job_name and e.state in ("RUNNING", "PENDING", "CONFIGURING",
-                                                                             "REQUEUED", "RESIZING", "SUSPENDED")])
+    """The rows named exactly ``job_name`` that are not over yet (a COMPLETING job may still hold its nodes)."""
+    return Queue([e for e in entries if e.name == job_name and e.state in _QUEUED])
 
 
 def spec_queue(job_name: str, group: str | None = None) -> Queue:

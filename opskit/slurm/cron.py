@@ -49,6 +49,8 @@ class Installed:
 
 @dataclass(frozen=True)
 class CronStatus:
+    """What ``opskit cron status`` prints."""
+
     installed: Installed | None
     ok: bool
     """False when install's cron line or SLURM job is gone (the hourly checks no longer run)."""
@@ -56,10 +58,16 @@ class CronStatus:
 
 
 def state_file(run: RunPaths) -> Path:
+    """Where ``install`` records what it added."""
     return run.cron_dir / "cron.json"
 
 
 def read_installed(run: RunPaths) -> Installed | None:
+    """The record of ``install``, or None when cron is not installed for the run.
+
+    Raises:
+        CronError: a record that is not opskit's.
+    """
     path = state_file(run)
     if not path.is_file():
         return None
@@ -81,6 +89,7 @@ def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executabl
 
 
 def cron_job_name(spec: Spec) -> str:
+    """The SLURM job name of a spec's cron job (the training's name + ``-cron``)."""
     return f"{spec.job_name}-cron"
 
 
