@@ -11,8 +11,10 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from conftest import write_spec
 from test_submit import OPSKIT, chain_spec, iterations_logged, one, tasks_of
 
 from opskit import status
@@ -20,6 +22,7 @@ from opskit.crash import find_crashes
 from opskit.runs import RunPaths
 from opskit.slurm import chain
 from opskit.slurm.client import QueueEntry
+from opskit.spec import SpecError, load_spec
 from opskit.submit import SubmitError, submit
 
 # The 2022-03-21 crash of BLOOM-176B (tr11 chronicles), as torchrun's --tee prints a worker's stderr.
@@ -94,6 +97,17 @@ def test_ledger_counts_failures_since_the_last_success(tmp_path):
         chain.read_ledger(run)
     with pytest.raises(chain.ChainError, match="expected a host name"):
         chain.add_bad_nodes(run, {"n1 $(reboot)": "why"})
+
+
+def test_chain_fields_of_the_spec_are_checked(tmp_path):
+    data = SimpleNamespace(data_prefix=str(tmp_path / "kjv_text_document"))
+    path = write_spec(tmp_path / "s.yaml", data, tmp_path / "run", slurm={"group": "six $(id)", "max_failures": 0})
+    with pytest.raises(SpecError) as info:
+        load_spec(str(path))
+    assert str(info.value).startswith(f"{path}: slurm.group: String should match pattern")
+    assert "; slurm.max_failures: Input should be greater than 0" in str(info.value)
+    with pytest.raises(chain.ChainError, match=r"^slurm.group 'nosuchgroup-w5': no such Unix group here"):
+        chain.group_users("nosuchgroup-w5")
 
 
 # --------------------------------------------------------------------------- SLURM
