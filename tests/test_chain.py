@@ -175,10 +175,15 @@ def test_second_submit_chains_keep_hold_release_kill_switch(kjv_data, tmp_path, 
 def test_finished_flag_drains_the_array(kjv_data, tmp_path, slurm, cancel_after):
     name = f"opskit-fin-{uuid.uuid4().hex[:8]}"
     spec = chain_spec(tmp_path, kjv_data, name, 50, array=3)
-    sub = submit(spec)
+    sub = submit(spec, begin="now+3")
     cancel_after.append(sub.job_id)
-    wait_gone(name, sub.job_id)
+    assert sub.command[-2] == "--begin=now+3"
+    # As if an edited spec were submitted while this chain waits: each task writes back its own DeepSpeed config.
     run = sub.run
+    rendered = run.ds_config.read_text()
+    run.ds_config.write_text('{"train_batch_size": 4096}\n')
+    wait_gone(name, sub.job_id)
+    assert run.ds_config.read_text() == rendered
     tasks = tasks_of(run.main_log.read_text())
     assert [t for t, _ in tasks] == [f"{sub.job_id}_{i}" for i in (1, 2, 3)]
     one(r"\[after training is done\] datetime: ", tasks[0][1])

@@ -273,6 +273,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         "signal": f"B:USR1@{s.signal_margin_secs}",
         "output": run.slurm_dir / "%x-%j.out",
     }
+    ds_config = json.dumps(deepspeed_config(spec), indent=2) + "\n"  # no line of it can be the heredoc's delimiter
     script = env.get_template("train.slurm").render(
         sbatch={k: v for k, v in sbatch.items() if v is not None},
         spec=spec,
@@ -284,5 +285,6 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         max_failures=s.max_failures,
         env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},
         trainer_args=" ".join(shlex.quote(a) for a in trainer_args(spec, run)),
+        ds_config=ds_config,
     )
-    return RenderedJob(script=script, ds_config=json.dumps(deepspeed_config(spec), indent=2) + "\n")
+    return RenderedJob(script=script, ds_config=ds_config)
