@@ -285,3 +285,30 @@ def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, canc
     assert [(r.task, r.state, r.exit_code) for r in rows] == [(f"{sub.job_id}_1", "CANCELLED", 143)]
     assert chain.consecutive_failures(rows) == []
     assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job named {name}\n"
+
+
+# A worker that hangs (a stuck collective) and ignores the SIGUSR1 that asks it to save.
+HANG = """\
+import os, signal, time
+if "RANK" in os.environ:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    time.sleep(600)
+"""
+
+
+def test_time_limit_is_recorded_as_timeout(kjv_data, tmp_path):
+    hang_dir = tmp_path / "hang"
+    hang_dir.mkdir()
+    (hang_dir / "sitecustomize.py").write_text(HANG)
+    pythonpath = f"{hang_dir}:{Path(__file__).resolve().parents[1]}"
+    # The local executor enforces the limit as SLURM does: SIGUSR1 at 20 - 5 s, SIGTERM to everything at 20 s.
+    spec = chain_spec(tmp_path, kjv_data, f"opskit-hang-{uuid.uuid4().hex[:8]}", 50, time="0:20",
+                      exit_margin_mins=0.1, signal_margin_secs=5, env={"PYTHONPATH": pythonpath})
+    sub = submit(spec, executor="local", array=2)
+    assert [(t.task_id, t.timed_out) for t in sub.local_tasks] == [(1, True)]  # the executor stops after a failure
+    log = sub.run.main_log.read_text()
+    one(r"SIGUSR1: asking the trainer to save and exit$", log)
+    one(r"SIGTERM: the job ends \(TIMEOUT\)$", log)
+    rows = chain.read_ledger(sub.run)
+    assert [(r.state, r.exit_code) for r in rows] == [("TIMEOUT", 143)]
+    assert chain.consecutive_failures(rows) == rows
