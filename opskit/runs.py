@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from opskit.data import DataError, output_paths
+from opskit.fsutil import atomic_write_text
 from opskit.spec import Spec
 
 
@@ -61,11 +64,57 @@ class RunPaths:
 
     @property
     def kill_switch(self) -> Path:
+        """While this file exists the running task saves and exits, and queued tasks exit at start."""
         return self.root / "kill-switch"
+
+    @property
+    def finished_flag(self) -> Path:
+        """Written by the trainer once ``--train-samples`` are consumed: every later task exits 0 at start."""
+        return self.root / "finished"
+
+    @property
+    def stopped_flag(self) -> Path:
+        """Written after ``slurm.max_failures`` consecutive failed tasks: later tasks exit 0 at start."""
+        return self.root / "chain-stopped"
+
+    @property
+    def ledger(self) -> Path:
+        """One JSON line per task: outcome (COMPLETED, TIMEOUT, FAILED, CANCELLED, SKIPPED), exit code, nodes."""
+        return self.root / "ledger.jsonl"
+
+    @property
+    def bad_nodes(self) -> Path:
+        """Nodes the next submission excludes (``--exclude``), one per line with why."""
+        return self.root / "bad-nodes.txt"
+
+    @property
+    def node_logs(self) -> Path:
+        """Each node's own copy of its output (``<job id>-<node>.log``), where crash lines name their node."""
+        return self.logs / "nodes"
+
+    @property
+    def cron_dir(self) -> Path:
+        """What ``opskit cron install`` wrote: its state file and, on SLURM, the self-resubmitting job script."""
+        return self.root / "cron"
 
     def hf_dir(self, tag: str) -> Path:
         """Default output of ``opskit ckpt convert`` for one checkpoint step."""
         return self.root / "hf" / tag
+
+
+def mark_run_finished(detail: str, run_dir: str | None = None) -> Path | None:
+    """Write the finished flag of the run the job script named in ``$OPSKIT_RUN_DIR`` (the trainer calls this when
+    ``--train-samples`` are consumed); a trainer started outside a job script (no such variable) writes nothing.
+
+    Returns:
+        the flag's path, or None when there is no run directory.
+    """
+    run_dir = run_dir or os.environ.get("OPSKIT_RUN_DIR")
+    if not run_dir:
+        return None
+    flag = RunPaths(Path(run_dir)).finished_flag
+    atomic_write_text(flag, f"{datetime.now():%Y-%m-%d %H:%M:%S} {detail}\n")
+    return flag
 
 
 def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Path, Path]:

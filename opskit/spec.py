@@ -42,6 +42,7 @@ USER_SPEC_DIR = Path("trainings")
 _ONE_LINE = r"^[^\x00-\x1f\x7f]+$"
 _VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SPEC_NAME = _VARIANT_NAME
+_GROUP_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
 _FLAG_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
 _ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
@@ -319,6 +320,14 @@ class SlurmSpec(_Section):
     master_port: int = 6000
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment exported by the job script."""
+    group: str | None = Field(default=None, pattern=_GROUP_NAME)
+    """Unix group sharing the training (BigScience: six): ``opskit submit`` and ``cron`` look at its members' jobs."""
+    max_failures: int = Field(default=3, gt=0)
+    """Consecutive failed tasks (FAILED or TIMEOUT in the run's ledger) after which the chain stops with an alert."""
+    cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
+    """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
+    cron_account: str | None = Field(default=None, pattern=_ONE_LINE)
+    """Account of that job (Jean Zay: six@cpu); default: ``account``."""
 
     @field_validator("env")
     @classmethod

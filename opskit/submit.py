@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 
@@ -9,7 +10,7 @@ import yaml
 
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
-from opskit.slurm import client, local
+from opskit.slurm import chain, client, local
 from opskit.slurm.render import data_files, render_job, trainer_args, trainer_rejections
 from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
 
@@ -20,11 +21,18 @@ class SubmitError(RuntimeError):
 
 @dataclass
 class Submission:
+    """What ``submit`` did. ``command`` is empty when ``--keep`` found the chain stocked (``skipped`` says why)."""
+
     run: RunPaths
     executor: str
     command: list[str]
     job_id: str | None = None
     local_tasks: list[local.LocalTask] = field(default_factory=list)
+    after: str | None = None
+    """The spec's running or pending job (array) the new one waits for (``--dependency=afterany:ID``)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know: the chaining, excluded nodes, flags removed with ``--yes``."""
+    skipped: str | None = None
 
 
 def check_data(spec: Spec) -> None:
@@ -68,49 +76,120 @@ def check_trainer(spec: Spec, run: RunPaths) -> None:
         raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
 
 
-def render_run(spec: Spec) -> RunPaths:
-    """Write the job script, DeepSpeed config and the resolved spec into the run directory (atomically)."""
+def render_run(spec: Spec, exclude: list[str] = ()) -> RunPaths:
+    """Write the job script, DeepSpeed config and the resolved spec into the run directory (atomically).
+
+    Args:
+        exclude: nodes the job must not run on (``#SBATCH --exclude``).
+    """
     run = RunPaths.of(spec)
     for folder in (run.slurm_dir, run.logs, run.checkpoints, run.tensorboard):
         folder.mkdir(parents=True, exist_ok=True)
-    job = render_job(spec, run)
+    job = render_job(spec, run, exclude=exclude)
     atomic_write_text(run.script, job.script, mode=0o755)
     atomic_write_text(run.ds_config, job.ds_config)
     atomic_write_text(run.resolved_spec, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     return run
 
 
+def check_flags(spec: Spec, run: RunPaths, yes: bool, dry_run: bool) -> list[str]:
+    """Refuse a chain whose tasks would exit at start; with ``yes``, remove the finished and stopped flags.
+
+    Returns:
+        notes on the flags removed (or that ``dry_run`` would remove).
+
+    Raises:
+        SubmitError: the kill switch is on; the finished or stopped flag exists and ``yes`` is False.
+    """
+    name = shlex.quote(spec.cli_name)
+    if run.kill_switch.exists():
+        raise SubmitError(f"the kill switch {run.kill_switch} is on, so every task would exit at start: "
+                          f"`opskit kill-switch {name} off` first")
+    notes = []
+    for flag, what in ((run.finished_flag, "the training finished"), (run.stopped_flag, "the chain was stopped")):
+        if not flag.exists():
+            continue
+        if not yes:
+            hint = ("raise batch.train_samples to train further" if flag == run.finished_flag else
+                    "fix the cause (`opskit nodes list`, the ledger)")
+            raise SubmitError(f"{what} ({flag}: {chain.flag_text(flag)}); every task would exit at start: {hint}, "
+                              "then submit again with --yes to remove the flag")
+        if not dry_run:
+            flag.unlink()
+        notes.append(f"{'would remove' if dry_run else 'removed'} {flag} ({what}) as --yes asks")
+    return notes
+
+
 def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_run: bool = False,
-           on_local_task=None) -> Submission:
-    """Render and submit ``array`` chained tasks (default: the spec's ``slurm.array``).
+           on_local_task=None, after: str | None = None, begin: str | None = None, keep: int | None = None,
+           yes: bool = False) -> Submission:
+    """Render and submit ``array`` chained tasks (default: the spec's ``slurm.array``) after the spec's running or
+    pending jobs, so that two trainings of one spec never overlap.
 
     Args:
         executor: ``slurm`` (sbatch) or ``local`` (bash, tasks run here one after another; returns when done).
         dry_run: render and return the command without running it.
         on_local_task: progress callback for the local executor, ``(task_id, job_id)``.
+        after: a job id the new array must also wait for (``afterany``).
+        begin: sbatch's ``--begin`` (``now+2hours``).
+        keep: submit only when fewer than ``keep`` tasks of the spec are running or pending.
+        yes: remove a finished or stopped flag left by an earlier chain.
 
     Raises:
-        SubmitError: missing data, a job the trainer would refuse, unknown executor. ``client.SlurmError`` when
-            sbatch fails. ``SpecError`` for a ``$VAR`` of the spec that is not set here.
+        SubmitError: missing data, a job the trainer would refuse, a flag that would make every task exit, an
+            unknown executor. ``ChainError`` for an unknown ``slurm.group`` or a bad ``bad-nodes.txt``.
+            ``client.SlurmError`` when squeue or sbatch fail. ``SpecError`` for an unset ``$VAR`` of the spec.
     """
     if executor not in ("slurm", "local"):
         raise SubmitError(f"--executor {executor}: expected 'slurm' or 'local'")
+    if after is not None and not re.fullmatch(r"\d+(_\d+)?", after):
+        raise SubmitError(f"--after {after}: expected a SLURM job id such as 1234 or 1234_2")
     check_data(spec)
-    check_trainer(spec, RunPaths.of(spec))
+    paths = RunPaths.of(spec)
+    check_trainer(spec, paths)
+    notes = check_flags(spec, paths, yes, dry_run)
     tasks = array or spec.slurm.array
-    run = render_run(spec)
     if executor == "local":
-        submission = Submission(run, executor, ["bash", str(run.script)])
+        run = render_run(spec)
+        submission = Submission(run, executor, ["bash", str(run.script)], notes=notes)
         if not dry_run:
             submission.local_tasks = local.run_array(
                 run.script, spec.job_name, tasks, spec.slurm.time_minutes * 60, spec.slurm.signal_margin_secs,
                 run.slurm_dir, on_start=on_local_task)
         return submission
-    command = client.sbatch_command(run.script, array=tasks)
-    submission = Submission(run, executor, command)
+    queue = _queue(spec, dry_run, notes)
+    if keep is not None and queue is not None and queue.tasks >= keep:
+        return Submission(paths, executor, [], notes=notes,
+                          skipped=f"{queue.tasks} task(s) of {spec.job_name} running or pending (--keep {keep}): "
+                                  "nothing submitted")
+    last = queue.last_job if queue is not None else None
+    waits = [job for job in (last, after) if job]
+    if last:
+        notes.append(f"{spec.job_name} already has {queue.tasks} task(s) running or pending (job {last}): the new "
+                     f"array waits for them (--dependency=afterany:{last}), so two trainings never overlap")
+    exclude = sorted(chain.read_bad_nodes(paths))
+    if exclude:
+        notes.append(f"excluding bad node(s) {','.join(exclude)} ({paths.bad_nodes}; `opskit nodes clear` when "
+                     "repaired)")
+    run = render_run(spec, exclude)
+    dependency = "afterany:" + ":".join(waits) if waits else None
+    command = client.sbatch_command(run.script, array=tasks, dependency=dependency, begin=begin)
+    submission = Submission(run, executor, command, after=last, notes=notes)
     if not dry_run:
-        submission.job_id = client.sbatch(run.script, array=tasks)
+        submission.job_id = client.sbatch(run.script, array=tasks, dependency=dependency, begin=begin)
     return submission
+
+
+def _queue(spec: Spec, dry_run: bool, notes: list[str]) -> chain.Queue | None:
+    """The spec's running and pending jobs (one squeue call, for the users of ``slurm.group`` when set). A dry run
+    goes on without SLURM, with a note; a real submission does not."""
+    try:
+        return chain.spec_queue(spec.job_name, spec.slurm.group)
+    except client.SchedulerUnreachable as e:
+        if not dry_run:
+            raise
+        notes.append(f"SLURM did not answer, so the dependency on running jobs is unknown ({e})")
+        return None
 
 
 def format_command(command: list[str]) -> str:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Debian packages opskit's demo and tests use: SLURM + munge (local cluster), bible-kjv (the demo corpus),
-# ShellCheck for the rendered-script checks, g++ (DeepSpeed's CPU communication op compiles once on first use).
+# ShellCheck for the rendered-script checks, g++ (DeepSpeed's CPU communication op compiles once on first use),
+# cron (crontab, for `opskit cron`'s crontab path).
 set -euo pipefail
-packages=(slurm-wlm munge bible-kjv shellcheck g++)
+packages=(slurm-wlm munge bible-kjv shellcheck g++ cron)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -66,6 +66,15 @@ def slurm():
     return True
 
 
+@pytest.fixture
+def cancel_after(slurm):
+    """Job ids appended here are scancel-ed when the test ends, whatever happened."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
+
+
 def write_spec(path: Path, prepared, output: Path, /, **sections) -> Path:
     """The tiny preset as a YAML file at ``path``: data from ``prepared`` (a PreparedData, e.g. ``kjv_data``), run
     directory ``output``, and ``sections`` merged in per key (``batch={"train_samples": 64}``; ``None`` drops a key,

@@ -30,14 +30,17 @@ def test_help_lists_every_command(tmp_path):
     done = opskit_cli("--help", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     listed = set(re.findall(r"^\s{2}(\w+)\s{2,}", done.stdout, re.M))
-    assert {"plan", "submit", "train", "status", "ckpt", "logs", "data", "specs"} <= listed, done.stdout
+    assert {"plan", "submit", "train", "status", "ckpt", "logs", "data", "specs", "cancel", "hold", "release", "nodes",
+            "cron"} <= listed, done.stdout
+    assert re.search(r"^\s{2}kill-switch\s{2,}", done.stdout, re.M), done.stdout
     assert "Usage: opskit" in done.stdout
 
     bare = opskit_cli(cwd=tmp_path)  # no arguments: the same help, not a traceback
     assert "Usage: opskit" in bare.stdout + bare.stderr and "Traceback" not in bare.stderr
 
     for group, commands in {"ckpt": {"convert", "generate"}, "logs": {"show"}, "data": {"prepare"},
-                            "specs": {"list", "show", "new"}}.items():
+                            "specs": {"list", "show", "new"}, "nodes": {"list", "add", "clear"},
+                            "cron": {"install", "status", "uninstall"}}.items():
         done = opskit_cli(group, "--help", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert commands <= set(re.findall(r"^\s{2}(\w+)\s{2,}", done.stdout, re.M)), done.stdout
@@ -58,7 +61,9 @@ def test_python_dash_m_entry_point(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["plan", "tiny"], ["status", "tiny"],
-                                  ["logs", "--help"], ["ckpt", "--help"], ["train", "--help"]])
+                                  ["logs", "--help"], ["ckpt", "--help"], ["train", "--help"],
+                                  ["cron", "status", "tiny"], ["nodes", "list", "tiny"],
+                                  ["kill-switch", "tiny", "off"]])
 def test_login_node_commands_do_not_import_torch(argv, tmp_path):
     # `opskit status` runs from cron on login nodes: seconds of torch/deepspeed imports (and their CUDA probing)
     # per call are not acceptable there. The real app, in-process, then a look at sys.modules.

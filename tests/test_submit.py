@@ -213,15 +213,6 @@ def test_local_executor_runs_resumes_and_exits_0(local_chain):
 # --------------------------------------------------------------------------- SLURM
 
 
-@pytest.fixture
-def cancel_after(slurm):
-    """Job ids appended here are scancel-ed when the test ends, whatever happened."""
-    ids: list[str] = []
-    yield ids
-    if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, timeout=30)
-
-
 def test_slurm_chain_exit_duration_then_resume(kjv_data, tmp_path, rate, cancel_after):
     # Task 1 cannot finish within its 30 s exit duration, task 2 can. (slurm.time 2 min minus 1.5: SLURM may send
     # the USR1 up to a 30 s check period early, so its 30 s signal margin still cannot fire before the exit duration.)

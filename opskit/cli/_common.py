@@ -21,13 +21,15 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.ckpt.layout import CheckpointFormatError
     from opskit.data import DataError
     from opskit.logs.parse import LogFormatError
+    from opskit.slurm.chain import ChainError
     from opskit.slurm.client import SlurmError
+    from opskit.slurm.cron import CronError
     from opskit.spec import SpecError
     from opskit.submit import SubmitError
     from opskit.sync import SyncError
 
-    return (SpecError, DataError, SubmitError, SlurmError, CheckpointFormatError, ConvertError, SyncError,
-            LogFormatError, FileNotFoundError)
+    return (SpecError, DataError, SubmitError, SlurmError, ChainError, CronError, CheckpointFormatError,
+            ConvertError, SyncError, LogFormatError, FileNotFoundError)
 
 
 def friendly_errors(command: Callable) -> Callable:

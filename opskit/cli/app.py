@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from opskit import __version__
-from opskit.cli import ckpt, data, logs, plan, specs, status, submit, sync, train
+from opskit.cli import chain, ckpt, cron, data, logs, plan, specs, status, submit, sync, train
 
 app = typer.Typer(
     name="opskit",
@@ -36,6 +36,12 @@ app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown
             add_help_option=False)(train.train)
 app.command("status")(status.status)
 app.command("sync")(sync.sync)
+app.command("kill-switch")(chain.kill_switch)
+app.command("cancel")(chain.cancel)
+app.command("hold")(chain.hold)
+app.command("release")(chain.release)
+app.add_typer(chain.nodes_app, name="nodes")
+app.add_typer(cron.app, name="cron")
 app.add_typer(ckpt.app, name="ckpt")
 app.add_typer(logs.app, name="logs")
 app.add_typer(data.app, name="data")

@@ -11,24 +11,38 @@ from opskit.cli._common import console, friendly_errors
 def submit(
     name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
     array: int = typer.Option(None, "--array", min=1, help="Tasks in the chain (default: the spec's slurm.array)."),
+    after: str = typer.Option(None, "--after", help="Also wait for this job id (--dependency=afterany:JOBID)."),
+    begin: str = typer.Option(None, "--begin", help="sbatch --begin, e.g. now+2hours (prefer the automatic "
+                                                   "dependency: the scheduler ignores a --begin job until then)."),
+    nodes: int = typer.Option(None, "--nodes", min=1, help="Override parallel.nodes (the spec is checked again)."),
+    keep: int = typer.Option(None, "--keep", min=1, help="Submit only when fewer than K tasks are queued (cron)."),
+    yes: bool = typer.Option(False, "--yes", help="Remove a finished or stopped flag left by an earlier chain."),
     executor: str = typer.Option("slurm", "--executor", help="slurm (sbatch) or local (bash, here, one by one)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Render and print the script and command only."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Render and print the script and the sbatch command only."),
     wait: bool = typer.Option(False, "--wait", help="Stay until the whole chain has ended, printing PULSE lines."),
 ) -> None:
-    """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1)."""
+    """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1) after the
+    spec's running or pending jobs."""
     from opskit import status
     from opskit.spec import load_spec
     from opskit.submit import format_command
     from opskit.submit import submit as submit_run
 
-    spec = load_spec(name)
+    spec = load_spec(name, {"parallel": {"nodes": nodes}} if nodes else None)
 
     def on_local_task(task_id: int, job_id: str) -> None:
         console.print(f"local executor: {spec.job_name} task {task_id} ({job_id}_{task_id}) starting")
 
-    sub = submit_run(spec, array=array, executor=executor, dry_run=dry_run, on_local_task=on_local_task)
+    sub = submit_run(spec, array=array, executor=executor, dry_run=dry_run, on_local_task=on_local_task,
+                     after=after, begin=begin, keep=keep, yes=yes)
     if dry_run:
         console.print(sub.run.script.read_text(), markup=False)
+    for note in sub.notes:
+        console.print(f"{'# ' if dry_run else ''}note: {note}", markup=False)
+    if sub.skipped:
+        console.print(sub.skipped, markup=False)
+        return
+    if dry_run:
         console.print(f"# would run: {format_command(sub.command)}", markup=False)
         return
     console.print(f"run directory {sub.run.root}")

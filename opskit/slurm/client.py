@@ -104,3 +104,15 @@ def sbatch_command(script: Path, array: int | None = None, dependency: str | Non
         cmd.append(f"--begin={begin}")
     cmd.append(str(script))
     return cmd
+
+
+def scancel(job_ids: list[str]) -> None:
+    """Cancel jobs (whole arrays for array ids)."""
+    _run(["scancel", *job_ids])
+
+
+def scontrol(action: str, job_ids: list[str]) -> None:
+    """``scontrol hold|release ID,...``: a held job stays pending and keeps its queue age until released."""
+    if action not in ("hold", "release"):
+        raise ValueError(f"scontrol {action}: expected hold or release")
+    _run(["scontrol", action, ",".join(job_ids)])

@@ -233,17 +233,28 @@ def deepspeed_config(spec: Spec) -> dict:
     return deep_merge(config, spec.deepspeed_config)
 
 
+def template_env() -> jinja2.Environment:
+    """``slurm_templates/`` with the ``q`` filter (``shlex.quote``) that every shell value goes through."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    return env
+
+
 @dataclass(frozen=True)
 class RenderedJob:
     script: str
     ds_config: str
 
 
-def render_job(spec: Spec, run: RunPaths, python: str = sys.executable) -> RenderedJob:
-    """The job script and DeepSpeed config for a spec; ``python`` is the interpreter the job runs the trainer with."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
-    env.filters["q"] = lambda value: shlex.quote(str(value))
+def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude: list[str] = ()) -> RenderedJob:
+    """The job script and DeepSpeed config for a spec.
+
+    Args:
+        python: the interpreter the job runs the trainer (and the chain's ledger hook) with.
+        exclude: nodes for ``#SBATCH --exclude`` (the run's bad-node list).
+    """
+    env = template_env()
     s = spec.slurm
     sbatch = {
         "job-name": spec.job_name,
@@ -257,10 +268,12 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable) -> Rende
         "cpus-per-task": s.cpus_per_task,
         "hint": s.hint,
         "gres": s.gres,
+        "exclude": ",".join(exclude) or None,
         "time": s.time,
         "signal": f"B:USR1@{s.signal_margin_secs}",
         "output": run.slurm_dir / "%x-%j.out",
     }
+    ds_config = json.dumps(deepspeed_config(spec), indent=2) + "\n"  # no line of it can be the heredoc's delimiter
     script = env.get_template("train.slurm").render(
         sbatch={k: v for k, v in sbatch.items() if v is not None},
         spec=spec,
@@ -268,7 +281,10 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable) -> Rende
         python=python,
         gpus_per_node=spec.parallel.gpus_per_node,
         master_port=s.master_port,
+        time_limit_s=int(s.time_minutes * 60),
+        max_failures=s.max_failures,
         env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},
         trainer_args=" ".join(shlex.quote(a) for a in trainer_args(spec, run)),
+        ds_config=ds_config,
     )
-    return RenderedJob(script=script, ds_config=json.dumps(deepspeed_config(spec), indent=2) + "\n")
+    return RenderedJob(script=script, ds_config=ds_config)

@@ -23,6 +23,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from opskit.runs import mark_run_finished  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
 
 
@@ -358,6 +359,8 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
     if exit_reason and rank == 0:
         print_datetime(exit_reason)
+    if exit_reason is None and rank == 0:  # the chain's later tasks exit at start (opskit.runs.RunPaths.finished_flag)
+        mark_run_finished(f"training finished at iteration {iteration}, consumed samples {consumed['samples']}")
     tensorboard.close()
     dist.barrier()
     parallel_state.destroy_model_parallel()

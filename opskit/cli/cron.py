@@ -1,0 +1,61 @@
+"""``opskit cron install|status|uninstall NAME``: the run's hourly status and sync, by crontab or SLURM."""
+
+from __future__ import annotations
+
+import typer
+
+from opskit.cli._common import console, friendly_errors, print_json
+
+app = typer.Typer(help="Hourly `opskit status` (and sync) of a run: user crontab, or a self-resubmitting SLURM job.",
+                  no_args_is_help=True)
+
+
+@app.command("install")
+@friendly_errors
+def install(
+    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    sync_to: str = typer.Option(None, "--sync-to", help="Also `opskit sync all NAME --to URL` every hour."),
+    via: str = typer.Option(None, "--via", help="crontab or slurm (default: crontab where it exists)."),
+) -> None:
+    """Install the hourly jobs (run from the current directory, where trainings/ is)."""
+    from opskit.slurm import cron
+    from opskit.spec import load_spec
+
+    installed = cron.install(load_spec(name), sync_to=sync_to, method=via)
+    if installed.method == "crontab":
+        console.print(f"added to the crontab: {installed.crontab_line}", markup=False)
+    else:
+        console.print(f"submitted {installed.job_name} (job {installed.job_ids[0]}): runs now, then resubmits "
+                      f"itself every hour ({installed.script})", markup=False)
+
+
+@app.command("status")
+@friendly_errors
+def status(
+    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Next run of the hourly jobs; exit 1 with a WARNING when the installed cron is gone."""
+    from opskit.slurm import cron
+    from opskit.spec import load_spec
+
+    result = cron.status(load_spec(name))
+    if json_output:
+        print_json({"installed": result.installed.__dict__ if result.installed else None, "ok": result.ok,
+                    "lines": result.lines})
+    else:
+        for line in result.lines:
+            console.print(line, markup=False)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command("uninstall")
+@friendly_errors
+def uninstall(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
+    """Remove exactly what install added."""
+    from opskit.slurm import cron
+    from opskit.spec import load_spec
+
+    for item in cron.uninstall(load_spec(name)):
+        console.print(f"removed {item}", markup=False)

@@ -1,0 +1,68 @@
+"""Crash signatures of a broken GPU, link or node in training logs, and which node each crash line names.
+
+Plain Python (``re`` only) so that the job script's epilogue, ``opskit submit`` and the watchdog can all use it.
+The signatures are the lines BigScience's runs died with (tr11-176B chronicles, 2022-03-21: ``CUDA error: unknown
+error`` raised from ``ProcessGroupNCCL``) and the usual hardware suspects (NCCL failures, ECC errors, Xid, a GPU that
+fell off the bus).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+# (signature, pattern): the first pattern that matches a line names its signature. Software errors that happen to
+# mention CUDA (out of memory, an illegal argument) are no hardware crash and are left out on purpose.
+SIGNATURES: list[tuple[str, re.Pattern]] = [
+    ("CUDA error: unknown error", re.compile(r"CUDA error: unknown error")),
+    ("uncorrectable ECC error", re.compile(r"uncorrectable ECC error|\bECC\b.*\berror", re.I)),
+    ("GPU fell off the bus", re.compile(r"fallen off the bus|GPU is lost", re.I)),
+    ("Xid", re.compile(r"\bNVRM: Xid\b")),
+    ("NCCL error", re.compile(r"NCCL error|ncclSystemError|ncclUnhandledCudaError|ncclInternalError")),
+    ("NCCL watchdog timeout", re.compile(r"Watchdog caught collective operation timeout")),
+    ("CUDA launch failure", re.compile(r"CUDA error: (?:unspecified launch failure|an illegal memory access)")),
+]
+# srun --label's prefix: "3: ..." is task 3 (with one task per node, node 3 of the job's node list).
+_TASK_PREFIX = re.compile(r"^\s*(\d+): ")
+
+
+class Crash(NamedTuple):
+    """One crash line, ``(node, signature, line)``: the node is None when nothing names it."""
+
+    node: str | None
+    signature: str
+    line: str
+
+
+def signature_of(line: str) -> str | None:
+    """The crash signature a log line carries, or None."""
+    for name, pattern in SIGNATURES:
+        if pattern.search(line):
+            return name
+    return None
+
+
+def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[str] = ()) -> list[Crash]:
+    """Every crash line in ``lines``, with its node.
+
+    Args:
+        lines: log lines (with or without their newline).
+        node: the node all lines come from (a per-node log file such as ``logs/nodes/<job>-<node>.log``).
+        nodes: the job's node list in task order (``scontrol show hostnames``), to map srun ``--label`` prefixes
+            (``3: ...``) to nodes; a prefix beyond the list names no node.
+
+    Returns:
+        one :class:`Crash` per matching line, in order.
+    """
+    found = []
+    for raw in lines:
+        line = raw.rstrip("\n")
+        signature = signature_of(line)
+        if signature is None:
+            continue
+        where = node
+        if where is None and (label := _TASK_PREFIX.match(line)) and int(label.group(1)) < len(nodes):
+            where = nodes[int(label.group(1))]
+        found.append(Crash(where, signature, line))
+    return found

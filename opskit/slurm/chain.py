@@ -1,0 +1,329 @@
+"""The job chain: which of a spec's jobs are queued, and the state its tasks share in the run directory.
+
+- flags: the kill switch (running task saves and exits, queued ones exit at start), the finished flag (the trainer
+  wrote it: every later task exits 0 at start) and the stopped flag (``slurm.max_failures`` consecutive failures);
+- the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, CANCELLED,
+  SKIPPED) and ALERT lines, written by the job script through ``python -m opskit.slurm.chain`` (no torch);
+- the bad-node list ``bad-nodes.txt``: nodes whose log showed a GPU/NCCL crash (:mod:`opskit.crash`), excluded by
+  the next submission.
+
+Accounting (``sacct``) is often off (the local SLURM prints "Slurm accounting storage is disabled"), and BigScience's
+tools never used it: the job script records its own outcome instead.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from opskit.crash import Crash, find_crashes
+from opskit.fsutil import atomic_write_text
+from opskit.runs import RunPaths
+from opskit.slurm import client
+from opskit.slurm.client import QueueEntry
+
+STATES = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "SKIPPED", "ALERT")
+FAILURES = ("FAILED", "TIMEOUT")
+_QUEUED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class ChainError(ValueError):
+    """Unreadable chain state (ledger line, bad-node list) or a bad node name; one line naming the file."""
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def group_users(group: str) -> list[str]:
+    """Members of a Unix group (``getent group six``): the users whose jobs may belong to a shared training.
+
+    Raises:
+        ChainError: no such group, or a group without listed members.
+    """
+    try:
+        members = grp.getgrnam(group).gr_mem
+    except KeyError:
+        raise ChainError(f"slurm.group {group!r}: no such Unix group here (getent group {group})") from None
+    if not members:
+        raise ChainError(f"slurm.group {group!r} lists no members (getent group {group}): add them, or drop the "
+                         "field to look at your own jobs only")
+    return list(members)
+
+
+def array_tasks(job_id: str) -> int:
+    """Tasks a squeue row stands for: 1 for ``711114_4`` or ``711114``, 4 for ``682842_[2-5%1]``."""
+    match = re.fullmatch(r"\d+_\[([^\]]*)\]", job_id)
+    if not match:
+        return 1
+    total = 0
+    for part in match.group(1).split("%", 1)[0].split(","):
+        first, _, last = part.partition("-")
+        step = 1
+        if ":" in last:
+            last, step_text = last.split(":", 1)
+            step = int(step_text)
+        total += (int(last) - int(first)) // step + 1 if last else 1
+    return total
+
+
+@dataclass(frozen=True)
+class Queue:
+    """The spec's jobs in one ``squeue`` answer."""
+
+    entries: list[QueueEntry]
+
+    @property
+    def tasks(self) -> int:
+        """Tasks running or pending (a pending ``[2-5%1]`` row counts 4)."""
+        return sum(array_tasks(e.job_id) for e in self.entries)
+
+    @property
+    def last_job(self) -> str | None:
+        """The newest job (array) id: a new submission goes after it."""
+        ids = sorted({int(e.array_id) for e in self.entries if e.array_id.isdigit()})
+        return str(ids[-1]) if ids else None
+
+
+def queue_of(job_name: str, entries: list[QueueEntry]) -> Queue:
+    """The rows named exactly ``job_name`` that are not over yet (a COMPLETING job may still hold its nodes)."""
+    return Queue([e for e in entries if e.name == job_name and e.state in _QUEUED])
+
+
+def spec_queue(job_name: str, group: str | None = None) -> Queue:
+    """The running and pending jobs named ``job_name`` from one ``squeue`` call (for the members of ``group`` when
+    given: SLURM may hide other users' jobs, and one member may have to chain after another's).
+
+    Raises:
+        ChainError: unknown group. ``SchedulerUnreachable`` / ``SlurmError`` from squeue.
+    """
+    return queue_of(job_name, client.squeue(group_users(group) if group else None))
+
+
+def control(job_name: str, group: str | None, action: str) -> list[str]:
+    """``cancel``, ``hold`` or ``release`` every job (array) of the chain; returns the job ids acted on.
+
+    Hold and release touch pending jobs only (``scontrol hold`` keeps the job's queue age, unlike a resubmission).
+
+    Raises:
+        ValueError: an unknown action. ``SlurmError`` from scancel / scontrol.
+    """
+    if action not in ("cancel", "hold", "release"):
+        raise ValueError(f"{action}: expected cancel, hold or release")
+    entries = spec_queue(job_name, group).entries
+    if action != "cancel":
+        entries = [e for e in entries if e.state == "PENDING"]
+    ids = sorted({e.array_id for e in entries}, key=int)
+    if ids:
+        client.scancel(ids) if action == "cancel" else client.scontrol(action, ids)
+    return ids
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def set_kill_switch(run: RunPaths, on: bool) -> bool:
+    """Turn the kill switch on (create the file) or off (remove it); returns whether anything changed."""
+    if on == run.kill_switch.exists():
+        return False
+    if on:
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run.kill_switch, f"{datetime.now():%Y-%m-%d %H:%M:%S} opskit kill-switch on\n")
+    else:
+        run.kill_switch.unlink(missing_ok=True)
+    return True
+
+
+def flag_text(path: Path) -> str:
+    """First line of a flag file, for messages."""
+    text = path.read_text(errors="replace").strip()
+    return text.splitlines()[0] if text else str(path)
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """One ledger line. ``task`` is ``ARRAYID_TASKID``; ``nodes`` SLURM's node list (``r7i5n[2-3]``)."""
+
+    time: str
+    job_id: str
+    task: str
+    state: str
+    exit_code: int | None = None
+    nodes: str = ""
+    reason: str = ""
+
+
+def record(run: RunPaths, outcome: TaskOutcome) -> None:
+    """Append one line to the ledger: a single O_APPEND write, so concurrent writers never interleave a line."""
+    if outcome.state not in STATES:
+        raise ChainError(f"ledger state {outcome.state!r}: expected one of {', '.join(STATES)}")
+    line = json.dumps(asdict(outcome), separators=(",", ":")) + "\n"
+    run.root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def read_ledger(run: RunPaths) -> list[TaskOutcome]:
+    """Every ledger line, oldest first ([] without a ledger).
+
+    Raises:
+        ChainError: a line that is not a ledger record, naming the file and line.
+    """
+    if not run.ledger.is_file():
+        return []
+    rows = []
+    for number, line in enumerate(run.ledger.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(TaskOutcome(**json.loads(line)))
+        except (ValueError, TypeError) as e:
+            raise ChainError(f"{run.ledger}:{number}: not a ledger record ({e})") from None
+    return rows
+
+
+def consecutive_failures(rows: list[TaskOutcome]) -> list[TaskOutcome]:
+    """The failed tasks (FAILED, TIMEOUT) since the last COMPLETED one; SKIPPED, CANCELLED and ALERT lines neither
+    count nor break the run of failures."""
+    failed: list[TaskOutcome] = []
+    for row in rows:
+        if row.state == "COMPLETED":
+            failed = []
+        elif row.state in FAILURES:
+            failed.append(row)
+    return failed
+
+
+# --------------------------------------------------------------------------- bad nodes
+
+
+def check_node_name(node: str) -> str:
+    """``node`` if it is a plausible host name (it reaches an ``#SBATCH --exclude`` line).
+
+    Raises:
+        ChainError: anything else.
+    """
+    if not _NODE_NAME.fullmatch(node):
+        raise ChainError(f"node {node!r}: expected a host name (letters, digits, . _ -)")
+    return node
+
+
+def read_bad_nodes(run: RunPaths) -> dict[str, str]:
+    """Bad node -> why, from ``bad-nodes.txt`` (``node<TAB>why`` lines; ``#`` comments)."""
+    if not run.bad_nodes.is_file():
+        return {}
+    nodes = {}
+    for number, line in enumerate(run.bad_nodes.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        node, _, why = line.partition("\t")
+        try:
+            nodes[check_node_name(node.strip())] = why.strip()
+        except ChainError as e:
+            raise ChainError(f"{run.bad_nodes}:{number}: {e}") from None
+    return nodes
+
+
+def write_bad_nodes(run: RunPaths, nodes: dict[str, str]) -> None:
+    """Replace the bad-node list (atomically); an empty mapping removes the file."""
+    if not nodes:
+        run.bad_nodes.unlink(missing_ok=True)
+        return
+    run.root.mkdir(parents=True, exist_ok=True)
+    lines = ["# Nodes `opskit submit` excludes (--exclude); edit with `opskit nodes add|clear`."]
+    lines += [f"{node}\t{why}" for node, why in sorted(nodes.items())]
+    atomic_write_text(run.bad_nodes, "\n".join(lines) + "\n")
+
+
+def add_bad_nodes(run: RunPaths, nodes: dict[str, str]) -> list[str]:
+    """Add nodes (node -> why) to the list; returns those that were not on it yet."""
+    known = read_bad_nodes(run)
+    new = [check_node_name(n) for n in nodes if n not in known]
+    if new:
+        write_bad_nodes(run, {**known, **{n: nodes[n] for n in new}})
+    return new
+
+
+# --------------------------------------------------------------------------- the job script's hooks
+
+
+def node_crashes(run: RunPaths, job_id: str) -> list[Crash]:
+    """Crash lines in the per-node logs of one job (``logs/nodes/<job_id>-<node>.log``), each with its node."""
+    crashes: list[Crash] = []
+    for log in sorted(run.node_logs.glob(f"{job_id}-*.log")):
+        node = log.name[len(job_id) + 1: -len(".log")]
+        with open(log, errors="replace") as lines:
+            crashes += find_crashes(lines, node=node)
+    return crashes
+
+
+def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str, exit_code: int | None,
+               nodes: str, max_failures: int, now: datetime | None = None) -> list[str]:
+    """The job script's epilogue: record the task's outcome; on a failure, put crashed nodes on the bad-node list
+    and, at ``max_failures`` consecutive failures, stop the chain and raise the alert.
+
+    Returns:
+        lines for main_log.txt (the script prefixes them with its ``[opskit] ... job ...:`` header).
+    """
+    stamp = f"{now or datetime.now():%Y-%m-%d %H:%M:%S}"
+    lines = []
+    reason = ""
+    if state in FAILURES:
+        crashes = [c for c in node_crashes(run, job_id) if c.node]
+        if crashes:
+            first = {c.node: c for c in reversed(crashes)}
+            reason = "; ".join(f"{c.signature} on {c.node}" for c in first.values())
+            new = add_bad_nodes(run, {n: f"{stamp} job {job_id}: {c.signature}: {c.line.strip()[:200]}"
+                                      for n, c in first.items()})
+            if new:
+                lines.append(f"bad node(s) {','.join(new)} ({reason}): the next `opskit submit` excludes them")
+    record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason))
+    failed = consecutive_failures(read_ledger(run))
+    if state in FAILURES and len(failed) >= max_failures and not run.stopped_flag.exists():
+        summary = ", ".join(f"{r.task} {r.state}" + (f" exit {r.exit_code}" if r.state == "FAILED" else "") +
+                            f" on {r.nodes}" for r in failed[-max_failures:])
+        alert = (f"***ALERT: {spec_name}: {len(failed)} consecutive failed tasks ({summary}); the chain is stopped, "
+                 f"later tasks exit at start. Fix the cause, then `opskit submit {spec_name} --yes`***")
+        atomic_write_text(run.stopped_flag, f"{stamp} {alert}\n")
+        record(run, TaskOutcome(stamp, job_id, task, "ALERT", None, nodes, alert))
+        lines.append(alert)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m opskit.slurm.chain ended RUN_DIR SPEC JOB_ID TASK STATE EXIT_CODE NODES MAX_FAILURES`` or
+    ``... skipped RUN_DIR JOB_ID TASK NODES REASON``: what the job script calls; prints main_log lines."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args[:1] == ["ended"] and len(args) == 9:
+            _, root, spec_name, job_id, task, state, code, nodes, max_failures = args
+            for line in task_ended(RunPaths(Path(root)), spec_name, job_id, task, state,
+                                   int(code) if code.lstrip("-").isdigit() else None, nodes, int(max_failures)):
+                print(line)
+            return 0
+        if args[:1] == ["skipped"] and len(args) == 6:
+            _, root, job_id, task, nodes, reason = args
+            record(RunPaths(Path(root)),
+                   TaskOutcome(f"{datetime.now():%Y-%m-%d %H:%M:%S}", job_id, task, "SKIPPED", 0, nodes, reason))
+            return 0
+    except (ChainError, OSError) as e:
+        print(f"ledger not updated: {e}")
+        return 1
+    print(f"usage: python -m opskit.slurm.chain ended|skipped ... (got {args!r})", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""``opskit cron``: the hourly watchdog and sync of a run, from the user's crontab or, on clusters without one (Jean
+Zay), from a self-resubmitting SLURM job on a CPU partition.
+
+The SLURM job is BigScience's ``cron-hourly.slurm`` (reference 1.4): it resubmits itself first with
+``sbatch --begin=now+1hour`` (so a failing hourly step never ends the cron), then runs the hourly commands, without
+``set -e`` ("we must run all of it"). Unlike BigScience's, ``opskit cron status`` notices when the cron job itself is
+gone. ``install`` records what it added in ``<run>/cron/cron.json``; ``uninstall`` removes exactly that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from opskit.fsutil import atomic_write_text
+from opskit.runs import RunPaths
+from opskit.slurm import client
+from opskit.slurm.render import template_env
+from opskit.spec import Spec
+
+METHODS = ("crontab", "slurm")
+CRON_TIME = "0:30:00"  # the SLURM cron job's time limit (BigScience's cron-hourly.slurm)
+
+
+class CronError(RuntimeError):
+    """Cron cannot be installed or removed (no crontab, already installed, crontab refused); one line."""
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What ``install`` added (``<run>/cron/cron.json``)."""
+
+    method: str
+    installed: str
+    commands: list[str]
+    crontab_line: str | None = None
+    job_name: str | None = None
+    script: str | None = None
+    job_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CronStatus:
+    """What ``opskit cron status`` prints."""
+
+    installed: Installed | None
+    ok: bool
+    """False when install's cron line or SLURM job is gone (the hourly checks no longer run)."""
+    lines: list[str]
+
+
+def state_file(run: RunPaths) -> Path:
+    """Where ``install`` records what it added."""
+    return run.cron_dir / "cron.json"
+
+
+def read_installed(run: RunPaths) -> Installed | None:
+    """The record of ``install``, or None when cron is not installed for the run.
+
+    Raises:
+        CronError: a record that is not opskit's.
+    """
+    path = state_file(run)
+    if not path.is_file():
+        return None
+    try:
+        return Installed(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CronError(f"{path}: not opskit's cron record ({e}); remove it by hand") from None
+
+
+def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executable) -> list[str]:
+    """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines) and, with a target, the
+    sync of logs and TensorBoard; run from the current directory (where ``trainings/`` is found)."""
+    opskit = f"{shlex.quote(python)} -m opskit.cli.app"
+    name = shlex.quote(spec.cli_name)
+    commands = [f"{opskit} status {name}"]
+    if sync_to:
+        commands.append(f"{opskit} sync all {name} --to {shlex.quote(sync_to)}")
+    return commands
+
+
+def cron_job_name(spec: Spec) -> str:
+    """The SLURM job name of a spec's cron job (the training's name + ``-cron``)."""
+    return f"{spec.job_name}-cron"
+
+
+def _environment() -> str:
+    """``cd`` and ``PYTHONPATH`` of the installing shell: cron and a later SLURM job start from neither."""
+    prefix = f"cd {shlex.quote(os.getcwd())} && "
+    if os.environ.get("PYTHONPATH"):
+        prefix += f"export PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} && "
+    return prefix
+
+
+def pick_method(method: str | None) -> str:
+    """``crontab`` where the command exists, else ``slurm``; an explicit choice is checked.
+
+    Raises:
+        CronError: an unknown method, or ``crontab`` asked for where there is none.
+    """
+    if method is None:
+        return "crontab" if shutil.which("crontab") else "slurm"
+    if method not in METHODS:
+        raise CronError(f"--via {method}: expected crontab or slurm")
+    if method == "crontab" and not shutil.which("crontab"):
+        raise CronError("--via crontab: no crontab command here; use --via slurm (a self-resubmitting job)")
+    return method
+
+
+def install(spec: Spec, sync_to: str | None = None, method: str | None = None,
+            now: datetime | None = None) -> Installed:
+    """Set up the hourly commands of a run.
+
+    Raises:
+        CronError: already installed (uninstall first), no way to install. ``SlurmError`` from sbatch.
+    """
+    run = RunPaths.of(spec)
+    if (old := read_installed(run)) is not None:
+        raise CronError(f"cron is already installed for {spec.job_name} ({old.method}, {old.installed}): "
+                        f"`opskit cron uninstall {shlex.quote(spec.cli_name)}` first")
+    method = pick_method(method)
+    now = now or datetime.now()
+    run.cron_dir.mkdir(parents=True, exist_ok=True)
+    log = shlex.quote(str(run.cron_dir / "cron.log"))
+    commands = hourly_commands(spec, sync_to)
+    if method == "crontab":
+        # One line, tagged with the run directory; `%` is a newline to cron unless escaped.
+        tag = hashlib.sha1(str(run.root).encode()).hexdigest()[:12]
+        body = _environment() + "; ".join(f"{c} >> {log} 2>&1" for c in commands)
+        line = f"{now.minute} * * * * {body.replace('%', chr(92) + '%')} # opskit cron {tag}"
+        _write_crontab(_read_crontab() + [line])
+        installed = Installed("crontab", f"{now:%Y-%m-%d %H:%M:%S}", commands, crontab_line=line)
+    else:
+        script = run.cron_dir / "cron.slurm"
+        atomic_write_text(script, render_cron_script(spec, run, commands, script), mode=0o755)
+        job_id = client.sbatch(script)
+        installed = Installed("slurm", f"{now:%Y-%m-%d %H:%M:%S}", commands, job_name=cron_job_name(spec),
+                              script=str(script), job_ids=[job_id])
+    atomic_write_text(state_file(run), json.dumps(asdict(installed), indent=2) + "\n")
+    return installed
+
+
+def render_cron_script(spec: Spec, run: RunPaths, commands: list[str], script: Path) -> str:
+    """The self-resubmitting SLURM job (``slurm_templates/cron.slurm``)."""
+    s = spec.slurm
+    sbatch = {"job-name": cron_job_name(spec), "partition": s.cron_partition, "account": s.cron_account or s.account,
+              "nodes": 1, "ntasks": 1, "time": CRON_TIME, "output": run.cron_dir / "%x-%j.out"}
+    return template_env().get_template("cron.slurm").render(
+        sbatch={k: v for k, v in sbatch.items() if v is not None}, spec=spec, script=script,
+        cd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH"), commands=commands)
+
+
+def status(spec: Spec, now: datetime | None = None) -> CronStatus:
+    """Is the cron installed, when does it run next, and is it still there?
+
+    Raises:
+        ``SchedulerUnreachable`` for a SLURM cron when squeue does not answer.
+    """
+    run = RunPaths.of(spec)
+    installed = read_installed(run)
+    name = shlex.quote(spec.cli_name)
+    if installed is None:
+        return CronStatus(None, True, [f"cron: not installed for {spec.job_name} (`opskit cron install {name}`)"])
+    now = now or datetime.now()
+    lines = [f"cron: installed {installed.installed} via {installed.method}; hourly: {'; '.join(installed.commands)}",
+             f"cron: output in {run.cron_dir / 'cron.log' if installed.method == 'crontab' else run.cron_dir}"]
+    if installed.method == "crontab":
+        present = installed.crontab_line in _read_crontab()
+        if present:
+            minute = int(installed.crontab_line.split(" ", 1)[0])
+            upcoming = now.replace(minute=minute, second=0, microsecond=0)
+            upcoming += timedelta(hours=1) if upcoming <= now else timedelta()
+            lines.append(f"cron: next run at {upcoming:%Y-%m-%d %H:%M} (crontab, minute {minute} of every hour)")
+    else:
+        jobs = [e for e in client.squeue() if e.name == installed.job_name]
+        present = bool(jobs)
+        for job in jobs:
+            when = (f"running now since {job.start_time}" if job.state == "RUNNING"
+                    else f"next run at {job.start_time.replace('T', ' ')}")
+            lines.append(f"cron: {when} (job {job.job_id}, {job.state.lower()} {job.reason})")
+    if not present:
+        lines.append(f"cron: WARNING: the {installed.method} cron of {spec.job_name} is gone, so the hourly checks "
+                     f"no longer run: `opskit cron uninstall {name}` then `opskit cron install {name}`")
+    return CronStatus(installed, present, lines)
+
+
+def uninstall(spec: Spec) -> list[str]:
+    """Remove what ``install`` added; returns what was removed.
+
+    Raises:
+        CronError: not installed. ``SlurmError`` from squeue / scancel.
+    """
+    run = RunPaths.of(spec)
+    installed = read_installed(run)
+    if installed is None:
+        raise CronError(f"cron is not installed for {spec.job_name} (no {state_file(run)})")
+    removed = []
+    if installed.method == "crontab":
+        lines = _read_crontab()
+        kept = [line for line in lines if line != installed.crontab_line]
+        if len(kept) != len(lines):
+            _write_crontab(kept)
+            removed.append(f"crontab line: {installed.crontab_line}")
+    else:
+        # The script first: a running cron job resubmits itself only while its script exists.
+        Path(installed.script).unlink(missing_ok=True)
+        removed.append(f"script {installed.script}")
+        ids = sorted({e.array_id for e in client.squeue() if e.name == installed.job_name}, key=int)
+        if ids:
+            client.scancel(ids)
+            removed.append(f"SLURM job(s) {', '.join(ids)} ({installed.job_name})")
+    state_file(run).unlink()
+    removed.append(f"record {state_file(run)}")
+    return removed
+
+
+def _read_crontab() -> list[str]:
+    done = subprocess.run(["crontab", "-l"], capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        if "no crontab" in done.stderr:
+            return []
+        raise CronError(f"crontab -l: {' '.join(done.stderr.split()) or f'exit code {done.returncode}'}")
+    return done.stdout.splitlines()
+
+
+def _write_crontab(lines: list[str]) -> None:
+    text = "".join(line + "\n" for line in lines)
+    done = subprocess.run(["crontab", "-"], input=text, capture_output=True, text=True, timeout=20)
+    if done.returncode != 0:
+        raise CronError(f"crontab -: {' '.join(done.stderr.split()) or f'exit code {done.returncode}'}")

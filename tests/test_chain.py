@@ -1,0 +1,314 @@
+"""The job chain against the real local SLURM: a second submit chains after the first (afterany), --keep, hold and
+release, the kill switch (running task saves and exits, queued tasks exit at start), the finished flag draining an
+array, a crash line from a real worker process putting its node on the bad list and stopping the chain after
+slurm.max_failures failures; plus crash signatures, queue parsing and the ledger."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import write_spec
+from test_submit import OPSKIT, chain_spec, iterations_logged, one, tasks_of
+
+from opskit import status
+from opskit.crash import find_crashes
+from opskit.runs import RunPaths
+from opskit.slurm import chain
+from opskit.slurm.client import QueueEntry
+from opskit.spec import SpecError, load_spec
+from opskit.submit import SubmitError, submit
+
+# The 2022-03-21 crash of BLOOM-176B (tr11 chronicles), as torchrun's --tee prints a worker's stderr.
+BLOOM_CRASH = """\
+[default3]:terminate called after throwing an instance of 'c10::CUDAError'
+[default3]:  what():  CUDA error: unknown error
+[default3]:Exception raised from query at ../aten/src/ATen/cuda/CUDAEvent.h:95 (most recent call first):
+[default3]:frame #1: c10d::ProcessGroupNCCL::WorkNCCL::finishedGPUExecutionInternal() const + 0x11a
+"""
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([OPSKIT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def squeue_field(job_id: str, field: str) -> list[str]:
+    done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", field], capture_output=True, text=True, timeout=30)
+    return done.stdout.split()
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def wait_gone(name: str, *job_ids: str, timeout: float = 180) -> None:
+    for job_id in job_ids:
+        assert status.wait_until_gone(name, job_id, lambda p: None, interval_s=1, timeout_s=timeout), job_id
+
+
+def ledger(run: RunPaths) -> list[tuple[str, str]]:
+    return [(row.task, row.state) for row in chain.read_ledger(run)]
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_crash_signatures_and_their_nodes():
+    crashes = find_crashes(BLOOM_CRASH.splitlines(), node="r7i5n2")
+    assert crashes == [("r7i5n2", "CUDA error: unknown error", "[default3]:  what():  CUDA error: unknown error")]
+    # srun --label prefixes map to the job's node list; a software error that mentions CUDA is no hardware crash.
+    lines = ["0: iteration 10 | lm loss 3.2", "1: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1191",
+             "0: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+             "1: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)",
+             "2: NVRM: Xid (PCI:0000:07:00): 79, GPU has fallen off the bus."]
+    assert [(c.node, c.signature) for c in find_crashes(lines, nodes=["r7i5n2", "r7i5n6"])] == [
+        ("r7i5n6", "NCCL error"), ("r7i5n6", "NCCL watchdog timeout"), (None, "GPU fell off the bus")]
+
+
+def test_queue_counts_array_tasks_and_finds_the_last_job():
+    rows = [QueueEntry("682842_[2-5%1]", "gpu", "tr", "PENDING", "0:00", "48", "N/A", "(JobArrayTaskLimit)"),
+            QueueEntry("682842_1", "gpu", "tr", "RUNNING", "1:00", "48", "2022", "r7i5n[2-3]"),
+            QueueEntry("690001", "gpu", "tr", "PENDING", "0:00", "48", "N/A", "(Dependency)"),
+            QueueEntry("700000_[1,3-4]", "gpu", "other", "PENDING", "0:00", "1", "N/A", "(None)")]
+    queue = chain.queue_of("tr", rows)
+    assert (queue.tasks, queue.last_job) == (6, "690001")
+    assert chain.array_tasks("700000_[1,3-4]") == 3 and chain.array_tasks("5_[1-9:2%1]") == 5
+    assert chain.queue_of("none", rows).last_job is None
+
+
+def test_ledger_counts_failures_since_the_last_success(tmp_path):
+    run = RunPaths(tmp_path)
+    rows = [("1_1", "FAILED"), ("1_2", "COMPLETED"), ("1_3", "TIMEOUT"), ("1_4", "SKIPPED"), ("1_5", "CANCELLED"),
+            ("1_6", "FAILED")]
+    for task, state in rows:
+        chain.record(run, chain.TaskOutcome("2026-01-01 00:00:00", task, task, state, 1, "n1"))
+    assert [r.task for r in chain.consecutive_failures(chain.read_ledger(run))] == ["1_3", "1_6"]
+    run.ledger.write_text(run.ledger.read_text() + "not json\n")
+    with pytest.raises(chain.ChainError, match=rf"^{re.escape(str(run.ledger))}:7: not a ledger record"):
+        chain.read_ledger(run)
+    with pytest.raises(chain.ChainError, match="expected a host name"):
+        chain.add_bad_nodes(run, {"n1 $(reboot)": "why"})
+
+
+def test_chain_fields_of_the_spec_are_checked(tmp_path):
+    data = SimpleNamespace(data_prefix=str(tmp_path / "kjv_text_document"))
+    path = write_spec(tmp_path / "s.yaml", data, tmp_path / "run", slurm={"group": "six $(id)", "max_failures": 0})
+    with pytest.raises(SpecError) as info:
+        load_spec(str(path))
+    assert str(info.value).startswith(f"{path}: slurm.group: String should match pattern")
+    assert "; slurm.max_failures: Input should be greater than 0" in str(info.value)
+    with pytest.raises(chain.ChainError, match=r"^slurm.group 'nosuchgroup-w5': no such Unix group here"):
+        chain.group_users("nosuchgroup-w5")
+
+
+# --------------------------------------------------------------------------- SLURM
+
+
+def long_chain(tmp_path, data, kind: str, cancel_after):
+    """A 2-task chain that trains far longer than any test waits (stopped by the test), submitted."""
+    name = f"opskit-{kind}-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10)
+    sub = submit(spec, array=2)
+    cancel_after.append(sub.job_id)
+    return name, spec, str(tmp_path / "spec.yaml"), sub
+
+
+def test_second_submit_chains_keep_hold_release_kill_switch(kjv_data, tmp_path, slurm, cancel_after):
+    name, spec, spec_path, first = long_chain(tmp_path, kjv_data, "ks", cancel_after)
+    assert first.after is None and not any(c.startswith("--dependency") for c in first.command)
+    run = first.run
+    wait_for(lambda: run.main_log.is_file() and iterations_logged(run.main_log.read_text()), 120,
+             "task 1 never started training")
+
+    # A second submit while task 1 runs and task 2 is pending: chained after the array, and the user is told.
+    second = submit(spec, array=1)
+    cancel_after.append(second.job_id)
+    assert second.after == first.job_id
+    assert second.command == ["sbatch", "--parsable", f"--dependency=afterany:{first.job_id}", str(run.script)]
+    assert any(f"--dependency=afterany:{first.job_id}" in note and "2 task(s)" in note for note in second.notes)
+    assert squeue_field(second.job_id, "%E") == [f"afterany:{first.job_id}_*(unfulfilled)"]
+
+    # --keep: 3 tasks are queued (1 running, 2 pending), so nothing is submitted for K=3; K=4 would.
+    kept = submit(spec, keep=3)
+    assert (kept.job_id, kept.command) == (None, []) and kept.skipped.startswith(f"3 task(s) of {name} ")
+    assert submit(spec, keep=4, dry_run=True).command[-1] == str(run.script)
+
+    held = cli("hold", spec_path)
+    assert held.stdout == f"held {name}: job(s) {first.job_id}, {second.job_id}\n", held.stderr
+    assert squeue_field(second.job_id, "%r")[0] in ("JobHeldUser", "JobHeldAdmin")
+    released = cli("release", spec_path)
+    assert released.stdout == f"released {name}: job(s) {first.job_id}, {second.job_id}\n", released.stderr
+    assert squeue_field(second.job_id, "%r")[0] not in ("JobHeldUser", "JobHeldAdmin")
+
+    on = cli("kill-switch", spec_path, "on")
+    assert on.returncode == 0 and f"kill switch {run.kill_switch} is now on" in on.stdout, on.stderr
+    wait_gone(name, first.job_id, second.job_id)
+    with pytest.raises(SubmitError, match=r"kill switch .* is on, so every task would exit at start: `opskit "
+                                          r"kill-switch .* off` first$"):
+        submit(spec, dry_run=True)
+    assert cli("kill-switch", spec_path, "off").returncode == 0 and not run.kill_switch.exists()
+
+    # Task 1 saved where it stopped and exited 0; the queued tasks exited at start without training.
+    log = run.main_log.read_text()
+    tasks = tasks_of(log)
+    assert [t for t, _ in tasks] == [f"{first.job_id}_1", f"{first.job_id}_2", f"{second.job_id}_0"], log[-3000:]
+    one(r"\[Detected kill switch at .*kill-switch\. Exiting\] datetime: ", tasks[0][1])
+    stopped = iterations_logged(tasks[0][1])[-1][0]
+    saved = int(one(r"successfully saved checkpoint at iteration +(\d+) to ", tasks[0][1]).group(1))
+    assert saved >= stopped and (run.checkpoints / "latest").read_text() == f"global_step{saved}"
+    for _, text in tasks[1:]:
+        one(r"exiting at once: the kill switch is on", text)
+        assert not iterations_logged(text) and one(r"end, exit code (\d+)$", text).group(1) == "0"
+    assert ledger(run) == [(f"{first.job_id}_1", "COMPLETED"), (f"{first.job_id}_2", "SKIPPED"),
+                           (f"{second.job_id}_0", "SKIPPED")]
+
+
+def test_finished_flag_drains_the_array(kjv_data, tmp_path, slurm, cancel_after):
+    name = f"opskit-fin-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 50, array=3)
+    sub = submit(spec, begin="now+3")
+    cancel_after.append(sub.job_id)
+    assert sub.command[-2] == "--begin=now+3"
+    # As if an edited spec were submitted while this chain waits: each task writes back its own DeepSpeed config.
+    run = sub.run
+    rendered = run.ds_config.read_text()
+    run.ds_config.write_text('{"train_batch_size": 4096}\n')
+    wait_gone(name, sub.job_id)
+    assert run.ds_config.read_text() == rendered
+    tasks = tasks_of(run.main_log.read_text())
+    assert [t for t, _ in tasks] == [f"{sub.job_id}_{i}" for i in (1, 2, 3)]
+    one(r"\[after training is done\] datetime: ", tasks[0][1])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d training finished at iteration 50, consumed samples 400\n",
+                        run.finished_flag.read_text())
+    for _, text in tasks[1:]:
+        one(r"exiting at once: the finished flag exists: training is done$", text)
+        assert "torch.distributed.run" not in text and one(r"end, exit code (\d+)$", text).group(1) == "0"
+    assert ledger(run) == [(f"{sub.job_id}_1", "COMPLETED"), (f"{sub.job_id}_2", "SKIPPED"),
+                           (f"{sub.job_id}_3", "SKIPPED")]
+
+    with pytest.raises(SubmitError, match=r"^the training finished \(.*finished: .* training finished at iteration "
+                                          r"50, consumed samples 400\); .* again with --yes to remove the flag$"):
+        submit(spec)
+    dry = submit(spec, dry_run=True, yes=True)
+    assert dry.notes[0] == f"would remove {run.finished_flag} (the training finished) as --yes asks"
+    assert run.finished_flag.exists()
+
+
+# A worker process (torchrun sets RANK) that dies the way BLOOM-176B's did; the chain hook (no RANK) is unaffected.
+SITECUSTOMIZE = """\
+import os, sys
+if "RANK" in os.environ:
+    sys.stderr.write("terminate called after throwing an instance of 'c10::CUDAError'\\n")
+    sys.stderr.write("  what():  CUDA error: unknown error\\n")
+    sys.stderr.flush()
+    os._exit(1)
+"""
+
+
+def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_data, tmp_path, slurm, cancel_after):
+    crash_dir = tmp_path / "crash"
+    crash_dir.mkdir()
+    (crash_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    name = f"opskit-crash-{uuid.uuid4().hex[:8]}"
+    pythonpath = f"{crash_dir}:{Path(__file__).resolve().parents[1]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 50, array=3, max_failures=2,
+                      env={"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
+    sub = submit(spec)
+    cancel_after.append(sub.job_id)
+    wait_gone(name, sub.job_id)
+    run = sub.run
+    log = run.main_log.read_text()
+    tasks = tasks_of(log)
+    assert [t for t, _ in tasks] == [f"{sub.job_id}_{i}" for i in (1, 2, 3)], log[-3000:]
+    one(r"bad node\(s\) localhost \(CUDA error: unknown error on localhost\): the next `opskit submit` excludes "
+        r"them$", tasks[0][1])
+    alert = one(r"\*\*\*ALERT: .*: 2 consecutive failed tasks \(\S+_1 FAILED exit 1 on localhost, \S+_2 FAILED exit 1 "
+                r"on localhost\); the chain is stopped, later tasks exit at start\. Fix the cause, then `opskit "
+                r"submit .* --yes`\*\*\*$", tasks[1][1])
+    one(r"exiting at once: the chain was stopped after 2 consecutive failures$", tasks[2][1])
+    rows = chain.read_ledger(run)
+    assert [(r.task, r.state, r.exit_code, r.nodes) for r in rows] == [
+        (f"{sub.job_id}_1", "FAILED", 1, "localhost"), (f"{sub.job_id}_2", "FAILED", 1, "localhost"),
+        (f"{sub.job_id}_2", "ALERT", None, "localhost"), (f"{sub.job_id}_3", "SKIPPED", 0, "localhost")]
+    assert rows[0].reason == "CUDA error: unknown error on localhost"
+    assert alert.group(0) in run.stopped_flag.read_text()
+    node_logs = sorted(run.node_logs.glob("*-localhost.log"))  # <each task's job id>-<node>.log
+    assert len(node_logs) == 2 and all("  what():  CUDA error: unknown error" in f.read_text() for f in node_logs)
+
+    # The next submission carries --exclude (and needs --yes to clear the stop); `opskit nodes` edits the list.
+    with pytest.raises(SubmitError, match=r"^the chain was stopped .* fix the cause"):
+        submit(spec, dry_run=True)
+    dry = submit(spec, dry_run=True, yes=True)
+    assert "#SBATCH --exclude=localhost\n" in dry.run.script.read_text()
+    assert any(note.startswith("excluding bad node(s) localhost ") for note in dry.notes)
+    listed = cli("nodes", "list", str(tmp_path / "spec.yaml"), "--json")
+    assert list(json.loads(listed.stdout)) == ["localhost"]
+    assert "CUDA error: unknown error" in json.loads(listed.stdout)["localhost"]
+    assert cli("nodes", "clear", str(tmp_path / "spec.yaml")).stdout == "cleared localhost\n"
+    assert "--exclude" not in submit(spec, dry_run=True, yes=True).run.script.read_text()
+    bad = cli("nodes", "add", str(tmp_path / "spec.yaml"), "r7i5n2;reboot")
+    assert (bad.returncode, bad.stderr) == (1, "error: node 'r7i5n2;reboot': expected a host name (letters, digits, "
+                                                ". _ -)\n")
+
+
+def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, cancel_after):
+    name, _, spec_path, sub = long_chain(tmp_path, kjv_data, "cancel", cancel_after)
+
+    # The exact sbatch command, with the automatic dependency, --after, --begin and --nodes.
+    done = cli("submit", spec_path, "--dry-run", "--array", "3", "--nodes", "2", "--after", "99", "--begin",
+               "now+2hours")
+    assert done.returncode == 0, done.stderr
+    assert "\n#SBATCH --nodes=2\n" in done.stdout
+    assert f"# note: {name} already has 2 task(s) running or pending (job {sub.job_id})" in done.stdout
+    assert done.stdout.rstrip("\n").endswith(f"# would run: sbatch --parsable --array=1-3%1 --dependency=afterany:"
+                                             f"{sub.job_id}:99 --begin=now+2hours {sub.run.script}")
+    bad = cli("submit", spec_path, "--dry-run", "--after", "$(id)")
+    assert (bad.returncode, bad.stderr) == (1, "error: --after $(id): expected a SLURM job id such as 1234 or "
+                                               "1234_2\n")
+
+    # scancel reaches the batch shell as SIGTERM: the ledger says CANCELLED, not FAILED.
+    wait_for(lambda: list(sub.run.node_logs.glob("*.log")), 120, "task 1 never started")
+    cancelled = cli("cancel", spec_path, "--yes")
+    assert cancelled.stdout == f"cancelled {name}: job(s) {sub.job_id}\n", cancelled.stderr
+    wait_gone(name, sub.job_id)
+    one(r"SIGTERM: the job ends \(CANCELLED\)$", sub.run.main_log.read_text())
+    rows = chain.read_ledger(sub.run)
+    assert [(r.task, r.state, r.exit_code) for r in rows] == [(f"{sub.job_id}_1", "CANCELLED", 143)]
+    assert chain.consecutive_failures(rows) == []
+    assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job named {name}\n"
+
+
+# A worker that hangs (a stuck collective) and ignores the SIGUSR1 that asks it to save.
+HANG = """\
+import os, signal, time
+if "RANK" in os.environ:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    time.sleep(600)
+"""
+
+
+def test_time_limit_is_recorded_as_timeout(kjv_data, tmp_path):
+    hang_dir = tmp_path / "hang"
+    hang_dir.mkdir()
+    (hang_dir / "sitecustomize.py").write_text(HANG)
+    pythonpath = f"{hang_dir}:{Path(__file__).resolve().parents[1]}"
+    # The local executor enforces the limit as SLURM does: SIGUSR1 at 20 - 5 s, SIGTERM to everything at 20 s.
+    spec = chain_spec(tmp_path, kjv_data, f"opskit-hang-{uuid.uuid4().hex[:8]}", 50, time="0:20",
+                      exit_margin_mins=0.1, signal_margin_secs=5, env={"PYTHONPATH": pythonpath})
+    sub = submit(spec, executor="local", array=2)
+    assert [(t.task_id, t.timed_out) for t in sub.local_tasks] == [(1, True)]  # the executor stops after a failure
+    log = sub.run.main_log.read_text()
+    one(r"SIGUSR1: asking the trainer to save and exit$", log)
+    one(r"SIGTERM: the job ends \(TIMEOUT\)$", log)
+    rows = chain.read_ledger(sub.run)
+    assert [(r.state, r.exit_code) for r in rows] == [("TIMEOUT", 143)]
+    assert chain.consecutive_failures(rows) == rows
