@@ -1,6 +1,7 @@
-"""opskit.submit end to end: a real 2-task chain on the local SLURM (task 1 stops on its exit duration with a
-checkpoint, task 2 resumes and finishes), the same chain with the local executor (task 1 stopped by SIGUSR1), SIGUSR1
-through srun, --dry-run, the rendered script under bash -n / shellcheck, hostile names and paths, missing data."""
+"""opskit.submit end to end: a real 2-task chain on the local SLURM (each task stops on its exit duration with a
+checkpoint, task 2 resuming exactly where task 1 saved), the same chain with the local executor (tasks stopped by
+SIGUSR1), SIGUSR1 through srun, --dry-run, the rendered script under bash -n / shellcheck, hostile names and paths,
+missing data."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from conftest import write_spec
 
 from opskit import status
 from opskit.runs import RunPaths
-from opskit.slurm import client
+from opskit.slurm import chain, client
 from opskit.spec import load_spec
 from opskit.submit import SubmitError, submit
 
@@ -29,13 +30,9 @@ GBS = 8
 # ~0.2 M parameters at ~40 iterations/s on one core. One OpenMP thread: with two, a second busy process on a 2-core
 # machine slows such a tiny model down 10x or more (threads spin at every barrier).
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "max_position_embeddings": 32}
-# Each chain gets 1.4 tasks' worth of iterations at the speed measured on this machine just before (see `rate`), the
-# middle of the factor-2 window where task 1 cannot finish and task 2 can: the test holds if the machine gets up to
-# ~1.4x faster or slower meanwhile. Seconds of training per task (measured): the local executor's SIGUSR1 comes 20 s
-# after a task starts, SLURM's tasks stop on their 30 s exit duration; minus the imports and DeepSpeed's setup.
-LOCAL_TRAINING_S = 16
-SLURM_TRAINING_S = 27
-DEFAULT_RATE = 40.0  # iterations/s on one idle core, where no SLURM could measure it
+# Chains train far longer than their tasks run (CHAIN_ITERATIONS), so every task stops on its time mechanism, however
+# fast or loaded this machine is: the tests check the stops and the resume, never a speed.
+CHAIN_ITERATIONS = 100_000
 
 HEADER = re.compile(r"^\[opskit\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d job (\S+) \(array task (\S+)\) nodes (\S+): (.*)$",
                     re.M)
@@ -72,50 +69,49 @@ def iterations_logged(text: str) -> list[tuple[int, int, int, float]]:
         r" iteration +(\d+)/ *(\d+) \| consumed samples: +(\d+) \|.*? samples per second: ([\d.]+) \|", text)]
 
 
-def assert_resumed_chain(run: RunPaths, task_ids: list[str], iterations: int, first_stop: str) -> int:
-    """main_log.txt shows task 1 stopping with a checkpoint at K (``first_stop`` is its exit line's regex), task 2
-    loading K and finishing; returns K."""
+def assert_resumed_chain(run: RunPaths, task_ids: list[str], stop: str) -> tuple[int, int]:
+    """main_log.txt shows task 1 stopping with a checkpoint at K1 (``stop`` is the exit line's regex), task 2 loading
+    K1 and stopping the same way with a checkpoint at K2 > K1, both exiting 0; returns (K1, K2)."""
     log = run.main_log.read_text()
     tasks = tasks_of(log)
     assert [t for t, _ in tasks] == task_ids, log[-3000:]
     (_, first), (_, second) = tasks
 
-    one(r"\[" + first_stop + r"\] datetime: ", first)
-    saved = int(one(r"successfully saved checkpoint at iteration +(\d+) to ", first).group(1))
-    assert "after training is done" not in first, "task 1 finished everything: the test needs more iterations"
     assert "successfully loaded checkpoint" not in first
     assert "will not load any checkpoints and will start from random" in first
-    assert 0 < saved < iterations
-    assert one(r"end, exit code (\d+)$", first).group(1) == "0"
-
     loaded = one(r"successfully loaded checkpoint from (.+) at iteration (\d+)$", second)
     assert loaded.group(1) == str(run.checkpoints)
-    assert int(loaded.group(2)) == saved
-    assert "after training is done" in second, (f"task 2 did not finish (resumed at {saved} of {iterations}): "
-                                                f"the machine is slower than the test assumes\n{second[-2000:]}")
-    assert "exiting program" not in second
-    assert one(r"end, exit code (\d+)$", second).group(1) == "0"
-    assert int(one(r"successfully saved checkpoint at iteration +(\d+) to ", second).group(1)) == iterations
+    saves = []
+    for text in (first, second):
+        one(r"\[" + stop + r"\] datetime: ", text)
+        saves.append(int(one(r"successfully saved checkpoint at iteration +(\d+) to ", text).group(1)))
+        assert all(it <= saves[-1] for it, *_ in iterations_logged(text)), "a task saved before its last iteration"
+        assert "after training is done" not in text
+        assert one(r"end, exit code (\d+)$", text).group(1) == "0"
+    first_saved, second_saved = saves
+    assert int(loaded.group(2)) == first_saved and 0 < first_saved < second_saved
 
     # No sample counted twice or skipped across the restart; task 2 continues where task 1 saved.
     lines = iterations_logged(log)
-    assert lines and all(samples == it * GBS and total == iterations for it, total, samples, _ in lines)
-    assert all(it > saved for it, *_ in iterations_logged(second))
-    assert (run.checkpoints / "latest").read_text() == f"global_step{iterations}"
-    assert (run.checkpoints / f"global_step{saved}").is_dir()
-    return saved
+    assert lines and all(samples == it * GBS and total == CHAIN_ITERATIONS for it, total, samples, _ in lines)
+    assert all(it > first_saved for it, *_ in iterations_logged(second))
+    assert (run.checkpoints / "latest").read_text() == f"global_step{second_saved}"
+    assert (run.checkpoints / f"global_step{first_saved}").is_dir()
+    assert [r.state for r in chain.read_ledger(run)] == ["COMPLETED", "COMPLETED"]
+    return first_saved, second_saved
 
 
-# --------------------------------------------------------------------------- SIGUSR1 on SLURM (and the speed)
+# --------------------------------------------------------------------------- SIGUSR1 on SLURM
 
 
 @pytest.fixture(scope="module")
 def usr1_run(kjv_data, tmp_path_factory, slurm):
     """One SLURM task that trains until the test sends its batch shell SIGUSR1 (what --signal=B:USR1@N does), a few
-    seconds into training; it also measures this machine's training speed for the chains."""
+    seconds into training."""
     folder = tmp_path_factory.mktemp("usr1")
     name = f"opskit-usr1-{uuid.uuid4().hex[:8]}"
-    spec = chain_spec(folder, kjv_data, name, 100_000, time="10", exit_margin_mins=5, signal_margin_secs=10, array=1)
+    spec = chain_spec(folder, kjv_data, name, CHAIN_ITERATIONS, time="10", exit_margin_mins=5, signal_margin_secs=10,
+                      array=1)
     sub = submit(spec)
     try:
         deadline = time.monotonic() + 90
@@ -128,17 +124,6 @@ def usr1_run(kjv_data, tmp_path_factory, slurm):
     finally:
         subprocess.run(["scancel", sub.job_id], capture_output=True, timeout=30)
     return sub, signalled, ended
-
-
-@pytest.fixture(scope="module")
-def rate(request) -> float:
-    """Training iterations per second of MODEL here and now, from the SIGUSR1 run's iteration lines."""
-    if os.geteuid() != 0:
-        return DEFAULT_RATE
-    sub, _, _ = request.getfixturevalue("usr1_run")
-    # Samples/s has 3 decimals (seconds per iteration only 2); the first interval includes the warm-up.
-    lines = iterations_logged(sub.run.main_log.read_text())[1:]
-    return sum(speed for *_, speed in lines) / len(lines) / GBS if lines else DEFAULT_RATE
 
 
 def test_slurm_sigusr1_reaches_the_trainer_through_srun(usr1_run):
@@ -157,20 +142,14 @@ def test_slurm_sigusr1_reaches_the_trainer_through_srun(usr1_run):
 # --------------------------------------------------------------------------- the local executor
 
 
-def chain_iterations(rate: float, seconds: float) -> int:
-    """1.4 tasks' worth of iterations, a multiple of the log interval."""
-    return int(max(100, min(5000, 1.4 * rate * seconds))) // 50 * 50
-
-
 @pytest.fixture(scope="module")
-def local_chain(kjv_data, tmp_path_factory, rate):
+def local_chain(kjv_data, tmp_path_factory):
     """The local executor's 2-task chain, run once, in a run directory whose path and job name would run code if
     the script ever let the shell evaluate them. Runs in a scratch working directory that must stay empty."""
     folder = tmp_path_factory.mktemp("local")
     scratch = tmp_path_factory.mktemp("cwd")
     output = folder / "run dir $(touch PWNED-path) it's \"q\""
-    iterations = chain_iterations(rate, LOCAL_TRAINING_S)
-    spec = chain_spec(folder, kjv_data, "it's a \"local\" $(touch PWNED-name) chain", iterations, output=output,
+    spec = chain_spec(folder, kjv_data, "it's a \"local\" $(touch PWNED-name) chain", CHAIN_ITERATIONS, output=output,
                       time="1", exit_margin_mins=0.5, signal_margin_secs=40)
     cwd = os.getcwd()
     os.chdir(scratch)
@@ -180,30 +159,28 @@ def local_chain(kjv_data, tmp_path_factory, rate):
         elapsed = time.monotonic() - started
     finally:
         os.chdir(cwd)
-    return spec, sub, elapsed, scratch, iterations
+    return spec, sub, elapsed, scratch
 
 
 def test_local_executor_runs_resumes_and_exits_0(local_chain):
-    spec, sub, elapsed, scratch, iterations = local_chain
+    spec, sub, elapsed, scratch = local_chain
     run = sub.run
     assert run.root.name == "run dir $(touch PWNED-path) it's \"q\""
     assert [(t.task_id, t.exit_code, t.timed_out) for t in sub.local_tasks] == [(1, 0, False), (2, 0, False)], \
         run.main_log.read_text()[-3000:]
-    assert elapsed < 60 + 30, "task 1 ran to its time limit"
+    assert elapsed < 2 * 60, "a task ran to its time limit"
     job_id = f"local{os.getpid()}"
     assert sub.command == ["bash", str(run.script)]
     for task in sub.local_tasks:
         assert task.output == run.slurm_dir / f"{spec.job_name}-{job_id}_{task.task_id}.out"
         assert task.output.is_file()
 
-    # Task 1 was stopped by the SIGUSR1 the executor sends 40 s before its 60 s limit (before its 30 s exit
+    # Each task was stopped by the SIGUSR1 the executor sends 40 s before its 60 s limit (before its 30 s exit
     # duration): the batch shell passed it on to the trainer, which saved and exited 0.
-    log = run.main_log.read_text()
-    saved = assert_resumed_chain(run, [f"{job_id}_1", f"{job_id}_2"], iterations,
-                                 r"exiting program on SIGUSR1 at iteration (\d+)")
-    first = tasks_of(log)[0][1]
-    assert int(one(r"exiting program on SIGUSR1 at iteration (\d+)", first).group(1)) == saved
-    one(r"nodes \S+: SIGUSR1: asking the trainer to save and exit$", first)
+    saves = assert_resumed_chain(run, [f"{job_id}_1", f"{job_id}_2"], r"exiting program on SIGUSR1 at iteration (\d+)")
+    for (_, text), saved in zip(tasks_of(run.main_log.read_text()), saves, strict=True):
+        assert int(one(r"exiting program on SIGUSR1 at iteration (\d+)", text).group(1)) == saved
+        one(r"nodes \S+: SIGUSR1: asking the trainer to save and exit$", text)
 
     # Nothing in the name or the path was ever run by a shell.
     assert list(scratch.iterdir()) == []
@@ -213,12 +190,11 @@ def test_local_executor_runs_resumes_and_exits_0(local_chain):
 # --------------------------------------------------------------------------- SLURM
 
 
-def test_slurm_chain_exit_duration_then_resume(kjv_data, tmp_path, rate, cancel_after):
-    # Task 1 cannot finish within its 30 s exit duration, task 2 can. (slurm.time 2 min minus 1.5: SLURM may send
-    # the USR1 up to a 30 s check period early, so its 30 s signal margin still cannot fire before the exit duration.)
-    iterations = chain_iterations(rate, SLURM_TRAINING_S)
+def test_slurm_chain_exit_duration_then_resume(kjv_data, tmp_path, cancel_after):
+    # Each task stops on its 30 s exit duration. (slurm.time 2 min minus 1.5: SLURM may send the USR1 up to a 30 s
+    # check period early, so its 30 s signal margin still cannot fire before the exit duration.)
     name = f"opskit-chain-{uuid.uuid4().hex[:8]}"
-    spec = chain_spec(tmp_path, kjv_data, name, iterations, time="2", exit_margin_mins=1.5, signal_margin_secs=30)
+    spec = chain_spec(tmp_path, kjv_data, name, CHAIN_ITERATIONS, time="2", exit_margin_mins=1.5, signal_margin_secs=30)
     assert spec.exit_duration_in_mins == 0.5
 
     sub = submit(spec, array=2)
@@ -242,10 +218,9 @@ def test_slurm_chain_exit_duration_then_resume(kjv_data, tmp_path, rate, cancel_
     assert [m.group(2) for m in headers] == [f"{sub.job_id}_1", f"{sub.job_id}_2"], log[-3000:]
     assert all(m.group(3) == "localhost" for m in headers)
     assert len({m.group(1) for m in headers}) == 2  # two SLURM jobs, one per task
-    assert_resumed_chain(run, [f"{sub.job_id}_1", f"{sub.job_id}_2"], iterations,
-                         r"exiting program after (\d+\.\d+) minutes")
-    minutes = float(one(r"\[exiting program after (\d+\.\d+) minutes\]", log).group(1))
-    assert 0.5 <= minutes < 0.6
+    assert_resumed_chain(run, [f"{sub.job_id}_1", f"{sub.job_id}_2"], r"exiting program after (\d+\.\d+) minutes")
+    for _, text in tasks_of(log):
+        assert 0.5 <= float(one(r"\[exiting program after (\d+\.\d+) minutes\]", text).group(1)) < 0.6
     assert "SIGUSR1" not in log
     # SLURM's own output files (%x-%j.out), one per task.
     assert len(list(run.slurm_dir.glob(f"{name}-*.out"))) == 2

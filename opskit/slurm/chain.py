@@ -120,8 +120,10 @@ def control(job_name: str, group: str | None, action: str) -> list[str]:
     if action != "cancel":
         entries = [e for e in entries if e.state == "PENDING"]
     ids = sorted({e.array_id for e in entries}, key=int)
-    if ids:
-        client.scancel(ids) if action == "cancel" else client.scontrol(action, ids)
+    if ids and action == "cancel":
+        client.scancel(ids)
+    elif ids:
+        client.scontrol(action, ids)
     return ids
 
 
