@@ -317,8 +317,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_parallel: bool = F
     """Mean token cross-entropy in fp32 (Megatron's default, without ``--fp16-lm-cross-entropy``): logits
     ``[b, s, V_pad / TP]`` in any float dtype, labels ``[b, s]`` -> scalar (nats per token). With ``vocab_parallel``
     (TP > 1), megatron-core's vocab-parallel cross-entropy combines the ranks' vocabulary slices; at TP = 1 plain
-    cross-entropy computes the same, and under ``torch.compile`` (``compile_transformer_layers``) fuses into a few passes over the logits instead
-    of materialising their fp32 copy and softmax."""
+    cross-entropy computes the same, and under ``torch.compile`` (``compile_transformer_layers``) fuses into a few
+    passes over the logits instead of materialising their fp32 copy and softmax."""
     if vocab_parallel:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
