@@ -97,6 +97,11 @@ class RunPaths:
         """What ``opskit cron install`` wrote: its state file and, on SLURM, the self-resubmitting job script."""
         return self.root / "cron"
 
+    @property
+    def watchdog_dir(self) -> Path:
+        """``opskit status`` state: the log offset and recent records, and which alerts were sent when."""
+        return self.root / "watchdog"
+
     def hf_dir(self, tag: str) -> Path:
         """Default output of ``opskit ckpt convert`` for one checkpoint step."""
         return self.root / "hf" / tag

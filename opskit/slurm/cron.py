@@ -78,11 +78,13 @@ def read_installed(run: RunPaths) -> Installed | None:
 
 
 def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executable) -> list[str]:
-    """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines) and, with a target, the
-    sync of logs and TensorBoard; run from the current directory (where ``trainings/`` is found)."""
+    """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines; ``--alert`` when the spec
+    names an alert channel) and, with a target, the sync of logs and TensorBoard; run from the current directory
+    (where ``trainings/`` is found)."""
     opskit = f"{shlex.quote(python)} -m opskit.cli.app"
     name = shlex.quote(spec.cli_name)
-    commands = [f"{opskit} status {name}"]
+    alerts = spec.watchdog.alerts
+    commands = [f"{opskit} status {name}" + (" --alert" if alerts.email.to or alerts.webhook or alerts.command else "")]
     if sync_to:
         commands.append(f"{opskit} sync all {name} --to {shlex.quote(sync_to)}")
     return commands
