@@ -32,6 +32,9 @@ SEVERITIES = ("ok", "warn", "alert")
 FIELDS = ("consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "global_batch_size", "lm_loss",
           "grad_norm", "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
 HISTORY = 300  # iteration records kept in the state file: the spike window and the throughput baseline
+# A first run on a months-old log (or one after a long pause) judges only its end: older events are no news.
+NEW_RECORDS = 5000
+NEW_TEXT = 8 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
 _JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start")
 
@@ -225,7 +228,8 @@ class LogRead:
 
 
 def read_log(run: RunPaths, state: dict) -> LogRead | None:
-    """Records and text main_log.txt gained since ``state["offset"]``; updates ``state``. None without a log.
+    """Records and text main_log.txt gained since ``state["offset"]`` (at most the last NEW_RECORDS iteration
+    records and NEW_TEXT bytes of text); updates ``state``. None without a log.
 
     A file that shrank or was replaced (another inode) is read again from its start.
     """
@@ -238,10 +242,11 @@ def read_log(run: RunPaths, state: dict) -> LogRead | None:
     offset = state.get("offset", 0) if state.get("inode") == info.st_ino else 0
     chunk = read_from(run.main_log, offset, fields=FIELDS)
     start = 0 if chunk.rewound else offset
-    with open(run.main_log, "rb") as f:  # the same new bytes once more, for crash lines: they are few
-        f.seek(start)
-        text = f.read(chunk.offset - start).decode("utf-8", errors="replace")
-    new = chunk.iterations
+    text_from = max(start, chunk.offset - NEW_TEXT)
+    with open(run.main_log, "rb") as f:  # the same new bytes once more, for crash lines: an hour's worth is small
+        f.seek(text_from)
+        text = f.read(chunk.offset - text_from).decode("utf-8", errors="replace")
+    new = chunk.iterations[-NEW_RECORDS:]
     history = [] if start == 0 else state.get("history", [])
     records = timeline(history + new)
     if new:
@@ -300,7 +305,7 @@ def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[F
 
     config = SpikeConfig(window=wd.spike_window, threshold=wd.spike_threshold)
     first_new = log.new[0]["iteration"]
-    analysed = log.records[-(2 * wd.spike_window + min(len(log.new), 5000)):]
+    analysed = log.records[-(2 * wd.spike_window + len(log.new)):]
     spikes = [s for s in find_spikes(analysed, config) if s.last >= first_new]
     findings = []
     for metric, label in (("lm_loss", "lm loss"), ("grad_norm", "grad norm")):
@@ -401,13 +406,14 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
 
 
 def check_disk(run: RunPaths, wd: WatchdogSpec) -> list[Finding]:
-    """Bytes (psutil) and inodes (statvfs) used on the file system holding the run directory (fs-watchdog's check)."""
-    import psutil
-
+    """Bytes and inodes used on the file system holding the run directory (fs-watchdog's check), from one
+    ``statvfs`` call; bytes as ``df`` and psutil count them: used / (used + available to users)."""
     path = next((p for p in (run.checkpoints, run.root, *run.root.parents) if p.is_dir()), Path("/"))
-    usage = psutil.disk_usage(str(path))
     vfs = os.statvfs(path)
-    findings = [_usage("disk.bytes", "bytes", usage.percent, f"{usage.free / 2**30:.1f} GiB free", path, wd)]
+    used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+    free = vfs.f_bavail * vfs.f_frsize
+    percent = 100 * used / (used + free) if used + free else 0.0
+    findings = [_usage("disk.bytes", "bytes", percent, f"{free / 2**30:.1f} GiB free", path, wd)]
     if vfs.f_files:  # some file systems report no inode limit
         percent = 100 * (vfs.f_files - vfs.f_ffree) / vfs.f_files
         findings.append(_usage("disk.inodes", "inodes", percent, f"{vfs.f_ffree:,} inodes free", path, wd))

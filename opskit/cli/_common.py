@@ -44,6 +44,8 @@ def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> C
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except typer.Exit:
+            raise  # an exit code, not an error: and _known_errors() below would import every library module
         except _known_errors() as e:
             if os.environ.get("OPSKIT_DEBUG") == "1":
                 raise
