@@ -6,7 +6,8 @@ a channel is sent the alert again only when the set of alerts changed or ``resen
 message once they all cleared. ``--ack`` silences the current set until it changes. A channel that fails keeps its
 old state (the next run tries again) and never stops the others.
 
-Settings come from the spec's ``watchdog.alerts`` and, for cron, from the environment, which wins:
+Settings come from the user's ``~/.config/opskit/alerts.yaml`` (``$OPSKIT_CONFIG``; the keys of ``watchdog.alerts``),
+the spec's ``watchdog.alerts`` over it, and for cron the environment over both:
 ``OPSKIT_SMTP_HOST``, ``OPSKIT_SMTP_PORT``, ``OPSKIT_SMTP_USER``, ``OPSKIT_SMTP_PASSWORD`` (or the variable
 ``email.password_env`` names), ``OPSKIT_SMTP_SECURITY`` (none, starttls, ssl), ``OPSKIT_ALERT_EMAIL_TO``
 (comma-separated), ``OPSKIT_ALERT_EMAIL_FROM``, ``OPSKIT_ALERT_WEBHOOK``, ``OPSKIT_ALERT_COMMAND``.
@@ -141,6 +142,41 @@ class Command:
             raise ChannelError(f"command exited {done.returncode}: {last}".rstrip(": "))
 
 
+def user_config(environ: Mapping[str, str] | None = None) -> Path:
+    """Where the user's alert settings live: ``$OPSKIT_CONFIG``, else ``$XDG_CONFIG_HOME/opskit/alerts.yaml``."""
+    env = os.environ if environ is None else environ
+    if env.get("OPSKIT_CONFIG"):
+        return Path(env["OPSKIT_CONFIG"])
+    return Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "opskit" / "alerts.yaml"
+
+
+def settings(spec_alerts: AlertsSpec, environ: Mapping[str, str] | None = None) -> AlertsSpec:
+    """The spec's alert settings (only the keys it sets) over the user's file, if there is one.
+
+    Raises:
+        AlertConfigError: the file is not YAML, or not ``watchdog.alerts`` keys; one line naming it.
+    """
+    import yaml
+    from pydantic import ValidationError
+
+    from opskit.spec import deep_merge
+
+    path = user_config(environ)
+    if not path.is_file():
+        return spec_alerts
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise AlertConfigError(f"{path}: not readable YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(raw, dict):
+        raise AlertConfigError(f"{path}: expected the keys of a spec's watchdog.alerts (email, webhook, ...)")
+    try:
+        return AlertsSpec.model_validate(deep_merge(raw, spec_alerts.model_dump(exclude_unset=True)))
+    except ValidationError as e:
+        raise AlertConfigError(f"{path}: " + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                                       for err in e.errors())) from None
+
+
 def channels(config: AlertsSpec, environ: Mapping[str, str] | None = None) -> list:
     """The channels configured by the spec and the environment (the environment wins).
 
@@ -262,6 +298,7 @@ def notify(report: Report, config: AlertsSpec, run: RunPaths, cli_name: str, ack
     Raises:
         AlertConfigError: no channel configured (and not ``ack``), or a malformed setting.
     """
+    config = settings(config, environ)
     state = _load(run)
     active = _active(report, state.get("active", {}))
     outcome = Outcome()
@@ -273,8 +310,9 @@ def notify(report: Report, config: AlertsSpec, run: RunPaths, cli_name: str, ack
     else:
         found = channels(config, environ)
         if not found:
-            raise AlertConfigError("no alert channel: set watchdog.alerts.email.to, .webhook or .command in the spec, "
-                                   "or OPSKIT_ALERT_EMAIL_TO / OPSKIT_ALERT_WEBHOOK / OPSKIT_ALERT_COMMAND")
+            raise AlertConfigError("no alert channel: set watchdog.alerts.email.to, .webhook or .command in the spec "
+                                   f"or in {user_config(environ)}, or OPSKIT_ALERT_EMAIL_TO / OPSKIT_ALERT_WEBHOOK / "
+                                   "OPSKIT_ALERT_COMMAND")
         now = report.time.timestamp()
         sent_state = state.setdefault("channels", {})
         for channel in found:

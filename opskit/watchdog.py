@@ -82,8 +82,8 @@ class Report:
 
     def as_dict(self) -> dict:
         return {"name": self.name, "job_name": self.job_name, "time": self.time.isoformat(timespec="seconds"),
-                "severity": self.severity, "alert": self.severity == "alert", "unreachable": self.unreachable, "exit_code": self.exit_code,
-                "lines": self.pulse_lines, "findings": [asdict(f) for f in self.findings]}
+                "severity": self.severity, "alert": self.severity == "alert", "unreachable": self.unreachable,
+                "exit_code": self.exit_code, "lines": self.pulse_lines, "findings": [asdict(f) for f in self.findings]}
 
 
 # --------------------------------------------------------------------------- state

@@ -204,9 +204,10 @@ def test_disk_and_inode_thresholds(tmp_path):
     run = RunPaths(tmp_path / "run")
     run.root.mkdir()
     vfs = os.statvfs(tmp_path)
-    used = 100 * (1 - vfs.f_bavail / vfs.f_blocks)
+    used = 100 * (vfs.f_blocks - vfs.f_bfree) / (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail)  # as df shows it
     low, high = WatchdogSpec(disk_warn_percent=used / 4, disk_alert_percent=used / 2), WatchdogSpec()
-    assert keys(check_disk(run, low))["disk.bytes"] == "alert"
+    bytes_used = only(check_disk(run, low), "disk.bytes")
+    assert bytes_used.severity == "alert" and abs(bytes_used.data["percent"] - used) < 1  # others write meanwhile
     assert keys(check_disk(run, high))["disk.bytes"] == ("ok" if used < 85 else "warn" if used < 95 else "alert")
     inodes = only(check_disk(run, high), "disk.inodes")
     assert inodes.data["path"] == str(run.root) and 0 < inodes.data["percent"] < 100
@@ -454,6 +455,54 @@ def test_email_once_then_resolved(jobs, tmp_path, mailbox):
     assert len(mailbox.messages) == 3
 
 
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl); clients trust it through SSL_CERT_FILE."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   capture_output=True, check=True, timeout=60)
+    return cert, key
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("security", ["starttls", "ssl"])
+def test_email_over_tls_with_a_password(slurm, tmp_path, certificate, security):
+    import ssl
+
+    from aiosmtpd.controller import Controller
+    from aiosmtpd.smtp import AuthResult
+
+    cert, key = certificate
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    logins = []
+
+    def authenticator(server, session, envelope, mechanism, auth_data):
+        logins.append((auth_data.login, auth_data.password))
+        return AuthResult(success=auth_data.password == b"s3cret")
+
+    box = Mailbox()
+    # aiosmtpd does not see that an implicit-TLS connection is encrypted: it must be told AUTH is fine there.
+    tls = {"tls_context": context, "require_starttls": True} if security == "starttls" else {
+        "ssl_context": context, "auth_require_tls": False}
+    box.controller = Controller(box, hostname="127.0.0.1", port=box.port, authenticator=authenticator,
+                                auth_required=True, **tls)
+    box.controller.start()
+    try:
+        name = unique("opskit-wd-tls")
+        spec = spec_file(tmp_path, name, alerts={"email": {"to": ["oncall@example.org"], "host": "127.0.0.1",
+                                                           "port": box.port, "security": security, "user": "bot",
+                                                           "password_env": "MY_SMTP_SECRET"}})
+        env = {"SSL_CERT_FILE": str(cert), "MY_SMTP_SECRET": "s3cret"}
+        done = status_cli(spec, "--alert", env=env)
+        assert done.returncode == 1 and "alert via email" in done.stdout, done.stdout + done.stderr
+        assert logins == [(b"bot", b"s3cret")] and box.messages[0]["Subject"].startswith(f"[ALERT] {spec.stem}: ")
+    finally:
+        box.controller.stop()
+
+
 @pytest.mark.slurm
 def test_ack_silences_until_something_changes(slurm, tmp_path, webhook):
     name = unique("opskit-wd-ack")
@@ -533,6 +582,50 @@ def test_no_channel_and_bad_settings_are_one_line_errors(tmp_path):
     done = status_cli(bad)
     assert done.returncode == 2
     assert done.stderr == f"error: {bad}: watchdog.throughput_drop: Input should be less than 1\n"
+
+
+@pytest.mark.slurm
+def test_user_config_and_cron(slurm, tmp_path, webhook, monkeypatch):
+    from opskit.slurm.cron import hourly_commands
+
+    name = unique("opskit-wd-user")
+    spec = spec_file(tmp_path, name, alerts={"resend_hours": 1})
+    config = tmp_path / "alerts.yaml"
+    config.write_text(f"webhook: {webhook.url}\nresend_hours: 12\n")
+    assert hourly_commands(load_spec(str(spec)), None)[0].endswith(f"status {spec}")  # no channel: no --alert
+    done = status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
+    assert done.returncode == 1 and len(webhook.posts) == 1, done.stdout + done.stderr
+    age_alert_state(RunPaths(tmp_path / "run"), 2)  # the spec's resend_hours (1) wins over the user's (12)
+    status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
+    assert len(webhook.posts) == 2
+    monkeypatch.setenv("OPSKIT_CONFIG", str(config))
+    assert hourly_commands(load_spec(str(spec)), None)[0].endswith(f"status {spec} --alert")
+
+    config.write_text("webhooks: http://x\n")
+    done = status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
+    assert done.returncode == 2
+    assert done.stderr == f"error: {config}: webhooks: Extra inputs are not permitted\n"
+
+
+@pytest.mark.slurm
+def test_watch_checks_again_until_interrupted(slurm, tmp_path):
+    import signal
+
+    name = unique("opskit-wd-watch")
+    watcher = subprocess.Popen([OPSKIT, "status", str(spec_file(tmp_path, name)), "--watch", "0.2"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        alerts: list[str] = []
+        for line in watcher.stdout:
+            if f"***ALERT: {name} is not RUNNING or SCHEDULED!" in line:
+                alerts.append(line)
+            if len(alerts) == 3:
+                break
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=30) == 1  # Ctrl-C: the last run's exit code
+    finally:
+        watcher.kill()
+    assert len(alerts) == 3  # three runs, one process
 
 
 def test_status_imports_nothing_heavy(tmp_path):
