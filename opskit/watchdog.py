@@ -31,7 +31,7 @@ SEVERITIES = ("ok", "warn", "alert")
 # Iteration fields the watchdog keeps (read_from's fast path reads only these).
 FIELDS = ("consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "global_batch_size", "lm_loss",
           "grad_norm", "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
-HISTORY = 300  # iteration records kept in the state file: the spike window and the throughput baseline
+HISTORY = 300  # iteration records kept in the state file (at least): the spike window and the throughput baseline
 # A first run on a months-old log (or one after a long pause) judges only its end: older events are no news.
 NEW_RECORDS = 5000
 NEW_TEXT = 8 << 20
@@ -124,8 +124,8 @@ def _minutes(text: str) -> float | None:
 
 def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: dict, now: datetime,
                     seconds_left: float | None) -> list[Finding]:
-    """Findings from the spec's queue entries (running, pending and why, absent), the chain's flags and ledger,
-    and the queued depth against ``watchdog.queue_horizon_hours``.
+    """Findings from the spec's queue entries (running, pending and why, absent; the finished and stopped flags
+    when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
 
     Args:
         state: the watchdog state; ``last_running`` (epoch s) is updated here.
@@ -134,14 +134,9 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
     wd = spec.watchdog
     running = [e for e in entries if e.state == "RUNNING"]
     pending = [e for e in entries if e.state == "PENDING"]
-    findings = [_chain_flags(run)] if run.kill_switch.exists() else []
-    failed = chain.consecutive_failures(_ledger(run))
-    if failed:
-        findings.append(Finding("chain.failures", "warn", f"{len(failed)} consecutive failed task(s): " + ", ".join(
-            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") for r in failed[-3:]),
-            {"tasks": [asdict(r) for r in failed]}))
     if not entries:
-        return findings + [_absent(spec, run)]
+        return [_absent(spec, run)]
+    findings = []
     for e in running:
         findings.append(Finding("scheduler.running", "ok", f"{e.job_id} running for {e.time_used} since "
                                 f"{e.start_time} on {e.reason} ('{e.partition}' partition)", asdict(e)))
@@ -158,9 +153,18 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
     return findings
 
 
-def _chain_flags(run: RunPaths) -> Finding:
-    return Finding("chain.kill_switch", "warn", f"the kill switch is on ({chain.flag_text(run.kill_switch)}): "
-                   "queued tasks exit at start")
+def check_chain(run: RunPaths) -> list[Finding]:
+    """The kill switch, and the tasks that failed in a row (the ledger): files of the run, known without SLURM."""
+    findings = []
+    if run.kill_switch.exists():
+        findings.append(Finding("chain.kill_switch", "warn", f"the kill switch is on "
+                                f"({chain.flag_text(run.kill_switch)}): queued tasks exit at start"))
+    failed = chain.consecutive_failures(_ledger(run))
+    if failed:
+        findings.append(Finding("chain.failures", "warn", f"{len(failed)} consecutive failed task(s): " + ", ".join(
+            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") for r in failed[-3:]),
+            {"tasks": [asdict(r) for r in failed]}))
+    return findings
 
 
 def _ledger(run: RunPaths) -> list[chain.TaskOutcome]:
@@ -227,11 +231,12 @@ class LogRead:
     last_iteration_at: float | None
 
 
-def read_log(run: RunPaths, state: dict) -> LogRead | None:
+def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
     """Records and text main_log.txt gained since ``state["offset"]`` (at most the last NEW_RECORDS iteration
     records and NEW_TEXT bytes of text); updates ``state``. None without a log.
 
-    A file that shrank or was replaced (another inode) is read again from its start.
+    A file that shrank or was replaced (another inode) is read again from its start. ``keep``: iteration records
+    kept in the state for the next run (spike window and throughput baseline).
     """
     from opskit.logs.parse import read_from, timeline
 
@@ -252,7 +257,7 @@ def read_log(run: RunPaths, state: dict) -> LogRead | None:
     if new:
         # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
         state["last_iteration_at"] = info.st_mtime
-    state.update(offset=chunk.offset, inode=info.st_ino, history=records[-HISTORY:],
+    state.update(offset=chunk.offset, inode=info.st_ino, history=records[-keep:],
                  skipped=state.get("skipped", 0) + chunk.skipped)
     return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"))
 
@@ -458,7 +463,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     except SchedulerUnreachable as e:
         entries, error = [], e
     running = [e for e in entries if e.state == "RUNNING"]
-    log = read_log(run, state)
+    log = read_log(run, state, keep=max(HISTORY, 2 * spec.watchdog.spike_window + 10))
     records = log.records if log else []
     findings, seconds_left, per_it = check_progress(spec, records)
     if error is not None:
@@ -468,6 +473,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
         pulse = [status.describe(e, now) for e in entries] or (
             [] if run.finished_flag.exists() else [status.alert_line(spec.job_name, now)])
         scheduler = check_scheduler(spec, run, entries, state, now, seconds_left)
+    scheduler += check_chain(run)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
     if log is None:
         findings.append(Finding("log.none", "ok", f"no {run.main_log} yet"))

@@ -213,6 +213,26 @@ def test_disk_and_inode_thresholds(tmp_path):
     assert inodes.data["path"] == str(run.root) and 0 < inodes.data["percent"] < 100
 
 
+def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
+    from opskit.slurm import chain
+    from opskit.watchdog import check_chain, check_scheduler
+
+    run = RunPaths(tmp_path / "run")
+    chain.set_kill_switch(run, True)
+    for task, state in (("7_1", "COMPLETED"), ("7_2", "FAILED"), ("7_3", "TIMEOUT")):
+        chain.record(run, chain.TaskOutcome("2026-11-21 08:00:00", task.split("_")[0], task, state, 1, "n1",
+                                            "CUDA error: unknown error on n1" if state == "FAILED" else ""))
+    found = {f.key: f for f in check_chain(run)}
+    assert found["chain.kill_switch"].severity == "warn"
+    assert found["chain.failures"].message == ("2 consecutive failed task(s): 7_2 FAILED (CUDA error: unknown error "
+                                               "on n1), 7_3 TIMEOUT")
+    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-chain")))
+    (run.root / "chain-stopped").write_text("2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***\n")
+    [stopped] = check_scheduler(spec, run, [], {}, NOW, None)
+    assert (stopped.key, stopped.severity) == ("scheduler.stopped", "alert")
+    assert stopped.message == "the chain stopped itself: 2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***"
+
+
 # --------------------------------------------------------------------------- the scheduler (real local SLURM)
 
 
