@@ -1,8 +1,9 @@
 """The hourly watchdog behind ``opskit status``: checks -> findings, each with a severity (ok / warn / alert).
 
 One run asks SLURM once (``squeue``), reads only the bytes main_log.txt gained since the last run (offset and recent
-records in ``<run>/watchdog/state.json``), looks at the newest checkpoint and the run directory's file system, and
-returns a :class:`Report`. No typer, rich, torch or numpy here: it runs from cron on login nodes.
+records in ``<run>/watchdog/state.json``; TensorBoard events under ``<run>/tensorboard`` when there is no text log),
+looks at the newest checkpoint and the run directory's file system, and returns a :class:`Report`. No typer, rich,
+torch or numpy here (the tensorboard package only for a run without a text log): it runs from cron on login nodes.
 
 Findings have stable keys (``scheduler.absent``, ``log.hang``, ...): :mod:`opskit.alerts` de-duplicates on them.
 What each one means and what to do about it: docs/operations.md.
@@ -262,6 +263,28 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
     return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"))
 
 
+def read_events(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
+    """For trainers that write only TensorBoard events (Megatron's tags) under ``<run>/tensorboard``: the iteration
+    records after ``state["events_iteration"]``; updates ``state``. None without event files or Megatron's loss tag.
+
+    The event files are read whole each time (the tensorboard package cannot resume at an offset); no crash lines.
+    """
+    from opskit.logs.parse import LogFormatError
+    from opskit.logs.tensorboard import is_event_dir, read_event_dir
+
+    if not is_event_dir(run.tensorboard):
+        return None
+    try:
+        records = [r for r in read_event_dir(run.tensorboard) if r["kind"] == "iteration"]
+    except LogFormatError:
+        return None
+    new = [r for r in records if r["iteration"] > state.get("events_iteration", -1)][-NEW_RECORDS:]
+    if new:
+        state["events_iteration"] = new[-1]["iteration"]
+        state["last_iteration_at"] = max(f.stat().st_mtime for f in run.tensorboard.rglob("*tfevents*"))
+    return LogRead(records[-keep:], new, "", 0, state.get("last_iteration_at"))
+
+
 def line_interval(records: list[dict]) -> float | None:
     """Usual seconds between two iteration lines: median s/it x median iterations between lines."""
     times = [r["elapsed_time_per_iteration_s"] for r in records[-50:] if "elapsed_time_per_iteration_s" in r]
@@ -435,7 +458,7 @@ def check_progress(spec: Spec, records: list[dict]) -> tuple[list[Finding], floa
     """(progress finding, seconds left, seconds per iteration), as ``opskit logs show`` computes them."""
     from opskit.logs.eta import progress, progress_lines
 
-    if not records:
+    if not records or records[-1]["train_iters"] is None:  # TensorBoard events carry no train_iters
         return [], None, None
     state = progress(records, planned_tokens=spec.batch.samples * spec.model.seq_length)
     return ([Finding("progress", "ok", "; ".join(progress_lines(state, 20)), state.as_dict())],
@@ -463,7 +486,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     except SchedulerUnreachable as e:
         entries, error = [], e
     running = [e for e in entries if e.state == "RUNNING"]
-    log = read_log(run, state, keep=max(HISTORY, 2 * spec.watchdog.spike_window + 10))
+    keep = max(HISTORY, 2 * spec.watchdog.spike_window + 10)
+    log = read_log(run, state, keep) or read_events(run, state, keep)
     records = log.records if log else []
     findings, seconds_left, per_it = check_progress(spec, records)
     if error is not None:
@@ -476,7 +500,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     scheduler += check_chain(run)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
     if log is None:
-        findings.append(Finding("log.none", "ok", f"no {run.main_log} yet"))
+        findings.append(Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet"))
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)

@@ -179,6 +179,27 @@ def test_throughput_drop(tmp_path):
     assert drop.message.startswith("throughput 8.1 samples/s, 42% of the median 19.3 before")
 
 
+def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
+    from opskit.train.log import TensorBoard
+    from opskit.watchdog import read_events
+
+    run = RunPaths(tmp_path / "run")
+    board = TensorBoard(str(run.tensorboard), 10, True)  # the trainer's own writer, Megatron's tags
+    for it in range(1, 121):
+        board.iteration(it, it * 16, it * 16 * 512, 3e-4, 16, 9.0 if it == 118 else 6.0 - it / 100, 0.5, None)
+    board.close()
+    assert read_log(run, {}) is None
+    state: dict = {}
+    events = read_events(run, state)
+    assert len(events.new) == 120 and state["events_iteration"] == 120
+    spike = only(check_log(events, WatchdogSpec(), NOW, None, save_interval=50), "log.lm_loss_spike")
+    assert (spike.data["first"], spike.data["peak"], spike.data["recovered_at"]) == (118, 9.0, 119)
+    assert "roll back to global_step100" in spike.message
+    again = read_events(run, state)  # nothing new: the spike is not news any more
+    assert again.new == [] and len(again.records) == 120
+    assert "log.lm_loss_spike" not in keys(check_log(again, WatchdogSpec(), NOW, None))
+
+
 # --------------------------------------------------------------------------- checkpoints and disk
 
 
