@@ -124,13 +124,15 @@ def _minutes(text: str) -> float | None:
 
 
 def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: dict, now: datetime,
-                    seconds_left: float | None) -> list[Finding]:
+                    seconds_left: float | None, ledger: list[chain.TaskOutcome] = ()) -> list[Finding]:
     """Findings from the spec's queue entries (running, pending and why, absent; the finished and stopped flags
     when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
 
     Args:
         state: the watchdog state; ``last_running`` (epoch s) is updated here.
         seconds_left: the log's ETA, so a chain that covers the rest of the training is never "too short".
+        ledger: the chain's task outcomes: the last one's time counts as "last seen running" (a task may start and
+            end between two hourly checks).
     """
     wd = spec.watchdog
     running = [e for e in entries if e.state == "RUNNING"]
@@ -148,19 +150,20 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
         expected = f", expected to start {e.start_time}" if start else ""
         findings.append(Finding("scheduler.pending", "ok", f"{e.job_id} pending ({reason}{expected})", asdict(e)))
     if pending and not running:
-        findings += _pending_too_long(wd, pending, state, now)
+        ended = [t.timestamp() for t in (_ledger_time(r.time) for r in ledger[-1:]) if t]
+        findings += _pending_too_long(wd, pending, max([state.get("last_running", 0), *ended]), now)
     if not run.finished_flag.exists():
-        findings += _queue_depth(spec, running, entries, now, seconds_left)
+        findings += _queue_depth(spec, running, entries, seconds_left)
     return findings
 
 
-def check_chain(run: RunPaths) -> list[Finding]:
-    """The kill switch, and the tasks that failed in a row (the ledger): files of the run, known without SLURM."""
+def check_chain(run: RunPaths, ledger: list[chain.TaskOutcome]) -> list[Finding]:
+    """The kill switch, and the tasks that failed in a row (``ledger``): files of the run, known without SLURM."""
     findings = []
     if run.kill_switch.exists():
         findings.append(Finding("chain.kill_switch", "warn", f"the kill switch is on "
                                 f"({chain.flag_text(run.kill_switch)}): queued tasks exit at start"))
-    failed = chain.consecutive_failures(_ledger(run))
+    failed = chain.consecutive_failures(ledger)
     if failed:
         findings.append(Finding("chain.failures", "warn", f"{len(failed)} consecutive failed task(s): " + ", ".join(
             f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") for r in failed[-3:]),
@@ -175,6 +178,13 @@ def _ledger(run: RunPaths) -> list[chain.TaskOutcome]:
         return []  # a torn ledger line must not stop the watchdog; `opskit submit` reports it
 
 
+def _ledger_time(text: str) -> datetime | None:
+    try:
+        return datetime.strptime(text, "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return None
+
+
 def _absent(spec: Spec, run: RunPaths) -> Finding:
     if run.finished_flag.exists():
         return Finding("scheduler.finished", "ok", f"training finished ({chain.flag_text(run.finished_flag)})")
@@ -184,14 +194,15 @@ def _absent(spec: Spec, run: RunPaths) -> Finding:
                    f"no finished flag): `opskit submit {spec.cli_name}`")
 
 
-def _pending_too_long(wd: WatchdogSpec, pending: list[QueueEntry], state: dict, now: datetime) -> list[Finding]:
-    """Nothing runs: since when has the chain been waiting (submission, or the last time a task was seen running)?"""
+def _pending_too_long(wd: WatchdogSpec, pending: list[QueueEntry], last_running: float,
+                      now: datetime) -> list[Finding]:
+    """Nothing runs: since when has the chain been waiting (submission, or the last time a task ran)?"""
     limit_s = HAND_OVER_S if wd.exclusive_reservation else (
         None if wd.max_pending_hours is None else wd.max_pending_hours * 3600)
     submitted = [t.timestamp() for e in pending if (t := _slurm_time(e.submit_time))]
     if limit_s is None or not submitted:
         return []
-    since = max(min(submitted), state.get("last_running", 0))
+    since = max(min(submitted), last_running)
     waited = now.timestamp() - since
     if waited <= limit_s:
         return []
@@ -202,7 +213,7 @@ def _pending_too_long(wd: WatchdogSpec, pending: list[QueueEntry], state: dict, 
                     {"waited_s": round(waited)})]
 
 
-def _queue_depth(spec: Spec, running: list[QueueEntry], entries: list[QueueEntry], now: datetime,
+def _queue_depth(spec: Spec, running: list[QueueEntry], entries: list[QueueEntry],
                  seconds_left: float | None) -> list[Finding]:
     """When will the last queued task end, if each one runs to its time limit?"""
     queue = chain.queue_of(spec.job_name, entries)
@@ -486,6 +497,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     except SchedulerUnreachable as e:
         entries, error = [], e
     running = [e for e in entries if e.state == "RUNNING"]
+    ledger = _ledger(run)
     keep = max(HISTORY, 2 * spec.watchdog.spike_window + 10)
     log = read_log(run, state, keep) or read_events(run, state, keep)
     records = log.records if log else []
@@ -496,8 +508,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         pulse = [status.describe(e, now) for e in entries] or (
             [] if run.finished_flag.exists() else [status.alert_line(spec.job_name, now)])
-        scheduler = check_scheduler(spec, run, entries, state, now, seconds_left)
-    scheduler += check_chain(run)
+        scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
+    scheduler += check_chain(run, ledger)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
     if log is None:
         findings.append(Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet"))

@@ -243,7 +243,7 @@ def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
     for task, state in (("7_1", "COMPLETED"), ("7_2", "FAILED"), ("7_3", "TIMEOUT")):
         chain.record(run, chain.TaskOutcome("2026-11-21 08:00:00", task.split("_")[0], task, state, 1, "n1",
                                             "CUDA error: unknown error on n1" if state == "FAILED" else ""))
-    found = {f.key: f for f in check_chain(run)}
+    found = {f.key: f for f in check_chain(run, chain.read_ledger(run))}
     assert found["chain.kill_switch"].severity == "warn"
     assert found["chain.failures"].message == ("2 consecutive failed task(s): 7_2 FAILED (CUDA error: unknown error "
                                                "on n1), 7_3 TIMEOUT")
@@ -252,6 +252,28 @@ def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
     [stopped] = check_scheduler(spec, run, [], {}, NOW, None)
     assert (stopped.key, stopped.severity) == ("scheduler.stopped", "alert")
     assert stopped.message == "the chain stopped itself: 2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***"
+
+
+def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
+    from opskit.slurm.chain import TaskOutcome
+    from opskit.slurm.client import QueueEntry
+    from opskit.watchdog import check_scheduler
+
+    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-excl", exclusive_reservation=True)))
+    run = RunPaths(tmp_path / "run")
+    # The array was submitted two days ago; its next task waits on the task limit (squeue's own words).
+    waiting = QueueEntry("682842_[2-5%1]", "gpu_p13", "opskit-wd-excl", "PENDING", "0:00", "48", "N/A",
+                         "(JobArrayTaskLimit)", f"{NOW - timedelta(days=2):%Y-%m-%dT%H:%M:%S}", "20:00:00")
+
+    def alerts(ended_minutes_ago: float) -> list[str]:
+        ledger = [TaskOutcome(f"{NOW - timedelta(minutes=ended_minutes_ago):%Y-%m-%d %H:%M:%S}", "682843",
+                              "682842_1", "COMPLETED", 0, "r7i5n[2-3]")]
+        return [f.message for f in check_scheduler(spec, run, [waiting], {}, NOW, None, ledger)
+                if f.severity == "alert"]
+
+    assert alerts(5) == []  # the hand-over between two tasks of the chain
+    assert alerts(25) == ["nothing has run for 0.4 h while 1 job(s) wait (JobArrayTaskLimit); the nodes are "
+                          "reserved for this training"]
 
 
 # --------------------------------------------------------------------------- the scheduler (real local SLURM)
