@@ -23,6 +23,12 @@ SIGNATURES: list[tuple[str, re.Pattern]] = [
     ("NCCL watchdog timeout", re.compile(r"Watchdog caught collective operation timeout")),
     ("CUDA launch failure", re.compile(r"CUDA error: (?:unspecified launch failure|an illegal memory access)")),
 ]
+# Errors that kill a training without blaming its hardware: the watchdog reports them too (with the node when a line
+# names it), but they never put a node on the bad-node list.
+SOFTWARE_ERRORS: list[tuple[str, re.Pattern]] = [
+    ("out of memory", re.compile(r"CUDA out of memory|OutOfMemoryError|\bout of memory\b")),
+    ("Python traceback", re.compile(r"Traceback \(most recent call last\):")),
+]
 # srun --label's prefix: "3: ..." is task 3 (with one task per node, node 3 of the job's node list).
 _TASK_PREFIX = re.compile(r"^\s*(\d+): ")
 
@@ -35,15 +41,16 @@ class Crash(NamedTuple):
     line: str
 
 
-def signature_of(line: str) -> str | None:
-    """The crash signature a log line carries, or None."""
-    for name, pattern in SIGNATURES:
+def signature_of(line: str, signatures: Sequence[tuple[str, re.Pattern]] = SIGNATURES) -> str | None:
+    """The crash signature a log line carries (the first of ``signatures`` that matches), or None."""
+    for name, pattern in signatures:
         if pattern.search(line):
             return name
     return None
 
 
-def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[str] = ()) -> list[Crash]:
+def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[str] = (),
+                 signatures: Sequence[tuple[str, re.Pattern]] = SIGNATURES) -> list[Crash]:
     """Every crash line in ``lines``, with its node.
 
     Args:
@@ -51,6 +58,7 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         node: the node all lines come from (a per-node log file such as ``logs/nodes/<job>-<node>.log``).
         nodes: the job's node list in task order (``scontrol show hostnames``), to map srun ``--label`` prefixes
             (``3: ...``) to nodes; a prefix beyond the list names no node.
+        signatures: what to look for; ``SIGNATURES + SOFTWARE_ERRORS`` for every error the watchdog reports.
 
     Returns:
         one :class:`Crash` per matching line, in order.
@@ -58,7 +66,7 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
     found = []
     for raw in lines:
         line = raw.rstrip("\n")
-        signature = signature_of(line)
+        signature = signature_of(line, signatures)
         if signature is None:
             continue
         where = node

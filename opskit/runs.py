@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from opskit.data import DataError, output_paths
 from opskit.fsutil import atomic_write_text
 from opskit.spec import Spec
 
@@ -97,6 +96,11 @@ class RunPaths:
         """What ``opskit cron install`` wrote: its state file and, on SLURM, the self-resubmitting job script."""
         return self.root / "cron"
 
+    @property
+    def watchdog_dir(self) -> Path:
+        """``opskit status`` state: the log offset and recent records, and which alerts were sent when."""
+        return self.root / "watchdog"
+
     def hf_dir(self, tag: str) -> Path:
         """Default output of ``opskit ckpt convert`` for one checkpoint step."""
         return self.root / "hf" / tag
@@ -124,6 +128,8 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
         DataError: for a spec whose data was prepared elsewhere (no ``data.corpus``): nothing to prepare.
         SpecError: when ``data.dir`` uses an environment variable that is not set here.
     """
+    from opskit.data import DataError, output_paths  # numpy-free, but not needed by hourly commands
+
     if not spec.data.prepared_by_opskit:
         source = "data_path" if spec.data.data_path is not None else "train_weighted_split_paths_path"
         raise DataError(f"{spec.file or spec.name}: data: this spec reads a dataset prepared elsewhere "

@@ -370,6 +370,71 @@ class PathsSpec(_Section):
     """Hugging Face Hub repositories the run publishes to, by kind (``logs: bigscience/tr11-176B-ml-logs``)."""
 
 
+class EmailSpec(_Section):
+    """Alert e-mail over SMTP; every key can come from the environment instead (``OPSKIT_SMTP_HOST``, ...)."""
+
+    to: list[str] = Field(default_factory=list)
+    sender: str = "opskit@localhost"
+    host: str = "localhost"
+    port: int | None = Field(default=None, gt=0, lt=65536)
+    """Default: 465 with ``security: ssl``, 587 with ``starttls``, else 25."""
+    security: Literal["none", "starttls", "ssl"] = "none"
+    user: str | None = None
+    password_env: str = Field(default="OPSKIT_SMTP_PASSWORD", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the password (never the password itself: specs are shared)."""
+
+
+class AlertsSpec(_Section):
+    """Where ``opskit status NAME --alert`` sends alerts, and how often it repeats one."""
+
+    email: EmailSpec = EmailSpec()
+    webhook: str | None = Field(default=None, pattern=r"^https?://\S+$")
+    """A URL that takes a Slack-compatible JSON POST (``{"text": ...}``)."""
+    command: str | None = Field(default=None, pattern=_ONE_LINE)
+    """A shell command run with the message on stdin and ``OPSKIT_ALERT_SUBJECT`` in its environment."""
+    resend_hours: float = Field(default=6, gt=0)
+    """The same alert is sent again only after this long (BigScience re-sent it every hour)."""
+    runbook: list[str] = Field(default_factory=list)
+    """Links for the message body (on-call guide, log viewer, how to relaunch)."""
+    log_lines: int = Field(default=20, ge=0)
+    """Last lines of main_log.txt quoted in the message."""
+
+
+class WatchdogSpec(_Section):
+    """Thresholds of ``opskit status`` (docs/operations.md says what each finding means)."""
+
+    append_to_main_log: bool = False
+    """Append the PULSE / ALERT lines to main_log.txt, as BigScience's hourly job did (the public log shows gaps)."""
+    max_pending_hours: float | None = Field(default=24, ge=0)
+    """Alert when nothing has run for this long while jobs are pending (null: never)."""
+    exclusive_reservation: bool = False
+    """The nodes are reserved for this training: any wait (beyond a chain hand-over) is an alert."""
+    queue_horizon_hours: float = Field(default=24, ge=0)
+    """Warn when the last queued task would end within this many hours (submit more tasks)."""
+    hang_factor: float = Field(default=10, gt=1)
+    """Alert when no iteration line came for this many times the usual time between two of them, while running."""
+    hang_min_minutes: float = Field(default=30, ge=0)
+    """...and never before this many minutes (start-up, checkpoint loading, evaluation)."""
+    spike_window: int = Field(default=100, ge=5)
+    spike_threshold: float = Field(default=6.0, gt=0)
+    """Robust z-score above which an lm loss / grad norm value is a spike (opskit.logs.spikes)."""
+    throughput_drop: float = Field(default=0.5, gt=0, lt=1)
+    """Warn when recent samples/s fall below this fraction of the median before them."""
+    checkpoint_age_factor: float = Field(default=2, gt=1)
+    """Warn when the newest checkpoint is older than this many save intervals (at the logged s/it) while running."""
+    disk_warn_percent: float = Field(default=85, gt=0, le=100)
+    disk_alert_percent: float = Field(default=95, gt=0, le=100)
+    """Bytes and inodes used on the run directory's file system (BigScience's fs-watchdog alerted at 85%)."""
+    alerts: AlertsSpec = AlertsSpec()
+
+    @model_validator(mode="after")
+    def _warn_below_alert(self) -> WatchdogSpec:
+        if self.disk_warn_percent > self.disk_alert_percent:
+            raise ValueError(f"disk_warn_percent {self.disk_warn_percent:g} is above disk_alert_percent "
+                             f"{self.disk_alert_percent:g}: the warning must come first")
+        return self
+
+
 class CurriculumSpec(_Section):
     """DeepSpeed's sequence-length curriculum (Li et al. 2021, arXiv:2108.06084), rendered as the DeepSpeed JSON's
     ``curriculum_learning`` block (``schedule_config`` flattened into this section)."""
@@ -426,6 +491,7 @@ class Spec(_Section):
     slurm: SlurmSpec = SlurmSpec()
     paths: PathsSpec
     curriculum_learning: CurriculumSpec | None = None
+    watchdog: WatchdogSpec = WatchdogSpec()
     megatron_args: dict[str, FlagValue] = Field(default_factory=dict)
     """Megatron-DeepSpeed flags no section models, passed verbatim in this order: ``key_name: value`` ->
     ``--key-name value``; ``true`` -> a bare switch, ``false``/``null`` -> left out, a list -> several values."""

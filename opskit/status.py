@@ -26,6 +26,16 @@ def _preamble(now: datetime) -> str:
     return f"[{now:%Y-%m-%d %H:%M:%S}] PULSE:"
 
 
+def alert_line(job_name: str, now: datetime) -> str:
+    """BigScience's ALERT line for a job that is neither running nor scheduled."""
+    return f"{_preamble(now)} ***ALERT: {job_name} is not RUNNING or SCHEDULED! Alert the on-call person***"
+
+
+def unreachable_line(job_name: str, error: Exception, now: datetime) -> str:
+    """The PULSE line when SLURM did not answer: nothing is known, so no ALERT."""
+    return f"{_preamble(now)} {job_name}: scheduler unreachable, job state unknown ({error})"
+
+
 def describe(entry: QueueEntry, now: datetime) -> str:
     """One PULSE line for a queue entry of the watched job."""
     pre = _preamble(now)
@@ -53,11 +63,9 @@ def check(job_name: str, users: list[str] | None = None, now: datetime | None = 
     try:
         entries = [e for e in squeue(users) if e.name == job_name]
     except SchedulerUnreachable as e:
-        return Pulse([f"{_preamble(now)} {job_name}: scheduler unreachable, job state unknown ({e})"],
-                     alert=False, unreachable=True)
+        return Pulse([unreachable_line(job_name, e, now)], alert=False, unreachable=True)
     if not entries:
-        return Pulse([f"{_preamble(now)} ***ALERT: {job_name} is not RUNNING or SCHEDULED! Alert the on-call "
-                      f"person***"], alert=True)
+        return Pulse([alert_line(job_name, now)], alert=True)
     return Pulse([describe(e, now) for e in entries], alert=False)
 
 

@@ -27,7 +27,7 @@ opskit plan "$SPEC"
 if [ "$executor" = slurm ]; then
     step "opskit submit $SPEC --array 2 --wait   (sbatch --array=1-2%1; PULSE lines as the chain moves)"
     opskit submit "$SPEC" --array 2 --wait
-    step "opskit status $SPEC   (the training is over, so the watchdog raises its ALERT and exits 1)"
+    step "opskit status $SPEC   (the trainer wrote <run>/finished: no ALERT, exit 0; findings of the watchdog)"
     opskit status "$SPEC" || echo "(exit code $?)"
 else
     step "opskit submit $SPEC --array 2 --executor local"

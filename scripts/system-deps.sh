@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Debian packages opskit's demo and tests use: SLURM + munge (local cluster), bible-kjv (the demo corpus),
 # ShellCheck for the rendered-script checks, g++ (DeepSpeed's CPU communication op compiles once on first use),
-# cron (crontab, for `opskit cron`'s crontab path).
+# cron (crontab, for `opskit cron`'s crontab path), openssl (a self-signed certificate for the SMTP TLS tests).
 set -euo pipefail
-packages=(slurm-wlm munge bible-kjv shellcheck g++ cron)
+packages=(slurm-wlm munge bible-kjv shellcheck g++ cron openssl)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+from opskit.slurm import client
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,6 +68,45 @@ def slurm():
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return True
+
+
+@pytest.fixture
+def jobs(slurm, tmp_path):
+    """``submit(name, *sbatch_args, wrap=...)`` -> job id; every job is cancelled at the end of the test."""
+    submitted: list[str] = []
+
+    def submit(name: str, *args: str, wrap: str = "sleep 120") -> str:
+        done = subprocess.run(
+            ["sbatch", "--parsable", f"--job-name={name}", "--time=3", f"--chdir={tmp_path}", "-o", "/dev/null",
+             *args, "--wrap", wrap], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        job_id = done.stdout.strip().split(";")[0]
+        submitted.append(job_id)
+        return job_id
+
+    yield submit
+    if submitted:
+        subprocess.run(["scancel", *submitted], capture_output=True, timeout=30)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def queued(job_name: str, predicate, timeout: float = 90) -> list[client.QueueEntry]:
+    """Poll squeue until ``predicate(entries of job_name)`` holds (a busy node may keep jobs pending a while)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        entries = [e for e in client.squeue() if e.name == job_name]
+        if predicate(entries):
+            return entries
+        if time.monotonic() > deadline:
+            pytest.fail(f"{job_name}: squeue never reached the expected state: {entries}")
+        time.sleep(0.3)
+
+
+def running(entries) -> bool:
+    return any(e.state == "RUNNING" for e in entries)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import opskit
 from opskit.spec import load_spec, padded_vocab_size, preset_names
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
-HEAVY = ("torch", "deepspeed", "megatron", "transformers", "tokenizers", "numpy", "safetensors")
+HEAVY = ("torch", "deepspeed", "megatron", "transformers", "tokenizers", "numpy", "safetensors", "matplotlib")
 
 
 def opskit_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120):
@@ -87,13 +87,15 @@ def test_bad_spec_is_one_line_on_stderr(tmp_path):
     raw["model"]["num_attention_heads"] = 3
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))
-    for args, message in [
-        (["plan", str(bad)], f"{bad}: model: hidden_size 128 must be divisible by num_attention_heads 3"),
-        (["status", "no-such-spec"], "no spec named 'no-such-spec'; known: " + ", ".join(preset_names())),
-        (["submit", str(tmp_path / "missing.yaml"), "--dry-run"], f"{tmp_path / 'missing.yaml'}: no such spec file"),
+    for args, message, code in [
+        (["plan", str(bad)], f"{bad}: model: hidden_size 128 must be divisible by num_attention_heads 3", 1),
+        # status keeps exit code 1 for its ALERT: a configuration error is 2 there.
+        (["status", "no-such-spec"], "no spec named 'no-such-spec'; known: " + ", ".join(preset_names()), 2),
+        (["submit", str(tmp_path / "missing.yaml"), "--dry-run"], f"{tmp_path / 'missing.yaml'}: no such spec file",
+         1),
     ]:
         done = opskit_cli(*args, cwd=tmp_path)
-        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert done.returncode == code, (args, done.stdout, done.stderr)
         assert done.stderr == f"error: {message}\n", done.stderr
         assert done.stdout == ""
 

@@ -97,6 +97,9 @@ def test_prefixes_extra_fields_cut_interleaved_and_named_validation_sets():
                                                                                         12.33456)
     assert (end["where"], end["validation_lm_loss"]) == ("the end of training for val data", 2.4)
     assert parse_line("[default0]:saving checkpoint at iteration   12700 to /ckpt") is None
+    loaded = "[default0]:  successfully loaded checkpoint from /tmp/fresh/runs/tiny/checkpoints at iteration 346"
+    assert parse_line(loaded) is None  # our trainer's resume line, not a cut header
+    assert read_from_text(loaded).skipped == read_from_text(loaded, ("lm_loss",)).skipped == 0
     odd = " iteration 3/ 9 |  global batch size:  16.0 | lm loss:1.5 | number of nan iterations: x |"
     assert parse_line(odd) is None  # "x" is no count
     for fields in (None, ("global_batch_size", "lm_loss")):

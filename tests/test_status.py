@@ -1,5 +1,6 @@
 """opskit.status against the real local SLURM: BigScience's PULSE / ALERT lines for running, array-throttled,
-dependent and --begin jobs; exit codes of `opskit status`; a broken scheduler (fake squeue) is 'unreachable'."""
+dependent and --begin jobs; exit codes of `opskit status` (2: SLURM unreachable or failing); a broken scheduler
+(fake squeue) is 'unreachable'."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import write_spec
+from conftest import queued, running, unique, write_spec
 
 from opskit import status
 from opskit.slurm import client
@@ -27,45 +27,6 @@ pytestmark = pytest.mark.slurm
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 PULSE = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] PULSE: "
 NOW_TOLERANCE_S = 120
-
-
-@pytest.fixture
-def jobs(slurm, tmp_path):
-    """``submit(name, *sbatch_args, wrap=...)`` -> job id; every job is cancelled at the end of the test."""
-    submitted: list[str] = []
-
-    def submit(name: str, *args: str, wrap: str = "sleep 120") -> str:
-        done = subprocess.run(
-            ["sbatch", "--parsable", f"--job-name={name}", "--time=3", f"--chdir={tmp_path}", "-o", "/dev/null",
-             *args, "--wrap", wrap], capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
-        job_id = done.stdout.strip().split(";")[0]
-        submitted.append(job_id)
-        return job_id
-
-    yield submit
-    if submitted:
-        subprocess.run(["scancel", *submitted], capture_output=True, timeout=30)
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def wait_for(job_name: str, predicate, timeout: float = 90) -> list[client.QueueEntry]:
-    """Poll squeue until ``predicate(entries of job_name)`` holds (a busy node may keep jobs pending a while)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        entries = [e for e in client.squeue() if e.name == job_name]
-        if predicate(entries):
-            return entries
-        if time.monotonic() > deadline:
-            pytest.fail(f"{job_name}: squeue never reached the expected state: {entries}")
-        time.sleep(0.3)
-
-
-def running(entries) -> bool:
-    return any(e.state == "RUNNING" for e in entries)
 
 
 def assert_stamp_is_now(line: str) -> None:
@@ -93,7 +54,7 @@ def spec_for(tmp_path: Path, job_name: str) -> Path:
 def test_running_job(jobs, tmp_path):
     name = unique("opskit-status run")  # a space in the name: squeue's '|' columns must still split right
     job_id = jobs(name)
-    wait_for(name, running)
+    queued(name, running)
     pulse = check(name)
     assert pulse == Pulse(pulse.lines, alert=False, unreachable=False)
     [line] = pulse.lines
@@ -106,7 +67,8 @@ def test_running_job(jobs, tmp_path):
     spec = spec_for(tmp_path, name)
     done = status_cli(str(spec))
     assert done.returncode == 0, done.stderr
-    assert re.fullmatch(PULSE + re.escape(name) + r" is running for .*\(localhost\)\n", done.stdout), done.stdout
+    assert re.fullmatch(PULSE + re.escape(name) + r" is running for .*\(localhost\)", done.stdout.splitlines()[0]), \
+        done.stdout
     done = status_cli(str(spec), "--json")
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
@@ -117,7 +79,7 @@ def test_running_job(jobs, tmp_path):
 def test_job_name_must_match_exactly(jobs):
     name = unique("opskit-exact")
     jobs(name + "-longer")
-    wait_for(name + "-longer", lambda entries: bool(entries))
+    queued(name + "-longer", lambda entries: bool(entries))
     pulse = check(name)  # a job whose name merely starts with ours is not ours
     assert pulse.alert
 
@@ -125,7 +87,7 @@ def test_job_name_must_match_exactly(jobs):
 def test_array_task_waiting_on_the_task_limit(jobs):
     name = unique("opskit-array")
     job_id = jobs(name, "--array=1-2%1")
-    entries = wait_for(name, lambda es: running(es) and any(e.reason == "(JobArrayTaskLimit)" for e in es))
+    entries = queued(name, lambda es: running(es) and any(e.reason == "(JobArrayTaskLimit)" for e in es))
     pulse = check(name)
     assert not pulse.alert and len(pulse.lines) == len(entries) == 2
     waiting = next(line for line in pulse.lines if "_2 " in line)
@@ -139,10 +101,10 @@ def test_array_task_waiting_on_the_task_limit(jobs):
 def test_job_pending_on_a_dependency(jobs):
     first = unique("opskit-first")
     first_id = jobs(first)
-    wait_for(first, running)
+    queued(first, running)
     name = unique("opskit-dep")
     job_id = jobs(name, f"--dependency=afterany:{first_id}")
-    wait_for(name, lambda es: any(e.reason == "(Dependency)" for e in es))
+    queued(name, lambda es: any(e.reason == "(Dependency)" for e in es))
     [line] = check(name).lines
     assert re.fullmatch(
         PULSE + re.escape(f"{name} is waiting for the previous job to finish before scheduling a new one using the "
@@ -152,7 +114,7 @@ def test_job_pending_on_a_dependency(jobs):
 def test_job_scheduled_to_begin_later(jobs):
     name = unique("opskit-begin")
     job_id = jobs(name, "--begin=now+1hour")
-    [entry] = wait_for(name, lambda es: any(e.reason == "(BeginTime)" for e in es))
+    [entry] = queued(name, lambda es: any(e.reason == "(BeginTime)" for e in es))
     [line] = check(name).lines
     match = re.fullmatch(
         PULSE + re.escape(name) + r" is scheduled to start in (0:59:\d\d|1:00:00) \(at (\S+)\) "
@@ -173,8 +135,8 @@ def test_alert_when_absent(slurm, tmp_path):
 
     done = status_cli(str(spec_for(tmp_path, name)))
     assert done.returncode == 1, done.stdout + done.stderr
-    assert re.fullmatch(PULSE + re.escape(f"***ALERT: {name} is not RUNNING or SCHEDULED! ") + r".*\*\*\*\n",
-                        done.stdout), done.stdout
+    assert re.fullmatch(PULSE + re.escape(f"***ALERT: {name} is not RUNNING or SCHEDULED! ") + r".*\*\*\*",
+                        done.stdout.splitlines()[0]), done.stdout
     assert done.stderr == ""
 
 
@@ -202,7 +164,7 @@ def test_controller_down_is_unreachable_not_alert(tmp_path, monkeypatch):
     assert "Unable to contact slurm controller" in line and "ALERT" not in line
 
     done = status_cli(str(spec_for(tmp_path, name)), path=path)
-    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
     assert "scheduler unreachable" in done.stdout and "ALERT" not in done.stdout
     assert "Traceback" not in done.stderr
 
@@ -221,14 +183,14 @@ def test_missing_squeue_is_unreachable(tmp_path):
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     done = status_cli(str(spec_for(tmp_path, unique("opskit-nosl"))), path=str(empty))
-    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
     assert "squeue: command not found" in done.stdout
 
 
 def test_other_squeue_failure_is_an_error_not_unreachable(tmp_path, monkeypatch):
     path = fake_squeue(tmp_path / "bin", 'echo "squeue: error: Invalid user: nobody42" >&2; exit 1')
     done = status_cli(str(spec_for(tmp_path, unique("opskit-err"))), path=path)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: squeue -h -o")
     assert "Invalid user: nobody42" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

@@ -17,6 +17,7 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     # Imported here so that `opskit --help` stays light; each of these modules is torch-free at import.
+    from opskit.alerts import AlertConfigError
     from opskit.ckpt.convert import ConvertError
     from opskit.ckpt.layout import CheckpointFormatError
     from opskit.data import DataError
@@ -29,21 +30,27 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.sync import SyncError
 
     return (SpecError, DataError, SubmitError, SlurmError, ChainError, CronError, CheckpointFormatError,
-            ConvertError, SyncError, LogFormatError, FileNotFoundError)
+            ConvertError, SyncError, LogFormatError, AlertConfigError, FileNotFoundError)
 
 
-def friendly_errors(command: Callable) -> Callable:
-    """Turn the library's typed errors into ``error: <one line>`` and exit 1; ``OPSKIT_DEBUG=1`` shows tracebacks."""
+def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:
+    """Turn the library's typed errors into ``error: <one line>`` and exit 1 (or ``exit_code``: ``opskit status``
+    keeps 1 for its ALERT); ``OPSKIT_DEBUG=1`` shows tracebacks. Use as ``@friendly_errors`` or
+    ``@friendly_errors(exit_code=2)``."""
+    if command is None:
+        return lambda function: friendly_errors(function, exit_code=exit_code)
 
     @wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except typer.Exit:
+            raise  # an exit code, not an error: and _known_errors() below would import every library module
         except _known_errors() as e:
             if os.environ.get("OPSKIT_DEBUG") == "1":
                 raise
             err_console.print(f"error: {e}", markup=False, soft_wrap=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(exit_code) from None
 
     return wrapper
 

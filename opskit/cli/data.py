@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from opskit.cli._common import console, friendly_errors
 
@@ -14,6 +13,8 @@ app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 @friendly_errors
 def prepare(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
     """Train the spec's BPE tokenizer and write its indexed dataset (skipped when already up to date)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from opskit.data import prepare_data
     from opskit.runs import corpus_inputs
     from opskit.spec import load_spec

@@ -56,7 +56,7 @@ def show(
     json_output: bool = typer.Option(False, "--json", help="Records, progress and ETA as JSON."),
 ) -> None:
     """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
-    from opskit.logs.eta import progress
+    from opskit.logs.eta import progress, progress_lines
     from opskit.logs.parse import first_iteration, read_tail, timeline
     from opskit.logs.sources import resolve
 
@@ -82,7 +82,7 @@ def show(
     for r in records[-last:]:
         table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c, _ in COLUMNS))
     console.print(table)
-    for line in _progress_lines(state, recent):
+    for line in progress_lines(state, recent):
         console.print(line, markup=False)
     final = records[-1]
     console.print(f"lm loss: first {_loss(first)} (iteration {first['iteration']}), "
@@ -92,38 +92,6 @@ def show(
 def _loss(record: dict) -> str:
     """Megatron prints no ``lm loss`` when the interval's average is not positive (all iterations skipped)."""
     return f"{record['lm_loss']:.4f}" if "lm_loss" in record else "none logged"
-
-
-def _progress_lines(state, recent: int) -> list[str]:
-    lines = [f"progress: iteration {state.iteration:,} of {state.train_iters:,} "
-             f"({state.iteration / state.train_iters:.1%}), {state.iterations_left:,} left"]
-    if state.iterations_left == 0:
-        lines.append("ETA: finished")
-    elif state.seconds_per_iteration is not None:
-        lines.append(f"ETA: {state.iterations_left:,} x {state.seconds_per_iteration:.2f} s (median of the last "
-                     f"{recent}) = {_duration(state.seconds_left)} at this speed without downtime")
-    if state.consumed_tokens is not None:
-        planned = "" if state.planned_tokens is None else (
-            f" / {_count(state.planned_tokens)} planned ({state.planned_tokens_source}), "
-            f"{state.consumed_tokens / state.planned_tokens:.1%}")
-        lines.append(f"tokens: {_count(state.consumed_tokens)} consumed{planned}")
-    return lines
-
-
-def _duration(seconds: float) -> str:
-    """``124.7 days`` from a day on (the chronicles' unit), else ``5 h 03 min``."""
-    if seconds >= 86400:
-        return f"{seconds / 86400:.1f} days"
-    minutes = round(seconds / 60)
-    return f"{minutes // 60} h {minutes % 60:02d} min"
-
-
-def _count(n: int) -> str:
-    """``97980874752`` -> ``98.0B`` (the chronicles write "20B/450B tokens"); ``819200`` -> ``819.2K``."""
-    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if n >= size:
-            return f"{n / size:.1f}{suffix}"
-    return str(n)
 
 
 @app.command("tail")

@@ -1,30 +1,75 @@
-"""``opskit status NAME``: BigScience's PULSE / ALERT lines from one squeue call. Exit 1 on ALERT."""
+"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.watchdog, opskit.alerts).
+
+Exit code: 0 ok (warnings included), 1 alert, 2 scheduler unreachable, a spec or alert setting error, or a channel that
+failed to send.
+"""
 
 from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, friendly_errors, print_json
+from opskit.cli._common import console, err_console, friendly_errors, print_json
+
+_STYLE = {"ok": "green", "warn": "yellow", "alert": "bold red"}
 
 
-@friendly_errors
+@friendly_errors(exit_code=2)
 def status(
     name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    alert: bool = typer.Option(False, "--alert", help="Send alerts (e-mail, webhook, command; once per change)."),
+    ack: bool = typer.Option(False, "--ack", help="Silence the current alerts until something changes."),
+    json_output: bool = typer.Option(False, "--json", help="Every finding as JSON."),
+    watch: float = typer.Option(0, "--watch", min=0, help="Check again every N seconds (Ctrl-C stops)."),
 ) -> None:
-    """Is the training running or scheduled? Exit 0 if so, 1 with an ALERT line if not, 3 if SLURM is unreachable."""
+    """Is the training running or scheduled, and healthy? PULSE / ALERT lines, then every finding: scheduler, log
+    health, checkpoints, disk, progress. Exit 0 ok, 1 alert, 2 SLURM unreachable or a configuration/channel error."""
     from opskit.spec import load_spec
-    from opskit.status import check
+    from opskit.watchdog import run_checks
 
     spec = load_spec(name)
-    pulse = check(spec.job_name)
+    code = 0
+    try:
+        while True:
+            report = run_checks(spec)
+            code = _report(spec, report, alert, ack, json_output)
+            if not watch:
+                break
+            import time
+
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        pass
+    raise typer.Exit(code)
+
+
+def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
+    """Notify when asked, print, and return the exit code."""
+    code = report.exit_code
+    outcome = None
+    if alert or ack:
+        from opskit.alerts import notify
+        from opskit.runs import RunPaths
+
+        outcome = notify(report, spec.watchdog.alerts, RunPaths.of(spec), spec.cli_name, ack=ack)
+        for failure in outcome.failures:
+            err_console.print(f"error: alert not sent: {failure}", markup=False)
+        code = 2 if outcome.failures else code
     if json_output:
-        print_json({"job_name": spec.job_name, "alert": pulse.alert, "unreachable": pulse.unreachable,
-                    "lines": pulse.lines})
-    else:
-        for line in pulse.lines:
-            console.print(line, markup=False, soft_wrap=True)
-    if pulse.unreachable:
-        raise typer.Exit(3)
-    if pulse.alert:
-        raise typer.Exit(1)
+        print_json({**report.as_dict(), "exit_code": code, "alerts": outcome.as_dict() if outcome else None})
+        return code
+    for line in report.pulse_lines:
+        console.print(line, markup=False)
+    from rich.table import Table
+
+    table = Table(title=f"{report.name} at {report.time:%Y-%m-%d %H:%M:%S}", title_justify="left")
+    for column in ("severity", "check", "finding"):
+        table.add_column(column, overflow="fold")
+    for f in report.findings:
+        table.add_row(f"[{_STYLE[f.severity]}]{f.severity}[/]", f.key, f.message)
+    console.print(table, soft_wrap=False)
+    if outcome:
+        sent = ", ".join(f"{kind} via {channel}" for channel, kind in outcome.sent)
+        console.print("alerts: " + ("acknowledged: silent until something changes" if outcome.acked else
+                                    sent or ("silenced (--ack)" if outcome.silenced else "nothing new to send")),
+                      markup=False)
+    return code

@@ -67,3 +67,36 @@ def progress(iterations: list[dict], recent: int = 20, planned_tokens: int | Non
     return Progress(last["iteration"], last["train_iters"], seconds_per_iteration,
                     None if seconds_per_iteration is None else left * seconds_per_iteration, samples, tokens,
                     planned_tokens, source)
+
+
+def format_duration(seconds: float) -> str:
+    """``124.7 days`` from a day on (the chronicles' unit), else ``5 h 03 min``."""
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} days"
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def format_count(n: int) -> str:
+    """``97980874752`` -> ``98.0B`` (the chronicles write "20B/450B tokens"); ``819200`` -> ``819.2K``."""
+    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{suffix}"
+    return str(n)
+
+
+def progress_lines(state: Progress, recent: int) -> list[str]:
+    """``progress: ...``, ``ETA: ...`` and ``tokens: ...`` lines, in the chronicles' units."""
+    lines = [f"progress: iteration {state.iteration:,} of {state.train_iters:,} "
+             f"({state.iteration / state.train_iters:.1%}), {state.iterations_left:,} left"]
+    if state.iterations_left == 0:
+        lines.append("ETA: finished")
+    elif state.seconds_per_iteration is not None:
+        lines.append(f"ETA: {state.iterations_left:,} x {state.seconds_per_iteration:.2f} s (median of the last "
+                     f"{recent}) = {format_duration(state.seconds_left)} at this speed without downtime")
+    if state.consumed_tokens is not None:
+        planned = "" if state.planned_tokens is None else (
+            f" / {format_count(state.planned_tokens)} planned ({state.planned_tokens_source}), "
+            f"{state.consumed_tokens / state.planned_tokens:.1%}")
+        lines.append(f"tokens: {format_count(state.consumed_tokens)} consumed{planned}")
+    return lines

@@ -136,8 +136,10 @@ def _iteration(line: str, at: int, bar: int):
     """Record of the line whose ``iteration `` word starts at ``at`` (``bar``: its first ``|``); None when it is not an
     iteration line at all (``saving checkpoint at iteration 100 to ...``), ``_CUT`` when it is one but not whole."""
     done, slash, total = line[at + 10:bar if bar >= 0 else len(line)].partition("/")
-    if bar < 0:  # cut inside the header ("iteration    127") or another line ("saving checkpoint at iteration 100 to")
-        return _CUT if (done + total).strip().replace(" ", "").isdigit() else None
+    if bar < 0:  # cut inside the header ("iteration    127") or another line ("saving checkpoint at iteration 100 to",
+        # "successfully loaded checkpoint from /ckpt at iteration 346": a header is never preceded by "at")
+        cut = (done + total).strip().replace(" ", "").isdigit() and not line[:at].endswith("at ")
+        return _CUT if cut else None
     try:
         record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
     except ValueError:

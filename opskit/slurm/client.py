@@ -13,8 +13,13 @@ from pathlib import Path
 
 TIMEOUT_S = 20
 # squeue fields, '|'-separated: job id (with array task), partition, name, state, time used, nodes, start time,
-# reason (pending) or node list (running). Same fields as BigScience's slurm-status.py.
-SQUEUE_FORMAT = "%i|%P|%j|%T|%M|%D|%S|%R"
+# reason (pending) or node list (running), as BigScience's slurm-status.py; then the submit time and time limit.
+SQUEUE_FORMAT = "%i|%P|%j|%T|%M|%D|%S|%R|%V|%l"
+
+
+# What SLURM's commands print when slurmctld is down, unreachable or too slow (MessageTimeout).
+_UNREACHABLE = ("Unable to contact slurm controller", "Connection refused", "Socket timed out",
+                "Zero Bytes were transmitted or received")
 
 
 class SlurmError(RuntimeError):
@@ -37,6 +42,8 @@ class QueueEntry:
     nodes: str
     start_time: str
     reason: str  # "(JobArrayTaskLimit)", "(Dependency)", ... while pending; the node list while running
+    submit_time: str = ""  # 2026-11-21T09:14:27
+    time_limit: str = ""  # sbatch's format (20:00:00, 1-00:00:00) or UNLIMITED
 
     @property
     def array_id(self) -> str:
@@ -53,7 +60,7 @@ def _run(cmd: list[str], timeout: float = TIMEOUT_S) -> str:
         raise SchedulerUnreachable(f"{' '.join(cmd)}: no answer within {timeout:.0f} s") from None
     if done.returncode != 0:
         message = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
-        unreachable = "Unable to contact slurm controller" in message or "Connection refused" in message
+        unreachable = any(sign in message for sign in _UNREACHABLE)
         raise (SchedulerUnreachable if unreachable else SlurmError)(f"{' '.join(cmd)}: {message}")
     return done.stdout
 
@@ -65,8 +72,8 @@ def parse_squeue(text: str) -> list[QueueEntry]:
         if not line.strip():
             continue
         head = line.split("|", 2)
-        tail = head[2].rsplit("|", 5)
-        if len(tail) != 6:
+        tail = head[2].rsplit("|", 7) if len(head) == 3 else []
+        if len(tail) != 8:
             continue
         entries.append(QueueEntry(head[0], head[1], *tail))
     return entries

@@ -78,11 +78,19 @@ def read_installed(run: RunPaths) -> Installed | None:
 
 
 def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executable) -> list[str]:
-    """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines) and, with a target, the
-    sync of logs and TensorBoard; run from the current directory (where ``trainings/`` is found)."""
+    """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines; ``--alert`` when the spec
+    or the user's alerts.yaml names an alert channel) and, with a target, the sync of logs and TensorBoard; run from
+    the current directory (where ``trainings/`` is found)."""
+    from opskit.alerts import AlertConfigError, settings
+
     opskit = f"{shlex.quote(python)} -m opskit.cli.app"
     name = shlex.quote(spec.cli_name)
-    commands = [f"{opskit} status {name}"]
+    try:
+        alerts = settings(spec.watchdog.alerts)
+        alert = bool(alerts.email.to or alerts.webhook or alerts.command)
+    except AlertConfigError:
+        alert = True  # then `opskit status --alert` names the broken file every hour
+    commands = [f"{opskit} status {name}" + (" --alert" if alert else "")]
     if sync_to:
         commands.append(f"{opskit} sync all {name} --to {shlex.quote(sync_to)}")
     return commands

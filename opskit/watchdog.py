@@ -1,0 +1,543 @@
+"""The hourly watchdog behind ``opskit status``: checks -> findings, each with a severity (ok / warn / alert).
+
+One run asks SLURM once (``squeue``), reads only the bytes main_log.txt gained since the last run (offset and recent
+records in ``<run>/watchdog/state.json``; TensorBoard events under ``<run>/tensorboard`` when there is no text log),
+looks at the newest checkpoint and the run directory's file system, and returns a :class:`Report`. No typer, rich,
+torch or numpy here (the tensorboard package only for a run without a text log): it runs from cron on login nodes.
+
+Findings have stable keys (``scheduler.absent``, ``log.hang``, ...): :mod:`opskit.alerts` de-duplicates on them.
+What each one means and what to do about it: docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from opskit import status
+from opskit.fsutil import atomic_write_text
+from opskit.runs import RunPaths
+from opskit.slurm import chain
+from opskit.slurm.client import QueueEntry, SchedulerUnreachable
+from opskit.spec import Spec, WatchdogSpec, parse_slurm_time
+
+SEVERITIES = ("ok", "warn", "alert")
+# Iteration fields the watchdog keeps (read_from's fast path reads only these).
+FIELDS = ("consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "global_batch_size", "lm_loss",
+          "grad_norm", "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
+HISTORY = 300  # iteration records kept in the state file (at least): the spike window and the throughput baseline
+# A first run on a months-old log (or one after a long pause) judges only its end: older events are no news.
+NEW_RECORDS = 5000
+NEW_TEXT = 8 << 20
+HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
+_JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One fact about the training. ``key`` is stable across runs (``log.hang``); ``data`` holds the numbers."""
+
+    key: str
+    severity: str
+    message: str
+    data: dict = field(default_factory=dict)
+
+    @property
+    def check(self) -> str:
+        return self.key.split(".", 1)[0]
+
+
+@dataclass
+class Report:
+    """Everything one run found. ``unknown``: findings keys (prefixes) that could not be checked this time (SLURM
+    did not answer), so an alert on them is neither confirmed nor resolved."""
+
+    name: str
+    job_name: str
+    time: datetime
+    pulse_lines: list[str]
+    findings: list[Finding]
+    unreachable: bool = False
+    unknown: tuple[str, ...] = ()
+    main_log: Path | None = None
+
+    @property
+    def severity(self) -> str:
+        return max((f.severity for f in self.findings), key=SEVERITIES.index, default="ok")
+
+    @property
+    def alerts(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "alert"]
+
+    @property
+    def exit_code(self) -> int:
+        """0 ok (warnings included), 1 alert, 2 scheduler unreachable."""
+        return 2 if self.unreachable else 1 if self.severity == "alert" else 0
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "job_name": self.job_name, "time": self.time.isoformat(timespec="seconds"),
+                "severity": self.severity, "alert": self.severity == "alert", "unreachable": self.unreachable,
+                "exit_code": self.exit_code, "lines": self.pulse_lines, "findings": [asdict(f) for f in self.findings]}
+
+
+# --------------------------------------------------------------------------- state
+
+
+def load_state(run: RunPaths) -> dict:
+    """The watchdog's memory of the last run ({} the first time, or when the file is unreadable: start over)."""
+    try:
+        return json.loads((run.watchdog_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(run: RunPaths, state: dict) -> None:
+    """Write the state atomically; nothing when the run directory does not exist yet."""
+    if run.root.is_dir():
+        run.watchdog_dir.mkdir(exist_ok=True)
+        atomic_write_text(run.watchdog_dir / "state.json", json.dumps(state, separators=(",", ":")))
+
+
+# --------------------------------------------------------------------------- the scheduler
+
+
+def _slurm_time(text: str) -> datetime | None:
+    try:
+        return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S")
+    except ValueError:
+        return None
+
+
+def _minutes(text: str) -> float | None:
+    """squeue's elapsed / limit (``1-02:03:04``, ``12:34``) in minutes; None for UNLIMITED, N/A, ..."""
+    try:
+        return parse_slurm_time(text)
+    except ValueError:
+        return None
+
+
+def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: dict, now: datetime,
+                    seconds_left: float | None, ledger: list[chain.TaskOutcome] = ()) -> list[Finding]:
+    """Findings from the spec's queue entries (running, pending and why, absent; the finished and stopped flags
+    when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
+
+    Args:
+        state: the watchdog state; ``last_running`` (epoch s) is updated here.
+        seconds_left: the log's ETA, so a chain that covers the rest of the training is never "too short".
+        ledger: the chain's task outcomes: the last one's time counts as "last seen running" (a task may start and
+            end between two hourly checks).
+    """
+    wd = spec.watchdog
+    running = [e for e in entries if e.state == "RUNNING"]
+    pending = [e for e in entries if e.state == "PENDING"]
+    if not entries:
+        return [_absent(spec, run)]
+    findings = []
+    for e in running:
+        findings.append(Finding("scheduler.running", "ok", f"{e.job_id} running for {e.time_used} since "
+                                f"{e.start_time} on {e.reason} ('{e.partition}' partition)", asdict(e)))
+        state["last_running"] = now.timestamp()
+    for e in pending:
+        reason = e.reason.strip("()")
+        start = _slurm_time(e.start_time)
+        expected = f", expected to start {e.start_time}" if start else ""
+        findings.append(Finding("scheduler.pending", "ok", f"{e.job_id} pending ({reason}{expected})", asdict(e)))
+    if pending and not running:
+        ended = [t.timestamp() for t in (_ledger_time(r.time) for r in ledger[-1:]) if t]
+        findings += _pending_too_long(wd, pending, max([state.get("last_running", 0), *ended]), now)
+    if not run.finished_flag.exists():
+        findings += _queue_depth(spec, running, entries, seconds_left)
+    return findings
+
+
+def check_chain(run: RunPaths, ledger: list[chain.TaskOutcome]) -> list[Finding]:
+    """The kill switch, and the tasks that failed in a row (``ledger``): files of the run, known without SLURM."""
+    findings = []
+    if run.kill_switch.exists():
+        findings.append(Finding("chain.kill_switch", "warn", f"the kill switch is on "
+                                f"({chain.flag_text(run.kill_switch)}): queued tasks exit at start"))
+    failed = chain.consecutive_failures(ledger)
+    if failed:
+        findings.append(Finding("chain.failures", "warn", f"{len(failed)} consecutive failed task(s): " + ", ".join(
+            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") for r in failed[-3:]),
+            {"tasks": [asdict(r) for r in failed]}))
+    return findings
+
+
+def _ledger(run: RunPaths) -> list[chain.TaskOutcome]:
+    try:
+        return chain.read_ledger(run)
+    except chain.ChainError:
+        return []  # a torn ledger line must not stop the watchdog; `opskit submit` reports it
+
+
+def _ledger_time(text: str) -> datetime | None:
+    try:
+        return datetime.strptime(text, "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return None
+
+
+def _absent(spec: Spec, run: RunPaths) -> Finding:
+    if run.finished_flag.exists():
+        return Finding("scheduler.finished", "ok", f"training finished ({chain.flag_text(run.finished_flag)})")
+    if run.stopped_flag.exists():
+        return Finding("scheduler.stopped", "alert", f"the chain stopped itself: {chain.flag_text(run.stopped_flag)}")
+    return Finding("scheduler.absent", "alert", f"{spec.job_name} is not RUNNING or SCHEDULED (nothing in squeue, "
+                   f"no finished flag): `opskit submit {spec.cli_name}`")
+
+
+def _pending_too_long(wd: WatchdogSpec, pending: list[QueueEntry], last_running: float,
+                      now: datetime) -> list[Finding]:
+    """Nothing runs: since when has the chain been waiting (submission, or the last time a task ran)?"""
+    limit_s = HAND_OVER_S if wd.exclusive_reservation else (
+        None if wd.max_pending_hours is None else wd.max_pending_hours * 3600)
+    submitted = [t.timestamp() for e in pending if (t := _slurm_time(e.submit_time))]
+    if limit_s is None or not submitted:
+        return []
+    since = max(min(submitted), last_running)
+    waited = now.timestamp() - since
+    if waited <= limit_s:
+        return []
+    why = "the nodes are reserved for this training" if wd.exclusive_reservation else (
+        f"watchdog.max_pending_hours is {wd.max_pending_hours:g}")
+    return [Finding("scheduler.pending_too_long", "alert", f"nothing has run for {waited / 3600:.1f} h while "
+                    f"{len(pending)} job(s) wait ({pending[0].reason.strip('()')}); {why}",
+                    {"waited_s": round(waited)})]
+
+
+def _queue_depth(spec: Spec, running: list[QueueEntry], entries: list[QueueEntry],
+                 seconds_left: float | None) -> list[Finding]:
+    """When will the last queued task end, if each one runs to its time limit?"""
+    queue = chain.queue_of(spec.job_name, entries)
+    limit = _minutes(entries[0].time_limit) or spec.slurm.time_minutes
+    used = sum(_minutes(e.time_used) or 0 for e in running)
+    covered_h = ((queue.tasks - len(running)) * limit + max(0.0, len(running) * limit - used)) / 60
+    horizon = spec.watchdog.queue_horizon_hours
+    if covered_h >= horizon or (seconds_left is not None and seconds_left / 3600 <= covered_h):
+        return [Finding("scheduler.queue", "ok", f"{queue.tasks} task(s) queued, about {covered_h:.1f} h of "
+                        "training", {"tasks": queue.tasks, "hours": round(covered_h, 2)})]
+    return [Finding("scheduler.queue", "warn", f"only {queue.tasks} task(s) queued: the last one ends in about "
+                    f"{covered_h:.1f} h, within the {horizon:g} h horizon; `opskit submit {spec.cli_name} --array N`",
+                    {"tasks": queue.tasks, "hours": round(covered_h, 2)})]
+
+
+# --------------------------------------------------------------------------- the log
+
+
+@dataclass
+class LogRead:
+    """What :func:`read_log` got: all records kept (old + new, restarts resolved), how many are new, the new text."""
+
+    records: list[dict]
+    new: list[dict]
+    text: str
+    skipped: int
+    last_iteration_at: float | None
+
+
+def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
+    """Records and text main_log.txt gained since ``state["offset"]`` (at most the last NEW_RECORDS iteration
+    records and NEW_TEXT bytes of text); updates ``state``. None without a log.
+
+    A file that shrank or was replaced (another inode) is read again from its start. ``keep``: iteration records
+    kept in the state for the next run (spike window and throughput baseline).
+    """
+    from opskit.logs.parse import read_from, timeline
+
+    try:
+        info = os.stat(run.main_log)
+    except FileNotFoundError:
+        return None
+    offset = state.get("offset", 0) if state.get("inode") == info.st_ino else 0
+    chunk = read_from(run.main_log, offset, fields=FIELDS)
+    start = 0 if chunk.rewound else offset
+    text_from = max(start, chunk.offset - NEW_TEXT)
+    with open(run.main_log, "rb") as f:  # the same new bytes once more, for crash lines: an hour's worth is small
+        f.seek(text_from)
+        text = f.read(chunk.offset - text_from).decode("utf-8", errors="replace")
+    new = chunk.iterations[-NEW_RECORDS:]
+    history = [] if start == 0 else state.get("history", [])
+    records = timeline(history + new)
+    if new:
+        # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
+        state["last_iteration_at"] = info.st_mtime
+    state.update(offset=chunk.offset, inode=info.st_ino, history=records[-keep:],
+                 skipped=state.get("skipped", 0) + chunk.skipped)
+    return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"))
+
+
+def read_events(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
+    """For trainers that write only TensorBoard events (Megatron's tags) under ``<run>/tensorboard``: the iteration
+    records after ``state["events_iteration"]``; updates ``state``. None without event files or Megatron's loss tag.
+
+    The event files are read whole each time (the tensorboard package cannot resume at an offset); no crash lines.
+    """
+    from opskit.logs.parse import LogFormatError
+    from opskit.logs.tensorboard import is_event_dir, read_event_dir
+
+    if not is_event_dir(run.tensorboard):
+        return None
+    try:
+        records = [r for r in read_event_dir(run.tensorboard) if r["kind"] == "iteration"]
+    except LogFormatError:
+        return None
+    new = [r for r in records if r["iteration"] > state.get("events_iteration", -1)][-NEW_RECORDS:]
+    if new:
+        state["events_iteration"] = new[-1]["iteration"]
+        state["last_iteration_at"] = max(f.stat().st_mtime for f in run.tensorboard.rglob("*tfevents*"))
+    return LogRead(records[-keep:], new, "", 0, state.get("last_iteration_at"))
+
+
+def line_interval(records: list[dict]) -> float | None:
+    """Usual seconds between two iteration lines: median s/it x median iterations between lines."""
+    times = [r["elapsed_time_per_iteration_s"] for r in records[-50:] if "elapsed_time_per_iteration_s" in r]
+    steps = [b["iteration"] - a["iteration"] for a, b in zip(records[-50:], records[-49:], strict=False)
+             if b["iteration"] > a["iteration"]]
+    if not times:
+        return None
+    return statistics.median(times) * (statistics.median(steps) if steps else 1)
+
+
+def check_log(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime | None,
+              save_interval: int | None = None) -> list[Finding]:
+    """Log health: hang (only while ``running_since`` is set), lm loss / grad norm spikes, NaN/inf losses and nan
+    or skipped iterations, throughput drops, crash lines. Events (spikes, NaNs, crashes) are reported for the new
+    records and text only."""
+    findings: list[Finding] = []
+    if log.skipped:
+        findings.append(Finding("log.skipped_lines", "ok", f"{log.skipped} cut or garbled iteration line(s) skipped",
+                                {"skipped": log.skipped}))
+    if running_since is not None:
+        findings += _hang(log, wd, now, running_since)
+    if log.new:
+        findings += _spikes(log, wd, save_interval) + _nan(log.new) + _throughput(log.records, len(log.new), wd)
+    findings += _crashes(log.text)
+    return findings
+
+
+def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime) -> list[Finding]:
+    interval = line_interval(log.records)
+    if interval is None:
+        return []
+    since = max(log.last_iteration_at or 0, running_since.timestamp())
+    silent = now.timestamp() - since
+    limit = max(wd.hang_factor * interval, wd.hang_min_minutes * 60)
+    if silent <= limit:
+        return []
+    last = log.records[-1]["iteration"] if log.records else None
+    return [Finding("log.hang", "alert", f"no new iteration line for {silent / 60:.0f} min while running (usually "
+                    f"one every {interval:.0f} s; last: iteration {last}): a hung collective or a dead rank? Look at "
+                    "py-spy dump / the node logs, then scancel and resubmit",
+                    {"silent_s": round(silent), "interval_s": interval, "last_iteration": last})]
+
+
+def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[Finding]:
+    from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
+
+    config = SpikeConfig(window=wd.spike_window, threshold=wd.spike_threshold)
+    first_new = log.new[0]["iteration"]
+    analysed = log.records[-(2 * wd.spike_window + len(log.new)):]
+    spikes = [s for s in find_spikes(analysed, config) if s.last >= first_new]
+    findings = []
+    for metric, label in (("lm_loss", "lm loss"), ("grad_norm", "grad norm")):
+        mine = [s for s in spikes if s.metric == metric]
+        if not mine:
+            continue
+        s = mine[-1]
+        open_ = s.recovered_at is None
+        fix = remedies(mine, save_interval)[-1]
+        todo = (f"; roll back to {fix.checkpoint} and restart with --skip-train-iteration-range {fix.skip_range}"
+                if fix.checkpoint else "")
+        severity = "alert" if metric == "lm_loss" and open_ else "warn"
+        findings.append(Finding(f"log.{metric}_spike", severity, f"{label} spike at iterations {s.first}-{s.last} "
+                                f"(peak {s.peak:.4g} at {s.peak_iteration}, median before {s.baseline:.4g}), "
+                                + ("not recovered" if open_ else f"back to normal at {s.recovered_at}") + todo,
+                                {**s.as_dict(), "remedy": fix.as_dict()}))
+    return findings
+
+
+def _nan(new: list[dict]) -> list[Finding]:
+    bad_loss = [r["iteration"] for r in new if "lm_loss" in r and not math.isfinite(r["lm_loss"])]
+    nan_its = sum(r.get("nan_iterations", 0) for r in new)
+    skipped = sum(r.get("skipped_iterations", 0) for r in new)
+    findings = []
+    if bad_loss or nan_its:
+        where = f"lm loss NaN/inf at iteration(s) {', '.join(map(str, bad_loss[:5]))}" if bad_loss else ""
+        count = f"{nan_its} nan iteration(s) since the last check" if nan_its else ""
+        findings.append(Finding("log.nan", "alert", "; ".join(p for p in (where, count) if p) + " (last: iteration "
+                                f"{new[-1]['iteration']}): roll back to the checkpoint before it",
+                                {"iterations": bad_loss, "nan_iterations": nan_its}))
+    if skipped:
+        findings.append(Finding("log.skipped_iterations", "warn", f"{skipped} skipped iteration(s) since the last "
+                                "check (loss-scale overflows in fp16; many in a row mean divergence)",
+                                {"skipped_iterations": skipped}))
+    return findings
+
+
+def _throughput(records: list[dict], new: int, wd: WatchdogSpec) -> list[Finding]:
+    """Median samples/s of the last few new records against the median of those before them."""
+    rates = [r.get("samples_per_second") or (r["global_batch_size"] / r["elapsed_time_per_iteration_s"]
+                                             if r.get("global_batch_size") and r.get("elapsed_time_per_iteration_s")
+                                             else None) for r in records]
+    rates = [x for x in rates if x]
+    recent_n = min(3, new)
+    before = rates[-wd.spike_window - recent_n:-recent_n]
+    if recent_n == 0 or len(before) < 10:
+        return []
+    recent, baseline = statistics.median(rates[-recent_n:]), statistics.median(before)
+    if recent >= wd.throughput_drop * baseline:
+        return []
+    return [Finding("log.throughput", "warn", f"throughput {recent:.3g} samples/s, {recent / baseline:.0%} of the "
+                    f"median {baseline:.3g} before: a slow node or a throttled GPU?",
+                    {"samples_per_second": recent, "baseline": baseline})]
+
+
+def _crashes(text: str) -> list[Finding]:
+    from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, find_crashes
+
+    crashes, node = [], None
+    lines = text.splitlines()
+    for line in lines:
+        if header := _JOB_HEADER.match(line):  # a single-node job names the node every line comes from
+            node = header.group(2) if re.fullmatch(r"[\w.-]+", header.group(2)) else None
+        elif "rror" in line or "memory" in line or "Traceback" in line or "Xid" in line or "bus" in line:
+            crashes += find_crashes([line], node=node, signatures=SIGNATURES + SOFTWARE_ERRORS)
+    if not crashes:
+        return []
+    first = crashes[0]
+    where = f" on {first.node}" if first.node else ""
+    return [Finding("log.crash", "alert", f"{len(crashes)} crash line(s) since the last check, first: "
+                    f"{first.signature}{where}: {first.line.strip()[:200]}",
+                    {"crashes": [c._asdict() for c in crashes[:20]]})]
+
+
+# --------------------------------------------------------------------------- checkpoints, disk, progress
+
+
+def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
+                     wd: WatchdogSpec, now: datetime) -> list[Finding]:
+    """Age of the newest complete checkpoint (the ``global_stepN`` that ``latest`` names; ``latest`` is written
+    last) against ``save_interval`` iterations at the logged speed."""
+    latest = run.checkpoints / "latest"
+    try:
+        tag = latest.read_text().strip()
+        saved = (run.checkpoints / tag).stat().st_mtime
+    except OSError:
+        return [Finding("checkpoint.none", "ok", f"no complete checkpoint yet ({latest})")]
+    age = now.timestamp() - saved
+    data = {"tag": tag, "age_s": round(age)}
+    if not running or seconds_per_iteration is None:
+        return [Finding("checkpoint.age", "ok", f"{tag} saved {age / 3600:.1f} h ago", data)]
+    expected = save_interval * seconds_per_iteration
+    severity = "alert" if age > 2 * wd.checkpoint_age_factor * expected else (
+        "warn" if age > wd.checkpoint_age_factor * expected else "ok")
+    return [Finding("checkpoint.age", severity, f"{tag} saved {age / 3600:.1f} h ago; one every {save_interval} "
+                    f"iterations is {expected / 3600:.1f} h at {seconds_per_iteration:.3g} s/it",
+                    {**data, "expected_s": round(expected)})]
+
+
+def check_disk(run: RunPaths, wd: WatchdogSpec) -> list[Finding]:
+    """Bytes and inodes used on the file system holding the run directory (fs-watchdog's check), from one
+    ``statvfs`` call; bytes as ``df`` and psutil count them: used / (used + available to users)."""
+    path = next((p for p in (run.checkpoints, run.root, *run.root.parents) if p.is_dir()), Path("/"))
+    vfs = os.statvfs(path)
+    used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+    free = vfs.f_bavail * vfs.f_frsize
+    percent = 100 * used / (used + free) if used + free else 0.0
+    findings = [_usage("disk.bytes", "bytes", percent, f"{free / 2**30:.1f} GiB free", path, wd)]
+    if vfs.f_files:  # some file systems report no inode limit
+        percent = 100 * (vfs.f_files - vfs.f_ffree) / vfs.f_files
+        findings.append(_usage("disk.inodes", "inodes", percent, f"{vfs.f_ffree:,} inodes free", path, wd))
+    return findings
+
+
+def _usage(key: str, what: str, percent: float, free: str, path: Path, wd: WatchdogSpec) -> Finding:
+    severity = "alert" if percent >= wd.disk_alert_percent else "warn" if percent >= wd.disk_warn_percent else "ok"
+    return Finding(key, severity, f"{path} is at {percent:.1f}% {what} usage ({free})",
+                   {"path": str(path), "percent": round(percent, 2)})
+
+
+def check_progress(spec: Spec, records: list[dict]) -> tuple[list[Finding], float | None, float | None]:
+    """(progress finding, seconds left, seconds per iteration), as ``opskit logs show`` computes them."""
+    from opskit.logs.eta import progress, progress_lines
+
+    if not records or records[-1]["train_iters"] is None:  # TensorBoard events carry no train_iters
+        return [], None, None
+    state = progress(records, planned_tokens=spec.batch.samples * spec.model.seq_length)
+    return ([Finding("progress", "ok", "; ".join(progress_lines(state, 20)), state.as_dict())],
+            state.seconds_left, state.seconds_per_iteration)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None = None) -> Report:
+    """Every check, once: one squeue call, the new bytes of main_log.txt, ``latest``, the file system.
+
+    Raises:
+        ChainError: ``slurm.group`` names no usable Unix group. ``SlurmError``: squeue failed otherwise.
+    """
+    from opskit.slurm import client
+
+    now = now or datetime.now()
+    run = RunPaths.of(spec)
+    state = load_state(run)
+    try:
+        entries = [e for e in client.squeue(users or (chain.group_users(spec.slurm.group) if spec.slurm.group
+                                                      else None)) if e.name == spec.job_name]
+        error = None
+    except SchedulerUnreachable as e:
+        entries, error = [], e
+    running = [e for e in entries if e.state == "RUNNING"]
+    ledger = _ledger(run)
+    keep = max(HISTORY, 2 * spec.watchdog.spike_window + 10)
+    log = read_log(run, state, keep) or read_events(run, state, keep)
+    records = log.records if log else []
+    findings, seconds_left, per_it = check_progress(spec, records)
+    if error is not None:
+        pulse = [status.unreachable_line(spec.job_name, error, now)]
+        scheduler = [Finding("scheduler.unreachable", "warn", f"SLURM did not answer ({error}): job state unknown")]
+    else:
+        pulse = [status.describe(e, now) for e in entries] or (
+            [] if run.finished_flag.exists() else [status.alert_line(spec.job_name, now)])
+        scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
+    scheduler += check_chain(run, ledger)
+    started = [t for e in running if (t := _slurm_time(e.start_time))]
+    if log is None:
+        findings.append(Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet"))
+    else:
+        findings += check_log(log, spec.watchdog, now, max(started) if started else None,
+                              spec.checkpoint.save_interval)
+    findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now)
+    findings += check_disk(run, spec.watchdog)
+    save_state(run, state)
+    report = Report(spec.name, spec.job_name, now, pulse, scheduler + findings, unreachable=error is not None,
+                    unknown=("scheduler", "log.hang", "checkpoint.age") if error is not None else (),
+                    main_log=run.main_log)
+    if spec.watchdog.append_to_main_log and run.main_log.parent.is_dir():
+        _append(run.main_log, pulse)
+    return report
+
+
+def _append(path: Path, lines: list[str]) -> None:
+    """One O_APPEND write, so the lines never interleave with a rank's output mid-line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(line + "\n" for line in lines).encode())
+    finally:
+        os.close(fd)
+
+
+def watch(spec: Spec, interval_s: float, on_report, sleep=time.sleep) -> None:
+    """Run the checks every ``interval_s`` seconds, handing each report to ``on_report``, until interrupted."""
+    while True:
+        on_report(run_checks(spec))
+        sleep(interval_s)

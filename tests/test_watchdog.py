@@ -1,0 +1,705 @@
+"""The watchdog behind `opskit status`: log health on fixtures built from the chronicles' real lines (tr11's spike at
+31215-31250, a NaN run, a hang, a CUDA crash, cut lines), incremental reads from a saved offset, checkpoints, disk;
+the scheduler findings against the real local SLURM (running, pending on dependency / array limit / begin time,
+absent, unreachable through a SLURM_CONF whose controller does not answer); alerts through a real SMTP server
+(aiosmtpd), a local webhook server and a command, de-duplicated, acknowledged and resolved."""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import http.server
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from datetime import datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import queued, running, unique, write_spec
+
+from opskit.logs.parse import read_from
+from opskit.runs import RunPaths
+from opskit.spec import WatchdogSpec, load_spec
+from opskit.watchdog import check_checkpoint, check_disk, check_log, check_progress, load_state, read_log, save_state
+
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
+OPSKIT = str(Path(sys.executable).with_name("opskit"))
+NOW = datetime(2026, 11, 21, 12, 0, 0)
+
+
+def run_with_log(tmp_path: Path, *fixtures: str) -> RunPaths:
+    run = RunPaths(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    run.main_log.write_text("".join((FIXTURES / f).read_text() for f in fixtures))
+    return run
+
+
+def keys(findings) -> dict[str, str]:
+    return {f.key: f.severity for f in findings}
+
+
+def only(findings, key: str):
+    [finding] = [f for f in findings if f.key == key]
+    return finding
+
+
+# --------------------------------------------------------------------------- log health
+
+
+def test_tr11_spike_with_rollback_and_skip_range(tmp_path):
+    run = run_with_log(tmp_path, "tr11-176B-spike.txt")
+    log = read_log(run, {})
+    findings = check_log(log, WatchdogSpec(), NOW, running_since=None, save_interval=100)
+    loss = only(findings, "log.lm_loss_spike")
+    # Recovered at the real 31250 line: a warning with the chronicles' remedy, not an open alert.
+    assert loss.severity == "warn"
+    assert (loss.data["first"], loss.data["peak_iteration"], loss.data["recovered_at"]) == (31216, 31219, 31250)
+    assert "roll back to global_step31200 and restart with --skip-train-iteration-range 31201-31249" in loss.message
+    grad = only(findings, "log.grad_norm_spike")
+    assert grad.severity == "warn" and grad.data["first"] == 31215 and grad.data["peak"] == 960.351
+    assert "log.nan" not in keys(findings) and "log.crash" not in keys(findings)
+
+    # Progress as the tr11 chronicle computed it: (115311 - 31251) x ~106 s = ~103 days.
+    [progress], seconds_left, per_it = check_progress(load_spec("tr11-176B-ml"), log.records)
+    assert progress.message.startswith("progress: iteration 31,251 of 115,311 (27.1%), 84,060 left")
+    assert "days at this speed" in progress.message and "tokens: 98.0B consumed / " in progress.message
+    assert 100 < seconds_left / 86400 < 106 and 105 < per_it < 107
+
+
+def test_spike_still_open_is_an_alert(tmp_path):
+    lines = (FIXTURES / "tr11-176B-spike.txt").read_text().splitlines(keepends=True)
+    run = RunPaths(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    run.main_log.write_text("".join(line for line in lines if "iteration    3125" not in line))  # no recovery yet
+    loss = only(check_log(read_log(run, {}), WatchdogSpec(), NOW, None, 100), "log.lm_loss_spike")
+    assert loss.severity == "alert" and "not recovered" in loss.message
+
+
+def test_incremental_reads_only_new_bytes(tmp_path):
+    run = run_with_log(tmp_path, "tr11-176B-spike.txt")
+    state: dict = {}
+    first = read_log(run, state)
+    assert len(first.new) == 125 and state["offset"] == run.main_log.stat().st_size
+    save_state(run, state)
+
+    # An hour later: two more lines and half of a third (a rank still writing it).
+    spike_lines = (FIXTURES / "tr11-176B-spike.txt").read_text().splitlines(keepends=True)
+    new_lines = [line.replace("3125", "3135") for line in spike_lines[-2:]]
+    partial = new_lines[0][:80]
+    with open(run.main_log, "a") as f:
+        f.write("".join(new_lines) + partial)
+    state = load_state(run)
+    second = read_log(run, state)
+    assert [r["iteration"] for r in second.new] == [31350, 31351]
+    assert state["offset"] == run.main_log.stat().st_size - len(partial)
+    assert len(second.records) == 127 and second.text == "".join(new_lines)
+    # No spike news in the new lines: the old spike is not reported again.
+    assert not {"log.lm_loss_spike", "log.grad_norm_spike"} & set(keys(check_log(second, WatchdogSpec(), NOW, None)))
+
+    # A log replaced by a shorter file (a sync, a truncation) is read from its start.
+    run.main_log.write_text("".join(spike_lines[1:4]))
+    third = read_log(run, state)
+    assert [r["iteration"] for r in third.new] == [31100, 31101, 31102] and len(third.records) == 3
+
+
+def test_nan_run(tmp_path):
+    run = run_with_log(tmp_path, "nan.txt")
+    findings = check_log(read_log(run, {}), WatchdogSpec(), NOW, None)
+    nan = only(findings, "log.nan")
+    assert nan.severity == "alert"
+    assert nan.data == {"iterations": [12725], "nan_iterations": 5}
+    assert nan.message.startswith("lm loss NaN/inf at iteration(s) 12725; 5 nan iteration(s) since the last check")
+
+
+def test_hang_while_running(tmp_path):
+    run = run_with_log(tmp_path, "hang.txt")
+    last_line_at = NOW - timedelta(hours=3)
+    os.utime(run.main_log, (last_line_at.timestamp(),) * 2)
+    wd = WatchdogSpec(hang_factor=10, hang_min_minutes=30)
+    log = read_log(run, {})
+    hang = only(check_log(log, wd, NOW, running_since=NOW - timedelta(hours=5)), "log.hang")
+    assert hang.severity == "alert" and hang.data["last_iteration"] == 12734
+    assert hang.data["silent_s"] == 3 * 3600 and hang.data["interval_s"] == 105.22
+    assert "no new iteration line for 180 min while running" in hang.message
+    # A task that started 20 minutes ago is still loading its checkpoint; a job that is not running cannot hang.
+    assert "log.hang" not in keys(check_log(log, wd, NOW, running_since=NOW - timedelta(minutes=20)))
+    assert "log.hang" not in keys(check_log(log, wd, NOW, running_since=None))
+    # 10 x 105 s is under the 30-minute floor: silence of 25 minutes is no hang, 40 minutes is.
+    assert "log.hang" not in keys(check_log(log, wd, last_line_at + timedelta(minutes=25), NOW - timedelta(hours=5)))
+    assert "log.hang" in keys(check_log(log, wd, last_line_at + timedelta(minutes=40), NOW - timedelta(hours=5)))
+
+
+def test_malformed_and_cut_lines_are_counted(tmp_path):
+    run = run_with_log(tmp_path, "malformed.txt")
+    log = read_log(run, {})
+    skipped = read_from(run.main_log).skipped
+    assert skipped >= 4 and log.skipped == skipped
+    finding = only(check_log(log, WatchdogSpec(), NOW, None), "log.skipped_lines")
+    assert finding.severity == "ok" and finding.data == {"skipped": skipped}
+    assert f"{skipped} cut or garbled iteration line(s) skipped" == finding.message
+
+
+def test_crash_lines_name_their_node(tmp_path):
+    run = run_with_log(tmp_path, "crash.txt")
+    crash = only(check_log(read_log(run, {}), WatchdogSpec(), NOW, None), "log.crash")
+    assert crash.severity == "alert"
+    assert crash.message.startswith("1 crash line(s) since the last check, first: CUDA error: unknown error on "
+                                    "jean-zay-iam52: [default3]:  what():  CUDA error: unknown error")
+    # An OOM traceback is reported too (no node named: a multi-node job's main log does not say which).
+    with open(run.main_log, "a") as f:
+        f.write("[opskit] 2026-11-21 08:00:00 job 9 (array task 8_1) nodes n[1-2]: start\n"
+                "[default0]:Traceback (most recent call last):\n"
+                "[default0]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    state: dict = {}
+    read_log(run, state)  # everything up to here seen
+    with open(run.main_log, "a") as f:
+        f.write("[default1]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    crash = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
+    assert crash.data["crashes"][0]["signature"] == "out of memory" and crash.data["crashes"][0]["node"] is None
+
+
+def test_throughput_drop(tmp_path):
+    run = run_with_log(tmp_path, "tr11-176B-spike.txt")
+    state: dict = {}
+    read_log(run, state)
+    last = (FIXTURES / "tr11-176B-spike.txt").read_text().splitlines()[-1]
+    slow = [re.sub(r"samples per second: [\d.]+", "samples per second: 8.100", last.replace("31251", str(it)))
+            for it in (31252, 31253, 31254)]
+    with open(run.main_log, "a") as f:
+        f.write("\n".join(slow) + "\n")
+    drop = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.throughput")
+    assert drop.severity == "warn" and drop.data["samples_per_second"] == 8.1
+    assert drop.message.startswith("throughput 8.1 samples/s, 42% of the median 19.3 before")
+
+
+def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
+    from opskit.train.log import TensorBoard
+    from opskit.watchdog import read_events
+
+    run = RunPaths(tmp_path / "run")
+    board = TensorBoard(str(run.tensorboard), 10, True)  # the trainer's own writer, Megatron's tags
+    for it in range(1, 121):
+        board.iteration(it, it * 16, it * 16 * 512, 3e-4, 16, 9.0 if it == 118 else 6.0 - it / 100, 0.5, None)
+    board.close()
+    assert read_log(run, {}) is None
+    state: dict = {}
+    events = read_events(run, state)
+    assert len(events.new) == 120 and state["events_iteration"] == 120
+    spike = only(check_log(events, WatchdogSpec(), NOW, None, save_interval=50), "log.lm_loss_spike")
+    assert (spike.data["first"], spike.data["peak"], spike.data["recovered_at"]) == (118, 9.0, 119)
+    assert "roll back to global_step100" in spike.message
+    again = read_events(run, state)  # nothing new: the spike is not news any more
+    assert again.new == [] and len(again.records) == 120
+    assert "log.lm_loss_spike" not in keys(check_log(again, WatchdogSpec(), NOW, None))
+
+
+# --------------------------------------------------------------------------- checkpoints and disk
+
+
+def test_checkpoint_age_against_the_save_interval(tmp_path):
+    run = RunPaths(tmp_path / "run")
+    step = run.checkpoints / "global_step100"
+    step.mkdir(parents=True)
+    (run.checkpoints / "latest").write_text("global_step100")
+    wd = WatchdogSpec()  # checkpoint_age_factor 2: warn past 2 intervals, alert past 4
+    for hours, severity in ((1, "ok"), (4, "warn"), (8, "alert")):
+        os.utime(step, ((NOW - timedelta(hours=hours)).timestamp(),) * 2)
+        [age] = check_checkpoint(run, save_interval=100, seconds_per_iteration=60.0, running=True, wd=wd, now=NOW)
+        assert (age.key, age.severity, age.data["tag"]) == ("checkpoint.age", severity, "global_step100"), hours
+    assert "global_step100 saved 8.0 h ago; one every 100 iterations is 1.7 h at 60 s/it" == age.message
+    [idle] = check_checkpoint(run, 100, 60.0, running=False, wd=wd, now=NOW)
+    assert idle.severity == "ok"  # nothing runs: the checkpoint cannot get newer
+    (run.checkpoints / "latest").unlink()
+    [none] = check_checkpoint(run, 100, 60.0, running=True, wd=wd, now=NOW)
+    assert none.key == "checkpoint.none"
+
+
+def test_disk_and_inode_thresholds(tmp_path):
+    run = RunPaths(tmp_path / "run")
+    run.root.mkdir()
+    vfs = os.statvfs(tmp_path)
+    used = 100 * (vfs.f_blocks - vfs.f_bfree) / (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail)  # as df shows it
+    low, high = WatchdogSpec(disk_warn_percent=used / 4, disk_alert_percent=used / 2), WatchdogSpec()
+    bytes_used = only(check_disk(run, low), "disk.bytes")
+    assert bytes_used.severity == "alert" and abs(bytes_used.data["percent"] - used) < 1  # others write meanwhile
+    assert keys(check_disk(run, high))["disk.bytes"] == ("ok" if used < 85 else "warn" if used < 95 else "alert")
+    inodes = only(check_disk(run, high), "disk.inodes")
+    assert inodes.data["path"] == str(run.root) and 0 < inodes.data["percent"] < 100
+
+
+def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
+    from opskit.slurm import chain
+    from opskit.watchdog import check_chain, check_scheduler
+
+    run = RunPaths(tmp_path / "run")
+    chain.set_kill_switch(run, True)
+    for task, state in (("7_1", "COMPLETED"), ("7_2", "FAILED"), ("7_3", "TIMEOUT")):
+        chain.record(run, chain.TaskOutcome("2026-11-21 08:00:00", task.split("_")[0], task, state, 1, "n1",
+                                            "CUDA error: unknown error on n1" if state == "FAILED" else ""))
+    found = {f.key: f for f in check_chain(run, chain.read_ledger(run))}
+    assert found["chain.kill_switch"].severity == "warn"
+    assert found["chain.failures"].message == ("2 consecutive failed task(s): 7_2 FAILED (CUDA error: unknown error "
+                                               "on n1), 7_3 TIMEOUT")
+    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-chain")))
+    (run.root / "chain-stopped").write_text("2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***\n")
+    [stopped] = check_scheduler(spec, run, [], {}, NOW, None)
+    assert (stopped.key, stopped.severity) == ("scheduler.stopped", "alert")
+    assert stopped.message == "the chain stopped itself: 2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***"
+
+
+def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
+    from opskit.slurm.chain import TaskOutcome
+    from opskit.slurm.client import QueueEntry
+    from opskit.watchdog import check_scheduler
+
+    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-excl", exclusive_reservation=True)))
+    run = RunPaths(tmp_path / "run")
+    # The array was submitted two days ago; its next task waits on the task limit (squeue's own words).
+    waiting = QueueEntry("682842_[2-5%1]", "gpu_p13", "opskit-wd-excl", "PENDING", "0:00", "48", "N/A",
+                         "(JobArrayTaskLimit)", f"{NOW - timedelta(days=2):%Y-%m-%dT%H:%M:%S}", "20:00:00")
+
+    def alerts(ended_minutes_ago: float) -> list[str]:
+        ledger = [TaskOutcome(f"{NOW - timedelta(minutes=ended_minutes_ago):%Y-%m-%d %H:%M:%S}", "682843",
+                              "682842_1", "COMPLETED", 0, "r7i5n[2-3]")]
+        return [f.message for f in check_scheduler(spec, run, [waiting], {}, NOW, None, ledger)
+                if f.severity == "alert"]
+
+    assert alerts(5) == []  # the hand-over between two tasks of the chain
+    assert alerts(25) == ["nothing has run for 0.4 h while 1 job(s) wait (JobArrayTaskLimit); the nodes are "
+                          "reserved for this training"]
+
+
+# --------------------------------------------------------------------------- the scheduler (real local SLURM)
+
+
+def spec_file(tmp_path: Path, job_name: str, **watchdog) -> Path:
+    """A spec watching SLURM job ``job_name`` with run directory ``tmp_path/run`` (status needs no data)."""
+    fake_data = SimpleNamespace(data_prefix=tmp_path / "data" / "kjv_text_document")
+    return write_spec(tmp_path / f"{job_name}.yaml", fake_data, tmp_path / "run", slurm={"job_name": job_name},
+                      watchdog=watchdog)
+
+
+def status_cli(spec: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([OPSKIT, "status", str(spec), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def findings_of(done: subprocess.CompletedProcess) -> dict[str, dict]:
+    return {f["key"]: f for f in json.loads(done.stdout)["findings"]}
+
+
+@pytest.mark.slurm
+def test_running_job_and_a_short_queue(jobs, tmp_path):
+    name = unique("opskit-wd run")
+    job_id = jobs(name)
+    queued(name, running)
+    spec = spec_file(tmp_path, name)
+    done = status_cli(spec, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr  # a warning is no alert
+    found = findings_of(done)
+    assert found["scheduler.running"]["severity"] == "ok"
+    assert found["scheduler.running"]["data"]["job_id"] == job_id and found["scheduler.running"]["data"]["reason"] \
+        == "localhost"
+    assert re.fullmatch(rf"{job_id} running for \d+:\d\d since \S+ on localhost \('debug' partition\)",
+                        found["scheduler.running"]["message"])
+    # One 3-minute task is far less than the 24 h horizon.
+    queue = found["scheduler.queue"]
+    assert queue["severity"] == "warn" and queue["data"]["tasks"] == 1 and queue["data"]["hours"] <= 0.05
+    assert json.loads(done.stdout)["lines"][0].endswith(f"({job_id} on 'debug' partition (localhost)")
+
+    # The human view: the PULSE line first (grep-able), then the table.
+    done = status_cli(spec)
+    assert done.returncode == 0
+    assert f" PULSE: {name} is running for " in done.stdout.splitlines()[0]
+    assert "scheduler.running" in done.stdout and "scheduler.queue" in done.stdout
+
+
+@pytest.mark.slurm
+def test_pending_reasons_and_waiting_too_long(jobs, tmp_path):
+    first = unique("opskit-wd-first")
+    first_id = jobs(first)
+    queued(first, running)
+    dep, array, later = unique("opskit-wd-dep"), unique("opskit-wd-arr"), unique("opskit-wd-begin")
+    jobs(dep, f"--dependency=afterany:{first_id}")
+    array_id = jobs(array, "--array=1-2%1", f"--dependency=afterany:{first_id}")
+    jobs(later, "--begin=now+1hour")
+    queued(dep, lambda es: any(e.reason == "(Dependency)" for e in es))
+    queued(later, lambda es: any(e.reason == "(BeginTime)" for e in es))
+    queued(array, lambda es: any(e.reason in ("(Dependency)", "(JobArrayTaskLimit)") for e in es))
+
+    found = findings_of(status_cli(spec_file(tmp_path / "dep", dep), "--json"))
+    assert found["scheduler.pending"]["message"].endswith("pending (Dependency)")
+    found = findings_of(status_cli(spec_file(tmp_path / "array", array), "--json"))
+    assert found["scheduler.pending"]["data"]["job_id"] == f"{array_id}_[1-2%1]"
+    assert found["scheduler.queue"]["data"]["tasks"] == 2
+    done = status_cli(spec_file(tmp_path / "begin", later), "--json")
+    found = findings_of(done)
+    assert re.fullmatch(r"\d+ pending \(BeginTime, expected to start \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\)",
+                        found["scheduler.pending"]["message"])
+    assert done.returncode == 0 and "scheduler.pending_too_long" not in found
+
+    # Nothing has run since it was submitted: with max_pending_hours 0 any wait is too long.
+    done = status_cli(spec_file(tmp_path / "strict", later, max_pending_hours=0), "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    too_long = findings_of(done)["scheduler.pending_too_long"]
+    assert too_long["severity"] == "alert" and "1 job(s) wait (BeginTime); watchdog.max_pending_hours is 0" in \
+        too_long["message"]
+
+
+@pytest.mark.slurm
+def test_absent_finished_and_appended_to_main_log(slurm, tmp_path):
+    name = unique("opskit-wd-gone")
+    spec = spec_file(tmp_path, name, append_to_main_log=True)
+    run = RunPaths(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    shutil.copy(FIXTURES / "hang.txt", run.main_log)
+    done = status_cli(spec)
+    assert done.returncode == 1, done.stdout + done.stderr
+    alert_line = done.stdout.splitlines()[0]
+    assert re.fullmatch(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] PULSE: " + re.escape(
+        f"***ALERT: {name} is not RUNNING or SCHEDULED! Alert the on-call person***"), alert_line)
+    assert run.main_log.read_text().endswith(alert_line + "\n")  # BigScience's tee -a main_log.txt
+    assert "scheduler.absent" in done.stdout and "progress" in done.stdout
+
+    (run.root / "finished").write_text("2026-11-21 08:29:28 consumed 8000 samples\n")
+    done = status_cli(spec, "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["lines"] == []
+    assert findings_of(done)["scheduler.finished"]["severity"] == "ok"
+
+
+def controller_config(tmp_path: Path, port: int) -> Path:
+    """A copy of the local cluster's slurm.conf whose controller is at ``port`` of localhost (nothing, or a socket
+    that never answers, is there), with short timeouts: what `squeue` meets when slurmctld is down or hung."""
+    lines = [line for line in Path("/etc/slurm/slurm.conf").read_text().splitlines()
+             if not line.startswith(("SlurmctldPort", "MessageTimeout", "TCPTimeout"))]
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("\n".join(lines + [f"SlurmctldPort={port}", "MessageTimeout=1", "TCPTimeout=1"]) + "\n")
+    return conf
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("controller", ["down", "silent"])
+def test_unreachable_scheduler_is_never_absent(slurm, tmp_path, controller):
+    port = free_port()
+    listener = None
+    if controller == "silent":  # accepts connections into its backlog and never answers
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", port))
+        listener.listen(16)
+    try:
+        done = status_cli(spec_file(tmp_path, unique("opskit-wd-down")), "--json",
+                          env={"SLURM_CONF": str(controller_config(tmp_path, port))})
+    finally:
+        if listener:
+            listener.close()
+    assert done.returncode == 2, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    found = {f["key"]: f for f in data["findings"]}
+    assert data["unreachable"] is True and "scheduler.absent" not in found and "ALERT" not in done.stdout
+    assert found["scheduler.unreachable"]["severity"] == "warn"
+    assert ("connect failure" if controller == "down" else "Socket timed out") in found["scheduler.unreachable"][
+        "message"]
+    assert "scheduler unreachable, job state unknown" in data["lines"][0]
+
+
+# --------------------------------------------------------------------------- alerts
+
+
+class Mailbox:
+    """A real SMTP server (aiosmtpd) on localhost; ``messages`` holds what arrived, parsed."""
+
+    def __init__(self):
+        from aiosmtpd.controller import Controller
+
+        self.messages: list[email.message.Message] = []
+        self.port = free_port()
+        self.controller = Controller(self, hostname="127.0.0.1", port=self.port)
+
+    async def handle_DATA(self, server, session, envelope):
+        self.messages.append(email.message_from_bytes(envelope.content, policy=email.policy.default))
+        return "250 OK"
+
+
+@pytest.fixture
+def mailbox():
+    box = Mailbox()
+    box.controller.start()
+    yield box
+    box.controller.stop()
+
+
+@pytest.fixture
+def webhook():
+    """A local HTTP server taking JSON POSTs; set ``.status`` to make it fail."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            server.posts.append(json.loads(body))
+            self.send_response(server.status)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.posts, server.status = [], 200
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/services/T000/B000/secret"
+    yield server
+    server.shutdown()
+
+
+def age_alert_state(run: RunPaths, hours: float) -> None:
+    """Pretend every channel's last message was sent ``hours`` earlier (instead of waiting for the interval)."""
+    path = run.watchdog_dir / "alerts.json"
+    state = json.loads(path.read_text())
+    for told in state["channels"].values():
+        told["at"] -= hours * 3600
+    path.write_text(json.dumps(state))
+
+
+@pytest.mark.slurm
+def test_email_once_then_resolved(jobs, tmp_path, mailbox):
+    name = unique("opskit-wd-mail")
+    runbook = ["https://example.org/on-call", "https://example.org/logs"]
+    spec = spec_file(tmp_path, name, alerts={"resend_hours": 6, "runbook": runbook, "log_lines": 3})
+    run = RunPaths(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    shutil.copy(FIXTURES / "hang.txt", run.main_log)
+    env = {"OPSKIT_SMTP_HOST": "127.0.0.1", "OPSKIT_SMTP_PORT": str(mailbox.port),
+           "OPSKIT_ALERT_EMAIL_TO": "oncall@example.org, eng@example.org"}
+
+    done = status_cli(spec, "--alert", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "alerts: alert via email" in done.stdout
+    [mail] = mailbox.messages
+    assert mail["Subject"].startswith(f"[ALERT] {spec.stem}: {name} is not RUNNING or SCHEDULED")
+    assert mail["To"] == "oncall@example.org, eng@example.org"
+    body = mail.get_content().replace("\r\n", "\n")
+    assert f"[alert] scheduler.absent: {name} is not RUNNING or SCHEDULED" in body
+    last_lines = (FIXTURES / "hang.txt").read_text().splitlines()[-3:]
+    assert "\n".join("  " + line for line in last_lines) in body
+    assert "https://example.org/on-call" in body and "https://example.org/logs" in body
+    assert f"`opskit status {spec} --ack` silences this alert" in body
+
+    # The next hourly run: same alert, within resend_hours: nothing sent.
+    done = status_cli(spec, "--alert", env=env)
+    assert done.returncode == 1 and "alerts: nothing new to send" in done.stdout
+    assert len(mailbox.messages) == 1
+    # After the interval: sent again.
+    age_alert_state(run, 7)
+    status_cli(spec, "--alert", env=env)
+    assert len(mailbox.messages) == 2 and mailbox.messages[1]["Subject"] == mail["Subject"]
+
+    # The job is back in the queue: one RESOLVED message, then silence.
+    jobs(name, "--begin=now+1hour")
+    queued(name, lambda es: bool(es))
+    done = status_cli(spec, "--alert", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(mailbox.messages) == 3
+    assert mailbox.messages[2]["Subject"] == f"[RESOLVED] {spec.stem}: all clear (scheduler.absent)"
+    status_cli(spec, "--alert", env=env)
+    assert len(mailbox.messages) == 3
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl); clients trust it through SSL_CERT_FILE."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   capture_output=True, check=True, timeout=60)
+    return cert, key
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("security", ["starttls", "ssl"])
+def test_email_over_tls_with_a_password(slurm, tmp_path, certificate, security):
+    import ssl
+
+    from aiosmtpd.controller import Controller
+    from aiosmtpd.smtp import AuthResult
+
+    cert, key = certificate
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    logins = []
+
+    def authenticator(server, session, envelope, mechanism, auth_data):
+        logins.append((auth_data.login, auth_data.password))
+        return AuthResult(success=auth_data.password == b"s3cret")
+
+    box = Mailbox()
+    # aiosmtpd does not see that an implicit-TLS connection is encrypted: it must be told AUTH is fine there.
+    tls = {"tls_context": context, "require_starttls": True} if security == "starttls" else {
+        "ssl_context": context, "auth_require_tls": False}
+    box.controller = Controller(box, hostname="127.0.0.1", port=box.port, authenticator=authenticator,
+                                auth_required=True, **tls)
+    box.controller.start()
+    try:
+        name = unique("opskit-wd-tls")
+        spec = spec_file(tmp_path, name, alerts={"email": {"to": ["oncall@example.org"], "host": "127.0.0.1",
+                                                           "port": box.port, "security": security, "user": "bot",
+                                                           "password_env": "MY_SMTP_SECRET"}})
+        env = {"SSL_CERT_FILE": str(cert), "MY_SMTP_SECRET": "s3cret"}
+        done = status_cli(spec, "--alert", env=env)
+        assert done.returncode == 1 and "alert via email" in done.stdout, done.stdout + done.stderr
+        assert logins == [(b"bot", b"s3cret")] and box.messages[0]["Subject"].startswith(f"[ALERT] {spec.stem}: ")
+    finally:
+        box.controller.stop()
+
+
+@pytest.mark.slurm
+def test_ack_silences_until_something_changes(slurm, tmp_path, webhook):
+    name = unique("opskit-wd-ack")
+    spec = spec_file(tmp_path, name, alerts={"webhook": webhook.url})
+    run = RunPaths(tmp_path / "run")
+    done = status_cli(spec, "--alert")
+    assert done.returncode == 1 and len(webhook.posts) == 1
+    post = webhook.posts[0]
+    assert post["text"].startswith(f"[ALERT] {spec.stem}: {name} is not RUNNING or SCHEDULED")  # Slack's field
+    assert post["opskit"]["kind"] == "alert" and post["opskit"]["findings"][0]["key"] == "scheduler.absent"
+
+    done = status_cli(spec, "--ack")
+    assert "acknowledged" in done.stdout and len(webhook.posts) == 1
+    age_alert_state(run, 7)
+    done = status_cli(spec, "--alert")
+    assert "silenced (--ack)" in done.stdout and len(webhook.posts) == 1
+
+    # Something changes (a crash line arrives): the silence ends, and the message lists both alerts.
+    run.logs.mkdir(parents=True)
+    shutil.copy(FIXTURES / "crash.txt", run.main_log)
+    done = status_cli(spec, "--alert")
+    assert len(webhook.posts) == 2, done.stdout
+    assert "(+1 more)" in webhook.posts[1]["text"] and "CUDA error: unknown error on jean-zay-iam52" in \
+        webhook.posts[1]["text"]
+
+
+@pytest.mark.slurm
+def test_a_failing_channel_is_reported_and_the_others_still_fire(slurm, tmp_path, webhook):
+    name = unique("opskit-wd-fail")
+    marker = tmp_path / "hook.txt"
+    spec = spec_file(tmp_path, name, alerts={"webhook": webhook.url,
+                                             "command": f'cat > {marker}; echo "$OPSKIT_ALERT_SUBJECT" >> {marker}'})
+    dead = free_port()  # nothing listens there: SMTP down
+    env = {"OPSKIT_SMTP_HOST": "127.0.0.1", "OPSKIT_SMTP_PORT": str(dead), "OPSKIT_ALERT_EMAIL_TO": "a@example.org",
+           "OPSKIT_SMTP_PASSWORD": "hunter2-secret", "OPSKIT_SMTP_USER": "bot"}
+    webhook.status = 500
+    done = status_cli(spec, "--alert", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = done.stderr.splitlines()
+    assert errors[0].startswith(f"error: alert not sent: email via 127.0.0.1:{dead}: ConnectionRefusedError")
+    assert errors[1].startswith("error: alert not sent: webhook http://127.0.0.1:") and "HTTP Error 500" in errors[1]
+    assert "secret" not in done.stderr and "hunter2" not in done.stdout + done.stderr  # no secrets in messages
+    assert len(webhook.posts) == 1  # it was tried
+    text = marker.read_text()
+    assert f"[alert] scheduler.absent: {name}" in text
+    assert text.endswith(f"\n[ALERT] {spec.stem}: {name} is not RUNNING or SCHEDULED\n")
+    # The command channel was told; the failed ones try again on the next run, the command is not repeated.
+    webhook.status = 200
+    marker.unlink()
+    done = status_cli(spec, "--alert", env=env)
+    assert len(webhook.posts) == 2 and not marker.exists()
+    assert done.returncode == 2 and "email via" in done.stderr
+
+
+@pytest.mark.slurm
+def test_unreachable_scheduler_neither_confirms_nor_resolves(slurm, tmp_path, webhook):
+    name = unique("opskit-wd-unk")
+    spec = spec_file(tmp_path, name, alerts={"webhook": webhook.url})
+    assert status_cli(spec, "--alert").returncode == 1 and len(webhook.posts) == 1
+    down = {"SLURM_CONF": str(controller_config(tmp_path, free_port()))}
+    done = status_cli(spec, "--alert", env=down)
+    assert done.returncode == 2 and len(webhook.posts) == 1  # no "resolved": the job's state is unknown
+    state = json.loads((tmp_path / "run" / "watchdog" / "alerts.json").read_text())
+    assert "scheduler.absent" in state["active"]
+
+
+def test_no_channel_and_bad_settings_are_one_line_errors(tmp_path):
+    spec = spec_file(tmp_path, unique("opskit-wd-cfg"))
+    done = status_cli(spec, "--alert", env={"PATH": "/nonexistent"})  # no squeue either: still a config error
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: no alert channel: set watchdog.alerts.email.to") and \
+        len(done.stderr.splitlines()) == 1
+    done = status_cli(spec, "--alert", env={"OPSKIT_ALERT_EMAIL_TO": "a@b", "OPSKIT_SMTP_PORT": "smtp"})
+    assert done.returncode == 2 and done.stderr == "error: OPSKIT_SMTP_PORT=smtp: expected a port number\n"
+
+    bad = spec_file(tmp_path, "x", throughput_drop=2)
+    done = status_cli(bad)
+    assert done.returncode == 2
+    assert done.stderr == f"error: {bad}: watchdog.throughput_drop: Input should be less than 1\n"
+
+
+@pytest.mark.slurm
+def test_user_config_and_cron(slurm, tmp_path, webhook, monkeypatch):
+    from opskit.slurm.cron import hourly_commands
+
+    name = unique("opskit-wd-user")
+    spec = spec_file(tmp_path, name, alerts={"resend_hours": 1})
+    config = tmp_path / "alerts.yaml"
+    config.write_text(f"webhook: {webhook.url}\nresend_hours: 12\n")
+    assert hourly_commands(load_spec(str(spec)), None)[0].endswith(f"status {spec}")  # no channel: no --alert
+    done = status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
+    assert done.returncode == 1 and len(webhook.posts) == 1, done.stdout + done.stderr
+    age_alert_state(RunPaths(tmp_path / "run"), 2)  # the spec's resend_hours (1) wins over the user's (12)
+    status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
+    assert len(webhook.posts) == 2
+    monkeypatch.setenv("OPSKIT_CONFIG", str(config))
+    assert hourly_commands(load_spec(str(spec)), None)[0].endswith(f"status {spec} --alert")
+
+    config.write_text("webhooks: http://x\n")
+    done = status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
+    assert done.returncode == 2
+    assert done.stderr == f"error: {config}: webhooks: Extra inputs are not permitted\n"
+
+
+@pytest.mark.slurm
+def test_watch_checks_again_until_interrupted(slurm, tmp_path):
+    import signal
+
+    name = unique("opskit-wd-watch")
+    watcher = subprocess.Popen([OPSKIT, "status", str(spec_file(tmp_path, name)), "--watch", "0.2"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        alerts: list[str] = []
+        for line in watcher.stdout:
+            if f"***ALERT: {name} is not RUNNING or SCHEDULED!" in line:
+                alerts.append(line)
+            if len(alerts) == 3:
+                break
+        watcher.send_signal(signal.SIGINT)
+        assert watcher.wait(timeout=30) == 1  # Ctrl-C: the last run's exit code
+    finally:
+        watcher.kill()
+    assert len(alerts) == 3  # three runs, one process
+
+
+def test_status_imports_nothing_heavy(tmp_path):
+    run = run_with_log(tmp_path, "tr11-176B-spike.txt")
+    spec = spec_file(tmp_path, unique("opskit-wd-light"))
+    assert RunPaths(tmp_path / "run") == run
+    probe = ("import sys\nfrom opskit.cli.app import app\ntry:\n    app(sys.argv[1:], prog_name='opskit')\n"
+             "except SystemExit:\n    pass\n"
+             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'deepspeed', 'transformers', "
+             "'matplotlib', 'numpy', 'megatron', 'plotext'})\nprint('HEAVY=' + ','.join(heavy), file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe, "status", str(spec), "--json"], capture_output=True,
+                          text=True, timeout=60)
+    assert "HEAVY=\n" in done.stderr, done.stderr[-2000:]
+    assert "log.lm_loss_spike" in done.stdout  # the log was read
