@@ -62,8 +62,9 @@ class IntervalStats:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                    seconds_per_iteration: float, learning_rate: float, global_batch_size: int, lm_loss: float,
                    loss_scale: float | None, grad_norm: float | None, skipped_iterations: int,
-                   nan_iterations: int, tflops: float) -> str:
-    """Megatron-DeepSpeed's 2022 iteration line: `` iteration N/ T | key: value | ... |``."""
+                   nan_iterations: int, tflops: float, curriculum_seqlen: int | None = None) -> str:
+    """Megatron-DeepSpeed's 2022 iteration line: `` iteration N/ T | key: value | ... |``; ``loss scale`` only with
+    fp16 (pass None otherwise), ``curriculum seqlen`` only with curriculum learning."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d} |",
         f" consumed samples: {consumed_samples:12d} |",
@@ -78,8 +79,10 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, c
         parts.append(f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f} |")
+    parts.append(" num zeros: 0.0 |")
+    if curriculum_seqlen is not None:
+        parts.append(f" curriculum seqlen: {curriculum_seqlen:5d} |")
     parts += [
-        " num zeros: 0.0 |",
         f" number of skipped iterations: {skipped_iterations:3d} |",
         f" number of nan iterations: {nan_iterations:3d} |",
         f" samples per second: {global_batch_size / seconds_per_iteration:.3f} |",
@@ -119,7 +122,7 @@ class TensorBoard:
             self.writer.add_scalar("iteration-time/world_size", 0, iteration + 1)
 
     def iteration(self, iteration: int, samples: int, tokens: int, lr: float, batch_size: int, loss: float,
-                  grad_norm: float | None, loss_scale: float | None) -> None:
+                  grad_norm: float | None, loss_scale: float | None, curriculum_seqlen: int | None = None) -> None:
         if not self.writer:
             return
         w = self.writer
@@ -137,6 +140,10 @@ class TensorBoard:
         w.add_scalar("lm-loss-training/lm loss vs tokens", loss, tokens)
         if loss_scale is not None:
             w.add_scalar("loss-scale/loss-scale", loss_scale, iteration)
+            w.add_scalar("loss-scale/loss-scale vs samples", loss_scale, samples)
+            w.add_scalar("loss-scale/loss-scale vs tokens", loss_scale, tokens)
+        if curriculum_seqlen is not None:
+            w.add_scalar("curriculum_seqlen", curriculum_seqlen, iteration)
         if grad_norm is not None:
             w.add_scalar("grad-norm/grad-norm", grad_norm, iteration)
             w.add_scalar("grad-norm/grad-norm vs samples", grad_norm, samples)
@@ -174,3 +181,12 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+def current_loss_scale(optimizer) -> float | None:
+    """The fp16 loss scale DeepSpeed's optimizer uses now (ZeRO: ``loss_scale_config.cur_scale``; FP16_Optimizer:
+    ``cur_scale``), or None for an optimizer without loss scaling. Dynamic scaling halves it on an overflow (the step
+    is then skipped) and doubles it after ``loss_scale_window`` clean steps."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    scale = getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None)
+    return float(scale) if scale is not None else None

@@ -160,3 +160,45 @@ class AnnealingLR:
             setattr(self, name, theirs)
         self.num_steps = state["num_steps"]
         self.step(0)
+
+
+class SeqlenCurriculum:
+    """Megatron-DeepSpeed's sequence-length curriculum (Li et al. 2021, arXiv:2108.06084) from the DeepSpeed JSON's
+    top-level ``curriculum_learning`` block, as BigScience's tr8b-104B-cl wrote it::
+
+        {"enabled": true, "curriculum_type": "seqlen", "min_difficulty": 64, "max_difficulty": 2048,
+         "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 36000, "difficulty_step": 8}}
+
+    The schedule is DeepSpeed's own ``CurriculumScheduler`` (``fixed_linear``, ``fixed_root``, ``fixed_discrete``);
+    Megatron-DeepSpeed asks it for ``update_difficulty(iteration + 1)`` before every iteration and truncates that
+    iteration's tokens and labels to the answer. The difficulty is a pure, non-decreasing function of the iteration, so
+    a resumed run continues the schedule without saving anything.
+
+    Raises:
+        ValueError: (at construction) a block that is not a seqlen curriculum DeepSpeed can schedule, or whose
+            difficulties exceed ``seq_length``; the message names the key.
+    """
+
+    def __init__(self, block: dict, seq_length: int):
+        from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
+
+        if block.get("curriculum_type", "seqlen") != "seqlen":
+            raise ValueError(f"curriculum_learning.curriculum_type {block['curriculum_type']!r}: only 'seqlen' "
+                             "is supported")
+        config = {key: value for key, value in block.items() if key not in ("enabled", "curriculum_type")}
+        for key in ("min_difficulty", "max_difficulty"):
+            value = config.get(key)
+            if not isinstance(value, int) or not 0 < value <= seq_length:
+                raise ValueError(f"curriculum_learning.{key} is {value!r}; expected an integer in 1..--seq-length "
+                                 f"{seq_length}")
+        try:
+            self.scheduler = CurriculumScheduler(config)
+        except (AssertionError, RuntimeError, KeyError) as e:
+            reason = str(e) or "bad schedule_config"
+            raise ValueError(f"curriculum_learning: DeepSpeed's CurriculumScheduler refuses it ({reason}); e.g. "
+                             "schedule_type fixed_linear with schedule_config {total_curriculum_step, "
+                             "difficulty_step}") from None
+
+    def seqlen(self, iteration: int) -> int:
+        """Tokens per sample in (1-based) ``iteration``."""
+        return int(self.scheduler.update_difficulty(iteration))

@@ -1,0 +1,322 @@
+"""Megatron-DeepSpeed semantics of the embedded trainer beyond the basics of test_train.py: curriculum learning,
+--sync-tp-duplicated-parameters, GPT-2 BPE tokenizer files and vocab padding, weighted data blends, fp16 loss-scale
+bookkeeping, CodeCarbon. Trainer runs are real subprocesses on the KJV (tiny model, a few iterations)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, run_trainer, tiny_trainer_args
+
+from opskit.megatron_log import parse_iteration_line
+
+GBS = 8
+SEQ = 32
+
+
+def records(stdout: str) -> dict[int, dict]:
+    parsed = [r for r in map(parse_iteration_line, stdout.splitlines()) if r]
+    return {r["iteration"]: r for r in parsed}
+
+
+def succeeded(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done
+
+
+def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
+    assert done.returncode not in (0, None), done.stdout[-2000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, done.stderr[-4000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+# ---------------------------------------------------------------------------------------------------------- curriculum
+
+CURRICULUM = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": SEQ,
+              "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 8}}
+
+
+def expected_seqlen(iteration: int) -> int:
+    """fixed_linear by hand (reference 2.4): floor(step/total * (max - min) + min), down to a multiple of the step."""
+    d = math.floor(iteration / 6 * (SEQ - 8) + 8)
+    return min(d - d % 8, SEQ)
+
+
+def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"curriculum_learning": CURRICULUM}))
+    runs = {}
+    for name, exit_interval in (("straight", None), ("stopped", 3), ("resumed", None)):
+        out = tmp_path / ("straight" if name == "straight" else "chain")
+        args = tiny_trainer_args(kjv_data, out, train_samples=8 * GBS, deepspeed_config=config,
+                                 exit_interval=exit_interval)
+        runs[name] = records(succeeded(run_trainer(args)).stdout)
+    straight = runs["straight"]
+    assert sorted(straight) == list(range(1, 9))
+    tokens = 0
+    for iteration, record in straight.items():
+        assert record["curriculum_seqlen"] == expected_seqlen(iteration), iteration
+        tokens += GBS * expected_seqlen(iteration)
+        assert record["consumed_tokens"] == tokens
+        assert record["consumed_samples"] == iteration * GBS
+    assert [straight[i]["curriculum_seqlen"] for i in (1, 2, 4, 6, 8)] == [8, 16, 24, 32, 32]
+    assert sorted(runs["stopped"]) == [1, 2, 3] and sorted(runs["resumed"]) == list(range(4, 9))
+    for iteration, record in {**runs["stopped"], **runs["resumed"]}.items():
+        for key in ("lm_loss", "curriculum_seqlen", "consumed_tokens", "learning_rate"):
+            assert record[key] == straight[iteration][key], (iteration, key)
+
+
+def test_without_curriculum_the_line_has_no_seqlen_field(kjv_data, tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"curriculum_learning": {**CURRICULUM, "enabled": False}}))
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, deepspeed_config=config,
+                                                   save=None, load=None)))
+    (record,) = records(done.stdout).values()
+    assert "curriculum_seqlen" not in record and record["consumed_tokens"] == GBS * SEQ
+
+
+def test_curriculum_beyond_seq_length_is_a_one_line_error(kjv_data, tmp_path):
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"curriculum_learning": {**CURRICULUM, "max_difficulty": 2 * SEQ}}))
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, deepspeed_config=config, save=None, load=None))
+    one_line_error(done, "curriculum_learning.max_difficulty", str(2 * SEQ), str(config))
+
+
+def test_micro_batches_truncate_tokens_and_labels_alike(kjv_data):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from opskit.train.data import GPTSamples, micro_batches
+
+    samples = GPTSamples(IndexedDataset(str(kjv_data.data_prefix)), SEQ, 1234)
+    length = {"now": 8}
+    batches = micro_batches(samples, 0, 4, 1, 0, seqlen=lambda: length["now"])
+    tokens, labels = next(batches)
+    assert tokens.shape == labels.shape == (4, 8)
+    full = torch.from_numpy(np.stack([samples[i] for i in range(4)]))
+    assert torch.equal(tokens, full[:, :8]) and torch.equal(labels, full[:, 1:9])
+    length["now"] = SEQ
+    tokens, labels = next(batches)
+    assert tokens.shape == (4, SEQ) and torch.equal(labels[:, :-1], tokens[:, 1:])
+
+
+# ---------------------------------------------------------------------------------------------------------- TP sync
+
+REPLICATED = ("input_layernorm.weight", "input_layernorm.bias", "post_attention_layernorm.weight",
+              "post_attention_layernorm.bias", "self_attention.dense.bias", "mlp.dense_4h_to_h.bias")
+
+
+def _average_in_two_processes(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from opskit.train.tp_sync import sync_tp_duplicated_parameters
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    params = [torch.nn.Parameter(torch.full((3,), float(rank + 1))),
+              torch.nn.Parameter(torch.tensor([[0.1, 0.2], [0.3, 0.4]]) * (rank + 1))]
+    sync_tp_duplicated_parameters(params, dist.group.WORLD, 2)
+    torch.save([p.detach() for p in params], f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_sync_averages_over_the_group_in_place(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_average_in_two_processes, args=(port, str(tmp_path)), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(first[0], torch.full((3,), 1.5))
+    assert torch.allclose(first[1], torch.tensor([[0.15, 0.3], [0.45, 0.6]]))
+
+
+def test_tp2_sync_keeps_duplicated_parameters_bitwise_equal(kjv_data, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=4 * GBS, tensor_model_parallel_size=2,
+                             sync_tp_duplicated_parameters=True, save_interval=4, bf16=True, zero_stage=1)
+    done = succeeded(run_trainer(args, nproc=2))
+    assert sorted(records(done.stdout)) == [1, 2, 3, 4]
+    assert "> syncing 16 TP-duplicated parameters over the 2 TP ranks after every step" in done.stdout
+    step = tmp_path / "checkpoints" / "global_step4"
+    for layer in ("03", "04"):
+        ranks = [torch.load(step / f"layer_{layer}-model_0{r}-model_states.pt", weights_only=False) for r in (0, 1)]
+        for key in REPLICATED:
+            assert torch.equal(ranks[0][key], ranks[1][key]), (layer, key)
+        assert not torch.equal(ranks[0]["mlp.dense_h_to_4h.weight"], ranks[1]["mlp.dense_h_to_4h.weight"])
+    embed = [torch.load(step / f"layer_01-model_0{r}-model_states.pt", weights_only=False) for r in (0, 1)]
+    final = [torch.load(step / f"layer_06-model_0{r}-model_states.pt", weights_only=False) for r in (0, 1)]
+    for key in ("word_embeddings.norm.weight", "word_embeddings.norm.bias"):
+        assert torch.equal(embed[0][key], embed[1][key]), key
+    for key in ("weight", "bias"):
+        assert torch.equal(final[0][key], final[1][key]), key
+
+
+# ---------------------------------------------------------------------------------------------------------- tokenizer
+
+def gpt2_bpe_files(tokenizer_dir: str, out: Path) -> tuple[Path, Path]:
+    """GPT-2's vocab.json and merges.txt for the KJV BPE tokenizer, as Megatron's GPT2BPETokenizer reads them."""
+    model = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text())["model"]
+    vocab, merges = out / "vocab.json", out / "merges.txt"
+    vocab.write_text(json.dumps(model["vocab"]))
+    merges.write_text("#version: 0.2\n" + "".join(f"{' '.join(m) if isinstance(m, list) else m}\n"
+                                                  for m in model["merges"]))
+    return vocab, merges
+
+
+def test_gpt2_bpe_files_train_like_the_same_tokenizer_from_hf(kjv_data, tmp_path):
+    vocab, merges = gpt2_bpe_files(kjv_data.tokenizer_dir, tmp_path)
+    common = dict(train_samples=2 * GBS, save=None, load=None, make_vocab_size_divisible_by=48)
+    hf = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "hf", **common)))
+    bpe = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "bpe", **common, tokenizer_name_or_path=None,
+                                                  tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
+                                                  merge_file=merges)))
+    padded = " > padded vocab (size: 2000) with 16 dummy tokens (new size: 2016)"  # 42 * 48
+    assert padded in hf.stdout and padded in bpe.stdout
+    assert [r["lm_loss"] for r in records(bpe.stdout).values()] == [r["lm_loss"] for r in records(hf.stdout).values()]
+
+
+def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, tensor_model_parallel_size=2,
+                             make_vocab_size_divisible_by=48, save_interval=1)
+    done = succeeded(run_trainer(args, nproc=2))
+    assert " > padded vocab (size: 2000) with 16 dummy tokens (new size: 2016)" in done.stdout  # 21 * 96
+    embed = torch.load(tmp_path / "checkpoints" / "global_step1" / "layer_01-model_01-model_states.pt",
+                       weights_only=False)
+    assert embed["word_embeddings.weight"].shape == (1008, 64)
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "to", train_samples=GBS, save=None,
+                                                   load=None, pad_vocab_size_to=2100)))
+    assert " > padded vocab (size: 2000) with 100 dummy tokens (new size: 2100)" in done.stdout
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path / "small", pad_vocab_size_to=1900, save=None, load=None))
+    one_line_error(done, "--pad-vocab-size-to 1900", "2000")
+
+
+def test_gpt2_tokenizer_needs_its_files(kjv_data, tmp_path):
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, tokenizer_name_or_path=None, save=None, load=None,
+                                         tokenizer_type="GPT2BPETokenizer", vocab_file=tmp_path / "v.json"))
+    one_line_error(done, "--vocab-file", "--merge-file")
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, tokenizer_name_or_path=None, save=None, load=None,
+                                         tokenizer_type="GPT2BPETokenizer", vocab_file=tmp_path / "v.json",
+                                         merge_file=tmp_path / "m.txt"))
+    one_line_error(done, "--vocab-file", str(tmp_path / "v.json"))
+
+
+# ---------------------------------------------------------------------------------------------------------- blends
+
+@pytest.fixture(scope="module")
+def numbers_prefix(tmp_path_factory) -> str:
+    """A second indexed dataset whose token ids (1900..1999) tell its samples apart from the KJV's text."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path_factory.mktemp("numbers") / "numbers_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        builder.add_document(torch.from_numpy(rng.integers(1900, 2000, size=64).astype(np.int64)), [64])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_blend_follows_the_weights_and_each_datasets_split(kjv_data, numbers_prefix):
+    from opskit.train.args import parse_data_path
+    from opskit.train.data import blend_samples
+
+    blend = parse_data_path(["3", str(kjv_data.data_prefix), "7", numbers_prefix])
+    assert blend == [(0.3, str(kjv_data.data_prefix)), (0.7, numbers_prefix)]
+    train = blend_samples(blend, "90,10,0", 0, SEQ, 1234)
+    from_numbers = np.array([train[i].min() >= 1900 for i in range(2000)])
+    for n in (10, 100, 2000):  # every prefix within one sample of its share
+        assert abs(from_numbers[:n].sum() - 0.7 * n) <= 1, n
+    valid = blend_samples(blend, "90,10,0", 1, SEQ, 1234)
+    valid_numbers = {tuple(valid[i]) for i in range(200) if valid[i].min() >= 1900}
+    train_numbers = {tuple(train[i]) for i in range(2000) if from_numbers[i]}
+    assert valid_numbers and not valid_numbers & train_numbers  # each dataset's split is its own
+
+
+@pytest.mark.parametrize("value", [["0.3", "a", "0.7"], ["x", "a", "0.7", "b"], ["-1", "a", "2", "b"]])
+def test_bad_blend_is_a_one_line_error(kjv_data, tmp_path, value):
+    args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, save=None, load=None) + ["--data-path", *value]
+    one_line_error(run_trainer(args), "--data-path", "WEIGHT PREFIX")
+
+
+def test_trainer_trains_on_a_blend(kjv_data, numbers_prefix, tmp_path):
+    args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, train_samples=2 * GBS, save=None, load=None,
+                             split="90,10,0", eval_interval=2, eval_iters=1)
+    done = succeeded(run_trainer(args + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5", numbers_prefix]))
+    assert sorted(records(done.stdout)) == [1, 2] and "validation loss at iteration 2" in done.stdout
+    missing = str(tmp_path / "missing")
+    done = run_trainer(args + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5", missing])
+    one_line_error(done, "--data-path", missing)
+
+
+# ---------------------------------------------------------------------------------------------------------- fp16
+
+def test_loss_scale_skipped_and_nan_iterations_in_the_line(monkeypatch):
+    """DeepSpeed refuses fp16 on this CPU (test_train.py checks the one-line error), so the bookkeeping is checked
+    against DeepSpeed's own dynamic loss scaler and the log parser."""
+    from deepspeed.runtime.fp16 import loss_scaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # for its OVERFLOW message, without a process group
+
+    from opskit.train.log import IntervalStats, current_loss_scale, iteration_line
+
+    scaler = DynamicLossScaler(init_scale=2**12, scale_window=500, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False)
+    zero_optimizer = SimpleNamespace(loss_scale_config=scaler)
+    assert current_loss_scale(zero_optimizer) == 4096.0
+    scaler.update_scale(True)  # an overflow: the step is skipped and the scale halves
+    assert current_loss_scale(zero_optimizer) == 2048.0
+    assert current_loss_scale(SimpleNamespace(cur_scale=512.0)) == 512.0  # FP16_Optimizer (ZeRO-0)
+    assert current_loss_scale(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1)) is None
+
+    stats = IntervalStats()
+    for loss, skipped in ((2.0, False), (float("nan"), True), (float("inf"), False), (4.0, False)):
+        stats.add(loss, skipped=skipped)
+    assert (stats.skipped_iterations, stats.nan_iterations, stats.mean_loss) == (1, 1, 3.0)
+    line = iteration_line(iteration=4, train_iters=10, consumed_samples=32, consumed_tokens=1024,
+                          seconds_per_iteration=0.5, learning_rate=1e-3, global_batch_size=8, lm_loss=stats.mean_loss,
+                          loss_scale=2048.0, grad_norm=1.0, skipped_iterations=stats.skipped_iterations,
+                          nan_iterations=stats.nan_iterations, tflops=0.1)
+    assert "| lm loss: 3.000000E+00 | loss scale: 2048.0 | grad norm: 1.000 |" in line
+    record = parse_iteration_line(line)
+    assert (record["loss_scale"], record["skipped_iterations"], record["nan_iterations"]) == (2048.0, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------- CodeCarbon
+
+def test_codecarbon_writes_offline_emissions(kjv_data, tmp_path):
+    pytest.importorskip("codecarbon")
+    out = tmp_path / "codecarbon"
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=2 * GBS, save_interval=1,
+                                                   codecarbon_dir=out)))
+    rows = (out / "emissions-000.csv").read_text().splitlines()
+    assert rows[0].startswith("timestamp,project_name,run_id") and len(rows) >= 2, rows
+    assert "the codecarbon package is not installed" not in done.stdout
+
+
+def test_codecarbon_missing_is_one_warning(kjv_data, tmp_path):
+    hide = tmp_path / "hide" / "codecarbon"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError('No module named codecarbon')\n")
+    env = dict(os.environ, PYTHONPATH=f"{hide.parent}{os.pathsep}{REPO}", OMP_NUM_THREADS="2")
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, save=None, load=None,
+                             codecarbon_dir=tmp_path / "cc")
+    done = subprocess.run([sys.executable, "-m", "opskit.train", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=600)
+    succeeded(done)
+    warnings = [line for line in (done.stdout + done.stderr).splitlines() if "--codecarbon-dir" in line]
+    assert warnings == [f"WARNING: --codecarbon-dir {tmp_path / 'cc'}: the codecarbon package is not installed "
+                        "(pip install codecarbon); training without emissions tracking"]
