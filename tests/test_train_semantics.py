@@ -61,7 +61,7 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
     for name, exit_interval in (("straight", None), ("stopped", 3), ("resumed", None)):
         out = tmp_path / ("straight" if name == "straight" else "chain")
         args = tiny_trainer_args(kjv_data, out, train_samples=8 * GBS, deepspeed_config=config,
-                                 exit_interval=exit_interval)
+                                 exit_interval=exit_interval, lr_warmup_samples=2 * GBS, lr_decay_tokens=1200)
         runs[name] = records(succeeded(run_trainer(args)).stdout)
     straight = runs["straight"]
     assert sorted(straight) == list(range(1, 9))
@@ -72,6 +72,16 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
         assert record["consumed_tokens"] == tokens
         assert record["consumed_samples"] == iteration * GBS
     assert [straight[i]["curriculum_seqlen"] for i in (1, 2, 4, 6, 8)] == [8, 16, 24, 32, 32]
+    # --lr-decay-tokens: cosine over the tokens consumed before each step, from those consumed when warmup ended.
+    before = {i: straight[i - 1]["consumed_tokens"] if i > 1 else 0 for i in straight}
+    warmup_tokens = before[2]
+    for iteration, record in straight.items():
+        if iteration <= 2:
+            expected = 3e-3 * iteration * GBS / (2 * GBS)
+        else:
+            ratio = min(1.0, (before[iteration] - warmup_tokens) / (1200 - warmup_tokens))  # min-lr past 1200
+            expected = 3e-4 + 0.5 * (math.cos(math.pi * ratio) + 1) * (3e-3 - 3e-4)
+        assert record["learning_rate"] == pytest.approx(expected, rel=1e-3), iteration
     assert sorted(runs["stopped"]) == [1, 2, 3] and sorted(runs["resumed"]) == list(range(4, 9))
     for iteration, record in {**runs["stopped"], **runs["resumed"]}.items():
         for key in ("lm_loss", "curriculum_seqlen", "consumed_tokens", "learning_rate"):

@@ -278,11 +278,13 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
                                   eps=args.adam_eps, weight_decay=args.weight_decay,
                                   fused=torch.cuda.is_available())  # one kernel per step on GPUs
     consumed = {"samples": 0}
+    consumed_tokens = 0  # read by the LR schedule's --lr-decay-tokens
     scheduler = AnnealingLR(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
         decay_steps=args.lr_decay_samples, decay_style=args.lr_decay_style,
         step_size=lambda: rampup.batch_size(consumed["samples"]),
         override=args.override_lr_scheduler, use_checkpoint=args.use_checkpoint_lr_scheduler,
+        decay_tokens=args.lr_decay_tokens, consumed_tokens=lambda: consumed_tokens,
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler,
