@@ -39,6 +39,8 @@ from opskit.slurm.render import deepspeed_config, render_job, trainer_args, trai
 from opskit.spec import (
     Spec,
     SpecError,
+    deepspeed_resume_problem,
+    installed_deepspeed_version,
     list_specs,
     load_spec,
     padded_vocab_size,
@@ -679,7 +681,8 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
                               text=True)
         assert done.returncode == 0, done.stdout
 
-    # `opskit submit` refuses it here: the catalogue split files are missing, and the trainer lacks flags.
+    # `opskit submit` refuses it here: the catalogue split files are missing, and DeepSpeed 0.19.8 cannot resume
+    # bf16 with ZeRO-0 (the trainer accepts every flag).
     with pytest.raises(SubmitError, match=r"train-splits\.txt is missing \(data\.train_weighted_split_paths_path of .*"
                                           r"BigScience wrote it with data/catalogue/load_ratios_meg_ds_format\.py\)$"):
         check_data(spec)
@@ -689,6 +692,12 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
 def assert_trainer_verdict(spec: Spec, run: RunPaths) -> None:
     """`opskit submit` refuses exactly what opskit's trainer (its own argparse rules, growing with issue 4) rejects."""
     problems = trainer_rejections(trainer_args(spec, run))
+    version = spec.parallel.deepspeed_version or installed_deepspeed_version()
+    if not problems and version and (problem := deepspeed_resume_problem(spec, version)):
+        with pytest.raises(SubmitError) as info:  # the flags pass; the DeepSpeed version does not
+            check_trainer(spec, run)
+        assert str(info.value) == f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the cluster's)"
+        return
     if not problems:
         check_trainer(spec, run)
         return

@@ -330,3 +330,63 @@ def test_codecarbon_missing_is_one_warning(kjv_data, tmp_path):
     warnings = [line for line in (done.stdout + done.stderr).splitlines() if "--codecarbon-dir" in line]
     assert warnings == [f"WARNING: --codecarbon-dir {tmp_path / 'cc'}: the codecarbon package is not installed "
                         "(pip install codecarbon); training without emissions tracking"]
+
+
+# ---------------------------------------------------------------------------------------------------------- weighted
+
+def test_weighted_split_paths_parse_like_megatron_deepspeed():
+    from opskit.train.args import parse_weighted_split_paths
+
+    text = '"train: 0.3 0:0.95 /d/a_text_document, 0.7 0.1:0.9 /d/b_text_document"\n'
+    assert parse_weighted_split_paths(text) == [
+        ("train", [(0.3, 0.0, 0.95, "/d/a_text_document"), (0.7, 0.1, 0.9, "/d/b_text_document")])]
+    two = parse_weighted_split_paths('"valid_a: 1 0.95:1 /d/a" "valid_b: 2 0.95:1 /d/b"')
+    assert [name for name, _ in two] == ["valid_a", "valid_b"]
+    for bad in ("train: 1 0:1 /d/a", '"train 1 0:1 /d/a"', '"train: 1 0.9:0.1 /d/a"', '"train: 1 0:1"',
+                '"train: x 0:1 /d/a"', '"train: 0 0:1 /d/a"'):
+        with pytest.raises(ValueError):
+            parse_weighted_split_paths(bad)
+
+
+def test_trainer_reads_weighted_split_paths_with_named_validation(kjv_data, numbers_prefix, tmp_path):
+    kjv = str(kjv_data.data_prefix)
+    train, valid = tmp_path / "train-splits.txt", tmp_path / "valid-splits.txt"
+    train.write_text(f'"train: 0.4 0:0.9 {kjv}, 0.6 0:0.9 {numbers_prefix}"\n')
+    valid.write_text(f'"valid_kjv: 1 0.9:1 {kjv}" "valid_numbers: 1 0.9:1 {numbers_prefix}"\n')
+    args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, train_samples=2 * GBS, save=None, load=None,
+                             eval_interval=2, eval_iters=1, train_weighted_split_paths_path=train,
+                             valid_weighted_split_paths_path=valid)
+    done = succeeded(run_trainer(args))
+    assert sorted(records(done.stdout)) == [1, 2]
+    for name in ("valid_kjv", "valid_numbers"):
+        for prefix in ("iteration 2", "the end of training for val data"):
+            assert f"\n {name} loss at {prefix} | lm loss value: " in done.stdout, (name, prefix)
+    losses = {name: float(done.stdout.split(f" {name} loss at iteration 2 | lm loss value: ")[1].split(" ")[0])
+              for name in ("valid_kjv", "valid_numbers")}
+    assert losses["valid_kjv"] != losses["valid_numbers"]
+    valid.write_text(f'"valid_kjv: 1 0.9:1 {tmp_path / "gone"}"\n')
+    one_line_error(run_trainer(args), "--valid-weighted-split-paths-path", str(valid), str(tmp_path / "gone"))
+
+
+# ---------------------------------------------------------------------------------------------------------- presets
+
+def test_every_bigscience_preset_command_line_is_accepted(monkeypatch, tmp_path):
+    """`opskit submit` asks the trainer's own parser (trainer_rejections); only tr8b-104B:bnb's 8-bit Adam
+    (bitsandbytes, GPU-only) is still refused."""
+    import yaml
+
+    from opskit.runs import RunPaths
+    from opskit.slurm.render import trainer_args, trainer_rejections
+    from opskit.spec import load_spec
+
+    for var in ("six_ALL_CCFRWORK", "six_ALL_CCFRSCRATCH"):
+        monkeypatch.setenv(var, str(tmp_path / var))
+    verdicts = {}
+    for preset in sorted((REPO / "opskit" / "presets").glob("*.yaml")):
+        for variant in [None, *yaml.safe_load(preset.read_text()).get("variants", {})]:
+            name = preset.stem + (f":{variant}" if variant else "")
+            spec = load_spec(name)
+            verdicts[name] = trainer_rejections(trainer_args(spec, RunPaths.of(spec)))
+    assert len(verdicts) == 9
+    assert {name: v for name, v in verdicts.items() if v} == {
+        "tr8b-104B:bnb": ["it does not accept --use-bnb-optimizer"]}

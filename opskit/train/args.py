@@ -87,9 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", required=True, nargs="+",
+    g.add_argument("--data-path", default=None, nargs="+",
                    help="indexed dataset prefix (without .bin/.idx), or a blend: WEIGHT PREFIX WEIGHT PREFIX ... "
                         "(weights are normalised; each prefix is split by --split on its own)")
+    g.add_argument("--train-weighted-split-paths-path", default=None,
+                   help="instead of --data-path: a file holding one group \"NAME: WEIGHT START:END PREFIX, ...\" "
+                        "(BigScience's catalogue blend; START:END are fractions of each dataset's documents)")
+    g.add_argument("--valid-weighted-split-paths-path", default=None,
+                   help="the validation groups, same format, one or more \"NAME: ...\" groups on one line; each is "
+                        "evaluated and printed under its NAME")
     g.add_argument("--data-impl", choices=["mmap"], default="mmap")
     g.add_argument("--tokenizer-type", choices=["PretrainedFromHF", "GPT2BPETokenizer"], default="PretrainedFromHF")
     g.add_argument("--tokenizer-name-or-path", default=None,
@@ -183,10 +189,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parse_split(args.split)
     except ValueError as e:
         parser.error(f"--split {e}")
-    try:
-        parse_data_path(args.data_path)
-    except ValueError as e:
-        parser.error(f"--data-path {e}")
+    if (args.data_path is None) == (args.train_weighted_split_paths_path is None):
+        parser.error("give either --data-path or --train-weighted-split-paths-path (with "
+                     "--valid-weighted-split-paths-path)")
+    if args.data_path is not None:
+        try:
+            parse_data_path(args.data_path)
+        except ValueError as e:
+            parser.error(f"--data-path {e}")
+    elif args.valid_weighted_split_paths_path is None:
+        parser.error("--train-weighted-split-paths-path needs --valid-weighted-split-paths-path")
     if args.tokenizer_type == "PretrainedFromHF" and not args.tokenizer_name_or_path:
         parser.error("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path")
     if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
@@ -240,6 +252,43 @@ def parse_data_path(values: list[str]) -> list[tuple[float, str]]:
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise bad
     return [(w / sum(weights), prefix) for w, prefix in zip(weights, values[1::2], strict=True)]
+
+
+def parse_weighted_split_paths(text: str) -> list[tuple[str, list[tuple[float, float, float, str]]]]:
+    """The contents of a ``--{train,valid}-weighted-split-paths-path`` file (Megatron-DeepSpeed's ParseDataPaths):
+    one line of double-quoted groups ``"NAME: WEIGHT START:END PREFIX, WEIGHT START:END PREFIX" "NAME2: ..."``.
+
+    Returns:
+        ``[(name, [(weight, start, end, prefix), ...]), ...]``; weights as written, START/END fractions in [0, 1].
+
+    Raises:
+        ValueError: for anything else, quoting the part that is wrong.
+    """
+    line = text.strip()
+    if not (line.startswith('"') and line.endswith('"')) or "\n" in line:
+        raise ValueError('expected one line of double-quoted groups, e.g. "train: 0.3 0:0.95 /data/a, 0.7 0:0.95 '
+                         '/data/b"')
+    groups = []
+    for group in line[1:-1].split('" "'):
+        name, sep, body = group.partition(":")
+        if not sep or not name.strip() or " " in name.strip():
+            raise ValueError(f"{group[:60]!r}: a group starts with 'NAME:'")
+        entries = []
+        for entry in body.split(","):
+            parts = entry.split()
+            bad = ValueError(f"{entry.strip()!r} in group {name.strip()!r} is not 'WEIGHT START:END PREFIX' with "
+                             "WEIGHT >= 0 and 0 <= START < END <= 1")
+            try:
+                weight, (start, end), prefix = float(parts[0]), (float(x) for x in parts[1].split(":")), parts[2]
+            except (IndexError, ValueError):
+                raise bad from None
+            if len(parts) != 3 or weight < 0 or not 0 <= start < end <= 1:
+                raise bad
+            entries.append((weight, start, end, prefix))
+        if sum(w for w, *_ in entries) <= 0:
+            raise ValueError(f"group {name.strip()!r}: the weights sum to 0")
+        groups.append((name.strip(), entries))
+    return groups
 
 
 def parse_skip_ranges(ranges: list[str]) -> list[list[int]]:

@@ -132,17 +132,32 @@ def blend_samples(blend: list[tuple[float, str]], split: str, which: int, seq_le
         ValueError: naming the prefix, when its split holds fewer than ``seq_length + 1`` tokens.
         FileNotFoundError: when a prefix's ``.idx``/``.bin`` cannot be opened.
     """
+    return _blend([(weight, prefix, lambda n: split_document_ranges(split, n)[which]) for weight, prefix in blend],
+                  seq_length, seed)
+
+
+def weighted_split_samples(entries: list[tuple[float, float, float, str]], seq_length: int,
+                           seed: int) -> GPTSamples | BlendedSamples:
+    """One group of a ``--{train,valid}-weighted-split-paths-path`` file: ``(weight, start, end, prefix)`` entries,
+    each reading documents ``round(start * n) .. round(end * n)`` of its dataset (Megatron-DeepSpeed's
+    get_split_by_range_), blended by weight. Raises as :func:`blend_samples`."""
+    return _blend([(weight, prefix, lambda n, start=start, end=end: (round(start * n), round(end * n)))
+                   for weight, start, end, prefix in entries], seq_length, seed)
+
+
+def _blend(sources, seq_length: int, seed: int) -> GPTSamples | BlendedSamples:
+    """``sources``: ``(weight, prefix, documents(num_documents) -> (begin, end))``."""
     datasets = []
-    for index, (_, prefix) in enumerate(blend):
+    for index, (_, prefix, documents) in enumerate(sources):
         dataset = IndexedDataset(prefix)
-        documents = split_document_ranges(split, len(dataset.sequence_lengths))[which]
         try:  # a different seed per prefix, so that equal datasets are not shuffled alike
-            datasets.append(GPTSamples(dataset, seq_length, seed + index, documents=documents))
+            datasets.append(GPTSamples(dataset, seq_length, seed + index,
+                                       documents=documents(len(dataset.sequence_lengths))))
         except ValueError as e:
             raise ValueError(f"{prefix}: {e}") from None
     if len(datasets) == 1:
         return datasets[0]
-    return BlendedSamples(datasets, [weight for weight, _ in blend])
+    return BlendedSamples(datasets, [weight for weight, _, _ in sources])
 
 
 def micro_batches(samples: GPTSamples | BlendedSamples, consumed_samples: int, micro_batch_size: int, dp_size: int,

@@ -91,11 +91,12 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, c
     return "".join(parts)
 
 
-def validation_lines(prefix: str, lm_loss: float) -> list[str]:
+def validation_lines(prefix: str, lm_loss: float, name: str | None = None) -> list[str]:
     """Megatron's evaluate_and_print_results block: a dash line, `` validation loss at {prefix} | lm loss value: X |
-    lm loss PPL: Y | ``, the dash line again; dashes = len(line) + 1, PPL = exp(min(20, loss))."""
+    lm loss PPL: Y | `` (`` {name} loss at ...`` for a named validation group), the dash line again;
+    dashes = len(line) + 1, PPL = exp(min(20, loss))."""
     ppl = validation_ppl(lm_loss)
-    line = f" validation loss at {prefix} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    line = f" {name or 'validation'} loss at {prefix} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
     dashes = "-" * (len(line) + 1)
     return [dashes, line, dashes]
 
@@ -149,18 +150,21 @@ class TensorBoard:
             w.add_scalar("grad-norm/grad-norm vs samples", grad_norm, samples)
             w.add_scalar("grad-norm/grad-norm vs tokens", grad_norm, tokens)
 
-    def validation(self, iteration: int, samples: int, tokens: int, loss: float, log_ppl: bool) -> None:
+    def validation(self, iteration: int, samples: int, tokens: int, loss: float, log_ppl: bool,
+                   name: str | None = None) -> None:
         """``lm-loss-validation/lm loss validation`` (+ `` vs samples``, `` vs tokens``), and its ``ppl`` with
-        ``--log-validation-ppl-to-tensorboard``."""
+        ``--log-validation-ppl-to-tensorboard``; under ``lm-loss-validation/{name}/`` for a named group."""
         if not self.writer:
             return
         values = {"lm loss validation": loss}
         if log_ppl:
             values["lm loss validation ppl"] = validation_ppl(loss)
-        for name, value in values.items():
-            self.writer.add_scalar(f"lm-loss-validation/{name}", value, iteration)
-            self.writer.add_scalar(f"lm-loss-validation/{name} vs samples", value, samples)
-            self.writer.add_scalar(f"lm-loss-validation/{name} vs tokens", value, tokens)
+        section = f"lm-loss-validation/{name}" if name else "lm-loss-validation"
+        for key, value in values.items():
+            tag = f"{section}/{key}"
+            self.writer.add_scalar(tag, value, iteration)
+            self.writer.add_scalar(f"{tag} vs samples", value, samples)
+            self.writer.add_scalar(f"{tag} vs tokens", value, tokens)
 
     def interval(self, iteration: int, samples: int, tokens: int, seconds_per_iteration: float, batch_size: int,
                  seq_length: int, dp_size: int, tflops: float) -> None:

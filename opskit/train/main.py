@@ -86,10 +86,18 @@ def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
 
 def _check_data_files(args: argparse.Namespace) -> None:
     """megatron-core only asserts on a missing dataset (and its ``__del__`` then prints a traceback): check first."""
-    for _, prefix in parse_data_path(args.data_path):
+    if args.data_path is None:  # (flag naming the file, prefix) of every weighted group entry
+        sources = [(f"{flag} {path}", prefix) for flag, path in (
+            ("--train-weighted-split-paths-path", args.train_weighted_split_paths_path),
+            ("--valid-weighted-split-paths-path", args.valid_weighted_split_paths_path))
+            for _, entries in _weighted_split_groups(flag, path) for *_, prefix in entries]
+    else:
+        sources = [(f"--data-path {prefix} (--split {args.split}, train)", prefix)
+                   for _, prefix in parse_data_path(args.data_path)]
+    for where, prefix in sources:
         for suffix in (".idx", ".bin"):
             if not Path(prefix + suffix).is_file():
-                raise TrainerError(f"--data-path {prefix} (--split {args.split}, train): no {prefix}{suffix}")
+                raise TrainerError(f"{where}: no {prefix}{suffix}")
 
 
 def _load_vocab_size(args: argparse.Namespace) -> int:
@@ -206,7 +214,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     import torch.distributed as dist
 
     from opskit.train.checkpointing import load_checkpoint, save_checkpoint
-    from opskit.train.data import blend_samples, micro_batches
+    from opskit.train.data import micro_batches
     from opskit.train.emissions import Emissions
     from opskit.train.log import (
         IntervalStats,
@@ -310,34 +318,29 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     tensorboard.restart_marker(iteration, world_size)
 
     dp_rank = engine.grid.data_parallel_id
-    blend = parse_data_path(args.data_path)
-    try:
-        samples = blend_samples(blend, args.split, 0, args.seq_length, args.seed)
-    except (FileNotFoundError, ValueError) as e:
-        raise TrainerError(f"--data-path {' '.join(args.data_path)} (--split {args.split}, train): {e}") from None
+    samples = _train_samples(args)
     seqlen = {"now": args.seq_length}  # the curriculum's, read by the data iterator before each micro-batch
     data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size, dp,
                          dp_rank, seqlen=lambda: seqlen["now"])
     skip_ranges = _pending_skip_ranges(args, iteration)
     do_valid = args.eval_interval is not None and args.eval_iters > 0
-    if do_valid:
-        try:
-            valid_samples = blend_samples(blend, args.split, 1, args.seq_length, args.seed)
-        except ValueError as e:
-            raise TrainerError(f"--data-path {' '.join(args.data_path)} (--split {args.split}, valid): {e}") from None
-        valid_data = micro_batches(valid_samples, args.consumed_valid_samples, args.micro_batch_size, dp, dp_rank)
+    valid_samples = _valid_samples(args) if do_valid else []
+    # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
+    valid_sets = [(name, micro_batches(samples_of_set, args.consumed_valid_samples // len(valid_samples),
+                                       args.micro_batch_size, dp, dp_rank)) for name, samples_of_set in valid_samples]
 
     def evaluate_and_print_results(prefix: str) -> None:
         if curriculum is not None:  # validation runs at the full --seq-length (Megatron-DeepSpeed's evaluate)
             engine.reset_activation_shape()
-        loss = _evaluate(engine, valid_data, args)
+        for name, valid_data in valid_sets:
+            loss = _evaluate(engine, valid_data, args)
+            if is_last_rank:
+                for line in validation_lines(prefix, loss, name):  # one print per line: see main()
+                    print(line, flush=True)
+            tensorboard.validation(iteration, consumed["samples"], consumed_tokens, loss,
+                                   args.log_validation_ppl_to_tensorboard, name)
         if curriculum is not None:
             engine.reset_activation_shape()
-        if is_last_rank:
-            for line in validation_lines(prefix, loss):  # one print per line: see main()
-                print(line, flush=True)
-        tensorboard.validation(iteration, consumed["samples"], consumed_tokens, loss,
-                               args.log_validation_ppl_to_tensorboard)
 
     flops_recompute = args.checkpoint_activations
     emissions = Emissions.start(args.codecarbon_dir, rank)
@@ -424,6 +427,55 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()  # DeepSpeed 0.19.8 may SIGABRT at exit without it
     return 0
+
+
+def _weighted_split_groups(flag: str, path: str) -> list:
+    """The groups of a ``--*-weighted-split-paths-path`` file (see args.parse_weighted_split_paths)."""
+    from opskit.train.args import parse_weighted_split_paths
+
+    try:
+        return parse_weighted_split_paths(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise TrainerError(f"{flag} {path}: {e}") from None
+
+
+def _train_samples(args: argparse.Namespace):
+    """The train split's samples: ``--data-path`` (cut by ``--split``) or the one group of
+    ``--train-weighted-split-paths-path``."""
+    from opskit.train.data import blend_samples, weighted_split_samples
+
+    if args.data_path is not None:
+        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, train)"
+    else:
+        where = f"--train-weighted-split-paths-path {args.train_weighted_split_paths_path}"
+    try:
+        if args.data_path is not None:
+            return blend_samples(parse_data_path(args.data_path), args.split, 0, args.seq_length, args.seed)
+        groups = _weighted_split_groups("--train-weighted-split-paths-path", args.train_weighted_split_paths_path)
+        if len(groups) != 1:
+            raise ValueError(f"{len(groups)} groups; the train file holds exactly one")
+        return weighted_split_samples(groups[0][1], args.seq_length, args.seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainerError(f"{where}: {e}") from None
+
+
+def _valid_samples(args: argparse.Namespace) -> list:
+    """``[(name, samples)]`` to validate on: ``[(None, --data-path's valid split)]`` or one per group of
+    ``--valid-weighted-split-paths-path``, each printed under its name."""
+    from opskit.train.data import blend_samples, weighted_split_samples
+
+    if args.data_path is not None:
+        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, valid)"
+    else:
+        where = f"--valid-weighted-split-paths-path {args.valid_weighted_split_paths_path}"
+    try:
+        if args.data_path is not None:
+            return [(None, blend_samples(parse_data_path(args.data_path), args.split, 1, args.seq_length,
+                                         args.seed))]
+        return [(name, weighted_split_samples(entries, args.seq_length, args.seed)) for name, entries in
+                _weighted_split_groups("--valid-weighted-split-paths-path", args.valid_weighted_split_paths_path)]
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainerError(f"{where}: {e}") from None
 
 
 def _pending_skip_ranges(args: argparse.Namespace, iteration: int):
