@@ -88,6 +88,30 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
             assert record[key] == straight[iteration][key], (iteration, key)
 
 
+def test_curriculum_pp2_with_full_length_validation_trains_like_pp1(kjv_data, tmp_path):
+    """The pipeline stages exchange new activation shapes when the seqlen changes and around validation (which runs
+    at the full --seq-length): PP=2 gives PP=1's losses."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"curriculum_learning": CURRICULUM}))
+    outputs = {}
+    for pp in (1, 2):
+        args = tiny_trainer_args(kjv_data, tmp_path / f"pp{pp}", train_samples=8 * GBS, deepspeed_config=config,
+                                 save=None, load=None, split="90,10,0", eval_interval=3, eval_iters=1,
+                                 pipeline_model_parallel_size=pp)
+        outputs[pp] = succeeded(run_trainer(args, nproc=pp)).stdout
+    one, two = records(outputs[1]), records(outputs[2])
+    assert sorted(two) == list(range(1, 9))
+    for iteration in one:
+        assert two[iteration]["curriculum_seqlen"] == expected_seqlen(iteration)
+        assert two[iteration]["lm_loss"] == pytest.approx(one[iteration]["lm_loss"], rel=1e-5), iteration
+
+    def valid(stdout: str) -> list[float]:
+        return [float(line.split("lm loss value: ")[1].split(" ")[0]) for line in stdout.splitlines()
+                if "validation loss at" in line]
+
+    assert len(valid(outputs[2])) == 3 and valid(outputs[2]) == pytest.approx(valid(outputs[1]), rel=1e-5)
+
+
 def test_without_curriculum_the_line_has_no_seqlen_field(kjv_data, tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"curriculum_learning": {**CURRICULUM, "enabled": False}}))
