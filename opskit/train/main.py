@@ -318,13 +318,13 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     tensorboard.restart_marker(iteration, world_size)
 
     dp_rank = engine.grid.data_parallel_id
-    samples = _train_samples(args)
+    ((_, samples),) = _split_samples(args, "train")
     seqlen = {"now": args.seq_length}  # the curriculum's, read by the data iterator before each micro-batch
     data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size, dp,
                          dp_rank, seqlen=lambda: seqlen["now"])
     skip_ranges = _pending_skip_ranges(args, iteration)
     do_valid = args.eval_interval is not None and args.eval_iters > 0
-    valid_samples = _valid_samples(args) if do_valid else []
+    valid_samples = _split_samples(args, "valid") if do_valid else []
     # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
     valid_sets = [(name, micro_batches(samples_of_set, args.consumed_valid_samples // len(valid_samples),
                                        args.micro_batch_size, dp, dp_rank)) for name, samples_of_set in valid_samples]
@@ -439,41 +439,26 @@ def _weighted_split_groups(flag: str, path: str) -> list:
         raise TrainerError(f"{flag} {path}: {e}") from None
 
 
-def _train_samples(args: argparse.Namespace):
-    """The train split's samples: ``--data-path`` (cut by ``--split``) or the one group of
-    ``--train-weighted-split-paths-path``."""
+def _split_samples(args: argparse.Namespace, split: str) -> list:
+    """``[(name, samples)]`` of the ``train`` or ``valid`` split: ``[(None, ...)]`` from ``--data-path`` (cut by
+    ``--split``), or one per group of ``--{split}-weighted-split-paths-path`` (a train file holds exactly one)."""
     from opskit.train.data import blend_samples, weighted_split_samples
 
+    flag = f"--{split}-weighted-split-paths-path"
+    path = getattr(args, f"{split}_weighted_split_paths_path")
     if args.data_path is not None:
-        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, train)"
+        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, {split})"
     else:
-        where = f"--train-weighted-split-paths-path {args.train_weighted_split_paths_path}"
+        where = f"{flag} {path}"
     try:
         if args.data_path is not None:
-            return blend_samples(parse_data_path(args.data_path), args.split, 0, args.seq_length, args.seed)
-        groups = _weighted_split_groups("--train-weighted-split-paths-path", args.train_weighted_split_paths_path)
-        if len(groups) != 1:
-            raise ValueError(f"{len(groups)} groups; the train file holds exactly one")
-        return weighted_split_samples(groups[0][1], args.seq_length, args.seed)
-    except (FileNotFoundError, ValueError) as e:
-        raise TrainerError(f"{where}: {e}") from None
-
-
-def _valid_samples(args: argparse.Namespace) -> list:
-    """``[(name, samples)]`` to validate on: ``[(None, --data-path's valid split)]`` or one per group of
-    ``--valid-weighted-split-paths-path``, each printed under its name."""
-    from opskit.train.data import blend_samples, weighted_split_samples
-
-    if args.data_path is not None:
-        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, valid)"
-    else:
-        where = f"--valid-weighted-split-paths-path {args.valid_weighted_split_paths_path}"
-    try:
-        if args.data_path is not None:
-            return [(None, blend_samples(parse_data_path(args.data_path), args.split, 1, args.seq_length,
+            which = ("train", "valid").index(split)
+            return [(None, blend_samples(parse_data_path(args.data_path), args.split, which, args.seq_length,
                                          args.seed))]
-        return [(name, weighted_split_samples(entries, args.seq_length, args.seed)) for name, entries in
-                _weighted_split_groups("--valid-weighted-split-paths-path", args.valid_weighted_split_paths_path)]
+        groups = _weighted_split_groups(flag, path)
+        if split == "train" and len(groups) != 1:
+            raise ValueError(f"{len(groups)} groups; the train file holds exactly one")
+        return [(name, weighted_split_samples(entries, args.seq_length, args.seed)) for name, entries in groups]
     except (FileNotFoundError, ValueError) as e:
         raise TrainerError(f"{where}: {e}") from None
 
