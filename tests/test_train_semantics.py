@@ -16,30 +16,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_trainer, tiny_trainer_args
+from test_train import one_line_error, records, succeeded
 
 from opskit.megatron_log import parse_iteration_line
 
 GBS = 8
 SEQ = 32
-
-
-def records(stdout: str) -> dict[int, dict]:
-    parsed = [r for r in map(parse_iteration_line, stdout.splitlines()) if r]
-    return {r["iteration"]: r for r in parsed}
-
-
-def succeeded(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done
-
-
-def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
-    assert done.returncode not in (0, None), done.stdout[-2000:]
-    assert "Traceback" not in done.stdout + done.stderr, done.stderr[-4000:]
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1, done.stderr[-4000:]
-    for needle in needles:
-        assert needle in errors[0], errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------- curriculum
