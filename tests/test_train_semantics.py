@@ -54,6 +54,12 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
         assert record["consumed_tokens"] == tokens
         assert record["consumed_samples"] == iteration * GBS
     assert [straight[i]["curriculum_seqlen"] for i in (1, 2, 4, 6, 8)] == [8, 16, 24, 32, 32]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "straight" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("curriculum_seqlen")} == {
+        i: expected_seqlen(i) for i in range(1, 9)}
     # --lr-decay-tokens: cosine over the tokens consumed before each step, from those consumed when warmup ended.
     before = {i: straight[i - 1]["consumed_tokens"] if i > 1 else 0 for i in straight}
     warmup_tokens = before[2]
