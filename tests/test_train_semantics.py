@@ -233,6 +233,26 @@ def test_gpt2_bpe_files_train_like_the_same_tokenizer_from_hf(kjv_data, tmp_path
     assert [r["lm_loss"] for r in records(bpe.stdout).values()] == [r["lm_loss"] for r in records(hf.stdout).values()]
 
 
+def test_hub_tokenizer_name_from_the_offline_cache(kjv_data, tmp_path, monkeypatch):
+    """tr11's --tokenizer-name-or-path is a Hub repository: read from the Hugging Face cache, as on a compute node
+    without internet (HF_HUB_OFFLINE=1); the cache is laid out by hand, as huggingface_hub writes it."""
+    import shutil
+
+    snapshot = tmp_path / "hf" / "hub" / "models--opskit-test--kjv-bpe" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(kjv_data.tokenizer_dir) / "tokenizer.json", snapshot / "tokenizer.json")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, save=None, load=None,
+                             tokenizer_name_or_path="opskit-test/kjv-bpe")
+    done = succeeded(run_trainer(args))
+    assert " > padded vocab (size: 2000) with 48 dummy tokens (new size: 2048)" in done.stdout
+    args = tiny_trainer_args(kjv_data, tmp_path, save=None, load=None, tokenizer_name_or_path="opskit-test/absent")
+    one_line_error(run_trainer(args), "--tokenizer-name-or-path opskit-test/absent", "Hugging Face Hub")
+
+
 def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path):
     args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, tensor_model_parallel_size=2,
                              make_vocab_size_divisible_by=48, save_interval=1)

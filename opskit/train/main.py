@@ -116,10 +116,31 @@ def _load_vocab_size(args: argparse.Namespace) -> int:
         except Exception as e:  # the tokenizers library raises its own untyped errors for bad JSON or merges
             raise TrainerError(f"--vocab-file {args.vocab_file} / --merge-file {args.merge_file}: not GPT-2 BPE "
                                f"files ({e})") from None
-    path = Path(args.tokenizer_name_or_path) / "tokenizer.json"
+    name = args.tokenizer_name_or_path
+    path = Path(name) / "tokenizer.json"
+    if not path.is_file() and not Path(name).is_dir():
+        path = _hub_tokenizer_file(name)
     if not path.is_file():
-        raise TrainerError(f"--tokenizer-name-or-path {args.tokenizer_name_or_path}: no tokenizer.json there")
+        raise TrainerError(f"--tokenizer-name-or-path {name}: no tokenizer.json there")
     return Tokenizer.from_file(str(path)).get_vocab_size()
+
+
+def _hub_tokenizer_file(name: str) -> Path:
+    """``tokenizer.json`` of a Hugging Face Hub tokenizer (tr11's ``bigscience-catalogue-data-dev/...``), from the
+    Hugging Face cache or downloaded into it (``HF_HUB_OFFLINE=1`` on nodes without internet; ``HF_TOKEN`` or
+    ``huggingface-cli login`` for private ones).
+
+    Raises:
+        TrainerError: when it is neither a local folder nor a Hub tokenizer that can be had.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+
+    try:
+        return Path(hf_hub_download(repo_id=name, filename="tokenizer.json"))
+    except (HFValidationError, EntryNotFoundError, OSError) as e:  # bad id; no such file, no network, not cached
+        raise TrainerError(f"--tokenizer-name-or-path {name}: not a local folder, and no tokenizer.json from the "
+                           f"Hugging Face Hub or its cache ({type(e).__name__})") from None
 
 
 def _curriculum(config: dict, args: argparse.Namespace):
