@@ -332,19 +332,27 @@ def test_loss_scale_skipped_and_nan_iterations_in_the_line(monkeypatch):
     """DeepSpeed refuses fp16 on this CPU (test_train.py checks the one-line error), so the bookkeeping is checked
     against DeepSpeed's own dynamic loss scaler and the log parser."""
     from deepspeed.runtime.fp16 import loss_scaler
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
-
-    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # for its OVERFLOW message, without a process group
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig
 
     from opskit.train.log import IntervalStats, current_loss_scale, iteration_line
 
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # for its OVERFLOW message, without a process group
+
+    class ZeroOptimizerLike:  # DeepSpeedZeroOptimizer (ZeRO-1): cur_scale is a property over its loss_scaler
+        def __init__(self, scaler):
+            self.loss_scaler = scaler
+
+        cur_scale = property(lambda self: self.loss_scaler.cur_scale)
+
     scaler = DynamicLossScaler(init_scale=2**12, scale_window=500, min_scale=1, delayed_shift=1,
                                consecutive_hysteresis=False)
-    zero_optimizer = SimpleNamespace(loss_scale_config=scaler)
+    zero_optimizer = ZeroOptimizerLike(scaler)
     assert current_loss_scale(zero_optimizer) == 4096.0
     scaler.update_scale(True)  # an overflow: the step is skipped and the scale halves
     assert current_loss_scale(zero_optimizer) == 2048.0
-    assert current_loss_scale(SimpleNamespace(cur_scale=512.0)) == 512.0  # FP16_Optimizer (ZeRO-0)
+    fp16_config = LossScaleConfig(torch.float16, dynamic_loss_scale=False, static_loss_scale=512.0,
+                                  dynamic_loss_args=None)
+    assert current_loss_scale(SimpleNamespace(loss_scale_config=fp16_config)) == 512.0  # FP16_Optimizer (ZeRO-0)
     assert current_loss_scale(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1)) is None
 
     stats = IntervalStats()
