@@ -15,7 +15,8 @@ _FIELD = re.compile(r"\s*([^:|]+?):\s*([-+0-9.eEinfINFnaN]+)\s*\|")
 
 
 _RENAMED = {"number_of_skipped_iterations": "skipped_iterations", "number_of_nan_iterations": "nan_iterations"}
-_INTEGERS = {"consumed_samples", "consumed_tokens", "global_batch_size", "skipped_iterations", "nan_iterations"}
+_INTEGERS = {"consumed_samples", "consumed_tokens", "global_batch_size", "skipped_iterations", "nan_iterations",
+             "curriculum_seqlen"}
 
 
 def _snake(name: str) -> str:
