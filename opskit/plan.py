@@ -702,7 +702,7 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
         found.append(f"opskit's trainer would refuse this job today ({'; '.join(problems)}): `opskit submit` "
                      "refuses it")
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
-    if version and (problem := deepspeed_resume_problem(spec.model.precision, spec.parallel.zero_stage, version)):
+    if version and (problem := deepspeed_resume_problem(spec, version)):
         found.append(problem)
     cl = plan.curriculum
     if cl is not None:

@@ -538,8 +538,7 @@ class Spec(_Section):
                              f"divisible by TP*PP = {p.model_parallel_size}; {fix}")
         problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems()]
         version = self.parallel.deepspeed_version
-        if version and (problem := deepspeed_resume_problem(self.model.precision, self.parallel.zero_stage,
-                                                            version)):
+        if version and (problem := deepspeed_resume_problem(self, version)):
             problems.append(f"parallel.deepspeed_version {version}: {problem}")
         if (gpus := _gres_gpus(self.slurm.gres)) is not None and gpus != self.parallel.gpus_per_node:
             problems.append(f"slurm.gres {self.slurm.gres} asks for {gpus} GPUs per node but parallel.gpus_per_node "
@@ -738,22 +737,39 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-def deepspeed_resume_problem(precision: str, zero_stage: int, version: str) -> str | None:
-    """Why bf16 with ZeRO stage 0 cannot resume on this DeepSpeed version, or None.
+def deepspeed_resume_problem(spec: Spec, version: str) -> str | None:
+    """Why this DeepSpeed version cannot resume (or clips wrongly) the spec's precision / ZeRO stage / PP, or None;
+    one line naming the spec fields. opskit's trainer, like Megatron-DeepSpeed, always runs DeepSpeed's pipeline
+    engine, so these hold at any PP unless said otherwise.
 
-    DeepSpeed 0.18.0 (PR #7586) stopped loading ZeRO checkpoint files when ZeRO is off, while bf16 still saved its
-    optimizer states into them (BF16_Optimizer, which the pipeline engine uses for bf16 + ZeRO-0, as BLOOM-176B did);
-    0.18.5 (PR #7786) saves and loads them with the model states again. In between, every resume silently restarts
-    Adam's moments and step count from zero. Read from deepspeedai/DeepSpeed's engine.py at v0.17.6, v0.18.0,
-    v0.18.4 and v0.18.5 (``load_zero_checkpoint`` / ``zero_optimizer_state`` conditions).
+    - bf16 + ZeRO-0, DeepSpeed 0.18.0-0.18.4: 0.18.0 (PR #7586) stopped loading ZeRO checkpoint files when ZeRO is
+      off, while bf16 still saved its optimizer states into them (BF16_Optimizer, which the pipeline engine uses for
+      bf16 + ZeRO-0, as BLOOM-176B did), so every resume silently restarted Adam. Read from deepspeedai/DeepSpeed's
+      engine.py at v0.17.6, v0.18.0, v0.18.4 and v0.18.5.
+    - bf16 + ZeRO-0, DeepSpeed 0.18.5-0.19.8: 0.18.5 (PR #7786) loads those states with the model states again, but
+      hands BF16_Optimizer.load_state_dict the saved dict where it expects one state per DP rank: every resume fails
+      with ``KeyError: 0`` (measured on 0.19.8; 0.18.5-0.19.7 read from the same code path, not run).
+    - fp32 / fp16 + ZeRO-0 + PP > 1 with gradient clipping, DeepSpeed 0.19.x: the clipping norm counts pipeline stage
+      0's gradients only, so every other stage clips with the wrong factor (measured on 0.19.8 in fp32, tests of
+      test_train.py; fp16 could not run on a CPU; bf16 clips right).
     """
-    if precision != "bf16" or zero_stage != 0:
+    precision, zero_stage = spec.model.precision, spec.parallel.zero_stage
+    if zero_stage != 0:
         return None
     parsed = _version_tuple(version)
-    if (0, 18, 0) <= parsed < (0, 18, 5):
-        return (f"bf16 with zero_stage 0 on DeepSpeed {version} saves the optimizer states but never loads them back "
-                "(DeepSpeed 0.18.0-0.18.4; fixed in 0.18.5, deepspeedai/DeepSpeed#7786), so every resume restarts "
-                "Adam from zero: use DeepSpeed >= 0.18.5 (or <= 0.17.x), or zero_stage 1")
+    if precision == "bf16" and (0, 18, 0) <= parsed < (0, 18, 5):
+        return (f"model.precision bf16 with parallel.zero_stage 0 on DeepSpeed {version} saves the optimizer states "
+                "but never loads them back (DeepSpeed 0.18.0-0.18.4; deepspeedai/DeepSpeed#7786), so every resume "
+                "restarts Adam from zero: use parallel.zero_stage 1, or DeepSpeed <= 0.17.x")
+    if precision == "bf16" and (0, 18, 5) <= parsed <= (0, 19, 8):
+        return (f"model.precision bf16 with parallel.zero_stage 0 cannot resume on DeepSpeed {version}: its pipeline "
+                "engine fails loading the bf16 optimizer states (KeyError: 0; DeepSpeed 0.18.5-0.19.8): use "
+                "parallel.zero_stage 1, or DeepSpeed <= 0.17.x")
+    pp = spec.parallel.pipeline_model_parallel_size
+    if precision != "bf16" and pp > 1 and spec.optimizer.clip_grad > 0 and (0, 19, 0) <= parsed < (0, 20, 0):
+        return (f"model.precision {precision} with parallel.zero_stage 0 and pipeline_model_parallel_size {pp} "
+                f"clips gradients with pipeline stage 0's norm only on DeepSpeed {version} (0.19.x): use "
+                "parallel.zero_stage 1, or optimizer.clip_grad 0")
     return None
 
 

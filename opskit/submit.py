@@ -72,7 +72,7 @@ def check_trainer(spec: Spec, run: RunPaths) -> None:
         raise SubmitError(f"{where}: opskit's trainer would exit at once on this job: {'; '.join(problems)}; "
                           "remove those settings from the spec (megatron_args holds the verbatim flags)")
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
-    if version and (problem := deepspeed_resume_problem(spec.model.precision, spec.parallel.zero_stage, version)):
+    if version and (problem := deepspeed_resume_problem(spec, version)):
         raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
 
 

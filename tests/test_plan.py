@@ -39,6 +39,8 @@ from opskit.slurm.render import deepspeed_config, render_job, trainer_args, trai
 from opskit.spec import (
     Spec,
     SpecError,
+    deepspeed_resume_problem,
+    installed_deepspeed_version,
     list_specs,
     load_spec,
     padded_vocab_size,
@@ -497,16 +499,20 @@ def test_bf16_zero0_on_deepspeed_versions_that_cannot_resume(in_tmp, jean_zay, m
     for version in ("0.18.0", "0.18.4"):
         raw["parallel"]["deepspeed_version"] = version
         message = refused(write(in_tmp / f"ds-{version}.yaml", raw))
-        assert (f"parallel.deepspeed_version {version}: bf16 with zero_stage 0 on DeepSpeed {version} saves the "
-                "optimizer states but never loads them back") in message
-        assert "use DeepSpeed >= 0.18.5" in message
-    for version in ("0.17.6", "0.18.5", "0.19.8"):
+        assert (f"parallel.deepspeed_version {version}: model.precision bf16 with parallel.zero_stage 0 on DeepSpeed "
+                f"{version} saves the optimizer states but never loads them back") in message
+        assert "use parallel.zero_stage 1" in message
+    for version in ("0.18.5", "0.19.8"):  # the pipeline engine's KeyError 0 on resume
         raw["parallel"]["deepspeed_version"] = version
-        assert load_spec(str(write(in_tmp / f"ok-{version}.yaml", raw))).parallel.deepspeed_version == version
-    raw["parallel"].update(deepspeed_version="0.18.2", zero_stage=1)  # ZeRO-1 resumes fine
+        message = refused(write(in_tmp / f"ds-{version}.yaml", raw))
+        assert (f"parallel.deepspeed_version {version}: model.precision bf16 with parallel.zero_stage 0 cannot "
+                f"resume on DeepSpeed {version}") in message and "KeyError: 0" in message
+    raw["parallel"]["deepspeed_version"] = "0.17.6"
+    assert load_spec(str(write(in_tmp / "ok-0.17.6.yaml", raw))).parallel.deepspeed_version == "0.17.6"
+    raw["parallel"].update(deepspeed_version="0.19.8", zero_stage=1)  # ZeRO-1 resumes fine
     load_spec(str(write(in_tmp / "z1.yaml", raw)))
 
-    # Not pinned: `opskit submit` checks the DeepSpeed installed here.
+    # Not pinned: `opskit submit` and `opskit plan` check the DeepSpeed installed here.
     raw = raw_of("tiny")
     raw["model"]["precision"] = "bf16"
     raw["parallel"]["zero_stage"] = 0
@@ -516,9 +522,26 @@ def test_bf16_zero0_on_deepspeed_versions_that_cannot_resume(in_tmp, jean_zay, m
     with pytest.raises(SubmitError, match=r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them"):
         check_trainer(spec, RunPaths.of(spec))
     monkeypatch.setattr("opskit.submit.installed_deepspeed_version", lambda: "0.19.8")
+    with pytest.raises(SubmitError, match=r"model\.precision bf16 with parallel\.zero_stage 0 cannot resume on "
+                                          r"DeepSpeed 0\.19\.8"):
+        check_trainer(spec, RunPaths.of(spec))
+    monkeypatch.setattr("opskit.submit.installed_deepspeed_version", lambda: "0.17.6")
     check_trainer(spec, RunPaths.of(spec))
-    monkeypatch.setattr("opskit.plan.installed_deepspeed_version", lambda: "0.18.3")
-    assert any("0.18.3" in w for w in make_plan(spec).warnings)
+    monkeypatch.setattr("opskit.plan.installed_deepspeed_version", lambda: "0.19.8")
+    assert any("KeyError: 0" in w for w in make_plan(spec).warnings)
+
+
+def test_zero0_pipeline_clipping_on_deepspeed_0_19(in_tmp, jean_zay):
+    raw = raw_of("tr8-104B")  # fp16, PP=32, clip_grad 1.0
+    raw["parallel"].update(zero_stage=0, deepspeed_version="0.19.8")
+    message = refused(write(in_tmp / "z0.yaml", raw))
+    assert ("parallel.deepspeed_version 0.19.8: model.precision fp16 with parallel.zero_stage 0 and "
+            "pipeline_model_parallel_size 32 clips gradients with pipeline stage 0's norm only") in message
+    raw["optimizer"]["clip_grad"] = 0.0
+    load_spec(str(write(in_tmp / "noclip.yaml", raw)))
+    raw["optimizer"]["clip_grad"] = 1.0
+    raw["parallel"]["deepspeed_version"] = "0.18.5"  # not measured there: not refused
+    load_spec(str(write(in_tmp / "older.yaml", raw)))
 
 
 def test_curriculum_rules(in_tmp):
@@ -666,7 +689,8 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
                               text=True)
         assert done.returncode == 0, done.stdout
 
-    # `opskit submit` refuses it here: the catalogue split files are missing, and the trainer lacks flags.
+    # `opskit submit` refuses it here: the catalogue split files are missing, and DeepSpeed 0.19.8 cannot resume
+    # bf16 with ZeRO-0 (the trainer accepts every flag).
     with pytest.raises(SubmitError, match=r"train-splits\.txt is missing \(data\.train_weighted_split_paths_path of .*"
                                           r"BigScience wrote it with data/catalogue/load_ratios_meg_ds_format\.py\)$"):
         check_data(spec)
@@ -676,6 +700,12 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
 def assert_trainer_verdict(spec: Spec, run: RunPaths) -> None:
     """`opskit submit` refuses exactly what opskit's trainer (its own argparse rules, growing with issue 4) rejects."""
     problems = trainer_rejections(trainer_args(spec, run))
+    version = spec.parallel.deepspeed_version or installed_deepspeed_version()
+    if not problems and version and (problem := deepspeed_resume_problem(spec, version)):
+        with pytest.raises(SubmitError) as info:  # the flags pass; the DeepSpeed version does not
+            check_trainer(spec, run)
+        assert str(info.value) == f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the cluster's)"
+        return
     if not problems:
         check_trainer(spec, run)
         return

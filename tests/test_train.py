@@ -760,19 +760,3 @@ def test_logging_only_flags_are_accepted_and_documented(kjv_data, tmp_path):
                  "abort_on_unmet_fused_kernel_constraints", "deepspeed_activation_checkpointing"):
         assert helps[dest].startswith("accepted, no effect"), dest
     assert helps["log_batch_size_to_tensorboard"].startswith("accepted; ")
-
-
-def test_bigscience_flags_refused_only_where_the_trainer_cannot_do_it(kjv_data, tmp_path):
-    """tr11-176B-ml's flags (opskit plan / submit ask the trainer's own parser): only the weighted split paths and
-    --sync-tp-duplicated-parameters are still refused."""
-    from opskit.slurm.render import trainer_rejections
-
-    args = tiny_trainer_args(kjv_data, tmp_path) + [
-        "--pp-partition-method", "type:transformer|embedding", "--zero-stage", "0", "--bf16", "--eval-interval",
-        "1000", "--eval-iters", "1", "--tensorboard-queue-size", "5", "--num-workers", "2", "--valid-num-workers",
-        "0", "--distributed-backend", "nccl", "--checkpoint-activations", "--abort-on-unmet-fused-kernel-constraints",
-        "--deepspeed-activation-checkpointing", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
-        "--log-validation-ppl-to-tensorboard", "--train-weighted-split-paths-path", "x.txt",
-        "--valid-weighted-split-paths-path", "y.txt", "--sync-tp-duplicated-parameters"]
-    assert trainer_rejections(args) == ["it does not accept --train-weighted-split-paths-path, "
-                                        "--valid-weighted-split-paths-path, --sync-tp-duplicated-parameters"]

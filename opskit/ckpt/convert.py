@@ -126,7 +126,11 @@ def convert_to_bloom(path: str | Path, out_dir: str | Path, step: int | None = N
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     step_dir = scan_step_dir(resolve_step_dir(path, step))
     args = load_args(step_dir)
-    tokenizer_dir = Path(tokenizer_dir or args.tokenizer_name_or_path)
+    tokenizer_dir = tokenizer_dir or getattr(args, "tokenizer_name_or_path", None)
+    if tokenizer_dir is None:  # trained from GPT-2's vocab/merges files (--tokenizer-type GPT2BPETokenizer)
+        raise ConvertError(f"{step_dir.path}: trained with --tokenizer-type {args.tokenizer_type}, no tokenizer "
+                           "folder saved (pass --tokenizer DIR)")
+    tokenizer_dir = Path(tokenizer_dir)
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise ConvertError(f"{tokenizer_dir}: no tokenizer.json (pass --tokenizer DIR)")
     config = bloom_config(args, dtype)

@@ -29,12 +29,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--pad-vocab-size-to", type=int, default=None)
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="fp16 with DeepSpeed's loss scaling (the DeepSpeed config's "
+                   "fp16 block; default dynamic, initial scale 2^12)")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="accepted, no effect: as in Megatron-DeepSpeed, the DeepSpeed config's fp16.loss_scale "
+                        "governs (0 = dynamic)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
+                   help="average the parameters every TP rank holds a copy of (LayerNorms, row-parallel biases, "
+                        "position embeddings) over the TP group after every step, so they stay bitwise equal")
     g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; DeepSpeed is always used")
     g.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON; missing keys are filled from the flags")
     g.add_argument("--zero-stage", type=int, choices=[0, 1], default=1)
@@ -58,11 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
                    metavar=("START", "INCREMENT", "SAMPLES"))
     g.add_argument("--train-samples", type=int, required=True)
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="accepted, no effect, as in Megatron-DeepSpeed since its PR #177: --train-samples ends "
+                        "training")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-samples", type=int, default=0)
     g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
+    g.add_argument("--lr-decay-tokens", type=int, default=None,
+                   help="decay the LR over this many consumed tokens instead of samples (curriculum learning: "
+                        "shorter sequences early); warmup stays in samples")
     g.add_argument("--override-lr-scheduler", action="store_true")
     g.add_argument("--use-checkpoint-lr-scheduler", action="store_true")
     g.add_argument("--optimizer", choices=["adam"], default="adam")
@@ -74,10 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234)
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", required=True, help="indexed dataset prefix (without .bin/.idx)")
+    g.add_argument("--data-path", default=None, nargs="+",
+                   help="indexed dataset prefix (without .bin/.idx), or a blend: WEIGHT PREFIX WEIGHT PREFIX ... "
+                        "(weights are normalised; each prefix is split by --split on its own)")
+    g.add_argument("--train-weighted-split-paths-path", default=None,
+                   help="instead of --data-path: a file holding one group \"NAME: WEIGHT START:END PREFIX, ...\" "
+                        "(BigScience's catalogue blend; START:END are fractions of each dataset's documents)")
+    g.add_argument("--valid-weighted-split-paths-path", default=None,
+                   help="the validation groups, same format, one or more \"NAME: ...\" groups on one line; each is "
+                        "evaluated and printed under its NAME")
     g.add_argument("--data-impl", choices=["mmap"], default="mmap")
-    g.add_argument("--tokenizer-type", choices=["PretrainedFromHF"], default="PretrainedFromHF")
-    g.add_argument("--tokenizer-name-or-path", required=True, help="folder with tokenizer.json")
+    g.add_argument("--tokenizer-type", choices=["PretrainedFromHF", "GPT2BPETokenizer"], default="PretrainedFromHF")
+    g.add_argument("--tokenizer-name-or-path", default=None,
+                   help="PretrainedFromHF: a folder with tokenizer.json")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
     g.add_argument("--num-workers", type=int, default=2,
                    help="accepted, no effect: samples are read from the mmap in the training process (no DataLoader)")
     g.add_argument("--valid-num-workers", type=int, default=2,
@@ -113,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted, no effect: the trainer keeps no Megatron timers to write")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="also write 'lm-loss-validation/lm loss validation ppl'")
+    g.add_argument("--codecarbon-dir", default=None,
+                   help="CodeCarbon's offline emissions CSVs (emissions-RANK.csv) go here, when the codecarbon "
+                        "package is installed (pip install codecarbon); otherwise a warning and training goes on")
     return p
 
 
@@ -162,6 +189,20 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parse_split(args.split)
     except ValueError as e:
         parser.error(f"--split {e}")
+    if (args.data_path is None) == (args.train_weighted_split_paths_path is None):
+        parser.error("give either --data-path or --train-weighted-split-paths-path (with "
+                     "--valid-weighted-split-paths-path)")
+    if args.data_path is not None:
+        try:
+            parse_data_path(args.data_path)
+        except ValueError as e:
+            parser.error(f"--data-path {e}")
+    elif args.valid_weighted_split_paths_path is None:
+        parser.error("--train-weighted-split-paths-path needs --valid-weighted-split-paths-path")
+    if args.tokenizer_type == "PretrainedFromHF" and not args.tokenizer_name_or_path:
+        parser.error("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path")
+    if args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        parser.error("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
     if args.eval_interval is not None and args.eval_interval <= 0:
         parser.error(f"--eval-interval must be > 0, got {args.eval_interval}")
     if args.eval_iters < 0:
@@ -189,6 +230,65 @@ def parse_split(split: str) -> list[float]:
         raise bad
     weights += [0.0] * (3 - len(weights))
     return [w / sum(weights) for w in weights]
+
+
+def parse_data_path(values: list[str]) -> list[tuple[float, str]]:
+    """``--data-path`` as ``[(weight, prefix)]``: one prefix (weight 1), or Megatron's blend ``W1 P1 W2 P2 ...`` with
+    the weights normalised to sum 1.
+
+    Raises:
+        ValueError: for an odd number of values, a weight that is not a non-negative number, or weights summing to 0.
+    """
+    if len(values) == 1:
+        return [(1.0, values[0])]
+    bad = ValueError(f"{' '.join(values)!r} is not one prefix or WEIGHT PREFIX pairs with non-negative weights "
+                     "summing above 0, e.g. 0.3 prefixA 0.7 prefixB")
+    if len(values) % 2:
+        raise bad
+    try:
+        weights = [float(w) for w in values[0::2]]
+    except ValueError:
+        raise bad from None
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise bad
+    return [(w / sum(weights), prefix) for w, prefix in zip(weights, values[1::2], strict=True)]
+
+
+def parse_weighted_split_paths(text: str) -> list[tuple[str, list[tuple[float, float, float, str]]]]:
+    """The contents of a ``--{train,valid}-weighted-split-paths-path`` file (Megatron-DeepSpeed's ParseDataPaths):
+    one line of double-quoted groups ``"NAME: WEIGHT START:END PREFIX, WEIGHT START:END PREFIX" "NAME2: ..."``.
+
+    Returns:
+        ``[(name, [(weight, start, end, prefix), ...]), ...]``; weights as written, START/END fractions in [0, 1].
+
+    Raises:
+        ValueError: for anything else, quoting the part that is wrong.
+    """
+    line = text.strip()
+    if not (line.startswith('"') and line.endswith('"')) or "\n" in line:
+        raise ValueError('expected one line of double-quoted groups, e.g. "train: 0.3 0:0.95 /data/a, 0.7 0:0.95 '
+                         '/data/b"')
+    groups = []
+    for group in line[1:-1].split('" "'):
+        name, sep, body = group.partition(":")
+        if not sep or not name.strip() or " " in name.strip():
+            raise ValueError(f"{group[:60]!r}: a group starts with 'NAME:'")
+        entries = []
+        for entry in body.split(","):
+            parts = entry.split()
+            bad = ValueError(f"{entry.strip()!r} in group {name.strip()!r} is not 'WEIGHT START:END PREFIX' with "
+                             "WEIGHT >= 0 and 0 <= START < END <= 1")
+            try:
+                weight, (start, end), prefix = float(parts[0]), (float(x) for x in parts[1].split(":")), parts[2]
+            except (IndexError, ValueError):
+                raise bad from None
+            if len(parts) != 3 or weight < 0 or not 0 <= start < end <= 1:
+                raise bad
+            entries.append((weight, start, end, prefix))
+        if sum(w for w, *_ in entries) <= 0:
+            raise ValueError(f"group {name.strip()!r}: the weights sum to 0")
+        groups.append((name.strip(), entries))
+    return groups
 
 
 def parse_skip_ranges(ranges: list[str]) -> list[list[int]]:

@@ -14,7 +14,7 @@ Like Megatron's ``--split``: the documents are cut, in index order, into train /
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -88,12 +88,89 @@ class GPTSamples:
         return np.concatenate(pieces).astype(np.int64)
 
 
-def micro_batches(samples: GPTSamples, consumed_samples: int, micro_batch_size: int, dp_size: int,
-                  dp_rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless ``(tokens [MBS, s], labels [MBS, s])`` for this DP rank, starting at ``consumed_samples``."""
+class BlendedSamples:
+    """Megatron's blend of several datasets (``--data-path 0.3 A 0.7 B``): global sample ``i`` is sample ``j_i`` of
+    dataset ``d_i``, where ``d_i`` is the dataset furthest behind its share (``weight * max(i, 1) - taken`` largest,
+    megatron-core's ``helpers.build_blending_indices``, which builds the index here), so every prefix of the blend
+    follows the weights within one sample per dataset. Each dataset is endless (epochs repeat), so the index is only
+    grown, by doubling, as far as training reads; it costs 10 bytes per sample read (Megatron builds it for the whole
+    run up front).
+
+    Args:
+        datasets: one :class:`GPTSamples` per prefix (already cut to the split).
+        weights: their weights (normalised here).
+    """
+
+    def __init__(self, datasets: list[GPTSamples], weights: list[float]):
+        self.datasets = datasets
+        self.weights = np.asarray(weights, dtype=np.float64) / float(sum(weights))
+        self.dataset_index = np.zeros(0, dtype=np.int16)
+        self.dataset_sample_index = np.zeros(0, dtype=np.int64)
+
+    def _grow(self, size: int) -> None:
+        from megatron.core.datasets import helpers
+
+        size = max(size, 2 * len(self.dataset_index), 1024)
+        self.dataset_index = np.zeros(size, dtype=np.int16)
+        self.dataset_sample_index = np.zeros(size, dtype=np.int64)
+        helpers.build_blending_indices(self.dataset_index, self.dataset_sample_index, self.weights,
+                                       len(self.datasets), size, False)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Global sample ``index``: ``[seq_length + 1]`` int64."""
+        if index >= len(self.dataset_index):
+            self._grow(index + 1)
+        return self.datasets[int(self.dataset_index[index])][int(self.dataset_sample_index[index])]
+
+
+def blend_samples(blend: list[tuple[float, str]], split: str, which: int, seq_length: int,
+                  seed: int) -> GPTSamples | BlendedSamples:
+    """The samples of split ``which`` (0 train, 1 valid, 2 test) of ``--data-path``: each prefix's documents are cut
+    by ``--split`` on their own (Megatron's blend), then blended by weight; one prefix gives its GPTSamples.
+
+    Raises:
+        ValueError: naming the prefix, when its split holds fewer than ``seq_length + 1`` tokens.
+        FileNotFoundError: when a prefix's ``.idx``/``.bin`` cannot be opened.
+    """
+    return _blend([(weight, prefix, lambda n: split_document_ranges(split, n)[which]) for weight, prefix in blend],
+                  seq_length, seed)
+
+
+def weighted_split_samples(entries: list[tuple[float, float, float, str]], seq_length: int,
+                           seed: int) -> GPTSamples | BlendedSamples:
+    """One group of a ``--{train,valid}-weighted-split-paths-path`` file: ``(weight, start, end, prefix)`` entries,
+    each reading documents ``round(start * n) .. round(end * n)`` of its dataset (Megatron-DeepSpeed's
+    get_split_by_range_), blended by weight. Raises as :func:`blend_samples`."""
+    return _blend([(weight, prefix, lambda n, start=start, end=end: (round(start * n), round(end * n)))
+                   for weight, start, end, prefix in entries], seq_length, seed)
+
+
+def _blend(sources, seq_length: int, seed: int) -> GPTSamples | BlendedSamples:
+    """``sources``: ``(weight, prefix, documents(num_documents) -> (begin, end))``."""
+    datasets = []
+    for index, (_, prefix, documents) in enumerate(sources):
+        dataset = IndexedDataset(prefix)
+        try:  # a different seed per prefix, so that equal datasets are not shuffled alike
+            datasets.append(GPTSamples(dataset, seq_length, seed + index,
+                                       documents=documents(len(dataset.sequence_lengths))))
+        except ValueError as e:
+            raise ValueError(f"{prefix}: {e}") from None
+    if len(datasets) == 1:
+        return datasets[0]
+    return BlendedSamples(datasets, [weight for weight, _, _ in sources])
+
+
+def micro_batches(samples: GPTSamples | BlendedSamples, consumed_samples: int, micro_batch_size: int, dp_size: int,
+                  dp_rank: int, seqlen: Callable[[], int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless ``(tokens [MBS, s], labels [MBS, s])`` for this DP rank, starting at ``consumed_samples``.
+
+    ``seqlen``, when given, is asked before each micro-batch for the curriculum's length ``n``: tokens and labels are
+    then their first ``n`` positions (Megatron-DeepSpeed's get_batch_pipe truncation); the samples consumed are the
+    same."""
     step = consumed_samples
     while True:
         first = step + dp_rank * micro_batch_size
         batch = torch.from_numpy(np.stack([samples[i] for i in range(first, first + micro_batch_size)]))
-        yield batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        n = seqlen() if seqlen is not None else batch.shape[1] - 1
+        yield batch[:, :n].contiguous(), batch[:, 1:n + 1].contiguous()
         step += micro_batch_size * dp_size

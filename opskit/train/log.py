@@ -62,8 +62,9 @@ class IntervalStats:
 def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, consumed_tokens: int,
                    seconds_per_iteration: float, learning_rate: float, global_batch_size: int, lm_loss: float,
                    loss_scale: float | None, grad_norm: float | None, skipped_iterations: int,
-                   nan_iterations: int, tflops: float) -> str:
-    """Megatron-DeepSpeed's 2022 iteration line: `` iteration N/ T | key: value | ... |``."""
+                   nan_iterations: int, tflops: float, curriculum_seqlen: int | None = None) -> str:
+    """Megatron-DeepSpeed's 2022 iteration line: `` iteration N/ T | key: value | ... |``; ``loss scale`` only with
+    fp16 (pass None otherwise), ``curriculum seqlen`` only with curriculum learning."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d} |",
         f" consumed samples: {consumed_samples:12d} |",
@@ -78,8 +79,10 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, c
         parts.append(f" loss scale: {loss_scale:.1f} |")
     if grad_norm is not None:
         parts.append(f" grad norm: {grad_norm:.3f} |")
+    parts.append(" num zeros: 0.0 |")
+    if curriculum_seqlen is not None:
+        parts.append(f" curriculum seqlen: {curriculum_seqlen:5d} |")
     parts += [
-        " num zeros: 0.0 |",
         f" number of skipped iterations: {skipped_iterations:3d} |",
         f" number of nan iterations: {nan_iterations:3d} |",
         f" samples per second: {global_batch_size / seconds_per_iteration:.3f} |",
@@ -88,11 +91,12 @@ def iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, c
     return "".join(parts)
 
 
-def validation_lines(prefix: str, lm_loss: float) -> list[str]:
+def validation_lines(prefix: str, lm_loss: float, name: str | None = None) -> list[str]:
     """Megatron's evaluate_and_print_results block: a dash line, `` validation loss at {prefix} | lm loss value: X |
-    lm loss PPL: Y | ``, the dash line again; dashes = len(line) + 1, PPL = exp(min(20, loss))."""
+    lm loss PPL: Y | `` (`` {name} loss at ...`` for a named validation group), the dash line again;
+    dashes = len(line) + 1, PPL = exp(min(20, loss))."""
     ppl = validation_ppl(lm_loss)
-    line = f" validation loss at {prefix} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    line = f" {name or 'validation'} loss at {prefix} | lm loss value: {lm_loss:.6E} | lm loss PPL: {ppl:.6E} | "
     dashes = "-" * (len(line) + 1)
     return [dashes, line, dashes]
 
@@ -119,7 +123,7 @@ class TensorBoard:
             self.writer.add_scalar("iteration-time/world_size", 0, iteration + 1)
 
     def iteration(self, iteration: int, samples: int, tokens: int, lr: float, batch_size: int, loss: float,
-                  grad_norm: float | None, loss_scale: float | None) -> None:
+                  grad_norm: float | None, loss_scale: float | None, curriculum_seqlen: int | None = None) -> None:
         if not self.writer:
             return
         w = self.writer
@@ -137,23 +141,30 @@ class TensorBoard:
         w.add_scalar("lm-loss-training/lm loss vs tokens", loss, tokens)
         if loss_scale is not None:
             w.add_scalar("loss-scale/loss-scale", loss_scale, iteration)
+            w.add_scalar("loss-scale/loss-scale vs samples", loss_scale, samples)
+            w.add_scalar("loss-scale/loss-scale vs tokens", loss_scale, tokens)
+        if curriculum_seqlen is not None:
+            w.add_scalar("curriculum_seqlen", curriculum_seqlen, iteration)
         if grad_norm is not None:
             w.add_scalar("grad-norm/grad-norm", grad_norm, iteration)
             w.add_scalar("grad-norm/grad-norm vs samples", grad_norm, samples)
             w.add_scalar("grad-norm/grad-norm vs tokens", grad_norm, tokens)
 
-    def validation(self, iteration: int, samples: int, tokens: int, loss: float, log_ppl: bool) -> None:
+    def validation(self, iteration: int, samples: int, tokens: int, loss: float, log_ppl: bool,
+                   name: str | None = None) -> None:
         """``lm-loss-validation/lm loss validation`` (+ `` vs samples``, `` vs tokens``), and its ``ppl`` with
-        ``--log-validation-ppl-to-tensorboard``."""
+        ``--log-validation-ppl-to-tensorboard``; under ``lm-loss-validation/{name}/`` for a named group."""
         if not self.writer:
             return
         values = {"lm loss validation": loss}
         if log_ppl:
             values["lm loss validation ppl"] = validation_ppl(loss)
-        for name, value in values.items():
-            self.writer.add_scalar(f"lm-loss-validation/{name}", value, iteration)
-            self.writer.add_scalar(f"lm-loss-validation/{name} vs samples", value, samples)
-            self.writer.add_scalar(f"lm-loss-validation/{name} vs tokens", value, tokens)
+        section = f"lm-loss-validation/{name}" if name else "lm-loss-validation"
+        for key, value in values.items():
+            tag = f"{section}/{key}"
+            self.writer.add_scalar(tag, value, iteration)
+            self.writer.add_scalar(f"{tag} vs samples", value, samples)
+            self.writer.add_scalar(f"{tag} vs tokens", value, tokens)
 
     def interval(self, iteration: int, samples: int, tokens: int, seconds_per_iteration: float, batch_size: int,
                  seq_length: int, dp_size: int, tflops: float) -> None:
@@ -174,3 +185,12 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+def current_loss_scale(optimizer) -> float | None:
+    """The fp16 loss scale DeepSpeed's optimizer uses now (ZeRO: ``loss_scale_config.cur_scale``; FP16_Optimizer:
+    ``cur_scale``), or None for an optimizer without loss scaling. Dynamic scaling halves it on an overflow (the step
+    is then skipped) and doubles it after ``loss_scale_window`` clean steps."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    scale = getattr(config, "cur_scale", None) if config is not None else getattr(optimizer, "cur_scale", None)
+    return float(scale) if scale is not None else None

@@ -24,7 +24,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from opskit.runs import mark_run_finished  # noqa: E402
-from opskit.train.args import parse_args  # noqa: E402
+from opskit.train.args import parse_args, parse_data_path  # noqa: E402
 
 
 class TrainerError(RuntimeError):
@@ -87,19 +87,82 @@ def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
 
 def _check_data_files(args: argparse.Namespace) -> None:
     """megatron-core only asserts on a missing dataset (and its ``__del__`` then prints a traceback): check first."""
-    for suffix in (".idx", ".bin"):
-        if not Path(args.data_path + suffix).is_file():
-            raise TrainerError(f"--data-path {args.data_path} (--split {args.split}, train): "
-                               f"no {args.data_path}{suffix}")
+    if args.data_path is None:  # (flag naming the file, prefix) of every weighted group entry
+        sources = [(f"{flag} {path}", prefix) for flag, path in (
+            ("--train-weighted-split-paths-path", args.train_weighted_split_paths_path),
+            ("--valid-weighted-split-paths-path", args.valid_weighted_split_paths_path))
+            for _, entries in _weighted_split_groups(flag, path) for *_, prefix in entries]
+    else:
+        sources = [(f"--data-path {prefix} (--split {args.split}, train)", prefix)
+                   for _, prefix in parse_data_path(args.data_path)]
+    for where, prefix in sources:
+        for suffix in (".idx", ".bin"):
+            if not Path(prefix + suffix).is_file():
+                raise TrainerError(f"{where}: no {prefix}{suffix}")
 
 
 def _load_vocab_size(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary size (Megatron's ``tokenizer.vocab_size``, before padding): a PretrainedFromHF
+    folder's ``tokenizer.json``, or GPT-2's BPE files (``--vocab-file`` + ``--merge-file``, 50257 for GPT-2's own)."""
     from tokenizers import Tokenizer
 
-    path = Path(args.tokenizer_name_or_path) / "tokenizer.json"
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        from tokenizers.models import BPE
+
+        for flag, file in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            if not Path(file).is_file():
+                raise TrainerError(f"{flag} {file}: no such file")
+        try:
+            return Tokenizer(BPE.from_file(args.vocab_file, args.merge_file)).get_vocab_size()
+        except Exception as e:  # the tokenizers library raises its own untyped errors for bad JSON or merges
+            raise TrainerError(f"--vocab-file {args.vocab_file} / --merge-file {args.merge_file}: not GPT-2 BPE "
+                               f"files ({e})") from None
+    name = args.tokenizer_name_or_path
+    path = Path(name) / "tokenizer.json"
+    if not path.is_file() and not Path(name).is_dir():
+        path = _hub_tokenizer_file(name)
     if not path.is_file():
-        raise TrainerError(f"--tokenizer-name-or-path {args.tokenizer_name_or_path}: no tokenizer.json there")
+        raise TrainerError(f"--tokenizer-name-or-path {name}: no tokenizer.json there")
     return Tokenizer.from_file(str(path)).get_vocab_size()
+
+
+def _hub_tokenizer_file(name: str) -> Path:
+    """``tokenizer.json`` of a Hugging Face Hub tokenizer (tr11's ``bigscience-catalogue-data-dev/...``), from the
+    Hugging Face cache or downloaded into it (``HF_HUB_OFFLINE=1`` on nodes without internet; ``HF_TOKEN`` or
+    ``huggingface-cli login`` for private ones).
+
+    Raises:
+        TrainerError: when it is neither a local folder nor a Hub tokenizer that can be had.
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+
+    try:
+        return Path(hf_hub_download(repo_id=name, filename="tokenizer.json"))
+    except (HFValidationError, EntryNotFoundError, OSError) as e:  # bad id; no such file, no network, not cached
+        raise TrainerError(f"--tokenizer-name-or-path {name}: not a local folder, and no tokenizer.json from the "
+                           f"Hugging Face Hub or its cache ({type(e).__name__})") from None
+
+
+def _curriculum(config: dict, args: argparse.Namespace):
+    """The DeepSpeed JSON's top-level ``curriculum_learning`` block (BigScience's format), taken out of ``config``:
+    DeepSpeed 0.19 refuses that key, and under its pipeline engine Megatron-DeepSpeed ran the schedule itself anyway.
+
+    Returns:
+        A :class:`~opskit.train.schedules.SeqlenCurriculum`, or None when the block is absent or not enabled.
+
+    Raises:
+        TrainerError: a block DeepSpeed's scheduler cannot run (names the key).
+    """
+    from opskit.train.schedules import SeqlenCurriculum
+
+    block = config.pop("curriculum_learning", None)
+    if not block or not block.get("enabled", False):
+        return None
+    try:
+        return SeqlenCurriculum(block, args.seq_length)
+    except ValueError as e:
+        raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
 
 
 def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
@@ -171,13 +234,14 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from opskit.train.checkpointing import load_checkpoint, save_checkpoint
-    from opskit.train.data import GPTSamples, micro_batches, split_document_ranges
+    from opskit.train.data import micro_batches
+    from opskit.train.emissions import Emissions
     from opskit.train.log import (
         IntervalStats,
         TensorBoard,
+        current_loss_scale,
         iteration_line,
         megatron_flops_per_iteration,
         memory_line,
@@ -187,6 +251,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     from opskit.train.model import GPTConfig
     from opskit.train.pipe import GPTModelPipe, compile_transformer_layers, make_topology
     from opskit.train.schedules import AnnealingLR, BatchRampup, num_microbatches
+    from opskit.train.tp_sync import sync_tp_duplicated_parameters, tp_duplicated_parameters
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     _init_distributed(args)
@@ -213,6 +278,10 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         return 0
 
     _check_data_files(args)  # from the flags alone: fail before minutes of model building, not after
+    rampup = BatchRampup(args.global_batch_size, tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
+    train_iters = rampup.train_iters(args.train_samples)
+    ds_config = _deepspeed_config(args, rampup.batch_size(0))
+    curriculum = _curriculum(ds_config, args)
     args.original_vocab_size = _load_vocab_size(args)
     args.padded_vocab_size = _padded_vocab(args, args.original_vocab_size)
     if rank == 0:
@@ -231,8 +300,6 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
                          activation_checkpoint_interval=1 if args.checkpoint_activations else 0,
                          partition_method=args.pp_partition_method or "type:transformer|embedding")
 
-    rampup = BatchRampup(args.global_batch_size, tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
-    train_iters = rampup.train_iters(args.train_samples)
     if args.torch_compile:
         compile_transformer_layers(model)
     if torch.cuda.is_available():
@@ -241,15 +308,17 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
                                   eps=args.adam_eps, weight_decay=args.weight_decay,
                                   fused=torch.cuda.is_available())  # one kernel per step on GPUs
     consumed = {"samples": 0}
+    consumed_tokens = 0  # read by the LR schedule's --lr-decay-tokens
     scheduler = AnnealingLR(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
         decay_steps=args.lr_decay_samples, decay_style=args.lr_decay_style,
         step_size=lambda: rampup.batch_size(consumed["samples"]),
         override=args.override_lr_scheduler, use_checkpoint=args.use_checkpoint_lr_scheduler,
+        decay_tokens=args.lr_decay_tokens, consumed_tokens=lambda: consumed_tokens,
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=_deepspeed_config(args, rampup.batch_size(0)),
+        config=ds_config,
     )
 
     args.consumed_valid_samples = 0  # Megatron's counter, saved in the checkpoint's args
@@ -259,38 +328,44 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         iteration, consumed["samples"], consumed_tokens = load_checkpoint(engine, args)
     except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
         raise TrainerError(f"{args.load}: {e}") from None
+    tp_duplicated = tp_duplicated_parameters(model) if args.sync_tp_duplicated_parameters and tp > 1 else []
+    if tp_duplicated:  # also heals copies that drifted apart before this run (BLOOM-176B's checkpoints)
+        sync_tp_duplicated_parameters(tp_duplicated, parallel_state.get_tensor_model_parallel_group(), tp)
+        if rank == 0:
+            print(f"> syncing {len(tp_duplicated)} TP-duplicated parameters over the {tp} TP ranks after every step",
+                  flush=True)
     if rank == 0:
         print(f"setting training iterations to {train_iters}", flush=True)
     tensorboard = TensorBoard(args.tensorboard_dir, args.tensorboard_queue_size, enabled=is_last_rank)
     tensorboard.restart_marker(iteration, world_size)
 
     dp_rank = engine.grid.data_parallel_id
-    try:
-        dataset = IndexedDataset(args.data_path)
-        splits = split_document_ranges(args.split, len(dataset.sequence_lengths))
-        samples = GPTSamples(dataset, args.seq_length, args.seed, documents=splits[0])
-    except (FileNotFoundError, ValueError) as e:
-        raise TrainerError(f"--data-path {args.data_path} (--split {args.split}, train): {e}") from None
+    ((_, samples),) = _split_samples(args, "train")
+    seqlen = {"now": args.seq_length}  # the curriculum's, read by the data iterator before each micro-batch
     data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size, dp,
-                         dp_rank)
+                         dp_rank, seqlen=lambda: seqlen["now"])
     skip_ranges = _pending_skip_ranges(args, iteration)
     do_valid = args.eval_interval is not None and args.eval_iters > 0
-    if do_valid:
-        try:
-            valid_samples = GPTSamples(dataset, args.seq_length, args.seed, documents=splits[1])
-        except ValueError as e:
-            raise TrainerError(f"--data-path {args.data_path} (--split {args.split}, valid): {e}") from None
-        valid_data = micro_batches(valid_samples, args.consumed_valid_samples, args.micro_batch_size, dp, dp_rank)
+    valid_samples = _split_samples(args, "valid") if do_valid else []
+    # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
+    valid_sets = [(name, micro_batches(samples_of_set, args.consumed_valid_samples // len(valid_samples),
+                                       args.micro_batch_size, dp, dp_rank)) for name, samples_of_set in valid_samples]
 
     def evaluate_and_print_results(prefix: str) -> None:
-        loss = _evaluate(engine, valid_data, args)
-        if is_last_rank:
-            for line in validation_lines(prefix, loss):  # one print per line: see main()
-                print(line, flush=True)
-        tensorboard.validation(iteration, consumed["samples"], consumed_tokens, loss,
-                               args.log_validation_ppl_to_tensorboard)
+        if curriculum is not None:  # validation runs at the full --seq-length (Megatron-DeepSpeed's evaluate)
+            engine.reset_activation_shape()
+        for name, valid_data in valid_sets:
+            loss = _evaluate(engine, valid_data, args)
+            if is_last_rank:
+                for line in validation_lines(prefix, loss, name):  # one print per line: see main()
+                    print(line, flush=True)
+            tensorboard.validation(iteration, consumed["samples"], consumed_tokens, loss,
+                                   args.log_validation_ppl_to_tensorboard, name)
+        if curriculum is not None:
+            engine.reset_activation_shape()
 
     flops_recompute = args.checkpoint_activations
+    emissions = Emissions.start(args.codecarbon_dir, rank)
     stats = IntervalStats(started=time.time())
     last_saved = iteration if args.load and iteration else None
     exit_reason = None
@@ -305,37 +380,45 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
             args.skipped_train_samples += rampup.batch_size(consumed["samples"]) * (last - iteration)
             args.applied_skip_train_iteration_ranges.append([first, last])
             data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size,
-                                 dp, dp_rank)
+                                 dp, dp_rank, seqlen=lambda: seqlen["now"])
             continue
         global_batch_size = rampup.batch_size(consumed["samples"])
         num_microbatches(global_batch_size, args.micro_batch_size, dp)  # Megatron's divisibility check
         engine.set_train_batch_size(global_batch_size)
+        if curriculum is not None and (difficulty := curriculum.seqlen(iteration + 1)) != seqlen["now"]:
+            seqlen["now"] = difficulty
+            engine.reset_activation_shape()  # the pipeline stages then exchange the new shapes
         skipped_before = engine.skipped_steps
         loss = float(engine.train_batch(data_iter=data))
+        if tp_duplicated:
+            sync_tp_duplicated_parameters(tp_duplicated, parallel_state.get_tensor_model_parallel_group(), tp)
         iteration += 1
         consumed["samples"] += global_batch_size
-        consumed_tokens += global_batch_size * args.seq_length
+        consumed_tokens += global_batch_size * seqlen["now"]
         stats.add(loss, skipped=engine.skipped_steps > skipped_before)
         lr = optimizer.param_groups[0]["lr"]
         grad_norm = engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
+        loss_scale = current_loss_scale(engine.optimizer) if args.fp16 else None
+        curriculum_seqlen = seqlen["now"] if curriculum is not None else None
         tensorboard.iteration(iteration, consumed["samples"], consumed_tokens, lr, global_batch_size, loss,
-                              grad_norm, None)
+                              grad_norm, loss_scale, curriculum_seqlen)
 
         if iteration % args.log_interval == 0:
             seconds = (time.time() - stats.started) / stats.iterations
-            flops = megatron_flops_per_iteration(global_batch_size, args.seq_length, args.num_layers,
+            flops = megatron_flops_per_iteration(global_batch_size, seqlen["now"], args.num_layers,
                                                  args.hidden_size, args.padded_vocab_size, flops_recompute)
             tflops = flops / (seconds * world_size * 1e12)
             if is_last_rank:
                 print(iteration_line(
                     iteration=iteration, train_iters=train_iters, consumed_samples=consumed["samples"],
                     consumed_tokens=consumed_tokens, seconds_per_iteration=seconds, learning_rate=lr,
-                    global_batch_size=global_batch_size, lm_loss=stats.mean_loss, loss_scale=None,
+                    global_batch_size=global_batch_size, lm_loss=stats.mean_loss, loss_scale=loss_scale,
                     grad_norm=grad_norm, skipped_iterations=stats.skipped_iterations,
-                    nan_iterations=stats.nan_iterations, tflops=tflops), flush=True)
+                    nan_iterations=stats.nan_iterations, tflops=tflops, curriculum_seqlen=curriculum_seqlen),
+                    flush=True)
             tensorboard.interval(iteration, consumed["samples"], consumed_tokens, seconds, global_batch_size,
-                                 args.seq_length, dp, tflops)
+                                 seqlen["now"], dp, tflops)
             if not memory_reported and torch.cuda.is_available():
                 print(memory_line(rank, iteration), flush=True)
                 memory_reported = True
@@ -345,6 +428,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
             evaluate_and_print_results(f"iteration {iteration}")
         if args.save and iteration % args.save_interval == 0:
             save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
+            emissions.flush()
             last_saved = iteration
         exit_reason = _exit_reason(args, iteration, train_start_time, exit_requests)
         if exit_reason:
@@ -362,10 +446,45 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     if exit_reason is None and rank == 0:  # the chain's later tasks exit at start (opskit.runs.RunPaths.finished_flag)
         mark_run_finished(f"training finished at iteration {iteration}, consumed samples {consumed['samples']}")
     tensorboard.close()
+    emissions.stop()
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()  # DeepSpeed 0.19.8 may SIGABRT at exit without it
     return 0
+
+
+def _weighted_split_groups(flag: str, path: str) -> list:
+    """The groups of a ``--*-weighted-split-paths-path`` file (see args.parse_weighted_split_paths)."""
+    from opskit.train.args import parse_weighted_split_paths
+
+    try:
+        return parse_weighted_split_paths(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise TrainerError(f"{flag} {path}: {e}") from None
+
+
+def _split_samples(args: argparse.Namespace, split: str) -> list:
+    """``[(name, samples)]`` of the ``train`` or ``valid`` split: ``[(None, ...)]`` from ``--data-path`` (cut by
+    ``--split``), or one per group of ``--{split}-weighted-split-paths-path`` (a train file holds exactly one)."""
+    from opskit.train.data import blend_samples, weighted_split_samples
+
+    flag = f"--{split}-weighted-split-paths-path"
+    path = getattr(args, f"{split}_weighted_split_paths_path")
+    if args.data_path is not None:
+        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, {split})"
+    else:
+        where = f"{flag} {path}"
+    try:
+        if args.data_path is not None:
+            which = ("train", "valid").index(split)
+            return [(None, blend_samples(parse_data_path(args.data_path), args.split, which, args.seq_length,
+                                         args.seed))]
+        groups = _weighted_split_groups(flag, path)
+        if split == "train" and len(groups) != 1:
+            raise ValueError(f"{len(groups)} groups; the train file holds exactly one")
+        return [(name, weighted_split_samples(entries, args.seq_length, args.seed)) for name, entries in groups]
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainerError(f"{where}: {e}") from None
 
 
 def _pending_skip_ranges(args: argparse.Namespace, iteration: int):

@@ -77,7 +77,9 @@ _CHECKED_FIELDS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_sty
 
 class AnnealingLR:
     """Megatron's AnnealingLR counted in samples: linear warmup to ``max_lr`` over ``warmup_steps`` samples, then
-    linear or cosine decay to ``min_lr`` at ``decay_steps`` samples, ``min_lr`` after.
+    linear or cosine decay to ``min_lr`` at ``decay_steps`` samples, ``min_lr`` after. With ``decay_tokens``
+    (``--lr-decay-tokens``, for curriculum learning) the decay runs over consumed tokens instead, from the tokens
+    consumed when the warmup ended (Megatron-DeepSpeed's rule: recorded when ``num_steps`` equals ``warmup_steps``).
 
     It drives a torch optimizer's ``param_groups[*]['lr']``. DeepSpeed calls ``step()`` without arguments after each
     optimizer step; ``step_size`` then says how many samples that step consumed (the current GBS).
@@ -89,11 +91,15 @@ class AnnealingLR:
         decay_style: ``constant``, ``linear`` or ``cosine``.
         step_size: callable returning the samples consumed by one ``step()`` with no increment.
         override / use_checkpoint: Megatron's ``--override-lr-scheduler`` / ``--use-checkpoint-lr-scheduler``.
+        decay_tokens: tokens of the decay, or None to decay by samples.
+        consumed_tokens: callable returning the run's consumed tokens so far (read at every ``step()``, before the
+            current iteration's are added, as Megatron-DeepSpeed reads ``args.consumed_train_tokens``).
     """
 
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  decay_style: str, step_size: Callable[[], int], override: bool = False,
-                 use_checkpoint: bool = False):
+                 use_checkpoint: bool = False, decay_tokens: int | None = None,
+                 consumed_tokens: Callable[[], int] = lambda: 0):
         if override and use_checkpoint:
             raise ValueError("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive")
         if decay_steps <= 0:
@@ -102,18 +108,26 @@ class AnnealingLR:
         self.max_lr, self.min_lr = float(max_lr), float(min_lr)
         self.warmup_steps, self.decay_steps, self.decay_style = warmup_steps, decay_steps, decay_style
         self.step_size, self.override, self.use_checkpoint = step_size, override, use_checkpoint
-        self.num_steps = 0
+        self.decay_tokens, self.consumed_tokens = decay_tokens, consumed_tokens
+        self.num_steps = self.num_tokens = self.warmup_tokens = 0
         self.step(0)
 
     def get_lr(self) -> float:
         """The learning rate after ``num_steps`` samples."""
         if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
+            if self.num_steps == self.warmup_steps and self.decay_tokens is not None:
+                self.warmup_tokens = self.num_tokens
             return self.max_lr * self.num_steps / self.warmup_steps
         if self.decay_style == "constant":
             return self.max_lr
-        if self.num_steps > self.decay_steps:
+        if self.decay_tokens is not None:
+            if self.num_tokens > self.decay_tokens:
+                return self.min_lr
+            ratio = (self.num_tokens - self.warmup_tokens) / max(self.decay_tokens - self.warmup_tokens, 1)
+        elif self.num_steps > self.decay_steps:
             return self.min_lr
-        ratio = (self.num_steps - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
+        else:
+            ratio = (self.num_steps - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
         if self.decay_style == "linear":
             coeff = 1.0 - ratio
         elif self.decay_style == "cosine":
@@ -124,7 +138,11 @@ class AnnealingLR:
 
     def step(self, increment: int | None = None) -> None:
         """Advance by ``increment`` samples (default: one global batch) and set the optimizer's lr."""
-        self.num_steps += self.step_size() if increment is None else increment
+        if increment is None:  # DeepSpeed's call after an optimizer step
+            self.num_steps += self.step_size()
+            self.num_tokens = self.consumed_tokens()
+        else:
+            self.num_steps += increment
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -135,8 +153,9 @@ class AnnealingLR:
             "max_lr": self.max_lr,
             "warmup_steps": self.warmup_steps,
             "num_steps": self.num_steps,
-            "warmup_tokens": 0,
-            "num_tokens": 0,
+            "warmup_tokens": self.warmup_tokens,
+            "num_tokens": self.num_tokens,
+            "decay_tokens": self.decay_tokens,
             "decay_style": self.decay_style,
             "decay_steps": self.decay_steps,
             "min_lr": self.min_lr,
@@ -148,7 +167,7 @@ class AnnealingLR:
         Raises:
             ValueError: Megatron's mismatch message when a schedule field differs and neither flag allows it.
         """
-        for name in _CHECKED_FIELDS:
+        for name in _CHECKED_FIELDS + (("decay_tokens",) if "decay_tokens" in state else ()):
             mine, theirs = getattr(self, name), state[name]
             if self.override or mine == theirs:
                 continue
@@ -159,4 +178,48 @@ class AnnealingLR:
                 )
             setattr(self, name, theirs)
         self.num_steps = state["num_steps"]
+        self.warmup_tokens = state.get("warmup_tokens", 0)
+        self.num_tokens = state.get("num_tokens", 0)
         self.step(0)
+
+
+class SeqlenCurriculum:
+    """Megatron-DeepSpeed's sequence-length curriculum (Li et al. 2021, arXiv:2108.06084) from the DeepSpeed JSON's
+    top-level ``curriculum_learning`` block, as BigScience's tr8b-104B-cl wrote it::
+
+        {"enabled": true, "curriculum_type": "seqlen", "min_difficulty": 64, "max_difficulty": 2048,
+         "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 36000, "difficulty_step": 8}}
+
+    The schedule is DeepSpeed's own ``CurriculumScheduler`` (``fixed_linear``, ``fixed_root``, ``fixed_discrete``);
+    Megatron-DeepSpeed asks it for ``update_difficulty(iteration + 1)`` before every iteration and truncates that
+    iteration's tokens and labels to the answer. The difficulty is a pure, non-decreasing function of the iteration, so
+    a resumed run continues the schedule without saving anything.
+
+    Raises:
+        ValueError: (at construction) a block that is not a seqlen curriculum DeepSpeed can schedule, or whose
+            difficulties exceed ``seq_length``; the message names the key.
+    """
+
+    def __init__(self, block: dict, seq_length: int):
+        from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
+
+        if block.get("curriculum_type", "seqlen") != "seqlen":
+            raise ValueError(f"curriculum_learning.curriculum_type {block['curriculum_type']!r}: only 'seqlen' "
+                             "is supported")
+        config = {key: value for key, value in block.items() if key not in ("enabled", "curriculum_type")}
+        for key in ("min_difficulty", "max_difficulty"):
+            value = config.get(key)
+            if not isinstance(value, int) or not 0 < value <= seq_length:
+                raise ValueError(f"curriculum_learning.{key} is {value!r}; expected an integer in 1..--seq-length "
+                                 f"{seq_length}")
+        try:
+            self.scheduler = CurriculumScheduler(config)
+        except (AssertionError, RuntimeError, KeyError) as e:
+            reason = str(e) or "bad schedule_config"
+            raise ValueError(f"curriculum_learning: DeepSpeed's CurriculumScheduler refuses it ({reason}); e.g. "
+                             "schedule_type fixed_linear with schedule_config {total_curriculum_step, "
+                             "difficulty_step}") from None
+
+    def seqlen(self, iteration: int) -> int:
+        """Tokens per sample in (1-based) ``iteration``."""
+        return int(self.scheduler.update_difficulty(iteration))
