@@ -1,0 +1,120 @@
+"""Write sharded safetensors files block by block, without ever holding a whole output tensor or shard in memory.
+
+A safetensors file is ``u64 header length | JSON header {name: {dtype, shape, data_offsets}} | raw little-endian
+data`` (https://huggingface.co/docs/safetensors, "Format"). Every output shape is known from the checkpoint's pickles
+before any tensor is read, so the header is written first, the file is sized, and each block (a TP shard, a row
+chunk, a reordered QKV part) is ``pwrite``-n at its place: memory holds one block at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
+
+# A block of an output tensor: (values, first row, first column) in the output's 2-D view (1-D tensors: row = offset).
+Block = tuple[object, int, int]
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One output tensor: its name, shape, the bytes it reads from the checkpoint, and a generator of its blocks."""
+
+    name: str
+    shape: tuple[int, ...]
+    source_bytes: int
+    blocks: Callable[[], Iterator[Block]]
+
+
+def plan_shards(tensors: list[OutTensor], itemsize: int, max_shard_bytes: int) -> list[list[OutTensor]]:
+    """Split tensors, in order, into shards of at most ``max_shard_bytes`` (a larger tensor gets a shard alone)."""
+    shards: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = numel(t.shape) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_safetensors(path: Path, tensors: list[OutTensor], dtype, progress: Callable[[int], None] | None = None,
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write ``tensors`` (cast to ``dtype``) to ``path``; ``progress(source bytes)`` after each tensor.
+
+    Returns:
+        Bytes of tensor data written.
+    """
+    itemsize = dtype.itemsize
+    header: dict[str, dict] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    offsets = {}
+    for t in tensors:
+        nbytes = numel(t.shape) * itemsize
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[str(dtype)], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + nbytes]}
+        offsets[t.name] = offset
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as the reference writer does
+    data_start = 8 + len(encoded)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, len(encoded).to_bytes(8, "little") + encoded, 0)
+        os.ftruncate(fd, data_start + offset)
+        for t in tensors:
+            columns = t.shape[1] if len(t.shape) == 2 else 1
+            base = data_start + offsets[t.name]
+            for values, row, col in t.blocks():
+                _write_block(fd, values.to(dtype).contiguous(), base, row, col, columns, itemsize)
+            if progress:
+                progress(t.source_bytes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return offset
+
+
+def _write_block(fd: int, block, base: int, row: int, col: int, columns: int, itemsize: int) -> None:
+    import torch
+
+    raw = block.view(-1).view(torch.uint8).numpy()
+    if block.dim() < 2 or (col == 0 and block.shape[1] == columns):  # whole rows: one contiguous write
+        _pwrite_all(fd, raw, base + row * columns * itemsize)
+        return
+    width = block.shape[1] * itemsize
+    for r in range(block.shape[0]):
+        _pwrite_all(fd, raw[r * width:(r + 1) * width], base + ((row + r) * columns + col) * itemsize)
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json`` as transformers reads it."""
+    from opskit.fsutil import atomic_write_text
+
+    atomic_write_text(folder / "model.safetensors.index.json",
+                      json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    """Elements of a shape."""
+    n = 1
+    for s in shape:
+        n *= s
+    return n
