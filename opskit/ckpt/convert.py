@@ -396,10 +396,12 @@ def verification_tokens(args: argparse.Namespace, tokenizer_dir: Path, count: in
     import torch
 
     length = min(length, args.max_position_embeddings or length, args.seq_length or length)
+    # Megatron-DeepSpeed's --data-path is a list ("[weight] prefix" pairs); opskit's trainer saves one prefix.
+    prefix = args.data_path[-1] if isinstance(args.data_path, list) else args.data_path
     try:
         from opskit.data import read_documents
 
-        docs = read_documents(args.data_path)
+        docs = read_documents(prefix)
         chosen = [docs[i][:length] for i in range(len(docs)) if len(docs[i]) >= length][:count]
         if len(chosen) == count:
             return torch.tensor([d.tolist() for d in chosen], dtype=torch.long)

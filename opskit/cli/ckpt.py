@@ -37,7 +37,7 @@ def _progress():
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=True)
+                    TimeRemainingColumn(), console=err_console, transient=True, disable=not err_console.is_terminal)
 
 
 @app.command("list")
