@@ -1,6 +1,6 @@
-"""opskit.ckpt.convert on real checkpoints of the real trainer: the HF BLOOM folder (TP=1, TP=2) and GPT-2 folder (PP=2),
-logits equal to the trainer's own layers, --step, refusals (missing or garbage files, keys with no place), atomic
-replacement, `opskit ckpt generate`."""
+"""opskit.ckpt.convert on real checkpoints of the real trainer: the HF BLOOM folder (TP=1, TP=2) and GPT-2 folder
+(PP=2), logits equal to the trainer's own layers, --step, refusals (missing or garbage files, keys with no place),
+atomic replacement, `opskit ckpt generate`."""
 
 from __future__ import annotations
 
