@@ -19,14 +19,16 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     # Imported here so that `opskit --help` stays light; each of these modules is torch-free at import.
     from opskit.ckpt.convert import ConvertError
     from opskit.ckpt.layout import CheckpointFormatError
+    from opskit.ckpt.prune import PruneError
     from opskit.data import DataError
     from opskit.slurm.client import SlurmError
     from opskit.spec import SpecError
     from opskit.submit import SubmitError
     from opskit.sync import SyncError
+    from opskit.targets import TargetError
 
-    return (SpecError, DataError, SubmitError, SlurmError, CheckpointFormatError, ConvertError, SyncError,
-            FileNotFoundError)
+    return (SpecError, DataError, SubmitError, SlurmError, CheckpointFormatError, ConvertError, PruneError, SyncError,
+            TargetError, FileNotFoundError)
 
 
 def friendly_errors(command: Callable) -> Callable:

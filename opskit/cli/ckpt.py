@@ -183,6 +183,118 @@ def convert(
                           f"{result.out_dir}", markup=False)
 
 
+@app.command("prune")
+@friendly_errors
+def prune(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
+    keep: list[str] = typer.Option(..., "--keep", help="Keep-rule, repeatable: last:K, every:N, steps:N[,N...], "
+                                                       "schedule:1-100/10,101-1000/18,1001-/1500 or schedule:tr1-13B."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
+    force: bool = typer.Option(False, "--force", help="Also delete steps no verified backup holds (never latest)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Delete the steps no keep-rule keeps; never the step 'latest' names, nor (without --force) unbacked-up steps."""
+    from opskit.ckpt.prune import parse_keep
+    from opskit.ckpt.prune import prune as prune_steps
+
+    directory, _ = _checkpoint_dir(run_or_dir)
+    plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force)
+    if json_output:
+        print_json({**plan.as_json(), "dry_run": dry_run})
+        return
+    for step, reasons in plan.keep.items():
+        console.print(f"keep    global_step{step}  ({', '.join(reasons)})", markup=False)
+    for step, reason in plan.protected.items():
+        console.print(f"keep    global_step{step}  ({reason})", markup=False)
+    for step in plan.delete:
+        console.print(f"{'would delete' if dry_run else 'deleted'} global_step{step}", markup=False)
+
+
+@app.command("set-latest")
+@friendly_errors
+def set_latest(
+    checkpoint_dir: Path = typer.Argument(..., help="Checkpoint dir (with global_stepN folders)."),
+    step: int = typer.Argument(..., help="The step 'latest' should name."),
+) -> None:
+    """Point 'latest' at global_stepN atomically, after checking that the step is complete."""
+    from opskit.ckpt.prune import set_latest as point_latest
+
+    previous = point_latest(checkpoint_dir, step)
+    console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> global_step{step}", markup=False)
+
+
+@app.command("backup")
+@friendly_errors
+def backup(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
+    to: str = typer.Option(..., "--to", help="Target: file:///path (gs:// is not implemented yet)."),
+    steps: str = typer.Option(None, "--steps", help="Comma-separated steps (default: all)."),
+    weights_only: bool = typer.Option(True, "--weights-only/--with-optim",
+                                      help="Skip the ZeRO optimizer shards *_optim_states.pt (default)."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Parallel copies."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Copy steps with a CRC32C manifest, resumably and in parallel; verify every object; exit 1 if any fails."""
+    from opskit.ckpt.backup import backup as back_up
+    from opskit.ckpt.prune import PruneError
+
+    directory, _ = _checkpoint_dir(run_or_dir)
+    try:
+        chosen = [int(s) for s in steps.split(",")] if steps else None
+    except ValueError:
+        raise PruneError(f"--steps {steps}: expected comma-separated step numbers, e.g. 1000,2000") from None
+    with _progress() as bar:
+        task = bar.add_task("backing up", total=None)
+        results = back_up(directory, to, chosen, weights_only, workers,
+                          progress=lambda key, nbytes: bar.update(task, advance=nbytes, description=key))
+    if json_output:
+        print_json([{"step": r.tag, "copied": r.copied, "skipped": r.skipped, "bytes": r.bytes_total,
+                     "verified": r.verified, "problems": r.problems} for r in results])
+    else:
+        for r in results:
+            state = "verified" if r.verified else "FAILED verification"
+            console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, "
+                          f"{_human(r.bytes_total)}, {state}", markup=False)
+            for problem in r.problems:
+                console.print(f"  {problem}", markup=False)
+    if not all(r.verified for r in results):
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+@friendly_errors
+def verify(
+    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (file:///path)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Re-check every object of a backup against its manifests; exit 1 on anything missing or corrupted."""
+    from opskit.ckpt.backup import verify as verify_backup
+
+    report = verify_backup(url)
+    if json_output:
+        print_json(report)
+    else:
+        for tag, problems in report.items():
+            console.print(f"{tag}: {'OK' if not problems else 'FAILED'}", markup=False)
+            for problem in problems:
+                console.print(f"  {problem}", markup=False)
+    if any(report.values()):
+        raise typer.Exit(1)
+
+
+@app.command("publish")
+@friendly_errors
+def publish(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
+    to: str = typer.Option(..., "--to", help="hf://org/repo"),
+) -> None:
+    """Upload converted steps to the Hugging Face Hub, one tagged commit per step (not implemented yet)."""
+    from opskit.targets import TargetError
+
+    raise TargetError(f"--to {to}: `opskit ckpt publish` (hf://) is not implemented yet; convert with "
+                      "`opskit ckpt convert --all` and upload the folders with huggingface_hub meanwhile")
+
+
 @app.command("generate")
 @friendly_errors
 def generate(
