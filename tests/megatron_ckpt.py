@@ -36,11 +36,12 @@ def _megatron_enum():
 
 
 def full_weights(arch: str, layers: int, hidden: int, ffn: int, padded_vocab: int, max_pos: int,
-                 seed: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Layer index -> unsplit state dict (Megatron keys), fp32, with non-trivial LayerNorms and biases."""
+                 seed: int, scale: float = 1.0) -> dict[int, dict[str, torch.Tensor]]:
+    """Layer index -> unsplit state dict (Megatron keys), fp32, with non-trivial LayerNorms and biases; ``scale``
+    multiplies the weights' std 0.02 (larger weights, larger activations)."""
     g = torch.Generator().manual_seed(seed)
 
-    def rand(*shape, std=0.02, mean=0.0):
+    def rand(*shape, std=0.02 * scale, mean=0.0):
         return torch.randn(*shape, generator=g) * std + mean
 
     embedding = {"word_embeddings.weight": rand(padded_vocab, hidden)}
@@ -75,15 +76,15 @@ def split_tp(key: str, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]:
 def build_checkpoint(root: Path, *, arch: str, tp: int = 2, pp: int = 1, layers: int = 2, hidden: int = 64,
                      heads: int = 4, vocab: int = 2000, dtype: torch.dtype = torch.float16, max_pos: int = 32,
                      tokenizer_dir: str | Path = "", data_prefix: str | Path = "", iteration: int = 100,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, scale: float = 1.0) -> Path:
     """Write ``root/global_step{iteration}`` (+ ``root/latest``) for a GPT-2 (``arch="gpt2"``: absolute position
     embeddings) or BLOOM (``"bloom"``: ALiBi + embedding LayerNorm) of the given shape; vocabulary padded to a
-    multiple of 128 * TP, as Megatron does. Returns the step folder."""
+    multiple of 128 * TP, as Megatron does; ``scale`` as :func:`full_weights`. Returns the step folder."""
     padded = -(-vocab // (128 * tp)) * 128 * tp
     ffn = 4 * hidden
     step = root / f"global_step{iteration}"
     step.mkdir(parents=True)
-    for index, state in full_weights(arch, layers, hidden, ffn, padded, max_pos, seed).items():
+    for index, state in full_weights(arch, layers, hidden, ffn, padded, max_pos, seed, scale).items():
         for rank in range(tp):
             shard = {k: split_tp(k, v, tp)[rank].to(dtype) for k, v in state.items()}
             torch.save(shard, step / f"layer_{index:02d}-model_{rank:02d}-model_states.pt")

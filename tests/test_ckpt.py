@@ -117,6 +117,27 @@ def test_bf16_bloom_with_embedding_layernorm_converts_to_matching_bloom(bloom_bf
     assert (theirs - ours).abs().max().item() <= 1e-5
 
 
+def test_verification_through_the_first_blocks_and_its_failure_on_a_wrong_activation(kjv_data, bloom_bf16,
+                                                                                     tmp_path):
+    """Models too large to load twice are verified through their first blocks; and verification catches the tr1-13B
+    converter bug (a config saying exact `gelu` where the run computed the tanh GELU): nothing is written then."""
+    from opskit.ckpt.convert import ConvertError, verify_conversion
+
+    partial = convert_step(bloom_bf16, tmp_path / "bloom", dtype="fp32", verify_layers=1)
+    assert (partial.verified_layers, partial.num_layers) == (1, 3) and partial.max_abs_diff <= 1e-5
+
+    # Weights 10x the init std: MLP inputs of order 1, where exact and tanh GELU differ visibly (as in a trained 13B).
+    step = build_checkpoint(tmp_path / "ckpt", arch="gpt2", tp=2, dtype=torch.float16, scale=10.0,
+                            tokenizer_dir=kjv_data.tokenizer_dir, data_prefix=kjv_data.data_prefix)
+    good = convert_step(step, tmp_path / "gpt2", dtype="fp32")
+    config = json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({**config, "activation_function": "gelu"}))
+    with pytest.raises(ConvertError, match=r"verification failed: transformers' logits differ from the checkpoint's "
+                                           r"own forward by .* on 3 sequences of 32 tokens$"):
+        verify_conversion(step, tmp_path / "gpt2", "fp32")
+    assert good.max_abs_diff < 1e-4
+
+
 # --------------------------------------------------------------------------- list / inspect
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.info import describe_step
-from opskit.ckpt.layout import layer_file_name, load_state, tp_rule
+from opskit.ckpt.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
 from opskit.ckpt.tensorfile import TensorRef
 
 RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")
@@ -84,18 +84,22 @@ def check_step(path: str | Path, progress=None) -> CheckReport:
     report = CheckReport(Path(path), problems=list(info.problems))
     if info.tp is None:
         return report
-    layers = sorted({int(f.name[6:8]) for f in Path(path).glob("layer_*-model_00-model_states.pt")})
+    layers = sorted({int(m.group(1)) for f in Path(path).iterdir() if (m := LAYER_FILE.match(f.name))})
     for done, index in enumerate(layers, start=1):
         files = [Path(path) / layer_file_name(index, t) for t in range(info.tp)]
         if not all(f.is_file() for f in files):
             continue
         try:
             shards = [load_state(f) for f in files]
-        except Exception:  # already listed in problems by describe_step
+        except CheckpointFormatError:  # already listed in problems by describe_step
             continue
-        for key, ref in shards[0].items():
+        for key in shards[0]:
+            absent = [files[rank] for rank, shard in enumerate(shards) if key not in shard]
+            if absent:
+                report.problems.append(f"{absent[0]}: no {key} (TP rank 0 has it)")
+                continue
             for rank, shard in enumerate(shards):
-                tensor = shard[key].read() if rank else ref.read()
+                tensor = shard[key].read()
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     report.nonfinite.append({"file": files[rank].name, "key": key,
                                              "nan": int(torch.isnan(tensor).sum()),
@@ -106,8 +110,12 @@ def check_step(path: str | Path, progress=None) -> CheckReport:
         if progress:
             progress(done, len(layers))
     for pp in range(info.pp):
-        states = [load_state(Path(path) / f"mp_rank_{pp * info.tp + t:02d}_model_states.pt")
-                  for t in range(info.tp) if (Path(path) / f"mp_rank_{pp * info.tp + t:02d}_model_states.pt").is_file()]
+        states = []
+        for t in range(info.tp):
+            try:
+                states.append(load_state(Path(path) / f"mp_rank_{pp * info.tp + t:02d}_model_states.pt"))
+            except CheckpointFormatError:  # missing or unreadable: already in problems
+                continue
         for key in RNG_KEYS:
             if states and key in states[0]:
                 report.rng.append({"pp": pp, "key": key,

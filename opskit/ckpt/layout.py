@@ -190,10 +190,13 @@ def merge_tp(key: str, shards: list):
     return torch.cat(shards, dim=1 if rule == "cat1" else 0)
 
 
-def merged_layers(step: StepDir) -> dict[int, dict]:
-    """Layer index -> its state dict merged to TP=1 (PP needs no merging: each layer lives in one stage's files)."""
+def merged_layers(step: StepDir, only: set[int] | None = None) -> dict[int, dict]:
+    """Layer index -> its state dict merged to TP=1 (PP needs no merging: each layer lives in one stage's files);
+    ``only``: just these layer indices."""
     merged = {}
     for index, files in step.layers.items():
+        if only is not None and index not in only:
+            continue
         shards = [load_state(f, lazy=False) for f in files]
         merged[index] = {key: merge_tp(key, [s[key] for s in shards]) for key in shards[0]}
     return merged

@@ -2,8 +2,8 @@
 
 A safetensors file is ``u64 header length | JSON header {name: {dtype, shape, data_offsets}} | raw little-endian
 data`` (https://huggingface.co/docs/safetensors, "Format"). Every output shape is known from the checkpoint's pickles
-before any tensor is read, so the header is written first, the file is sized, and each block (a TP shard, a row
-chunk, a reordered QKV part) is ``pwrite``-n at its place: memory holds one block at a time.
+before any tensor is read, so the header is written first, the file is sized, and each block (a run of whole rows of
+one output tensor) is ``pwrite``-n at its place in one call: memory holds one block at a time.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
 
-# A block of an output tensor: (values, first row, first column) in the output's 2-D view (1-D tensors: row = offset).
-Block = tuple[object, int, int]
+# A block of an output tensor: (values, first row); values are whole rows (1-D tensors: a run of elements).
+Block = tuple[object, int]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ def write_safetensors(path: Path, tensors: list[OutTensor], dtype, progress: Cal
     Returns:
         Bytes of tensor data written.
     """
+    import torch
+
     itemsize = dtype.itemsize
     header: dict[str, dict] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
@@ -73,28 +75,16 @@ def write_safetensors(path: Path, tensors: list[OutTensor], dtype, progress: Cal
         os.pwrite(fd, len(encoded).to_bytes(8, "little") + encoded, 0)
         os.ftruncate(fd, data_start + offset)
         for t in tensors:
-            columns = t.shape[1] if len(t.shape) == 2 else 1
-            base = data_start + offsets[t.name]
-            for values, row, col in t.blocks():
-                _write_block(fd, values.to(dtype).contiguous(), base, row, col, columns, itemsize)
+            row_bytes = numel(t.shape[1:]) * itemsize
+            for values, row in t.blocks():
+                raw = values.to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
+                _pwrite_all(fd, raw, data_start + offsets[t.name] + row * row_bytes)
             if progress:
                 progress(t.source_bytes)
         os.fsync(fd)
     finally:
         os.close(fd)
     return offset
-
-
-def _write_block(fd: int, block, base: int, row: int, col: int, columns: int, itemsize: int) -> None:
-    import torch
-
-    raw = block.view(-1).view(torch.uint8).numpy()
-    if block.dim() < 2 or (col == 0 and block.shape[1] == columns):  # whole rows: one contiguous write
-        _pwrite_all(fd, raw, base + row * columns * itemsize)
-        return
-    width = block.shape[1] * itemsize
-    for r in range(block.shape[0]):
-        _pwrite_all(fd, raw[r * width:(r + 1) * width], base + ((row + r) * columns + col) * itemsize)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

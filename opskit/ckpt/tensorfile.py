@@ -113,20 +113,18 @@ class TensorRef:
     def _pread(self, first: int, count: int):
         import torch
 
-        buffer = bytearray(count * self.itemsize)
-        view, done, start = memoryview(buffer), 0, self.offset + first * self.itemsize
+        buffer = torch.empty(count * self.itemsize, dtype=torch.uint8)  # uninitialised: no zero-fill pass
+        view, done, start = memoryview(buffer.numpy()), 0, self.offset + first * self.itemsize
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            while done < len(buffer):
+            while done < len(view):
                 n = os.preadv(fd, [view[done:]], start + done)
                 if n == 0:
                     raise TensorFileError(f"{self.path}: ends inside a tensor record (truncated)")
                 done += n
         finally:
             os.close(fd)
-        if not buffer:
-            return torch.empty(0, dtype=self.dtype)
-        return torch.frombuffer(buffer, dtype=self.dtype)
+        return buffer.view(self.dtype)
 
 
 def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:

@@ -33,11 +33,21 @@ def _human(nbytes: int) -> str:
     return ""
 
 
-def _progress():
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+def _progress(in_bytes: bool = True):
+    """A rich progress bar on stderr (bytes with speed, or a count), shown only on a terminal."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=True, disable=not err_console.is_terminal)
+    amounts = (DownloadColumn(), TransferSpeedColumn()) if in_bytes else (MofNCompleteColumn(),)
+    return Progress(TextColumn("{task.description}"), BarColumn(), *amounts, TimeRemainingColumn(),
+                    console=err_console, transient=True, disable=not err_console.is_terminal)
 
 
 @app.command("list")
@@ -107,7 +117,10 @@ def check(
     from opskit.ckpt.check import check_step
     from opskit.ckpt.layout import resolve_step_dir
 
-    report = check_step(resolve_step_dir(step_dir))
+    with _progress(in_bytes=False) as bar:
+        task = bar.add_task("checking layers", total=None)
+        report = check_step(resolve_step_dir(step_dir), lambda done, total: bar.update(task, completed=done,
+                                                                                           total=total))
     if json_output:
         print_json(report.as_json())
     else:
@@ -142,6 +155,9 @@ def convert(
                                     help="Drop Megatron's vocabulary padding (default: keep it)."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare transformers' logits with the "
                                                                    "checkpoint's own forward."),
+    verify_layers: int = typer.Option(None, "--verify-layers", min=1,
+                                      help="Verify with the first N blocks only (default: all up to 1e9 parameters, "
+                                           "else 2)."),
     max_shard_size: float = typer.Option(5.0, "--max-shard-size", help="GB per safetensors shard."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="Tokenizer folder (default: the one the run used)."),
 ) -> None:
@@ -153,7 +169,7 @@ def convert(
         raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
     directory, run_root = _checkpoint_dir(run_or_dir)
     options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
-                   max_shard_bytes=int(max_shard_size * 1024**3))
+                   verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3))
     with _progress() as bar:
         task = bar.add_task("converting", total=None)
 
@@ -176,8 +192,10 @@ def convert(
         else:
             for name in result.averaged:
                 err_console.print(f"warning: TP copies differ, averaged: {name}", markup=False)
-            check = f", verified: max abs logits diff {result.max_abs_diff:.2g}" if result.max_abs_diff is not None \
-                else ""
+            check = "" if result.max_abs_diff is None else \
+                f", verified: max abs logits diff {result.max_abs_diff:.2g}"
+            if result.verified_layers is not None and result.verified_layers < result.num_layers:
+                check += f" through {result.verified_layers} of {result.num_layers} blocks"
             console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
                           f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> "
                           f"{result.out_dir}", markup=False)
