@@ -271,3 +271,34 @@ def test_convert_all_skips_converted_steps(bloom_run, tmp_path):
     again = cli("convert", str(bloom_run / "checkpoints"), "--all", "--out", str(tmp_path / "hf"), "--no-verify")
     assert again.returncode == 0, again.stderr
     assert [line.split()[0] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
+
+
+@pytest.mark.parametrize("kernel_copy", ["copy_file_range", "sendfile", "neither"])
+def test_tensor_rows_copied_file_to_file_are_exact(tmp_path, monkeypatch, kernel_copy):
+    """The writer copies unconverted rows inside the kernel (copy_file_range on one file system, sendfile across
+    them, else read + write): every way gives the same bytes."""
+    import errno
+
+    from safetensors.torch import load_file
+
+    from opskit.ckpt.safetensors_out import OutTensor, write_safetensors
+    from opskit.ckpt.tensorfile import RowSpan, load_lazy
+
+    source = {"a": torch.randn(300, 7, dtype=torch.bfloat16), "b": torch.arange(10, dtype=torch.float16)}
+    torch.save(source, tmp_path / "source.pt")
+    refs = load_lazy(tmp_path / "source.pt")
+
+    def unavailable(*args):
+        raise OSError(errno.EXDEV, "not here")
+
+    if kernel_copy != "copy_file_range":
+        monkeypatch.setattr("os.copy_file_range", unavailable)
+    if kernel_copy == "neither":
+        monkeypatch.setattr("os.sendfile", unavailable)
+    tensors = [OutTensor("a", (300, 7), 0, lambda: iter([(RowSpan(refs["a"], 0, 100), 0),
+                                                         (RowSpan(refs["a"], 100, 300), 100)])),
+               OutTensor("b", (10,), 0, lambda: iter([(RowSpan(refs["b"], 0, 10), 0)]))]
+    write_safetensors(tmp_path / "out.safetensors", tensors[:1], torch.bfloat16)
+    write_safetensors(tmp_path / "b.safetensors", tensors[1:], torch.float32)  # a dtype change: read + convert
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["a"], source["a"])
+    assert torch.equal(load_file(tmp_path / "b.safetensors")["b"], source["b"].float())

@@ -45,6 +45,7 @@ from opskit.ckpt.layout import (
     tp_rule,
 )
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
+from opskit.ckpt.tensorfile import RowSpan
 from opskit.fsutil import replace_dir
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -212,7 +213,7 @@ def _cat_rows(name: str, refs: list, keep_rows: int | None = None, transpose: bo
         for ref in refs:
             stop = min(start + ref.shape[0], keep)
             for first, last in _row_chunks(max(0, stop - start), ref.nbytes // max(1, ref.shape[0])):
-                yield ref.read_rows(first, last), start + first
+                yield RowSpan(ref, first, last), start + first
             start += ref.shape[0]
 
     return OutTensor(name, shape[::-1] if transpose else shape, sum(r.nbytes for r in refs), blocks)
@@ -232,8 +233,15 @@ def _cat_columns(name: str, refs: list, transpose: bool = False) -> OutTensor:
                 yield from _chunked(ref.read().t(), start)
                 start += ref.shape[1]
             return
-        for first, last in _row_chunks(shape[0], shape[1] * refs[0].itemsize):
-            yield torch.cat([ref.read_rows(first, last) for ref in refs], dim=1), first
+        itemsize = refs[0].itemsize
+        for first, last in _row_chunks(shape[0], shape[1] * itemsize):
+            chunk = torch.empty(last - first, shape[1] * itemsize, dtype=torch.uint8)
+            raw, column = chunk.numpy(), 0
+            for ref in refs:  # each shard's rows land in their column slice: no concatenation pass
+                width = ref.shape[1] * itemsize
+                ref.read_rows_into(first, last, [memoryview(raw[r, column:column + width]) for r in range(len(raw))])
+                column += width
+            yield chunk.view(refs[0].dtype), first
 
     return OutTensor(name, shape[::-1] if transpose else shape, sum(r.nbytes for r in refs), blocks)
 

@@ -16,6 +16,7 @@ from opskit.ckpt.layout import (
     FIRST_BLOCK_LAYER,
     LAYER_FILE,
     MP_RANK_FILE,
+    STEP_DIR,
     CheckpointFormatError,
     expected_layers,
     layer_file_name,
@@ -78,8 +79,9 @@ def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
     """Read one step folder's headers into a :class:`StepInfo` (never raises for a damaged step: see ``problems``)."""
     path = Path(path)
     files = sorted(p for p in path.iterdir() if p.is_file())
-    info = StepInfo(iteration=int(path.name.removeprefix("global_step")) if path.name[11:].isdigit() else -1,
-                    path=path, size_bytes=sum(f.stat().st_size for f in files), latest=latest)
+    match = STEP_DIR.match(path.name)
+    info = StepInfo(iteration=int(match.group(1)) if match else -1, path=path,
+                    size_bytes=sum(f.stat().st_size for f in files), latest=latest)
     state, problem = _client_state(path / "mp_rank_00_model_states.pt")
     if state is None:
         info.problems.append(problem if (path / "mp_rank_00_model_states.pt").is_file() else

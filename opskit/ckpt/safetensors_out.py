@@ -14,9 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.ckpt.tensorfile import RowSpan
+
 SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16"}
 
-# A block of an output tensor: (values, first row); values are whole rows (1-D tensors: a run of elements).
+# A block of an output tensor: (values, first row); values are whole rows (1-D tensors: a run of elements), a tensor
+# or a RowSpan still in the checkpoint file.
 Block = tuple[object, int]
 
 
@@ -77,14 +80,54 @@ def write_safetensors(path: Path, tensors: list[OutTensor], dtype, progress: Cal
         for t in tensors:
             row_bytes = numel(t.shape[1:]) * itemsize
             for values, row in t.blocks():
-                raw = values.to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
-                _pwrite_all(fd, raw, data_start + offsets[t.name] + row * row_bytes)
+                at = data_start + offsets[t.name] + row * row_bytes
+                if isinstance(values, RowSpan):
+                    if values.ref.dtype == dtype and _copy_file_range(values, fd, at):
+                        continue
+                    values = values.read()
+                _pwrite_all(fd, values.to(dtype).contiguous().view(-1).view(torch.uint8).numpy(), at)
             if progress:
                 progress(t.source_bytes)
         os.fsync(fd)
     finally:
         os.close(fd)
     return offset
+
+
+def _copy_file_range(span: RowSpan, fd: int, offset: int) -> bool:
+    """Copy a span's bytes from its checkpoint file into ``fd`` at ``offset`` inside the kernel: ``copy_file_range``
+    (same file system), else ``sendfile``; False when the tensor is not contiguous or neither call works here."""
+    source = span.ref.file_range(span.start, span.stop)
+    if source is None:
+        return False
+    src = os.open(span.ref.path, os.O_RDONLY)
+    try:
+        for copy in (_copy_range, _send_range):
+            try:
+                copy(src, fd, *source, offset)
+                return True
+            except OSError:  # EXDEV, EINVAL, ENOSYS: try the next way (a partial copy is simply rewritten)
+                continue
+        return False
+    finally:
+        os.close(src)
+
+
+def _copy_range(src: int, fd: int, start: int, count: int, offset: int) -> None:
+    while count:
+        done = os.copy_file_range(src, fd, count, start, offset)
+        if done == 0:
+            raise OSError("copy_file_range copied nothing")
+        start, offset, count = start + done, offset + done, count - done
+
+
+def _send_range(src: int, fd: int, start: int, count: int, offset: int) -> None:
+    os.lseek(fd, offset, os.SEEK_SET)
+    while count:
+        done = os.sendfile(fd, src, start, count)
+        if done == 0:
+            raise OSError("sendfile copied nothing")
+        start, count = start + done, count - done
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
