@@ -6,7 +6,8 @@ BLOOM checkpoint, one after the other, files already in the page cache for both.
     python bench/ckpt_convert.py run /tmp/bench-ckpt --baseline-python /tmp/venv-tf446/bin/python
 
 Peak RSS is the child's ``ru_maxrss`` (``os.wait4``); time is wall-clock. ``--out /dev/shm/...`` takes the output
-disk out of the measurement (both converters write ~6.4 GB; a disk that writes 230 MB/s bounds both otherwise).
+disk out of the measurement (both converters write ~6.4 GB; a disk that writes 230 MB/s bounds both otherwise); it
+needs room for both outputs. Every tensor of the two outputs is compared at the end.
 """
 
 from __future__ import annotations
@@ -96,6 +97,24 @@ def measure(command: list[str]) -> tuple[float, float, float]:
     return elapsed, time.perf_counter() - started, usage.ru_maxrss / 1024**2
 
 
+def same_tensors(ours: Path, theirs: Path) -> int:
+    """Compare every tensor of transformers' shards (``BloomModel`` keys) with ours (``transformer.``-prefixed);
+    returns how many; raises on the first difference."""
+    import json
+
+    from safetensors import safe_open
+
+    weight_map = json.loads((ours / "model.safetensors.index.json").read_text())["weight_map"]
+    compared = 0
+    for shard in sorted(theirs.glob("pytorch_model_*.bin")):
+        for key, tensor in torch.load(shard, map_location="cpu", weights_only=True).items():
+            with safe_open(ours / weight_map[f"transformer.{key}"], "pt") as f:
+                if not torch.equal(f.get_tensor(f"transformer.{key}"), tensor.to(torch.bfloat16)):
+                    raise SystemExit(f"{key} differs between the two conversions")
+            compared += 1
+    return compared
+
+
 def run(root: Path, baseline_python: str, out: Path, tp: int) -> None:
     step = root / "global_step1000"
     size = sum(f.stat().st_size for f in step.iterdir()) / 1024**3
@@ -109,15 +128,16 @@ def run(root: Path, baseline_python: str, out: Path, tp: int) -> None:
     ours = measure([sys.executable, "-m", "opskit.cli.app", "ckpt", "convert", str(step), "--out",
                     str(out / "opskit"), "--dtype", "bf16", "--no-verify"])
     print(f"opskit ckpt convert: {ours[0]:.1f} s", flush=True)
-    shutil.rmtree(out / "opskit")  # room for the next output when --out is a tmpfs
     theirs = measure([baseline_python, "-m", "transformers.models.bloom.convert_bloom_original_checkpoint_to_pytorch",
                       "--bloom_checkpoint_path", str(step), "--pytorch_dump_folder_path", str(out / "transformers"),
                       "--shard_model", "--pretraining_tp", str(tp)])
+    compared = same_tensors(out / "opskit", out / "transformers")
     shutil.rmtree(out)
     print(f"checkpoint {size:.2f} GB, largest layer file {largest:.2f} GB, bound 2x+1 GB = {2 * largest + 1:.2f} GB")
     print("                      wall s   GB/s  wall+sync s   GB/s  peak RSS GB")
     for name, (wall, durable, rss) in (("opskit ckpt convert", ours), ("transformers 4.46.3", theirs)):
         print(f"{name:20s} {wall:7.1f} {size / wall:6.2f} {durable:12.1f} {size / durable:6.2f} {rss:12.2f}")
+    print(f"outputs: {compared} tensors compared, all equal")
     print(f"speed-up {theirs[0] / ours[0]:.2f}x (wall), {theirs[1] / ours[1]:.2f}x (wall+sync); "
           f"peak memory ratio {ours[2] / theirs[2]:.2f}")
 

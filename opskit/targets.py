@@ -48,8 +48,10 @@ class Target(Protocol):
 def crc32c_of_file(path: str | Path) -> str:
     """CRC32C of a file's bytes, base64 of the big-endian value (GCS's ``crc32c`` object field), read in 8 MB
     chunks."""
-    import google_crc32c
-
+    try:
+        import google_crc32c
+    except ImportError:
+        raise TargetError("CRC32C needs the google-crc32c package: pip install 'opskit[backup]'") from None
     checksum = google_crc32c.Checksum()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):

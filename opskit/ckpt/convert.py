@@ -235,11 +235,13 @@ def _cat_columns(name: str, refs: list, transpose: bool = False) -> OutTensor:
             return
         itemsize = refs[0].itemsize
         for first, last in _row_chunks(shape[0], shape[1] * itemsize):
-            chunk = torch.empty(last - first, shape[1] * itemsize, dtype=torch.uint8)
-            raw, column = chunk.numpy(), 0
+            row_bytes = shape[1] * itemsize
+            chunk = torch.empty(last - first, row_bytes, dtype=torch.uint8)
+            raw, column = memoryview(chunk.numpy()).cast("B"), 0
             for ref in refs:  # each shard's rows land in their column slice: no concatenation pass
                 width = ref.shape[1] * itemsize
-                ref.read_rows_into(first, last, [memoryview(raw[r, column:column + width]) for r in range(len(raw))])
+                ref.read_rows_into(first, last, [raw[r + column:r + column + width]
+                                                 for r in range(0, len(raw), row_bytes)])
                 column += width
             yield chunk.view(refs[0].dtype), first
 
