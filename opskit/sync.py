@@ -1,20 +1,20 @@
 """``opskit sync``: publish a run's logs and TensorBoard events to a target, copying only what changed.
 
-Targets: ``file:///path`` (a mounted share). A manifest in the run directory remembers (size, mtime) of every file
-last published per target, so an unchanged file is never copied again; each copy goes to a temporary name beside
-its destination and is renamed into place, so readers never see a half-written file. Nothing local is deleted.
+Targets (:mod:`opskit.targets`): ``file:///path`` (a mounted share). A manifest in the run directory remembers
+(size, mtime) of every file last published per target, so an unchanged file is never copied again; each copy goes to
+a temporary name beside its destination and is renamed into place, so readers never see a half-written file. Nothing
+local is deleted.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
-from opskit.fsutil import atomic_write_text, staging_path
+from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
+from opskit.targets import FileTarget, TargetError, open_target
 
 # What each kind of sync publishes: (folder of the run, glob under it).
 KINDS = {
@@ -34,16 +34,17 @@ class SyncResult:
     target: Path
 
 
-def file_target(url: str) -> Path:
-    """``file:///abs/path`` -> ``/abs/path``.
+def file_target(url: str) -> FileTarget:
+    """The ``file:///abs/path`` target of ``url``.
 
     Raises:
         SyncError: for other schemes or a relative path.
     """
-    parsed = urlparse(url)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
-        raise SyncError(f"--to {url}: expected file:///absolute/path (hf:// and gs:// targets are not implemented yet)")
-    return Path(parsed.path)
+    try:
+        target = open_target(url)
+    except TargetError as e:
+        raise SyncError(str(e)) from None
+    return target
 
 
 def _candidates(run: RunPaths, kinds: list[str]) -> dict[str, Path]:
@@ -72,26 +73,16 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False) -> Sy
     for relative, path in _candidates(run, kinds).items():
         stat = path.stat()
         signature = [stat.st_size, stat.st_mtime_ns]
-        if manifest.get(relative) == signature and (target / relative).is_file():
+        if manifest.get(relative) == signature and target.size(relative) is not None:
             unchanged += 1
             continue
         copied.append(relative)
         if not dry_run:
-            _copy_atomically(path, target / relative)
+            target.put(path, relative)
             manifest[relative] = signature
     if copied and not dry_run:
         atomic_write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
-    return SyncResult(copied, unchanged, target)
-
-
-def _copy_atomically(source: Path, destination: Path) -> None:
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_path(destination)
-    try:
-        shutil.copy2(source, staging)
-        staging.replace(destination)
-    finally:
-        staging.unlink(missing_ok=True)
+    return SyncResult(copied, unchanged, target.root)
 
 
 def _slug(url: str) -> str:

@@ -37,7 +37,7 @@ fi
 step "the chain in main_log.txt: job headers, exits, resumes"
 grep -E '^\[opskit\]|exiting program|successfully loaded|after training is done' "$RUN/logs/main_log.txt"
 
-step "opskit ckpt convert $SPEC   (Megatron-DeepSpeed checkpoint -> BloomForCausalLM, safetensors)"
+step "opskit ckpt convert $SPEC   (Megatron-DeepSpeed checkpoint -> BloomForCausalLM, safetensors, verified)"
 opskit ckpt convert "$SPEC"
 latest=$(cat "$RUN/checkpoints/latest")
 

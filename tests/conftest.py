@@ -60,6 +60,29 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, **popen) 
 
 
 @pytest.fixture(scope="session")
+def bloom_run(kjv_data, tmp_path_factory) -> Path:
+    """20 iterations of the tiny BLOOM (TP=1, PP=1), checkpoints at 10 and 20; the run folder. Shared by the
+    checkpoint tests (test_convert.py, test_ckpt.py): they only read it or copy steps out of it."""
+    out = tmp_path_factory.mktemp("bloom")
+    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=10))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "checkpoints" / "latest").read_text() == "global_step20"
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt_pp2_run(kjv_data, tmp_path_factory) -> Path:
+    """A GPT-style run (absolute position embeddings, no embedding LayerNorm) at PP=2 (torchrun, 2 processes),
+    2 iterations, a checkpoint after each; the run folder."""
+    out = tmp_path_factory.mktemp("gpt-pp2")
+    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=16, save_interval=1, log_interval=1,
+                                         position_embedding_type="absolute", embed_layernorm=None,
+                                         pipeline_model_parallel_size=2), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
 def slurm():
     """A running single-node SLURM (scripts/local-slurm.sh start; needs root, as in CI)."""
     if os.geteuid() != 0:

@@ -1,5 +1,6 @@
-"""opskit.ckpt.convert on real checkpoints of the real trainer: the HF BLOOM folder, logits equal to the trainer's own
-layers, --step, refusals (GPT-style runs, missing or garbage files), atomic replacement, `opskit ckpt generate`."""
+"""opskit.ckpt.convert on real checkpoints of the real trainer: the HF BLOOM folder (TP=1, TP=2) and GPT-2 folder
+(PP=2), logits equal to the trainer's own layers, --step, refusals (missing or garbage files, keys with no place),
+atomic replacement, `opskit ckpt generate`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from conftest import run_trainer, tiny_trainer_args
 
-from opskit.ckpt.convert import ConvertError, convert_to_bloom
+from opskit.ckpt.convert import ConvertError, convert_step
 from opskit.ckpt.layout import CheckpointFormatError
 from opskit.data import read_documents
 from opskit.train.inference import GPTModel
@@ -24,19 +25,14 @@ LAYERS, HIDDEN, PADDED_VOCAB = 2, 64, 2048  # conftest's tiny BLOOM; vocab 2000 
 
 
 @pytest.fixture(scope="module")
-def run(kjv_data, tmp_path_factory) -> Path:
-    """20 iterations of the tiny BLOOM, checkpoints at 10 and 20; returns the run folder."""
-    out = tmp_path_factory.mktemp("bloom")
-    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=10))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (out / "checkpoints" / "latest").read_text() == "global_step20"
-    return out
+def run(bloom_run) -> Path:
+    return bloom_run
 
 
 @pytest.fixture(scope="module")
 def converted(run, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "bloom"
-    return convert_to_bloom(run / "checkpoints", out)
+    return convert_step(run / "checkpoints", out)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +74,8 @@ def test_folder_is_a_bloom_for_causal_lm(converted, run):
     assert (config["vocab_size"], config["n_layer"], config["n_head"], config["hidden_size"]) == \
         (PADDED_VOCAB, LAYERS, 4, HIDDEN)
     assert config["tie_word_embeddings"] is True
-    assert (out / "model.safetensors").is_file()
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][
+        "transformer.ln_f.weight"] == "model-00001-of-00001.safetensors"
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 3)
@@ -89,7 +86,7 @@ def test_folder_is_a_bloom_for_causal_lm(converted, run):
 
     from safetensors import safe_open
 
-    with safe_open(out / "model.safetensors", "pt") as f:
+    with safe_open(out / "model-00001-of-00001.safetensors", "pt") as f:
         names = set(f.keys())
         assert f.get_tensor("transformer.word_embeddings.weight").shape == (PADDED_VOCAB, HIDDEN)
         assert f.get_tensor("transformer.h.0.self_attention.query_key_value.weight").dtype == torch.float32
@@ -113,14 +110,15 @@ def test_step_picks_an_older_checkpoint(run, tokens, tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = run / "hf" / "global_step10"
-    assert done.stdout.strip() == (f"converted {run / 'checkpoints' / 'global_step10'} (iteration 10, 231,296 "
-                                   f"parameters) -> {out}")
+    assert done.stdout.startswith(f"converted {run / 'checkpoints' / 'global_step10'} (iteration 10, bloom, "
+                                  "231,296 parameters, 1 shard(s), verified: max abs logits diff ")
+    assert done.stdout.strip().endswith(f") -> {out}")
     older = hf_logits(out, tokens)
     assert (older - reference_logits(run / "checkpoints", tokens, step=10)).abs().max().item() < 1e-5
     assert (older - reference_logits(run / "checkpoints", tokens)).abs().max().item() > 1e-2
 
     with pytest.raises(CheckpointFormatError, match=r"global_step15: no such checkpoint step$"):
-        convert_to_bloom(run / "checkpoints", tmp_path / "x", step=15)
+        convert_step(run / "checkpoints", tmp_path / "x", step=15)
 
 
 def test_generate_continues_the_prompt(converted):
@@ -140,22 +138,16 @@ def test_generate_on_a_folder_without_config(tmp_path):
 # --------------------------------------------------------------------------- refusals
 
 
-def test_gpt_style_run_is_refused(kjv_data, tmp_path):
-    out = tmp_path / "gpt"
-    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=8, save_interval=1,
-                                         position_embedding_type="absolute", embed_layernorm=None))
-    assert done.returncode == 0, done.stderr[-3000:]
-    with pytest.raises(ConvertError) as info:
-        convert_to_bloom(out / "checkpoints", tmp_path / "hf")
-    message = str(info.value)
-    assert message == (f"{out / 'checkpoints' / 'global_step1'}: no embedding LayerNorm; BLOOM needs a run with "
-                       f"--embed-layernorm")
-    assert not (tmp_path / "hf").exists()
-
-    cli = subprocess.run([OPSKIT, "ckpt", "convert", str(out / "checkpoints"), "--out", str(tmp_path / "hf")],
-                         capture_output=True, text=True, timeout=300)
-    assert cli.returncode == 1
-    assert cli.stderr == f"error: {message}\n"
+def test_pp2_gpt_run_converts_to_gpt2(gpt_pp2_run, tokens, tmp_path):
+    """A GPT-style run at PP=2 (layers split over two stages' files): a GPT2LMHeadModel with the tanh GELU the trainer
+    computes, position embeddings, and logits equal to the trainer's merged layers."""
+    result = convert_step(gpt_pp2_run / "checkpoints", tmp_path / "hf", max_shard_bytes=300_000)
+    assert (result.arch, result.iteration, result.shards) == ("gpt2", 2, 3)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["model_type"], config["activation_function"], config["n_positions"]) == ("gpt2", "gelu_fast", 32)
+    assert result.max_abs_diff is not None and result.max_abs_diff <= 1e-5
+    ours = reference_logits(gpt_pp2_run / "checkpoints", tokens)
+    assert (hf_logits(tmp_path / "hf", tokens) - ours).abs().max().item() <= 1e-5
 
 
 def test_absolute_positions_and_other_ffn_sizes_are_refused(run, tmp_path):
@@ -164,9 +156,9 @@ def test_absolute_positions_and_other_ffn_sizes_are_refused(run, tmp_path):
     state = torch.load(embedding, weights_only=False)
     state["position_embeddings.weight"] = torch.zeros(32, HIDDEN)
     torch.save(state, embedding)
-    with pytest.raises(ConvertError, match=r"global_step20: absolute position embeddings; BLOOM needs "
-                                           r"--position-embedding-type alibi$"):
-        convert_to_bloom(step, tmp_path / "hf")
+    with pytest.raises(ConvertError, match=r"layer_01-model_00-model_states.pt: keys \['position_embeddings.weight'\] "
+                                           r"have no place in the converted model$"):
+        convert_step(step, tmp_path / "hf")
 
     step = copy_step(run, tmp_path / "ffn")
     client = step / "mp_rank_00_model_states.pt"
@@ -174,10 +166,10 @@ def test_absolute_positions_and_other_ffn_sizes_are_refused(run, tmp_path):
     state["args"].ffn_hidden_size = 3 * HIDDEN
     torch.save(state, client)
     with pytest.raises(ConvertError, match=r"^ffn_hidden_size 192 != 4 \* hidden_size; BLOOM's MLP is fixed at 4h$"):
-        convert_to_bloom(step, tmp_path / "hf")
+        convert_step(step, tmp_path / "hf")
 
     with pytest.raises(ConvertError, match=r"^--dtype fp8: expected one of fp32, fp16, bf16$"):
-        convert_to_bloom(run / "checkpoints", tmp_path / "hf", dtype="fp8")
+        convert_step(run / "checkpoints", tmp_path / "hf", dtype="fp8")
     assert not (tmp_path / "hf").exists()
 
 
@@ -185,7 +177,7 @@ def test_missing_layer_file_is_named(run, tmp_path):
     step = copy_step(run, tmp_path)
     (step / "layer_04-model_00-model_states.pt").unlink()
     with pytest.raises(CheckpointFormatError) as info:
-        convert_to_bloom(step, tmp_path / "hf")
+        convert_step(step, tmp_path / "hf")
     assert str(info.value).startswith(f"{step / 'layer_04-model_00-model_states.pt'}: no such file")
     assert "\n" not in str(info.value)
 
@@ -197,14 +189,14 @@ def test_unreadable_layer_file_is_named(run, tmp_path, damage):
     data = layer.read_bytes()
     layer.write_bytes(b"not a checkpoint" if damage == "garbage" else data[: len(data) // 2])
     with pytest.raises(CheckpointFormatError) as info:
-        convert_to_bloom(step, tmp_path / "hf")
+        convert_step(step, tmp_path / "hf")
     assert str(info.value).startswith(f"{layer}: cannot be loaded (")
     assert "\n" not in str(info.value)
 
 
 def test_no_checkpoint_at_all(tmp_path):
     with pytest.raises(CheckpointFormatError, match="neither a global_stepN folder nor a checkpoint dir"):
-        convert_to_bloom(tmp_path, tmp_path / "hf")
+        convert_step(tmp_path, tmp_path / "hf")
 
 
 # --------------------------------------------------------------------------- atomic output
@@ -217,7 +209,7 @@ def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
     (out / "stale-shard.safetensors").write_text("from an older conversion")
     (out / "config.json").write_text("{}")
 
-    convert_to_bloom(run / "checkpoints", out, step=10)
+    convert_step(run / "checkpoints", out, step=10)
     assert sorted(os.listdir(parent)) == ["bloom"]  # no staging folder, no moved-aside old folder left
     assert "stale-shard.safetensors" not in os.listdir(out)
     assert json.loads((out / "config.json").read_text())["model_type"] == "bloom"
@@ -227,7 +219,7 @@ def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
     bad = copy_step(run, tmp_path / "bad")
     (bad / "layer_06-model_00-model_states.pt").write_bytes(b"\0" * 100)
     with pytest.raises(CheckpointFormatError):
-        convert_to_bloom(bad, out)
+        convert_step(bad, out)
     assert sorted(os.listdir(parent)) == ["bloom"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert (hf_logits(out, tokens) - reference_logits(run / "checkpoints", tokens, step=10)).abs().max() < 1e-5
@@ -245,7 +237,8 @@ def test_tp2_checkpoint_merges_to_the_same_model(kjv_data, run, tokens, tmp_path
                                          tensor_model_parallel_size=2), nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (out / "checkpoints" / "global_step20" / "layer_03-model_01-model_states.pt").is_file()
-    result = convert_to_bloom(out / "checkpoints", tmp_path / "hf")
+    result = convert_step(out / "checkpoints", tmp_path / "hf")
+    assert result.averaged == []  # the trainer keeps replicated tensors identical across TP ranks
     merged = reference_logits(out / "checkpoints", tokens)
     assert (hf_logits(result.out_dir, tokens) - merged).abs().max().item() <= 1e-5
     assert (merged - reference_logits(run / "checkpoints", tokens)).abs().max().item() <= 1e-4

@@ -1,12 +1,25 @@
-"""Convert a Megatron-DeepSpeed checkpoint step into a Hugging Face ``BloomForCausalLM`` folder.
+"""Convert a Megatron-DeepSpeed checkpoint step (any TP, any PP) into a Hugging Face ``GPT2LMHeadModel`` or
+``BloomForCausalLM`` folder, streaming tensor by tensor.
 
-Key mapping (as transformers' ``convert_bloom_original_checkpoint_to_pytorch.py``): ``layer_01``
-``word_embeddings.weight`` -> ``transformer.word_embeddings.weight``, ``word_embeddings.norm.*`` ->
-``transformer.word_embeddings_layernorm.*``; block ``layer_{3+i}`` keys -> ``transformer.h.{i}.<same key>`` (BLOOM's
-fused QKV uses Megatron's per-head ``[q|k|v]`` row order, so no reordering); final LayerNorm ``layer_{L+4}``
-``weight/bias`` -> ``transformer.ln_f.*``; ``lm_head`` is tied to the word embeddings. The padded vocabulary is kept.
+Which model: ALiBi + embedding LayerNorm -> BLOOM; absolute position embeddings without embedding LayerNorm -> GPT-2
+(reference section 2.1 for the checkpoint keys, section 3 for both transformers converters' rules):
 
-The output is written to a temporary folder and renamed into place, so a crash never leaves a half-written model.
+- TP merge (:func:`opskit.ckpt.layout.tp_rule`): column-parallel weights and vocabulary rows are concatenated on dim 0,
+  row-parallel weights on dim 1; replicated tensors are taken from rank 0 when all ranks agree and **averaged** when
+  they do not (transformers' BLOOM converter and ds_to_universal's rule), and the averaged names are reported.
+  PP needs no merge: every layer lives in one stage's files, and a step folder holds them all.
+- BLOOM: keys keep their names under ``transformer.h.{i}``; BLOOM's fused QKV uses Megatron's per-head ``[q|k|v]``
+  rows, so no reordering. GPT-2: ``query_key_value`` rows ``[head][q|k|v][hn]`` become ``c_attn``'s
+  ``[q all heads | k | v]``, and every Linear ``[out, in]`` becomes a Conv1D ``[in, out]`` (transposed); activation
+  ``gelu_fast`` when the run used the fused bias-GELU (Megatron's default, and what opskit's trainer computes),
+  ``gelu_new`` with ``--openai-gelu``, else exact ``gelu`` (the tr1-13B converter bug was writing ``gelu``).
+- The LM head is tied to the word embeddings. The padded vocabulary is kept unless ``trim_vocab``.
+
+Memory: pickles are read lazily (:mod:`opskit.ckpt.tensorfile`) and each output tensor is written block by block
+(one TP shard, or a row chunk of one) into pre-sized safetensors shards (:mod:`opskit.ckpt.safetensors_out`), so peak
+memory is about one TP shard of the largest tensor plus its cast copy, whatever the model size.
+The folder is built under a temporary name, verified, and renamed into place: a failure never leaves a half-written
+model and never replaces a good one.
 """
 
 from __future__ import annotations
@@ -14,143 +27,481 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.ckpt.check import replicated_diff
+from opskit.ckpt.info import describe_step, list_steps
 from opskit.ckpt.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
     CheckpointFormatError,
-    StepDir,
     final_norm_layer,
     load_args,
-    merged_layers,
+    load_state,
     resolve_step_dir,
     scan_step_dir,
+    tp_rule,
 )
+from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
+from opskit.ckpt.tensorfile import RowSpan
 from opskit.fsutil import replace_dir
 
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+CHUNK_BYTES = 256 * 1024**2  # row chunks of a vocabulary shard: bounds memory for huge embeddings
+VERIFY_ATOL = 1e-4
+VERIFY_RTOL = 1e-5
+VERIFY_WHOLE_MAX_PARAMETERS = 10**9
+VERIFY_PARTIAL_LAYERS = 2
+
+GPT2_BLOCK_KEYS = {
+    "input_layernorm.weight": "ln_1.weight", "input_layernorm.bias": "ln_1.bias",
+    "post_attention_layernorm.weight": "ln_2.weight", "post_attention_layernorm.bias": "ln_2.bias",
+    "self_attention.query_key_value.weight": "attn.c_attn.weight",
+    "self_attention.query_key_value.bias": "attn.c_attn.bias",
+    "self_attention.dense.weight": "attn.c_proj.weight", "self_attention.dense.bias": "attn.c_proj.bias",
+    "mlp.dense_h_to_4h.weight": "mlp.c_fc.weight", "mlp.dense_h_to_4h.bias": "mlp.c_fc.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.c_proj.weight", "mlp.dense_4h_to_h.bias": "mlp.c_proj.bias",
+}
+BLOOM_BLOCK_KEYS = {k: k for k in GPT2_BLOCK_KEYS}
 
 
 class ConvertError(ValueError):
-    """A checkpoint this converter cannot turn into the asked format; one line saying why."""
+    """A checkpoint this converter cannot turn into the asked format, or a failed verification; one line."""
 
 
 @dataclass(frozen=True)
 class Converted:
+    """One converted step. ``averaged``: replicated tensors whose TP copies differed (``"h.0.ln_1.weight (layer_03,
+    max abs diff 1.2e-03)"``); ``max_abs_diff``: verification's logits difference (None when not verified);
+    ``skipped``: already converted (``--all``); ``verified_layers``: blocks the verification ran through."""
+
     out_dir: Path
     step_dir: Path
     iteration: int
+    arch: str
     num_parameters: int
+    shards: int = 0
+    averaged: list[str] = field(default_factory=list)
+    max_abs_diff: float | None = None
+    skipped: bool = False
+    verified_layers: int | None = None
+    num_layers: int = 0
 
 
-def bloom_state_dict(step: StepDir, num_layers: int) -> dict:
-    """Merged HF ``BloomForCausalLM`` state dict (without the tied ``lm_head``).
+# --------------------------------------------------------------------------- what the saved args say
+
+
+def model_arch(args: argparse.Namespace, where: Path) -> str:
+    """``"bloom"`` or ``"gpt2"`` from the saved args.
 
     Raises:
-        CheckpointFormatError: a layer file is missing (named) or unreadable. ConvertError: not a BLOOM.
+        ConvertError: GLU MLPs, post-LayerNorm residuals, or a position-embedding / embedding-LayerNorm combination
+        that is neither model.
     """
-    final_norm = final_norm_layer(num_layers)
-    expected = {EMBEDDING_LAYER, final_norm, *range(FIRST_BLOCK_LAYER, FIRST_BLOCK_LAYER + num_layers)}
-    missing = sorted(expected - set(step.layers))
-    if missing:  # an incomplete checkpoint (a save killed half-way, a partial copy): name the file, before loading
-        raise CheckpointFormatError(f"{step.path / f'layer_{missing[0]:02d}-model_00-model_states.pt'}: no such "
-                                    f"file; a {num_layers}-layer checkpoint has layer files {sorted(expected)}")
-    if set(step.layers) != expected:
-        raise ConvertError(f"{step.path}: layer files {sorted(step.layers)}, expected {sorted(expected)} for "
-                           f"{num_layers} layers")
-    layers = merged_layers(step)
-    embedding = layers[EMBEDDING_LAYER]
-    if "word_embeddings.norm.weight" not in embedding:
-        raise ConvertError(f"{step.path}: no embedding LayerNorm; BLOOM needs a run with --embed-layernorm")
-    if "position_embeddings.weight" in embedding:
-        raise ConvertError(f"{step.path}: absolute position embeddings; BLOOM needs --position-embedding-type alibi")
-    state = {
-        "transformer.word_embeddings.weight": embedding["word_embeddings.weight"],
-        "transformer.word_embeddings_layernorm.weight": embedding["word_embeddings.norm.weight"],
-        "transformer.word_embeddings_layernorm.bias": embedding["word_embeddings.norm.bias"],
-        "transformer.ln_f.weight": layers[final_norm]["weight"],
-        "transformer.ln_f.bias": layers[final_norm]["bias"],
-    }
-    for i in range(num_layers):
-        for key, tensor in layers[FIRST_BLOCK_LAYER + i].items():
-            state[f"transformer.h.{i}.{key}"] = tensor
-    return state
+    position = str(args.position_embedding_type)
+    embed_ln = bool(getattr(args, "embed_layernorm", False))
+    if getattr(args, "glu_activation", None):
+        raise ConvertError(f"{where}: --glu-activation {args.glu_activation}: neither GPT-2 nor BLOOM has a GLU MLP")
+    if position == "alibi" and embed_ln:
+        return "bloom"
+    if position == "absolute" and not embed_ln:
+        if getattr(args, "apply_residual_connection_post_layernorm", False):
+            raise ConvertError(f"{where}: --apply-residual-connection-post-layernorm: GPT-2 has no such option")
+        return "gpt2"
+    raise ConvertError(f"{where}: position_embedding_type {position} with embed_layernorm {embed_ln}: neither GPT-2 "
+                       "(absolute, no embedding LayerNorm) nor BLOOM (alibi + embedding LayerNorm)")
 
 
-def bloom_config(args: argparse.Namespace, dtype: str):
-    """``BloomConfig`` from the saved training args. BLOOM's MLP is fixed at 4h, so other FFN sizes are refused."""
-    from transformers import BloomConfig
+def activation_function(args: argparse.Namespace) -> str:
+    """transformers' name for the run's GELU (transformers' megatron_gpt2 converter's rule). Runs of opskit's trainer
+    carry no ``bias_gelu_fusion``: it always computes the tanh GELU, i.e. ``gelu_fast``."""
+    if getattr(args, "bias_gelu_fusion", True):
+        return "gelu_fast"
+    return "gelu_new" if getattr(args, "openai_gelu", False) else "gelu"
 
+
+def original_vocab_size(args: argparse.Namespace, client_state: dict) -> int | None:
+    """The tokenizer's vocabulary before Megatron's padding, when the checkpoint records it."""
+    info = client_state.get("checkpoint_info") or {}
+    return getattr(args, "original_vocab_size", None) or info.get("original_vocab_size")
+
+
+def hf_config(arch: str, args: argparse.Namespace, vocab_size: int, dtype: str, n_positions: int | None,
+              eos_token_id: int | None = None):
+    """``GPT2Config`` or ``BloomConfig`` from the saved args (sizes, epsilon, dropouts, activation); GPT-2's single
+    special token (bos = eos) is the tokenizer's ``eos_token_id``, 50256 when it has none.
+
+    Raises:
+        ConvertError: BLOOM with an FFN other than 4h or an exact-erf GELU (BLOOM's MLP is fixed: 4h, tanh GELU).
+    """
+    from transformers import BloomConfig, GPT2Config
+
+    common = dict(initializer_range=getattr(args, "init_method_std", 0.02), tie_word_embeddings=True,
+                  dtype=DTYPES[dtype])
+    epsilon = getattr(args, "layernorm_epsilon", 1e-5)
+    if arch == "gpt2":
+        return GPT2Config(
+            vocab_size=vocab_size, n_positions=n_positions, n_embd=args.hidden_size, n_layer=args.num_layers,
+            n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
+            activation_function=activation_function(args),
+            resid_pdrop=args.hidden_dropout, embd_pdrop=args.hidden_dropout, attn_pdrop=args.attention_dropout,
+            layer_norm_epsilon=epsilon, scale_attn_weights=True, architectures=["GPT2LMHeadModel"],
+            bos_token_id=50256 if eos_token_id is None else eos_token_id,
+            eos_token_id=50256 if eos_token_id is None else eos_token_id, **common)
     if args.ffn_hidden_size != 4 * args.hidden_size:
         raise ConvertError(f"ffn_hidden_size {args.ffn_hidden_size} != 4 * hidden_size; BLOOM's MLP is fixed at 4h")
+    if activation_function(args) == "gelu":
+        raise ConvertError("the run used the exact (erf) GELU; BLOOM's MLP computes the tanh approximation")
     return BloomConfig(
-        vocab_size=args.padded_vocab_size,
-        hidden_size=args.hidden_size,
-        n_layer=args.num_layers,
-        n_head=args.num_attention_heads,
-        layer_norm_epsilon=1e-5,
-        initializer_range=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        apply_residual_connection_post_layernorm=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=3,
-        pretraining_tp=1,
-        slow_but_exact=False,
-        architectures=["BloomForCausalLM"],
-        dtype={"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype],
-    )
+        vocab_size=vocab_size, hidden_size=args.hidden_size, n_layer=args.num_layers, n_head=args.num_attention_heads,
+        layer_norm_epsilon=epsilon, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        apply_residual_connection_post_layernorm=bool(getattr(args, "apply_residual_connection_post_layernorm",
+                                                              False)),
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, pretraining_tp=1, slow_but_exact=False,
+        architectures=["BloomForCausalLM"], **common)
 
 
-def convert_to_bloom(path: str | Path, out_dir: str | Path, step: int | None = None, dtype: str = "fp32",
-                     tokenizer_dir: str | Path | None = None) -> Converted:
-    """Convert ``path`` (run checkpoint dir or ``global_stepN``) to an HF BLOOM folder at ``out_dir``.
+# --------------------------------------------------------------------------- output tensors, block by block
 
-    Args:
-        path: checkpoint dir with ``latest``, or a step folder.
-        out_dir: destination; replaced atomically if it exists.
-        step: convert ``global_step{step}`` instead of ``latest``.
-        dtype: ``fp32``, ``fp16`` or ``bf16`` weights.
-        tokenizer_dir: tokenizer folder; default: the saved ``--tokenizer-name-or-path``.
+
+def _row_chunks(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
+    """``[start, stop)`` row ranges of at most CHUNK_BYTES each."""
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _chunked(tensor, first_row: int = 0) -> Iterator[tuple[object, int]]:
+    """Blocks of whole rows of an in-memory tensor (copied contiguous one chunk at a time)."""
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+    for start, stop in _row_chunks(tensor.shape[0], row_bytes):
+        yield tensor[start:stop], first_row + start
+
+
+def _replicated(name: str, refs: list, averaged: list[str], where: str) -> OutTensor:
+    def blocks():
+        tensors = [r.read() for r in refs]
+        diff, _ranks = replicated_diff(tensors)
+        if diff == 0:
+            yield tensors[0], 0
+            return
+        import torch
+
+        averaged.append(f"{name} ({where}, max abs diff {diff:.3g})")
+        yield torch.stack([t.float() for t in tensors]).mean(0), 0
+
+    return OutTensor(name, tuple(refs[0].shape), sum(r.nbytes for r in refs), blocks)
+
+
+def _cat_rows(name: str, refs: list, keep_rows: int | None = None, transpose: bool = False) -> OutTensor:
+    """Shards concatenated on dim 0 (column-parallel, vocabulary), read in row chunks; ``keep_rows`` trims padding;
+    ``transpose`` for GPT-2's Conv1D (``[in, out]``: the merged tensor is read whole, then written in row chunks)."""
+    rows = sum(r.shape[0] for r in refs)
+    keep = min(rows, keep_rows or rows)
+    shape = (keep, *refs[0].shape[1:])
+
+    def blocks():
+        if transpose:
+            import torch
+
+            yield from _chunked(torch.cat([r.read() for r in refs]).t())
+            return
+        start = 0
+        for ref in refs:
+            stop = min(start + ref.shape[0], keep)
+            for first, last in _row_chunks(max(0, stop - start), ref.nbytes // max(1, ref.shape[0])):
+                yield RowSpan(ref, first, last), start + first
+            start += ref.shape[0]
+
+    return OutTensor(name, shape[::-1] if transpose else shape, sum(r.nbytes for r in refs), blocks)
+
+
+def _cat_columns(name: str, refs: list, transpose: bool = False) -> OutTensor:
+    """Row-parallel weights: shards concatenated on dim 1, written in row chunks (each chunk reads the same rows of
+    every shard); transposed for GPT-2, each shard is a run of whole output rows."""
+    shape = (refs[0].shape[0], sum(r.shape[1] for r in refs))
+
+    def blocks():
+        import torch
+
+        if transpose:
+            start = 0
+            for ref in refs:
+                yield from _chunked(ref.read().t(), start)
+                start += ref.shape[1]
+            return
+        itemsize = refs[0].itemsize
+        for first, last in _row_chunks(shape[0], shape[1] * itemsize):
+            row_bytes = shape[1] * itemsize
+            chunk = torch.empty(last - first, row_bytes, dtype=torch.uint8)
+            raw, column = memoryview(chunk.numpy()).cast("B"), 0
+            for ref in refs:  # each shard's rows land in their column slice: no concatenation pass
+                width = ref.shape[1] * itemsize
+                ref.read_rows_into(first, last, [raw[r + column:r + column + width]
+                                                 for r in range(0, len(raw), row_bytes)])
+                column += width
+            yield chunk.view(refs[0].dtype), first
+
+    return OutTensor(name, shape[::-1] if transpose else shape, sum(r.nbytes for r in refs), blocks)
+
+
+def _gpt2_qkv(name: str, refs: list, heads: int, head_dim: int) -> OutTensor:
+    """``query_key_value`` shards (rows ``[head][q|k|v][head_dim]``; TP ranks hold contiguous heads) -> ``c_attn``:
+    rows regrouped to ``[q of all heads | k | v]`` (Megatron's ``fix_query_key_value_ordering`` for version >= 2),
+    then, for the weight, transposed to Conv1D's ``[h_in, 3h]``."""
+    is_weight = len(refs[0].shape) == 2
+
+    def blocks():
+        import torch
+
+        merged = torch.cat([r.read() for r in refs])
+        regrouped = merged.view(heads, 3, head_dim, -1).transpose(0, 1).reshape(3 * heads * head_dim, -1)
+        yield from _chunked(regrouped.t() if is_weight else regrouped.view(-1))
+
+    shape = (refs[0].shape[1], 3 * heads * head_dim) if is_weight else (3 * heads * head_dim,)
+    return OutTensor(name, shape, sum(r.nbytes for r in refs), blocks)
+
+
+def _block_tensor(arch: str, name: str, key: str, refs: list, args, averaged: list[str], where: str) -> OutTensor:
+    rule = tp_rule(key)
+    if rule == "replicated":
+        return _replicated(name, refs, averaged, where)
+    if arch == "gpt2" and key.startswith("self_attention.query_key_value."):
+        return _gpt2_qkv(name, refs, args.num_attention_heads, args.hidden_size // args.num_attention_heads)
+    transpose = arch == "gpt2" and key.endswith(".weight")
+    return _cat_columns(name, refs, transpose) if rule == "cat1" else _cat_rows(name, refs, transpose=transpose)
+
+
+def plan_tensors(step, args: argparse.Namespace, arch: str, keep_vocab_rows: int | None,
+                 averaged: list[str]) -> list[OutTensor]:
+    """Every output tensor of the HF model, in layer order, from a scanned step (headers only; nothing read yet).
 
     Raises:
-        ConvertError, CheckpointFormatError: unusable input, with the file and the reason.
+        ConvertError: a key that has no place in the target model (named with its file).
+    """
+    shards = {index: [load_state(f) for f in files] for index, files in step.layers.items()}
+    prefix = "transformer."
+    embedding = shards[EMBEDDING_LAYER]
+    extra = ["position_embeddings.weight"] if arch == "gpt2" else ["word_embeddings.norm.weight",
+                                                                     "word_embeddings.norm.bias"]
+    _refuse_unknown(step, EMBEDDING_LAYER, embedding[0], {"word_embeddings.weight", *extra})
+    out = [_cat_rows(prefix + ("wte.weight" if arch == "gpt2" else "word_embeddings.weight"),
+                     [s["word_embeddings.weight"] for s in embedding], keep_vocab_rows)]
+    hf_names = {"position_embeddings.weight": "wpe.weight", "word_embeddings.norm.weight":
+                "word_embeddings_layernorm.weight", "word_embeddings.norm.bias": "word_embeddings_layernorm.bias"}
+    out += [_replicated(prefix + hf_names[key], [s[key] for s in embedding], averaged, "layer_01") for key in extra]
+    names = GPT2_BLOCK_KEYS if arch == "gpt2" else BLOOM_BLOCK_KEYS
+    for i in range(args.num_layers):
+        index = FIRST_BLOCK_LAYER + i
+        layer = shards[index]
+        _refuse_unknown(step, index, layer[0], set(names))
+        for key in layer[0]:
+            out.append(_block_tensor(arch, f"{prefix}h.{i}.{names[key]}", key, [s[key] for s in layer], args,
+                                     averaged, f"layer_{index:02d}"))
+    final = shards[final_norm_layer(args.num_layers)]
+    _refuse_unknown(step, final_norm_layer(args.num_layers), final[0], {"weight", "bias"})
+    for part in ("weight", "bias"):
+        out.append(_replicated(f"{prefix}ln_f.{part}", [s[part] for s in final], averaged,
+                               f"layer_{final_norm_layer(args.num_layers):02d}"))
+    return out
+
+
+def _refuse_unknown(step, index: int, state: dict, known: set[str]) -> None:
+    unknown = sorted(set(state) - known)
+    if unknown:
+        raise ConvertError(f"{step.layers[index][0]}: keys {unknown} have no place in the converted model")
+    missing = sorted(known - set(state))
+    if missing:
+        raise ConvertError(f"{step.layers[index][0]}: keys {missing} missing")
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
+                 trim_vocab: bool = False, tokenizer_dir: str | Path | None = None, verify: bool = True,
+                 verify_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 progress: Callable[[int, int], None] | None = None) -> Converted:
+    """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``.
+
+    Args:
+        dtype: ``fp32``/``fp16``/``bf16``; default: the checkpoint's own.
+        trim_vocab: drop Megatron's vocabulary padding (rows past the tokenizer's size).
+        tokenizer_dir: tokenizer folder copied into the output; default: the saved ``--tokenizer-name-or-path``.
+        verify: load the result in transformers and compare logits with the checkpoint's own forward.
+        verify_layers: verify with the first N blocks only; default: the whole model up to 1e9 parameters (both
+            models in fp32 take 8 bytes per parameter), else the first 2 blocks.
+        progress: ``progress(bytes_read, bytes_total)`` of checkpoint bytes, after each tensor.
+
+    Raises:
+        CheckpointFormatError: incomplete or unreadable step (the first bad file named). ConvertError: a model
+        neither GPT-2 nor BLOOM, a bad ``dtype``, a missing tokenizer, or a failed verification.
     """
     import torch
-    from transformers import AutoTokenizer, BloomForCausalLM, GenerationConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would garble the CLI's status line
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
-    step_dir = scan_step_dir(resolve_step_dir(path, step))
-    args = load_args(step_dir)
+    step_path = resolve_step_dir(path, step)
+    info = describe_step(step_path)
+    if info.problems:
+        raise CheckpointFormatError(info.problems[0])
+    scanned = scan_step_dir(step_path)
+    client_state = load_state(scanned.mp_rank_file())
+    args = client_state["args"]
+    arch = model_arch(args, step_path)
+    dtype = dtype or info.dtype
     tokenizer_dir = tokenizer_dir or getattr(args, "tokenizer_name_or_path", None)
     if tokenizer_dir is None:  # trained from GPT-2's vocab/merges files (--tokenizer-type GPT2BPETokenizer)
-        raise ConvertError(f"{step_dir.path}: trained with --tokenizer-type {args.tokenizer_type}, no tokenizer "
+        raise ConvertError(f"{step_path}: trained with --tokenizer-type {args.tokenizer_type}, no tokenizer "
                            "folder saved (pass --tokenizer DIR)")
     tokenizer_dir = Path(tokenizer_dir)
-    if not (tokenizer_dir / "tokenizer.json").is_file():
+    if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
         raise ConvertError(f"{tokenizer_dir}: no tokenizer.json (pass --tokenizer DIR)")
-    config = bloom_config(args, dtype)
-    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    state = {k: v.to(torch_dtype) for k, v in bloom_state_dict(step_dir, args.num_layers).items()}
-    model = BloomForCausalLM(config).to(torch_dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the word embeddings
-    if missing or unexpected:
-        raise ConvertError(f"{step_dir.path}: keys missing in the checkpoint {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    keep_rows = original_vocab_size(args, client_state) if trim_vocab else None
+    if trim_vocab and keep_rows is None:
+        raise ConvertError(f"{step_path}: the checkpoint does not record the unpadded vocabulary size; cannot trim")
+    averaged: list[str] = []
+    tensors = plan_tensors(scanned, args, arch, keep_rows, averaged)
+    n_positions = next((t.shape[0] for t in tensors if t.name.endswith("wpe.weight")), None)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = hf_config(arch, args, tensors[0].shape[0], dtype, n_positions, tokenizer.eos_token_id)
+    torch_dtype = getattr(torch, DTYPES[dtype])
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
-        GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(staging)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
+        shards = plan_shards(tensors, torch_dtype.itemsize, max_shard_bytes)
+        total_source, done, total_size, weight_map = sum(t.source_bytes for t in tensors), 0, 0, {}
+        for number, shard in enumerate(shards):
+            name = shard_name(number, len(shards))
+
+            def tick(nbytes: int) -> None:
+                nonlocal done
+                done += nbytes
+                if progress:
+                    progress(done, total_source)
+
+            total_size += write_safetensors(staging / name, shard, torch_dtype, tick)
+            weight_map.update({t.name: name for t in shard})
+        write_index(staging, weight_map, total_size)
+        _write_side_files(staging, config, tokenizer)
+        parameters = sum(numel(t.shape) for t in tensors)
+        if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
+            verify_layers = VERIFY_PARTIAL_LAYERS
+        try:
+            max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
+        except ConvertError as e:
+            raise ConvertError(f"{e}; nothing was written to {out_dir}") from None
         replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Converted(out_dir, step_dir.path, step_dir.iteration, sum(t.numel() for t in state.values()))
+    return Converted(out_dir, step_path, info.iteration, arch, parameters, len(shards), averaged, max_abs_diff,
+                     verified_layers=(verify_layers or args.num_layers) if verify else None,
+                     num_layers=args.num_layers)
+
+
+def _write_side_files(folder: Path, config, tokenizer) -> None:
+    from transformers import GenerationConfig
+
+    config.save_pretrained(folder)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def convert_all(checkpoint_dir: str | Path, out_root: str | Path, **options) -> list[Converted | str]:
+    """Convert every complete step of a run into ``out_root/global_stepN``; a step whose folder already has a
+    ``config.json`` and index is skipped (``Converted.skipped``), an incomplete step gives its first problem (str).
+    ``options`` as :func:`convert_step`."""
+    results: list[Converted | str] = []
+    _latest, steps = list_steps(checkpoint_dir)
+    for info in steps:
+        out = Path(out_root) / info.path.name
+        if not info.complete:
+            results.append(info.problems[0])
+        elif (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
+            results.append(Converted(out, info.path, info.iteration, "", 0, skipped=True))
+        else:
+            results.append(convert_step(info.path, out, **options))
+    return results
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def verification_tokens(args: argparse.Namespace, tokenizer_dir: Path, count: int = 3, length: int = 32):
+    """``[count, length]`` token ids of real text: the run's own dataset when it is readable here, else a fixed
+    passage through the tokenizer. ``length`` is capped by the model's positions."""
+    import torch
+
+    length = min(length, args.max_position_embeddings or length, args.seq_length or length)
+    # Megatron-DeepSpeed's --data-path is a list ("[weight] prefix" pairs); opskit's trainer saves one prefix.
+    prefix = args.data_path[-1] if isinstance(args.data_path, list) else args.data_path
+    try:
+        from opskit.data import read_documents
+
+        docs = read_documents(prefix)
+        chosen = [docs[i][:length] for i in range(len(docs)) if len(docs[i]) >= length][:count]
+        if len(chosen) == count:
+            return torch.tensor([d.tolist() for d in chosen], dtype=torch.long)
+    except Exception:  # dataset not on this machine: fall back to text
+        pass
+    from transformers import AutoTokenizer
+
+    text = ("In the beginning God created the heaven and the earth. And the earth was without form, and void; and "
+            "darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. ") * 4
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(text)["input_ids"]
+    return torch.tensor([ids[i * 7:i * 7 + length] for i in range(count)], dtype=torch.long)
+
+
+def verify_conversion(step_path: Path, folder: Path, dtype: str, num_layers: int | None = None) -> float:
+    """Max abs difference between transformers' logits of ``folder`` and the checkpoint's own forward
+    (:class:`opskit.train.inference.GPTModel`, weights rounded to ``dtype`` like the conversion, computed in fp32).
+
+    Args:
+        num_layers: compare models cut after this many blocks (same embedding, final LayerNorm and head), for models
+            that do not fit twice in memory in fp32; None: the whole model.
+
+    Raises:
+        ConvertError: keys missing when transformers loads the folder, or a difference above
+        ``max(1e-4, 1e-5 * max |logit|)``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from opskit.train.inference import GPTModel
+
+    hf_logging.disable_progress_bar()
+    args = load_args(scan_step_dir(step_path))
+    tokens = verification_tokens(args, folder)
+    cut = {} if num_layers is None else {"num_hidden_layers": min(num_layers, args.num_layers)}
+    model, loading = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True,
+                                                          **cut)
+    missing = [k for k in loading["missing_keys"] if k != "lm_head.weight"]
+    unexpected = [k for k in loading["unexpected_keys"] if not cut or not _block_index(k) >= num_layers]
+    if missing or unexpected:
+        raise ConvertError(f"{folder}: transformers reports missing keys {missing}, unexpected {unexpected}")
+    reference = GPTModel.from_checkpoint(step_path, num_layers=num_layers).to(getattr(torch, DTYPES[dtype])).float()
+    with torch.no_grad():
+        theirs = model.eval()(tokens).logits
+        ours = reference(tokens)[..., : theirs.shape[-1]]
+    diff = (theirs - ours).abs().max().item()
+    tolerance = max(VERIFY_ATOL, VERIFY_RTOL * ours.abs().max().item())  # fp32 sums in another order, large logits
+    if not diff <= tolerance:
+        raise ConvertError(f"{step_path}: verification failed: transformers' logits differ from the checkpoint's own "
+                           f"forward by {diff:.3g} (> {tolerance:.3g}) on {tokens.shape[0]} sequences of "
+                           f"{tokens.shape[1]} tokens")
+    return diff
+
+
+def _block_index(key: str) -> int:
+    """``transformer.h.12.attn.c_attn.weight`` -> 12; -1 for keys outside the blocks."""
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["transformer", "h"] and parts[2].isdigit() else -1

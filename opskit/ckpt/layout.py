@@ -39,6 +39,36 @@ def final_norm_layer(num_layers: int) -> int:
     return num_layers + 4
 
 
+def expected_layers(num_layers: int) -> list[int]:
+    """Layer-file indices of an ``num_layers``-block model: embedding, blocks, final LayerNorm."""
+    return [EMBEDDING_LAYER, *range(FIRST_BLOCK_LAYER, FIRST_BLOCK_LAYER + num_layers), final_norm_layer(num_layers)]
+
+
+def layer_file_name(index: int, tp_rank: int) -> str:
+    return f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt"
+
+
+def read_latest(directory: str | Path) -> str | None:
+    """The tag in ``<dir>/latest`` (e.g. ``global_step95000``), or None when there is none."""
+    path = Path(directory) / "latest"
+    return path.read_text().strip() or None if path.is_file() else None
+
+
+def write_latest(directory: str | Path, tag: str) -> None:
+    """Point ``latest`` at ``tag`` atomically (temp file + rename; no newline, as DeepSpeed writes it)."""
+    from opskit.fsutil import atomic_write_text
+
+    atomic_write_text(Path(directory) / "latest", tag)
+
+
+def step_dirs(directory: str | Path) -> dict[int, Path]:
+    """Iteration -> ``global_stepN`` folder of a run's checkpoint dir, ascending."""
+    directory = Path(directory)
+    found = {int(m.group(1)): p for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()} \
+        if directory.is_dir() else {}
+    return dict(sorted(found.items()))
+
+
 class CheckpointFormatError(ValueError):
     """A folder that is not a (complete) Megatron-DeepSpeed checkpoint; one line naming the folder and what is wrong."""
 
@@ -111,22 +141,41 @@ def scan_step_dir(path: str | Path) -> StepDir:
     return StepDir(path, {i: [r[t] for t in range(tp)] for i, r in sorted(layers.items())}, tp, mp_ranks // tp)
 
 
-def _torch_load(path: Path):
-    import torch
+def load_state(path: Path, lazy: bool = True):
+    """A checkpoint file's pickled object; with ``lazy`` its tensors are :class:`~opskit.ckpt.tensorfile.TensorRef`
+    (nothing read yet), else tensors. Classes not installed here (``megatron.enums``) load as placeholders.
+
+    Raises:
+        CheckpointFormatError: truncated, foreign or unreadable file, naming it.
+    """
+    from opskit.ckpt.tensorfile import TensorFileError, load_lazy, materialize
 
     try:
-        # Megatron-DeepSpeed pickles argparse.Namespace and numpy RNG states, so weights_only loading cannot be used.
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated or foreign file: name it in one line
-        raise CheckpointFormatError(f"{path}: cannot be loaded ({type(e).__name__}: {e})") from None
+        state = load_lazy(path)
+        return state if lazy else materialize(state)
+    except (TensorFileError, OSError) as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        raise CheckpointFormatError(f"{path}: cannot be loaded ({reason})") from None
 
 
 def load_args(step: StepDir) -> argparse.Namespace:
     """The training ``args`` saved in ``mp_rank_00_model_states.pt``."""
-    state = _torch_load(step.mp_rank_file())
-    if "args" not in state:
-        raise CheckpointFormatError(f"{step.mp_rank_file()}: no 'args' (not written by Megatron-DeepSpeed?)")
+    path = step.mp_rank_file()
+    if not path.is_file():
+        raise CheckpointFormatError(f"{path}: no such file (every step needs mp_rank_00_model_states.pt)")
+    state = load_state(path)
+    if not isinstance(state, dict) or "args" not in state:
+        raise CheckpointFormatError(f"{path}: no 'args' (not written by Megatron-DeepSpeed?)")
     return state["args"]
+
+
+def tp_rule(key: str) -> str:
+    """How one layer-file key's TP shards combine: ``"replicated"`` (identical on every rank; LayerNorms,
+    row-parallel biases, position embeddings, the final LayerNorm's bare ``weight``/``bias``), ``"cat1"``
+    (row-parallel weights) or ``"cat0"`` (column-parallel weights/biases, vocabulary rows)."""
+    if key.endswith(REPLICATED_SUFFIXES) or key in ("weight", "bias"):
+        return "replicated"
+    return "cat1" if key.endswith(ROW_PARALLEL_WEIGHTS) else "cat0"
 
 
 def merge_tp(key: str, shards: list):
@@ -135,15 +184,19 @@ def merge_tp(key: str, shards: list):
 
     if len(shards) == 1:
         return shards[0]
-    if key.endswith(REPLICATED_SUFFIXES) or key in ("weight", "bias"):  # bare keys: the final LayerNorm
+    rule = tp_rule(key)
+    if rule == "replicated":
         return torch.stack([s.float() for s in shards]).mean(0).to(shards[0].dtype)
-    return torch.cat(shards, dim=1 if key.endswith(ROW_PARALLEL_WEIGHTS) else 0)
+    return torch.cat(shards, dim=1 if rule == "cat1" else 0)
 
 
-def merged_layers(step: StepDir) -> dict[int, dict]:
-    """Layer index -> its state dict merged to TP=1 (PP needs no merging: each layer lives in one stage's files)."""
+def merged_layers(step: StepDir, only: set[int] | None = None) -> dict[int, dict]:
+    """Layer index -> its state dict merged to TP=1 (PP needs no merging: each layer lives in one stage's files);
+    ``only``: just these layer indices."""
     merged = {}
     for index, files in step.layers.items():
-        shards = [_torch_load(f) for f in files]
+        if only is not None and index not in only:
+            continue
+        shards = [load_state(f, lazy=False) for f in files]
         merged[index] = {key: merge_tp(key, [s[key] for s in shards]) for key in shards[0]}
     return merged

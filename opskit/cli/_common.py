@@ -20,6 +20,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.alerts import AlertConfigError
     from opskit.ckpt.convert import ConvertError
     from opskit.ckpt.layout import CheckpointFormatError
+    from opskit.ckpt.prune import PruneError
     from opskit.data import DataError
     from opskit.logs.parse import LogFormatError
     from opskit.slurm.chain import ChainError
@@ -28,9 +29,10 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.spec import SpecError
     from opskit.submit import SubmitError
     from opskit.sync import SyncError
+    from opskit.targets import TargetError
 
     return (SpecError, DataError, SubmitError, SlurmError, ChainError, CronError, CheckpointFormatError,
-            ConvertError, SyncError, LogFormatError, AlertConfigError, FileNotFoundError)
+            ConvertError, PruneError, SyncError, TargetError, LogFormatError, AlertConfigError, FileNotFoundError)
 
 
 def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:

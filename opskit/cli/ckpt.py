@@ -1,4 +1,5 @@
-"""``opskit ckpt``: convert Megatron-DeepSpeed checkpoints to Hugging Face, and sample from the result."""
+"""``opskit ckpt``: list, inspect, check, convert, prune, back up Megatron-DeepSpeed checkpoints; sample from a
+converted model. Nothing here imports torch at import time."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ from pathlib import Path
 
 import typer
 
-from opskit.cli._common import console, friendly_errors
+from opskit.cli._common import console, err_console, friendly_errors, print_json
 
-app = typer.Typer(help="Megatron-DeepSpeed checkpoints: convert, generate.", no_args_is_help=True)
+app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, prune, backup, generate.",
+                  no_args_is_help=True)
 
 
 def _checkpoint_dir(run_or_dir: str) -> tuple[Path, Path | None]:
@@ -23,27 +25,292 @@ def _checkpoint_dir(run_or_dir: str) -> tuple[Path, Path | None]:
     return run.checkpoints, run.root
 
 
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1024 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def _progress(in_bytes: bool = True):
+    """A rich progress bar on stderr (bytes with speed, or a count), shown only on a terminal."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    amounts = (DownloadColumn(), TransferSpeedColumn()) if in_bytes else (MofNCompleteColumn(),)
+    return Progress(TextColumn("{task.description}"), BarColumn(), *amounts, TimeRemainingColumn(),
+                    console=err_console, transient=True, disable=not err_console.is_terminal)
+
+
+@app.command("list")
+@friendly_errors
+def list_(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir (with global_stepN folders)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest."""
+    from opskit.ckpt.info import list_steps
+
+    directory, _ = _checkpoint_dir(run_or_dir)
+    latest, steps = list_steps(directory)
+    if json_output:
+        print_json({"dir": str(directory), "latest": latest, "steps": [s.as_json() for s in steps]})
+        return
+    console.print(f"{directory}  latest: {latest or 'none'}", markup=False)
+    console.print(f"{'step':<18} {'size':>9} {'TP':>3} {'PP':>3} {'DP':>3} {'dtype':>5} {'complete':>8} "
+                  f"{'consumed samples':>16} {'consumed tokens':>16}")
+    for s in steps:
+        degrees = (str(v) if v is not None else "?" for v in (s.tp, s.pp, s.dp))
+        samples = f"{s.consumed_samples:,}" if s.consumed_samples is not None else "?"
+        tokens = f"{s.consumed_tokens:,}" if s.consumed_tokens is not None else "?"
+        console.print(f"{s.path.name:<18} {_human(s.size_bytes):>9} {' '.join(f'{d:>3}' for d in degrees)} "
+                      f"{s.dtype or '?':>5} {'yes' if s.complete else 'NO':>8} {samples:>16} {tokens:>16}"
+                      f"{'  <- latest' if s.latest else ''}", markup=False)
+    for s in steps:
+        for problem in s.problems:
+            console.print(f"{s.path.name}: {problem}", markup=False)
+
+
+@app.command("inspect")
+@friendly_errors
+def inspect(
+    step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Architecture from the saved args, and every file's tensor names, shapes and dtypes."""
+    from opskit.ckpt.info import inspect_step
+    from opskit.ckpt.layout import resolve_step_dir
+
+    report = inspect_step(resolve_step_dir(step_dir))
+    if json_output:
+        print_json(report)
+        return
+    console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
+                  f"consumed tokens {report['consumed_tokens']}", markup=False)
+    for key, value in report["architecture"].items():
+        console.print(f"  {key}: {value}", markup=False)
+    for name, tensors in report["files"].items():
+        if "size_bytes" in tensors:
+            console.print(f"{name}  ({_human(tensors['size_bytes'])})", markup=False)
+            continue
+        console.print(name, markup=False)
+        for key, t in tensors.items():
+            console.print(f"  {key:48s} {str(t['shape']):>16s} {t['dtype']}", markup=False)
+
+
+@app.command("check")
+@friendly_errors
+def check(
+    step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """TP consistency of replicated tensors, RNG agreement per pipeline stage, NaN/Inf, completeness. Exit 1 on any
+    problem."""
+    from opskit.ckpt.check import check_step
+    from opskit.ckpt.layout import resolve_step_dir
+
+    with _progress(in_bytes=False) as bar:
+        task = bar.add_task("checking layers", total=None)
+        report = check_step(resolve_step_dir(step_dir), lambda done, total: bar.update(task, completed=done,
+                                                                                           total=total))
+    if json_output:
+        print_json(report.as_json())
+    else:
+        for problem in report.problems:
+            console.print(f"incomplete: {problem}", markup=False)
+        for d in report.tp_mismatches:
+            console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
+                          f"(TP ranks {d['ranks']} vs 0)", markup=False)
+        for r in report.rng:
+            if not r["agree"]:
+                console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
+        for n in report.nonfinite:
+            console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf", markup=False)
+        verdict = "OK" if report.ok else "FAILED"
+        console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
+                      f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared)", markup=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 @app.command("convert")
 @friendly_errors
 def convert(
     run_or_dir: str = typer.Argument(..., help="Spec name, checkpoint dir (with 'latest') or global_stepN folder."),
     step: int = typer.Option(None, "--step", help="Convert global_stepN instead of 'latest'."),
-    out: Path = typer.Option(None, "--out", help="Output folder (default: <run>/hf/global_stepN)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, fp16 or bf16."),
+    all_steps: bool = typer.Option(False, "--all", help="Every complete step; already converted ones are skipped."),
+    to: str = typer.Option("hf", "--to", help="Output format: hf (GPT2LMHeadModel or BloomForCausalLM)."),
+    out: Path = typer.Option(None, "--out", help="Output folder (default <run>/hf/global_stepN; with --all the "
+                                                 "parent folder)."),
+    dtype: str = typer.Option(None, "--dtype", help="fp32, fp16 or bf16 (default: the checkpoint's)."),
+    trim_vocab: bool = typer.Option(False, "--trim-vocab/--keep-padded-vocab",
+                                    help="Drop Megatron's vocabulary padding (default: keep it)."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Compare transformers' logits with the "
+                                                                   "checkpoint's own forward."),
+    verify_layers: int = typer.Option(None, "--verify-layers", min=1,
+                                      help="Verify with the first N blocks only (default: all up to 1e9 parameters, "
+                                           "else 2)."),
+    max_shard_size: float = typer.Option(5.0, "--max-shard-size", help="GB per safetensors shard."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="Tokenizer folder (default: the one the run used)."),
 ) -> None:
-    """Merge TP/PP shards of one step into a Hugging Face BloomForCausalLM folder (safetensors)."""
-    from opskit.ckpt.convert import convert_to_bloom
+    """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming."""
+    from opskit.ckpt.convert import ConvertError, convert_all, convert_step
     from opskit.ckpt.layout import resolve_step_dir
 
+    if to != "hf":
+        raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
     directory, run_root = _checkpoint_dir(run_or_dir)
-    step_dir = resolve_step_dir(directory, step)
-    if out is None:
-        out = (run_root or directory.parent) / "hf" / step_dir.name
-    with console.status(f"converting {step_dir}"):
-        result = convert_to_bloom(step_dir, out, dtype=dtype, tokenizer_dir=tokenizer)
-    console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.num_parameters:,} parameters)"
-                  f" -> {result.out_dir}")
+    options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
+                   verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3))
+    with _progress() as bar:
+        task = bar.add_task("converting", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        if all_steps:
+            results = convert_all(directory, out or (run_root or directory.parent) / "hf", progress=progress,
+                                  **options)
+        else:
+            step_dir = resolve_step_dir(directory, step)
+            bar.update(task, description=f"converting {step_dir.name}")
+            results = [convert_step(step_dir, out or (run_root or step_dir.parent.parent) / "hf" / step_dir.name,
+                                    progress=progress, **options)]
+    for result in results:
+        if isinstance(result, str):
+            err_console.print(f"skipped (incomplete): {result}", markup=False)
+        elif result.skipped:
+            console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}", markup=False)
+        else:
+            for name in result.averaged:
+                err_console.print(f"warning: TP copies differ, averaged: {name}", markup=False)
+            check = "" if result.max_abs_diff is None else \
+                f", verified: max abs logits diff {result.max_abs_diff:.2g}"
+            if result.verified_layers is not None and result.verified_layers < result.num_layers:
+                check += f" through {result.verified_layers} of {result.num_layers} blocks"
+            console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
+                          f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> "
+                          f"{result.out_dir}", markup=False)
+
+
+@app.command("prune")
+@friendly_errors
+def prune(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
+    keep: list[str] = typer.Option(..., "--keep", help="Keep-rule, repeatable: last:K, every:N, steps:N[,N...], "
+                                                       "schedule:1-100/10,101-1000/18,1001-/1500 or schedule:tr1-13B."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
+    force: bool = typer.Option(False, "--force", help="Also delete steps no verified backup holds (never latest)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Delete the steps no keep-rule keeps; never the step 'latest' names, nor (without --force) unbacked-up steps."""
+    from opskit.ckpt.prune import parse_keep
+    from opskit.ckpt.prune import prune as prune_steps
+
+    directory, _ = _checkpoint_dir(run_or_dir)
+    plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force)
+    if json_output:
+        print_json({**plan.as_json(), "dry_run": dry_run})
+        return
+    for step, reasons in plan.keep.items():
+        console.print(f"keep    global_step{step}  ({', '.join(reasons)})", markup=False)
+    for step, reason in plan.protected.items():
+        console.print(f"keep    global_step{step}  ({reason})", markup=False)
+    for step in plan.delete:
+        console.print(f"{'would delete' if dry_run else 'deleted'} global_step{step}", markup=False)
+
+
+@app.command("set-latest")
+@friendly_errors
+def set_latest(
+    checkpoint_dir: Path = typer.Argument(..., help="Checkpoint dir (with global_stepN folders)."),
+    step: int = typer.Argument(..., help="The step 'latest' should name."),
+) -> None:
+    """Point 'latest' at global_stepN atomically, after checking that the step is complete."""
+    from opskit.ckpt.prune import set_latest as point_latest
+
+    previous = point_latest(checkpoint_dir, step)
+    console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> global_step{step}", markup=False)
+
+
+@app.command("backup")
+@friendly_errors
+def backup(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
+    to: str = typer.Option(..., "--to", help="Target: file:///path (gs:// is not implemented yet)."),
+    steps: str = typer.Option(None, "--steps", help="Comma-separated steps (default: all)."),
+    weights_only: bool = typer.Option(True, "--weights-only/--with-optim",
+                                      help="Skip the ZeRO optimizer shards *_optim_states.pt (default)."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Parallel copies."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Copy steps with a CRC32C manifest, resumably and in parallel; verify every object; exit 1 if any fails."""
+    from opskit.ckpt.backup import backup as back_up
+    from opskit.ckpt.prune import PruneError
+
+    directory, _ = _checkpoint_dir(run_or_dir)
+    try:
+        chosen = [int(s) for s in steps.split(",")] if steps else None
+    except ValueError:
+        raise PruneError(f"--steps {steps}: expected comma-separated step numbers, e.g. 1000,2000") from None
+    with _progress() as bar:
+        task = bar.add_task("backing up", total=None)
+        results = back_up(directory, to, chosen, weights_only, workers,
+                          progress=lambda key, nbytes: bar.update(task, advance=nbytes, description=key))
+    if json_output:
+        print_json([{"step": r.tag, "copied": r.copied, "skipped": r.skipped, "bytes": r.bytes_total,
+                     "verified": r.verified, "problems": r.problems} for r in results])
+    else:
+        for r in results:
+            state = "verified" if r.verified else "FAILED verification"
+            console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, "
+                          f"{_human(r.bytes_total)}, {state}", markup=False)
+            for problem in r.problems:
+                console.print(f"  {problem}", markup=False)
+    if not all(r.verified for r in results):
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+@friendly_errors
+def verify(
+    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (file:///path)."),
+    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Re-check every object of a backup against its manifests; exit 1 on anything missing or corrupted."""
+    from opskit.ckpt.backup import verify as verify_backup
+
+    report = verify_backup(url)
+    if json_output:
+        print_json(report)
+    else:
+        for tag, problems in report.items():
+            console.print(f"{tag}: {'OK' if not problems else 'FAILED'}", markup=False)
+            for problem in problems:
+                console.print(f"  {problem}", markup=False)
+    if any(report.values()):
+        raise typer.Exit(1)
+
+
+@app.command("publish")
+@friendly_errors
+def publish(
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
+    to: str = typer.Option(..., "--to", help="hf://org/repo"),
+) -> None:
+    """Upload converted steps to the Hugging Face Hub, one tagged commit per step (not implemented yet)."""
+    from opskit.targets import TargetError
+
+    raise TargetError(f"--to {to}: `opskit ckpt publish` (hf://) is not implemented yet; convert with "
+                      "`opskit ckpt convert --all` and upload the folders with huggingface_hub meanwhile")
 
 
 @app.command("generate")

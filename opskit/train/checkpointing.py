@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from opskit.fsutil import atomic_write_text
+from opskit.ckpt.layout import read_latest, write_latest
 
 CHECKPOINT_VERSION = 3.0
 
@@ -32,17 +32,6 @@ class CheckpointError(RuntimeError):
 
 def step_tag(iteration: int) -> str:
     return f"global_step{iteration}"
-
-
-def read_latest(directory: str | Path) -> str | None:
-    """The tag in ``<dir>/latest`` (e.g. ``global_step95000``), or None when there is none."""
-    path = Path(directory) / "latest"
-    return path.read_text().strip() or None if path.is_file() else None
-
-
-def write_latest(directory: str | Path, tag: str) -> None:
-    """Point ``latest`` at ``tag`` atomically (no newline, as DeepSpeed writes it)."""
-    atomic_write_text(Path(directory) / "latest", tag)
 
 
 def _rng_state() -> dict:

@@ -36,21 +36,26 @@ class GPTModel(nn.Module):
         return lm_logits(self.embedding, self.final_layernorm(x)).float()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, step: int | None = None) -> GPTModel:
-        """Load a run's ``latest`` (or ``global_step{step}``) or a step folder, any TP/PP, in eval mode."""
+    def from_checkpoint(cls, path: str | Path, step: int | None = None, num_layers: int | None = None) -> GPTModel:
+        """Load a run's ``latest`` (or ``global_step{step}``) or a step folder, any TP/PP, in eval mode.
+        ``num_layers``: only the first N blocks (embedding, N blocks, final LayerNorm), to check a model too large to
+        load whole."""
         step_dir = scan_step_dir(resolve_step_dir(path, step))
         args = load_args(step_dir)
+        blocks = args.num_layers if num_layers is None else min(num_layers, args.num_layers)
         cfg = GPTConfig(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            num_layers=blocks, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
             ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
             max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
             position_embedding_type=args.position_embedding_type, embed_layernorm=args.embed_layernorm,
             init_method_std=args.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
         )
         model = cls(cfg)
-        layers = merged_layers(step_dir)
+        final = final_norm_layer(args.num_layers)
+        wanted = {EMBEDDING_LAYER, final, *range(FIRST_BLOCK_LAYER, FIRST_BLOCK_LAYER + blocks)}
+        layers = merged_layers(step_dir, wanted)
         model.embedding.load_state_dict(layers[EMBEDDING_LAYER])
         for i, block in enumerate(model.blocks):
             block.load_state_dict(layers[FIRST_BLOCK_LAYER + i])
-        model.final_layernorm.load_state_dict(layers[final_norm_layer(cfg.num_layers)])
+        model.final_layernorm.load_state_dict(layers[final])
         return model.eval()

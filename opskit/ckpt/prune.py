@@ -1,0 +1,158 @@
+"""``opskit ckpt prune`` and ``opskit ckpt set-latest``: delete checkpoint steps by keep-rules, move ``latest``.
+
+Keep-rules (a step is kept if any rule keeps it):
+
+- ``last:K``: the K highest steps;
+- ``every:N``: steps divisible by N;
+- ``steps:100,250``: these steps;
+- ``schedule:1-100/10,101-1000/18,1001-/1500``: a save schedule as ranges with their save intervals (a step in
+  ``START-END`` is kept when divisible by the interval; Megatron saves when ``iteration % save_interval == 0``).
+  ``schedule:tr1-13B`` is the 13B interpretability schedule of the seeds (every 10 steps up to 100, every 18 up to
+  1000, then every 1500).
+
+Never deleted: the step ``latest`` points to (even with ``force``), and, unless ``force``, a step that no verified
+backup holds (:func:`opskit.ckpt.backup.backed_up_steps`). A deleted step is first renamed to a hidden name, then
+removed, so no reader ever sees a half-deleted ``global_stepN``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opskit.ckpt.layout import read_latest, step_dirs, write_latest
+
+NAMED_SCHEDULES = {"tr1-13B": "1-100/10,101-1000/18,1001-/1500"}
+
+
+class PruneError(ValueError):
+    """A bad keep-rule, or a step that cannot become ``latest``; one line."""
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """One parsed ``--keep`` value; ``text`` is how the user wrote it (used as the reason a step is kept)."""
+
+    text: str
+    kind: str
+    numbers: tuple[int, ...] = ()
+    ranges: tuple[tuple[int, int | None, int], ...] = ()
+
+    def keeps(self, steps: list[int]) -> set[int]:
+        if self.kind == "last":
+            return set(sorted(steps)[-self.numbers[0]:]) if self.numbers[0] else set()
+        if self.kind == "every":
+            return {s for s in steps if s % self.numbers[0] == 0}
+        if self.kind == "steps":
+            return set(self.numbers) & set(steps)
+        return {s for s in steps for start, end, every in self.ranges
+                if start <= s and (end is None or s <= end) and s % every == 0}
+
+
+def parse_keep(text: str) -> KeepRule:
+    """Parse one keep-rule (module docstring).
+
+    Raises:
+        PruneError: naming the rule and the expected forms.
+    """
+    kind, _, value = text.partition(":")
+    bad = PruneError(f"--keep {text!r}: expected last:K, every:N, steps:N[,N...] or "
+                     f"schedule:START-END/EVERY[,START-/EVERY...] (or schedule:{'|'.join(NAMED_SCHEDULES)})")
+    try:
+        if kind in ("last", "every"):
+            number = int(value)
+            if number < (0 if kind == "last" else 1):
+                raise ValueError
+            return KeepRule(text, kind, (number,))
+        if kind == "steps":
+            return KeepRule(text, kind, tuple(int(v) for v in value.split(",")))
+        if kind == "schedule":
+            ranges = []
+            for part in NAMED_SCHEDULES.get(value, value).split(","):
+                span, every = part.split("/")
+                start, end = span.split("-")
+                ranges.append((int(start), int(end) if end else None, int(every)))
+                if int(every) < 1:
+                    raise ValueError
+            return KeepRule(text, kind, ranges=tuple(ranges))
+    except ValueError:
+        raise bad from None
+    raise bad
+
+
+@dataclass
+class PrunePlan:
+    """``keep``: step -> why (rules, ``latest``); ``delete``: steps to remove; ``protected``: step -> why a step no
+    rule keeps is kept anyway (not backed up)."""
+
+    directory: Path
+    keep: dict[int, list[str]] = field(default_factory=dict)
+    delete: list[int] = field(default_factory=list)
+    protected: dict[int, str] = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        return {"dir": str(self.directory), "keep": self.keep, "delete": self.delete, "protected": self.protected}
+
+
+def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False) -> PrunePlan:
+    """Which steps of a run's checkpoint dir the rules keep, and which would be deleted."""
+    from opskit.ckpt.backup import backed_up_steps
+
+    directory = Path(directory)
+    steps = list(step_dirs(directory))
+    plan = PrunePlan(directory)
+    for rule in rules:
+        for step in rule.keeps(steps):
+            plan.keep.setdefault(step, []).append(rule.text)
+    latest = read_latest(directory)
+    backed_up = backed_up_steps(directory)
+    for step in steps:
+        tag = f"global_step{step}"
+        if tag == latest:
+            plan.keep.setdefault(step, []).append("latest")
+        elif step in plan.keep:
+            continue
+        elif not force and tag not in backed_up:
+            plan.protected[step] = "not backed up (use --force to delete anyway)"
+        else:
+            plan.delete.append(step)
+    plan.keep = dict(sorted(plan.keep.items()))
+    return plan
+
+
+def prune(directory: str | Path, rules: list[KeepRule], dry_run: bool = False, force: bool = False) -> PrunePlan:
+    """:func:`plan_prune`, then delete ``plan.delete`` (unless ``dry_run``)."""
+    plan = plan_prune(directory, rules, force)
+    if dry_run:
+        return plan
+    for step in plan.delete:
+        folder = plan.directory / f"global_step{step}"
+        hidden = folder.with_name(f".pruning-{folder.name}-{os.getpid()}")
+        os.replace(folder, hidden)
+        shutil.rmtree(hidden)
+    return plan
+
+
+def set_latest(directory: str | Path, step: int) -> str:
+    """Point ``directory/latest`` at ``global_step{step}`` atomically, after checking the step is complete.
+
+    Returns:
+        The previous tag (or None).
+
+    Raises:
+        PruneError: no such step, or an incomplete one (its first problem named).
+    """
+    from opskit.ckpt.info import describe_step
+
+    directory = Path(directory)
+    folder = directory / f"global_step{step}"
+    if not folder.is_dir():
+        raise PruneError(f"{folder}: no such checkpoint step")
+    info = describe_step(folder)
+    if info.problems:
+        raise PruneError(f"{folder}: incomplete, latest not changed: {info.problems[0]}")
+    previous = read_latest(directory)
+    write_latest(directory, folder.name)
+    return previous

@@ -1,0 +1,268 @@
+"""Read ``torch.save`` files lazily: the pickled structure now, each tensor's bytes only when asked, with ``pread``.
+
+A ``torch.save`` file (zip format, torch >= 1.6) is an uncompressed zip holding ``<name>/data.pkl`` (the pickled
+object, whose tensors refer to storages by key) and one record ``<name>/data/<key>`` per storage. :func:`load_lazy`
+unpickles ``data.pkl`` with every tensor replaced by a :class:`TensorRef` (file, record offset, dtype, shape, strides):
+no tensor data is touched, so "are the headers loadable and is every record inside the file" costs a few KB of reads
+per file, and a converter can read one tensor (or a block of its rows) at a time, so its memory does not grow with the
+file. Classes from modules that are not installed here (``megatron.enums.PositionEmbeddingType`` in Megatron-DeepSpeed's
+saved ``args``) load as :class:`Missing` placeholders instead of failing; :class:`PositionEmbeddingType` values become
+their names (``"alibi"``).
+
+Format source: ``torch/serialization.py`` (``_save``/``_load``: persistent id ``('storage', StorageType, key,
+location, numel)``, tensors rebuilt by ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class TensorFileError(ValueError):
+    """A file that is not a readable ``torch.save`` zip (truncated, foreign, or a record outside the file)."""
+
+
+# Megatron-DeepSpeed's megatron/enums.py: pickled into args as PositionEmbeddingType(value).
+_POSITION_EMBEDDING_TYPES = {1: "rotary", 2: "absolute", 3: "alibi"}
+
+
+_STORAGE_DTYPES = {"FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
+                   "DoubleStorage": "float64", "ByteStorage": "uint8", "CharStorage": "int8", "ShortStorage": "int16",
+                   "IntStorage": "int32", "LongStorage": "int64", "BoolStorage": "bool"}
+
+
+@dataclass(frozen=True)
+class Missing:
+    """Placeholder for an object of a class this interpreter cannot import; keeps the class path and its args."""
+
+    qualname: str
+    args: tuple = ()
+
+    def __setstate__(self, state):  # pickled instances restore their __dict__; keep nothing
+        pass
+
+
+def _missing_class(module: str, name: str):
+    if name == "PositionEmbeddingType":
+        return lambda value: _POSITION_EMBEDDING_TYPES.get(value, f"PositionEmbeddingType({value})")
+    return lambda *args, **kwargs: Missing(f"{module}.{name}", args)
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One tensor of a ``torch.save`` file, not yet read.
+
+    Attributes:
+        path: the file. offset: byte offset of its storage record in the file. storage_offset: elements into the
+        storage. shape, stride: in elements. dtype: a ``torch.dtype``.
+    """
+
+    path: Path
+    offset: int
+    storage_numel: int
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: object
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def _is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def read(self):
+        """The tensor, in its own dtype and freshly allocated memory (not a file mapping)."""
+        if not self._is_contiguous():  # rare (a saved view): read the whole storage and take the view
+            import torch
+
+            storage = self._pread(0, self.storage_numel)
+            return torch.as_strided(storage, self.shape, self.stride, self.storage_offset).clone()
+        return self._pread(self.storage_offset, self.numel).view(self.shape)
+
+    def file_range(self, start: int, stop: int) -> tuple[int, int] | None:
+        """(byte offset in the file, byte count) of rows ``[start, stop)``, or None for a non-contiguous tensor."""
+        if not self._is_contiguous():
+            return None
+        row = self.numel // self.shape[0] if self.shape and self.shape[0] else 0
+        return self.offset + (self.storage_offset + start * row) * self.itemsize, (stop - start) * row * self.itemsize
+
+    def read_rows_into(self, start: int, stop: int, rows: list) -> None:
+        """Rows ``[start, stop)`` straight into ``rows`` (one writable buffer of a row's bytes per row, e.g. column
+        slices of a bigger matrix): one ``preadv`` per 1024 rows, no intermediate copy."""
+        if not self._is_contiguous():
+            import torch
+
+            data = self.read_rows(start, stop).contiguous().view(-1).view(torch.uint8).numpy()
+            width = len(data) // max(1, stop - start)
+            for i, row in enumerate(rows):
+                row[:] = data[i * width:(i + 1) * width]
+            return
+        offset, count = self.file_range(start, stop)
+        width = count // max(1, stop - start)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for first in range(0, len(rows), 1024):  # IOV_MAX
+                batch = rows[first:first + 1024]
+                if os.preadv(fd, batch, offset + first * width) != len(batch) * width:
+                    raise TensorFileError(f"{self.path}: ends inside a tensor record (truncated)")
+        finally:
+            os.close(fd)
+
+    def read_rows(self, start: int, stop: int):
+        """Rows ``[start, stop)`` along dim 0 of a contiguous tensor: ``[stop - start, *shape[1:]]``."""
+        if not self._is_contiguous():
+            return self.read()[start:stop]
+        row = self.numel // self.shape[0] if self.shape and self.shape[0] else 0
+        return self._pread(self.storage_offset + start * row, (stop - start) * row).view(stop - start,
+                                                                                          *self.shape[1:])
+
+    def _pread(self, first: int, count: int):
+        import torch
+
+        buffer = torch.empty(count * self.itemsize, dtype=torch.uint8)  # uninitialised: no zero-fill pass
+        view, done, start = memoryview(buffer.numpy()), 0, self.offset + first * self.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    raise TensorFileError(f"{self.path}: ends inside a tensor record (truncated)")
+                done += n
+        finally:
+            os.close(fd)
+        return buffer.view(self.dtype)
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """Rows ``[start, stop)`` of a tensor still in its file: a writer can copy the bytes file to file (no pass
+    through Python) when no dtype change is needed, or :meth:`read` them."""
+
+    ref: TensorRef
+    start: int
+    stop: int
+
+    def read(self):
+        return self.ref.read_rows(self.start, self.stop)
+
+
+def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:
+    """(archive prefix, storage key -> (data offset, size), data.pkl bytes), reading only zip headers and data.pkl."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise TensorFileError(f"{path}: not a torch.save zip file ({e})") from None
+    with archive, open(path, "rb") as raw:
+        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pickles) != 1:
+            raise TensorFileError(f"{path}: no data.pkl record (not written by torch.save)")
+        prefix = pickles[0][: -len("data.pkl")]
+        records = {}
+        file_size = os.fstat(raw.fileno()).st_size
+        for info in archive.infolist():
+            if not info.filename.startswith(prefix + "data/"):
+                continue
+            raw.seek(info.header_offset)
+            header = raw.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise TensorFileError(f"{path}: broken zip record {info.filename}")
+            name_len, extra_len = struct.unpack("<HH", header[26:30])
+            start = info.header_offset + 30 + name_len + extra_len
+            if start + info.file_size > file_size:
+                raise TensorFileError(f"{path}: record {info.filename} ends at byte {start + info.file_size}, past "
+                                      f"the end of the file ({file_size} bytes): truncated")
+            records[info.filename[len(prefix) + len("data/"):]] = (start, info.file_size)
+        try:
+            pickled = archive.read(pickles[0])
+        except (zipfile.BadZipFile, OSError) as e:
+            raise TensorFileError(f"{path}: {pickles[0]} unreadable ({e})") from None
+    return prefix, records, pickled
+
+
+class _LazyUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, path: Path, records: dict[str, tuple[int, int]]):
+        import io
+
+        super().__init__(io.BytesIO(data))
+        self.path, self.records = path, records
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._rebuild_tensor
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return lambda data, *rest: data
+        if module == "torch" and name in _STORAGE_DTYPES:  # legacy typed storages; getattr(torch, name) warns
+            import torch
+
+            return getattr(torch, _STORAGE_DTYPES[name])
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return _missing_class(module, name)
+
+    def persistent_load(self, pid):
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage" or key not in self.records:
+            raise TensorFileError(f"{self.path}: storage {key!r} has no record in the zip")
+        dtype = storage_type
+        offset, size = self.records[key]
+        if size < numel * dtype.itemsize:
+            raise TensorFileError(f"{self.path}: storage record {key} holds {size} bytes, expected "
+                                  f"{numel * dtype.itemsize}")
+        return (offset, numel, dtype)
+
+    def _rebuild_tensor(self, storage, storage_offset, size, stride, *_ignored):
+        offset, numel, dtype = storage
+        return TensorRef(self.path, offset, numel, storage_offset, tuple(size), tuple(stride), dtype)
+
+
+def load_lazy(path: str | Path):
+    """Unpickle a ``torch.save`` zip file with :class:`TensorRef` in place of every tensor (no data read).
+
+    Raises:
+        TensorFileError: not a zip, a record past the end of the file (truncated), or an unreadable pickle.
+    """
+    path = Path(path)
+    _prefix, records, pickled = _record_offsets(path)
+    try:
+        return _LazyUnpickler(pickled, path, records).load()
+    except TensorFileError:
+        raise
+    except Exception as e:  # a corrupt pickle: name it in one line
+        raise TensorFileError(f"{path}: cannot unpickle data.pkl ({type(e).__name__}: {e})") from None
+
+
+def materialize(obj):
+    """``obj`` with every :class:`TensorRef` inside (dicts, lists, tuples) read into a tensor."""
+    if isinstance(obj, TensorRef):
+        return obj.read()
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, materialize(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(materialize(v) for v in obj)
+    return obj
+

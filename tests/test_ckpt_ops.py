@@ -1,0 +1,192 @@
+"""opskit ckpt prune / set-latest / backup / verify on hand-built Megatron-DeepSpeed checkpoints and file:// targets:
+keep-rules (the 13B interpretability schedule), latest never deleted, unbacked-up steps protected, optimizer states
+skipped, CRC32C manifests, corruption caught, an interrupted backup resumed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import google_crc32c
+import pytest
+import torch
+from megatron_ckpt import build_checkpoint
+
+from opskit.ckpt.backup import backup, verify
+from opskit.ckpt.prune import PruneError, parse_keep, plan_prune, prune, set_latest
+
+OPSKIT = str(Path(sys.executable).with_name("opskit"))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([OPSKIT, "ckpt", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def run(kjv_data, tmp_path) -> Path:
+    """Checkpoint dir with steps 100, 200, 300 (tiny fp16 GPT-2, TP=2); latest -> global_step200."""
+    root = tmp_path / "checkpoints"
+    for step in (100, 200, 300):
+        build_checkpoint(root, arch="gpt2", tp=2, iteration=step, dtype=torch.float16, layers=1, hidden=32,
+                         tokenizer_dir=kjv_data.tokenizer_dir, data_prefix=kjv_data.data_prefix)
+    (root / "latest").write_text("global_step200")
+    return root
+
+
+def steps_in(root: Path) -> list[str]:
+    return sorted((p.name for p in root.iterdir() if p.name.startswith("global_step")),
+                  key=lambda n: int(n[11:]))
+
+
+# --------------------------------------------------------------------------- keep-rules and prune
+
+
+def test_interpretability_schedule_keeps_the_13b_rounds(tmp_path):
+    for step in range(1, 3001):
+        (tmp_path / f"global_step{step}").mkdir()
+    plan = plan_prune(tmp_path, [parse_keep("schedule:tr1-13B")], force=True)
+    kept = sorted(plan.keep)
+    assert kept[:10] == list(range(10, 101, 10))  # round 1: every 10 up to 100
+    assert kept[10:60] == list(range(108, 1000, 18))  # round 2: multiples of 18 in 101-1000 (Megatron's modulo)
+    assert kept[60:] == [1500, 3000]  # round 3: every 1500
+    assert len(plan.delete) == 3000 - 62
+
+
+@pytest.mark.parametrize("text", ["last", "last:x", "every:0", "steps:", "schedule:1-100", "keep:3", "schedule:x/5"])
+def test_bad_keep_rules_are_refused_in_one_line(text):
+    with pytest.raises(PruneError, match=r"^--keep .*: expected last:K, every:N"):
+        parse_keep(text)
+
+
+def test_prune_never_deletes_latest_nor_unbacked_up_steps(run, tmp_path):
+    plan = prune(run, [parse_keep("last:0")], dry_run=True)
+    assert (plan.delete, sorted(plan.protected)) == ([], [100, 300])  # nothing is backed up yet
+    assert plan.keep == {200: ["latest"]}
+
+    forced = prune(run, [parse_keep("last:0")], force=True)
+    assert forced.delete == [100, 300]
+    assert steps_in(run) == ["global_step200"]  # latest survives even --force
+    assert not [p for p in run.iterdir() if p.name.startswith(".pruning")]
+
+
+def test_prune_deletes_backed_up_steps_and_dry_run_deletes_nothing(run, tmp_path):
+    backup(run, f"file://{tmp_path / 'backup'}", steps=[100])
+    dry = cli("prune", str(run), "--keep", "steps:300", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would delete global_step100" in dry.stdout
+    assert "keep    global_step200  (latest)" in dry.stdout
+    assert "keep    global_step300  (steps:300)" in dry.stdout
+    assert steps_in(run) == ["global_step100", "global_step200", "global_step300"]
+
+    done = cli("prune", str(run), "--keep", "steps:300", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["delete"] == [100]
+    assert steps_in(run) == ["global_step200", "global_step300"]
+
+
+def test_set_latest_checks_the_step_and_writes_atomically(run):
+    (run / "global_step300" / "layer_03-model_01-model_states.pt").unlink()
+    refused = cli("set-latest", str(run), "300")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(f"error: {run / 'global_step300'}: incomplete, latest not changed: "
+                                     f"{run / 'global_step300' / 'layer_03-model_01-model_states.pt'}: no such file")
+    assert (run / "latest").read_text() == "global_step200"
+
+    assert set_latest(run, 100) == "global_step200"
+    assert (run / "latest").read_text() == "global_step100"  # no newline, as DeepSpeed writes it
+    assert sorted(p.name for p in run.iterdir() if p.is_file()) == ["latest"]
+    with pytest.raises(PruneError, match=r"global_step7: no such checkpoint step$"):
+        set_latest(run, 7)
+
+
+# --------------------------------------------------------------------------- backup and verify
+
+
+def crc32c(path: Path) -> str:
+    return base64.b64encode(google_crc32c.Checksum(path.read_bytes()).digest()).decode()
+
+
+def test_backup_skips_optimizer_states_and_writes_a_verified_manifest(run, tmp_path):
+    target = tmp_path / "backup"
+    done = cli("backup", str(run), "--to", f"file://{target}", "--steps", "100,200")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("global_step100: 8 copied, 0 already there, ")
+    assert done.stdout.count(", verified\n") == 2
+    copied = sorted(p.name for p in (target / "global_step100").iterdir())
+    assert copied == ["layer_01-model_00-model_states.pt", "layer_01-model_01-model_states.pt",
+                      "layer_03-model_00-model_states.pt", "layer_03-model_01-model_states.pt",
+                      "layer_05-model_00-model_states.pt", "layer_05-model_01-model_states.pt",
+                      "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # no zero_*_optim_states.pt
+    manifest = json.loads((target / "manifests" / "global_step100.json").read_text())
+    assert manifest["complete"] is True and manifest["weights_only"] is True
+    for entry in manifest["files"]:
+        local = run / entry["path"]
+        assert (entry["size"], entry["crc32c"]) == (local.stat().st_size, crc32c(local))
+    assert (target / "latest").read_text() == "global_step200"
+    assert not (target / "global_step300").exists()
+
+    with_optim = backup(run, f"file://{tmp_path / 'full'}", steps=[300], weights_only=False)
+    assert any(k.endswith("zero_pp_rank_0_mp_rank_01_optim_states.pt") for k in with_optim[0].copied)
+    assert not (tmp_path / "full" / "latest").exists()  # latest's step is not in that backup
+
+    ok = cli("verify", f"file://{target}")
+    assert (ok.returncode, ok.stdout) == (0, "global_step100: OK\nglobal_step200: OK\n")
+
+
+def test_verify_catches_a_corrupted_and_a_missing_object(run, tmp_path):
+    target = tmp_path / "backup"
+    backup(run, f"file://{target}", steps=[100])
+    victim = target / "global_step100" / "layer_03-model_00-model_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one bit pattern changed
+    victim.write_bytes(bytes(data))
+    (target / "global_step100" / "mp_rank_01_model_states.pt").unlink()
+    report = verify(f"file://{target}")
+    problems = report["global_step100"]
+    assert problems[0].startswith("global_step100/layer_03-model_00-model_states.pt: CRC32C ")
+    assert problems[1] == "global_step100/mp_rank_01_model_states.pt: missing"
+    done = cli("verify", f"file://{target}")
+    assert done.returncode == 1
+    assert "FAILED" in done.stdout and "mp_rank_01_model_states.pt: missing" in done.stdout
+
+    empty = cli("verify", f"file://{tmp_path / 'nothing'}")
+    assert empty.returncode == 1
+    assert empty.stderr == f"error: file://{tmp_path / 'nothing'}: no manifests/*.json (not a backup made by " \
+                           "opskit ckpt backup)\n"
+
+
+def test_interrupted_backup_resumes_without_copying_again(run, tmp_path, monkeypatch):
+    from opskit.targets import FileTarget, TargetError
+
+    url = f"file://{tmp_path / 'backup'}"
+    real_put, puts = FileTarget.put, []
+
+    def put_then_fail(self, local, key):  # the share fills up (or the job is killed) at the 4th object
+        if len(puts) == 3:
+            raise OSError(28, "No space left on device")
+        real_put(self, local, key)
+        puts.append(key)
+
+    monkeypatch.setattr(FileTarget, "put", put_then_fail)
+    with pytest.raises(TargetError, match=r"copy failed \(No space left on device\); run the backup again to resume$"):
+        backup(run, url, steps=[100], workers=1)
+    monkeypatch.setattr(FileTarget, "put", real_put)
+    assert not (tmp_path / "backup" / "manifests").exists()  # nothing claims to be a backup yet
+    assert not [p for p in (tmp_path / "backup").rglob(".*") if p.is_file()], "temporary files left behind"
+
+    (result,) = backup(run, url, steps=[100], workers=2)
+    assert sorted(result.skipped) == sorted(puts)
+    assert len(result.copied) == 8 - 3 and result.verified
+    assert verify(url) == {"global_step100": []}
+    assert json.loads((run / ".opskit-backups.json").read_text())[url]["global_step100"]["files"] == 8
+
+
+def test_unsupported_targets_are_refused_in_one_line(run):
+    done = cli("backup", str(run), "--to", "gs://bucket/ckpt")
+    assert (done.returncode, done.stderr) == (1, "error: --to gs://bucket/ckpt: gs:// targets are not implemented "
+                                                 "yet; expected file:///absolute/path\n")
+    published = cli("publish", str(run), "--to", "hf://org/repo")
+    assert published.returncode == 1 and "not implemented yet" in published.stderr
