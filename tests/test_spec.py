@@ -121,7 +121,7 @@ def test_unknown_key_lists_valid_keys(in_tmp):
     raw["slurmm"] = raw.pop("slurm")
     message = spec_error(write(in_tmp / "section.yaml", raw))
     assert message == (f"{in_tmp / 'section.yaml'}: slurmm: unknown key (expected one of: name, description, model, "
-                       f"parallel, batch, optimizer, data, checkpoint, slurm, paths, curriculum_learning, "
+                       f"parallel, batch, optimizer, data, checkpoint, slurm, paths, curriculum_learning, watchdog, "
                        f"megatron_args, deepspeed_config, variants)")
 
 
