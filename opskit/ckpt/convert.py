@@ -341,6 +341,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         neither GPT-2 nor BLOOM, a bad ``dtype``, a missing tokenizer, or a failed verification.
     """
     import torch
+    from transformers import AutoTokenizer
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -362,34 +363,18 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     averaged: list[str] = []
     tensors = plan_tensors(scanned, args, arch, keep_rows, averaged)
     n_positions = next((t.shape[0] for t in tensors if t.name.endswith("wpe.weight")), None)
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = hf_config(arch, args, tensors[0].shape[0], dtype, n_positions, tokenizer.eos_token_id)
-    torch_dtype = getattr(torch, DTYPES[dtype])
+    parameters = sum(numel(t.shape) for t in tensors)
+    if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
+        verify_layers = VERIFY_PARTIAL_LAYERS
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        shards = plan_shards(tensors, torch_dtype.itemsize, max_shard_bytes)
-        total_source, done, total_size, weight_map = sum(t.source_bytes for t in tensors), 0, 0, {}
-        for number, shard in enumerate(shards):
-            name = shard_name(number, len(shards))
-
-            def tick(nbytes: int) -> None:
-                nonlocal done
-                done += nbytes
-                if progress:
-                    progress(done, total_source)
-
-            total_size += write_safetensors(staging / name, shard, torch_dtype, tick)
-            weight_map.update({t.name: name for t in shard})
-        write_index(staging, weight_map, total_size)
+        shards = _write_shards(staging, tensors, getattr(torch, DTYPES[dtype]), max_shard_bytes, progress)
         _write_side_files(staging, config, tokenizer)
-        parameters = sum(numel(t.shape) for t in tensors)
-        if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
-            verify_layers = VERIFY_PARTIAL_LAYERS
         try:
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
         except ConvertError as e:
@@ -397,9 +382,29 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Converted(out_dir, step_path, info.iteration, arch, parameters, len(shards), averaged, max_abs_diff,
+    return Converted(out_dir, step_path, info.iteration, arch, parameters, shards, averaged, max_abs_diff,
                      verified_layers=(verify_layers or args.num_layers) if verify else None,
                      num_layers=args.num_layers)
+
+
+def _write_shards(folder: Path, tensors: list[OutTensor], dtype, max_shard_bytes: int,
+                  progress: Callable[[int, int], None] | None) -> int:
+    """The safetensors shards and their index into ``folder``; returns the number of shards."""
+    shards = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+    total_source, done, total_size, weight_map = sum(t.source_bytes for t in tensors), 0, 0, {}
+
+    def tick(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, total_source)
+
+    for number, shard in enumerate(shards):
+        name = shard_name(number, len(shards))
+        total_size += write_safetensors(folder / name, shard, dtype, tick)
+        weight_map.update({t.name: name for t in shard})
+    write_index(folder, weight_map, total_size)
+    return len(shards)
 
 
 def _write_side_files(folder: Path, config, tokenizer) -> None:
