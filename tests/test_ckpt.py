@@ -170,6 +170,25 @@ def test_inspect_reads_megatron_args_it_cannot_import(bloom_bf16):
     assert "word_embeddings.norm.weight" in done.stdout
 
 
+def test_list_and_inspect_read_headers_without_torch_numpy_or_deepspeed(gpt2_fp16, bloom_run):
+    """`list` and `inspect` run on login nodes: they read pickles and zip headers only, with placeholders for the
+    numpy RNG states and torch dtypes in the args, so none of the heavy modules is imported."""
+    probe = ("import sys, json\n"
+             "from opskit.ckpt.info import list_steps, inspect_step\n"
+             "latest, steps = list_steps(sys.argv[1])\n"
+             "report = inspect_step(sys.argv[2])\n"
+             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'deepspeed', 'megatron'})\n"
+             "print(json.dumps([heavy, steps[-1].dtype, steps[-1].complete, report['architecture']['num_layers']]))\n")
+    for checkpoints in (gpt2_fp16, bloom_run / "checkpoints"):
+        last = max(checkpoints.glob("global_step*"), key=lambda p: int(p.name.removeprefix("global_step")))
+        done = subprocess.run([sys.executable, "-c", probe, str(checkpoints), str(last)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        heavy, dtype, complete, layers = json.loads(done.stdout)
+        assert (heavy, complete, layers) == ([], True, 2)
+        assert dtype in ("fp16", "fp32")
+
+
 # --------------------------------------------------------------------------- planted TP desync
 
 
