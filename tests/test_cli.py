@@ -36,7 +36,8 @@ def test_help_lists_every_command(tmp_path):
     bare = opskit_cli(cwd=tmp_path)  # no arguments: the same help, not a traceback
     assert "Usage: opskit" in bare.stdout + bare.stderr and "Traceback" not in bare.stderr
 
-    for group, commands in {"ckpt": {"convert", "generate"}, "logs": {"show"}, "data": {"prepare"},
+    for group, commands in {"ckpt": {"list", "inspect", "check", "convert", "prune", "backup", "verify", "generate"},
+                            "logs": {"show"}, "data": {"prepare"},
                             "specs": {"list", "show", "new"}}.items():
         done = opskit_cli(group, "--help", cwd=tmp_path)
         assert done.returncode == 0, done.stderr

@@ -341,7 +341,6 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         neither GPT-2 nor BLOOM, a bad ``dtype``, a missing tokenizer, or a failed verification.
     """
     import torch
-    from transformers import AutoTokenizer
 
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
@@ -354,16 +353,13 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     args = client_state["args"]
     arch = model_arch(args, step_path)
     dtype = dtype or info.dtype
-    tokenizer_dir = Path(tokenizer_dir or args.tokenizer_name_or_path)
-    if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
-        raise ConvertError(f"{tokenizer_dir}: no tokenizer.json (pass --tokenizer DIR)")
+    tokenizer = load_tokenizer(args, tokenizer_dir)
     keep_rows = original_vocab_size(args, client_state) if trim_vocab else None
     if trim_vocab and keep_rows is None:
         raise ConvertError(f"{step_path}: the checkpoint does not record the unpadded vocabulary size; cannot trim")
     averaged: list[str] = []
     tensors = plan_tensors(scanned, args, arch, keep_rows, averaged)
     n_positions = next((t.shape[0] for t in tensors if t.name.endswith("wpe.weight")), None)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = hf_config(arch, args, tensors[0].shape[0], dtype, n_positions, tokenizer.eos_token_id)
     parameters = sum(numel(t.shape) for t in tensors)
     if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
@@ -405,6 +401,30 @@ def _write_shards(folder: Path, tensors: list[OutTensor], dtype, max_shard_bytes
         weight_map.update({t.name: name for t in shard})
     write_index(folder, weight_map, total_size)
     return len(shards)
+
+
+def load_tokenizer(args: argparse.Namespace, tokenizer_dir: str | Path | None = None):
+    """The run's tokenizer: ``tokenizer_dir``, else the saved ``--tokenizer-name-or-path`` (PretrainedFromHF), else
+    the saved ``--vocab-file``/``--merge-file`` (GPT2BPETokenizer, as tr1-13B ran).
+
+    Raises:
+        ConvertError: none of them is readable here.
+    """
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    folder = tokenizer_dir or getattr(args, "tokenizer_name_or_path", None)
+    if folder is not None:
+        if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
+            raise ConvertError(f"{folder}: no tokenizer.json (pass --tokenizer DIR)")
+        return AutoTokenizer.from_pretrained(folder)
+    vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
+    if vocab and merges and Path(vocab).is_file() and Path(merges).is_file():
+        with tempfile.TemporaryDirectory() as folder:  # the file names every transformers version reads
+            shutil.copy(vocab, Path(folder) / "vocab.json")
+            shutil.copy(merges, Path(folder) / "merges.txt")
+            return GPT2TokenizerFast.from_pretrained(folder)
+    raise ConvertError(f"the run's tokenizer is not readable here (tokenizer_name_or_path None, vocab_file {vocab}, "
+                       f"merge_file {merges}); pass --tokenizer DIR")
 
 
 def _write_side_files(folder: Path, config, tokenizer) -> None:
