@@ -101,7 +101,7 @@ def model_arch(args: argparse.Namespace, where: Path) -> str:
         ConvertError: GLU MLPs, post-LayerNorm residuals, or a position-embedding / embedding-LayerNorm combination
         that is neither model.
     """
-    position = str(args.position_embedding_type)
+    position = str(getattr(args, "position_embedding_type", "absolute"))  # flag added in 2021; absolute before
     embed_ln = bool(getattr(args, "embed_layernorm", False))
     if getattr(args, "glu_activation", None):
         raise ConvertError(f"{where}: --glu-activation {args.glu_activation}: neither GPT-2 nor BLOOM has a GLU MLP")
