@@ -76,10 +76,11 @@ def split_tp(key: str, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]:
 def build_checkpoint(root: Path, *, arch: str, tp: int = 2, pp: int = 1, layers: int = 2, hidden: int = 64,
                      heads: int = 4, vocab: int = 2000, dtype: torch.dtype = torch.float16, max_pos: int = 32,
                      tokenizer_dir: str | Path = "", data_prefix: str | Path = "", iteration: int = 100,
-                     seed: int = 0, scale: float = 1.0) -> Path:
+                     seed: int = 0, scale: float = 1.0, **extra_args) -> Path:
     """Write ``root/global_step{iteration}`` (+ ``root/latest``) for a GPT-2 (``arch="gpt2"``: absolute position
     embeddings) or BLOOM (``"bloom"``: ALiBi + embedding LayerNorm) of the given shape; vocabulary padded to a
-    multiple of 128 * TP, as Megatron does; ``scale`` as :func:`full_weights`. Returns the step folder."""
+    multiple of 128 * TP, as Megatron does; ``scale`` as :func:`full_weights`; ``extra_args`` set or override saved
+    args. Returns the step folder."""
     padded = -(-vocab // (128 * tp)) * 128 * tp
     ffn = 4 * hidden
     step = root / f"global_step{iteration}"
@@ -104,6 +105,7 @@ def build_checkpoint(root: Path, *, arch: str, tp: int = 2, pp: int = 1, layers:
             tokenizer_type="PretrainedFromHF", tokenizer_name_or_path=str(tokenizer_dir), data_path=[str(data_prefix)],
             iteration=iteration,
         )
+        vars(args).update(extra_args)
         for stage in range(pp):
             rng = {"random_rng_state": random.Random(stage).getstate(),
                    "np_rng_state": np.random.RandomState(stage).get_state(),

@@ -16,7 +16,7 @@ import torch
 from megatron_ckpt import build_checkpoint
 
 from opskit.ckpt.check import check_step
-from opskit.ckpt.convert import convert_step
+from opskit.ckpt.convert import ConvertError, convert_step
 from opskit.ckpt.info import inspect_step, list_steps
 from opskit.ckpt.layout import CheckpointFormatError
 from opskit.train.inference import GPTModel
@@ -121,7 +121,7 @@ def test_verification_through_the_first_blocks_and_its_failure_on_a_wrong_activa
                                                                                      tmp_path):
     """Models too large to load twice are verified through their first blocks; and verification catches the tr1-13B
     converter bug (a config saying exact `gelu` where the run computed the tanh GELU): nothing is written then."""
-    from opskit.ckpt.convert import ConvertError, verify_conversion
+    from opskit.ckpt.convert import verify_conversion
 
     partial = convert_step(bloom_bf16, tmp_path / "bloom", dtype="fp32", verify_layers=1)
     assert (partial.verified_layers, partial.num_layers) == (1, 3) and partial.max_abs_diff <= 1e-5
@@ -136,6 +136,29 @@ def test_verification_through_the_first_blocks_and_its_failure_on_a_wrong_activa
                                            r"own forward by .* on 3 sequences of 32 tokens$"):
         verify_conversion(step, tmp_path / "gpt2", "fp32")
     assert good.max_abs_diff < 1e-4
+
+
+def test_gpt2_bpe_tokenizer_run_takes_its_vocab_and_merge_files(kjv_data, tokens, tmp_path):
+    """tr1-13B ran with --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file (no tokenizer folder): the
+    converted model gets a GPT2TokenizerFast built from those files, which tokenizes like the original."""
+    from transformers import AutoTokenizer
+
+    original = json.loads((Path(kjv_data.tokenizer_dir) / "tokenizer.json").read_text())["model"]
+    (tmp_path / "vocab.json").write_text(json.dumps(original["vocab"]))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in original["merges"]))
+    step = build_checkpoint(tmp_path / "ckpt", arch="gpt2", tp=1, data_prefix=kjv_data.data_prefix,
+                            tokenizer_name_or_path=None, tokenizer_type="GPT2BPETokenizer",
+                            vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt"))
+    result = convert_step(step, tmp_path / "hf", dtype="fp32")
+    assert result.max_abs_diff <= 1e-5
+    text = "And God said, Let there be light: and there was light."
+    converted = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert converted(text)["input_ids"] == AutoTokenizer.from_pretrained(kjv_data.tokenizer_dir)(text)["input_ids"]
+
+    missing = build_checkpoint(tmp_path / "none", arch="gpt2", tp=1, tokenizer_name_or_path=None)
+    with pytest.raises(ConvertError, match=r"^the run's tokenizer is not readable here \(tokenizer_name_or_path None, "
+                                           r"vocab_file None, merge_file None\); pass --tokenizer DIR$"):
+        convert_step(missing, tmp_path / "hf2")
 
 
 # --------------------------------------------------------------------------- list / inspect
@@ -168,6 +191,25 @@ def test_inspect_reads_megatron_args_it_cannot_import(bloom_bf16):
     assert done.returncode == 0, done.stderr
     assert "position_embedding_type: alibi" in done.stdout
     assert "word_embeddings.norm.weight" in done.stdout
+
+
+def test_list_and_inspect_read_headers_without_torch_numpy_or_deepspeed(gpt2_fp16, bloom_run):
+    """`list` and `inspect` run on login nodes: they read pickles and zip headers only, with placeholders for the
+    numpy RNG states and torch dtypes in the args, so none of the heavy modules is imported."""
+    probe = ("import sys, json\n"
+             "from opskit.ckpt.info import list_steps, inspect_step\n"
+             "latest, steps = list_steps(sys.argv[1])\n"
+             "report = inspect_step(sys.argv[2])\n"
+             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'deepspeed', 'megatron'})\n"
+             "print(json.dumps([heavy, steps[-1].dtype, steps[-1].complete, report['architecture']['num_layers']]))\n")
+    for checkpoints in (gpt2_fp16, bloom_run / "checkpoints"):
+        last = max(checkpoints.glob("global_step*"), key=lambda p: int(p.name.removeprefix("global_step")))
+        done = subprocess.run([sys.executable, "-c", probe, str(checkpoints), str(last)], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        heavy, dtype, complete, layers = json.loads(done.stdout)
+        assert (heavy, complete, layers) == ([], True, 2)
+        assert dtype in ("fp16", "fp32")
 
 
 # --------------------------------------------------------------------------- planted TP desync

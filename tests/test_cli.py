@@ -38,9 +38,9 @@ def test_help_lists_every_command(tmp_path):
     bare = opskit_cli(cwd=tmp_path)  # no arguments: the same help, not a traceback
     assert "Usage: opskit" in bare.stdout + bare.stderr and "Traceback" not in bare.stderr
 
-    for group, commands in {"ckpt": {"convert", "generate"}, "logs": {"show"}, "data": {"prepare"},
-                            "specs": {"list", "show", "new"}, "nodes": {"list", "add", "clear"},
-                            "cron": {"install", "status", "uninstall"}}.items():
+    for group, commands in {"ckpt": {"list", "inspect", "check", "convert", "prune", "backup", "verify", "generate"},
+                            "logs": {"show"}, "data": {"prepare"}, "specs": {"list", "show", "new"},
+                            "nodes": {"list", "add", "clear"}, "cron": {"install", "status", "uninstall"}}.items():
         done = opskit_cli(group, "--help", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert commands <= set(re.findall(r"^\s{2}(\w+)\s{2,}", done.stdout, re.M)), done.stdout

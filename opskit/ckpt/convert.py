@@ -101,7 +101,7 @@ def model_arch(args: argparse.Namespace, where: Path) -> str:
         ConvertError: GLU MLPs, post-LayerNorm residuals, or a position-embedding / embedding-LayerNorm combination
         that is neither model.
     """
-    position = str(args.position_embedding_type)
+    position = str(getattr(args, "position_embedding_type", "absolute"))  # flag added in 2021; absolute before
     embed_ln = bool(getattr(args, "embed_layernorm", False))
     if getattr(args, "glu_activation", None):
         raise ConvertError(f"{where}: --glu-activation {args.glu_activation}: neither GPT-2 nor BLOOM has a GLU MLP")
@@ -353,47 +353,24 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     args = client_state["args"]
     arch = model_arch(args, step_path)
     dtype = dtype or info.dtype
-    tokenizer_dir = tokenizer_dir or getattr(args, "tokenizer_name_or_path", None)
-    if tokenizer_dir is None:  # trained from GPT-2's vocab/merges files (--tokenizer-type GPT2BPETokenizer)
-        raise ConvertError(f"{step_path}: trained with --tokenizer-type {args.tokenizer_type}, no tokenizer "
-                           "folder saved (pass --tokenizer DIR)")
-    tokenizer_dir = Path(tokenizer_dir)
-    if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
-        raise ConvertError(f"{tokenizer_dir}: no tokenizer.json (pass --tokenizer DIR)")
+    tokenizer = load_tokenizer(args, tokenizer_dir)
     keep_rows = original_vocab_size(args, client_state) if trim_vocab else None
     if trim_vocab and keep_rows is None:
         raise ConvertError(f"{step_path}: the checkpoint does not record the unpadded vocabulary size; cannot trim")
     averaged: list[str] = []
     tensors = plan_tensors(scanned, args, arch, keep_rows, averaged)
     n_positions = next((t.shape[0] for t in tensors if t.name.endswith("wpe.weight")), None)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = hf_config(arch, args, tensors[0].shape[0], dtype, n_positions, tokenizer.eos_token_id)
-    torch_dtype = getattr(torch, DTYPES[dtype])
+    parameters = sum(numel(t.shape) for t in tensors)
+    if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
+        verify_layers = VERIFY_PARTIAL_LAYERS
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        shards = plan_shards(tensors, torch_dtype.itemsize, max_shard_bytes)
-        total_source, done, total_size, weight_map = sum(t.source_bytes for t in tensors), 0, 0, {}
-        for number, shard in enumerate(shards):
-            name = shard_name(number, len(shards))
-
-            def tick(nbytes: int) -> None:
-                nonlocal done
-                done += nbytes
-                if progress:
-                    progress(done, total_source)
-
-            total_size += write_safetensors(staging / name, shard, torch_dtype, tick)
-            weight_map.update({t.name: name for t in shard})
-        write_index(staging, weight_map, total_size)
+        shards = _write_shards(staging, tensors, getattr(torch, DTYPES[dtype]), max_shard_bytes, progress)
         _write_side_files(staging, config, tokenizer)
-        parameters = sum(numel(t.shape) for t in tensors)
-        if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
-            verify_layers = VERIFY_PARTIAL_LAYERS
         try:
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
         except ConvertError as e:
@@ -401,9 +378,53 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return Converted(out_dir, step_path, info.iteration, arch, parameters, len(shards), averaged, max_abs_diff,
+    return Converted(out_dir, step_path, info.iteration, arch, parameters, shards, averaged, max_abs_diff,
                      verified_layers=(verify_layers or args.num_layers) if verify else None,
                      num_layers=args.num_layers)
+
+
+def _write_shards(folder: Path, tensors: list[OutTensor], dtype, max_shard_bytes: int,
+                  progress: Callable[[int, int], None] | None) -> int:
+    """The safetensors shards and their index into ``folder``; returns the number of shards."""
+    shards = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+    total_source, done, total_size, weight_map = sum(t.source_bytes for t in tensors), 0, 0, {}
+
+    def tick(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, total_source)
+
+    for number, shard in enumerate(shards):
+        name = shard_name(number, len(shards))
+        total_size += write_safetensors(folder / name, shard, dtype, tick)
+        weight_map.update({t.name: name for t in shard})
+    write_index(folder, weight_map, total_size)
+    return len(shards)
+
+
+def load_tokenizer(args: argparse.Namespace, tokenizer_dir: str | Path | None = None):
+    """The run's tokenizer: ``tokenizer_dir``, else the saved ``--tokenizer-name-or-path`` (PretrainedFromHF), else
+    the saved ``--vocab-file``/``--merge-file`` (GPT2BPETokenizer, as tr1-13B ran).
+
+    Raises:
+        ConvertError: none of them is readable here.
+    """
+    from transformers import AutoTokenizer, GPT2TokenizerFast
+
+    folder = tokenizer_dir or getattr(args, "tokenizer_name_or_path", None)
+    if folder is not None:
+        if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
+            raise ConvertError(f"{folder}: no tokenizer.json (pass --tokenizer DIR)")
+        return AutoTokenizer.from_pretrained(folder)
+    vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
+    if vocab and merges and Path(vocab).is_file() and Path(merges).is_file():
+        with tempfile.TemporaryDirectory() as folder:  # the file names every transformers version reads
+            shutil.copy(vocab, Path(folder) / "vocab.json")
+            shutil.copy(merges, Path(folder) / "merges.txt")
+            return GPT2TokenizerFast.from_pretrained(folder)
+    raise ConvertError(f"the run's tokenizer is not readable here (tokenizer_name_or_path None, vocab_file {vocab}, "
+                       f"merge_file {merges}); pass --tokenizer DIR")
 
 
 def _write_side_files(folder: Path, config, tokenizer) -> None:

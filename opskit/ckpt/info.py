@@ -58,16 +58,17 @@ class StepInfo:
                 "latest": self.latest, "complete": self.complete, "problems": self.problems}
 
 
-DTYPE_NAMES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
+DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def dtype_name(dtype) -> str:
-    return DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+def dtype_name(ref: TensorRef) -> str:
+    """``fp32``/``fp16``/``bf16`` (Megatron's names), else torch's name."""
+    return DTYPE_NAMES.get(ref.dtype_name, ref.dtype_name)
 
 
 def _client_state(path: Path) -> tuple[dict | None, str | None]:
     try:
-        state = load_state(path)
+        state = load_state(path, light=True)
     except CheckpointFormatError as e:
         return None, str(e)
     if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
@@ -101,12 +102,12 @@ def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
             info.problems.append(f"{f}: no such file")
             continue
         try:
-            loaded = load_state(f)
+            loaded = load_state(f, light=True)
         except CheckpointFormatError as e:
             info.problems.append(str(e))
             continue
         if info.dtype is None and f.name.startswith(f"layer_{FIRST_BLOCK_LAYER:02d}-"):  # the blocks' weights
-            info.dtype = next((dtype_name(v.dtype) for v in loaded.values() if isinstance(v, TensorRef)), None)
+            info.dtype = next((dtype_name(v) for v in loaded.values() if isinstance(v, TensorRef)), None)
     unexpected = [f for f in files if (LAYER_FILE.match(f.name) or MP_RANK_FILE.match(f.name)) and f not in expected
                   and f.name != "mp_rank_00_model_states.pt"]
     info.problems += [f"{f}: not expected for TP={info.tp}, PP={info.pp}, {info.num_layers} layers" for f in unexpected]
@@ -152,10 +153,10 @@ def inspect_step(path: str | Path) -> dict:
         if f.name.endswith(ZERO_FILE_SUFFIX) or not f.name.endswith(".pt"):
             files[f.name] = {"size_bytes": f.stat().st_size}
             continue
-        loaded = load_state(f)
+        loaded = load_state(f, light=True)
         tensors = loaded.items() if LAYER_FILE.match(f.name) else \
             ((k, v) for k, v in loaded.items() if isinstance(v, TensorRef))
-        files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in tensors
+        files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v)} for k, v in tensors
                          if isinstance(v, TensorRef)}
     return {"step": state.get("iteration"), "path": str(path),
             "architecture": {k: args[k] for k in arch_keys if k in args},

@@ -141,9 +141,10 @@ def scan_step_dir(path: str | Path) -> StepDir:
     return StepDir(path, {i: [r[t] for t in range(tp)] for i, r in sorted(layers.items())}, tp, mp_ranks // tp)
 
 
-def load_state(path: Path, lazy: bool = True):
+def load_state(path: Path, lazy: bool = True, light: bool = False):
     """A checkpoint file's pickled object; with ``lazy`` its tensors are :class:`~opskit.ckpt.tensorfile.TensorRef`
-    (nothing read yet), else tensors. Classes not installed here (``megatron.enums``) load as placeholders.
+    (nothing read yet), else tensors. Classes not installed here (``megatron.enums``) load as placeholders; with
+    ``light`` (headers only) torch, numpy and deepspeed are not imported either.
 
     Raises:
         CheckpointFormatError: truncated, foreign or unreadable file, naming it.
@@ -151,7 +152,7 @@ def load_state(path: Path, lazy: bool = True):
     from opskit.ckpt.tensorfile import TensorFileError, load_lazy, materialize
 
     try:
-        state = load_lazy(path)
+        state = load_lazy(path, light)
         return state if lazy else materialize(state)
     except (TensorFileError, OSError) as e:
         reason = str(e).removeprefix(f"{path}: ")

@@ -32,6 +32,8 @@ class TensorFileError(ValueError):
 _POSITION_EMBEDDING_TYPES = {1: "rotary", 2: "absolute", 3: "alibi"}
 
 
+ITEMSIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int8": 1, "int16": 2, "int32": 4,
+             "int64": 8, "bool": 1}
 _STORAGE_DTYPES = {"FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
                    "DoubleStorage": "float64", "ByteStorage": "uint8", "CharStorage": "int8", "ShortStorage": "int16",
                    "IntStorage": "int32", "LongStorage": "int64", "BoolStorage": "bool"}
@@ -60,7 +62,8 @@ class TensorRef:
 
     Attributes:
         path: the file. offset: byte offset of its storage record in the file. storage_offset: elements into the
-        storage. shape, stride: in elements. dtype: a ``torch.dtype``.
+        storage. shape, stride: in elements. dtype_name: torch's name of the dtype (``"bfloat16"``); ``dtype`` is the
+        ``torch.dtype`` itself (importing torch).
     """
 
     path: Path
@@ -69,7 +72,7 @@ class TensorRef:
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
-    dtype: object
+    dtype_name: str
 
     @property
     def numel(self) -> int:
@@ -79,8 +82,14 @@ class TensorRef:
         return n
 
     @property
+    def dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
     def itemsize(self) -> int:
-        return self.dtype.itemsize
+        return ITEMSIZES[self.dtype_name]
 
     @property
     def nbytes(self) -> int:
@@ -204,21 +213,25 @@ def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]
 
 
 class _LazyUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, path: Path, records: dict[str, tuple[int, int]]):
+    def __init__(self, data: bytes, path: Path, records: dict[str, tuple[int, int]], light: bool):
         import io
 
         super().__init__(io.BytesIO(data))
-        self.path, self.records = path, records
+        self.path, self.records, self.light = path, records, light
 
     def find_class(self, module, name):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self._rebuild_tensor
         if (module, name) == ("torch._utils", "_rebuild_parameter"):
             return lambda data, *rest: data
-        if module == "torch" and name in _STORAGE_DTYPES:  # legacy typed storages; getattr(torch, name) warns
-            import torch
-
-            return getattr(torch, _STORAGE_DTYPES[name])
+        if module == "torch" and name in _STORAGE_DTYPES:  # legacy typed storage classes: keep the dtype's name
+            return _STORAGE_DTYPES[name]
+        if (module, name) == ("torch", "Size"):  # param_shapes in mp_rank files
+            return tuple
+        if self.light and module == "torch" and name in ITEMSIZES:  # a dtype in args (Megatron's params_dtype)
+            return f"torch.{name}"
+        if self.light and module.split(".")[0] in ("torch", "numpy", "deepspeed", "megatron"):
+            return _missing_class(module, name)
         try:
             return super().find_class(module, name)
         except (ImportError, AttributeError):
@@ -228,20 +241,23 @@ class _LazyUnpickler(pickle.Unpickler):
         kind, storage_type, key, _location, numel = pid
         if kind != "storage" or key not in self.records:
             raise TensorFileError(f"{self.path}: storage {key!r} has no record in the zip")
-        dtype = storage_type
+        if storage_type not in ITEMSIZES:
+            raise TensorFileError(f"{self.path}: storage {key!r} of an unsupported type {storage_type!r}")
         offset, size = self.records[key]
-        if size < numel * dtype.itemsize:
+        if size < numel * ITEMSIZES[storage_type]:
             raise TensorFileError(f"{self.path}: storage record {key} holds {size} bytes, expected "
-                                  f"{numel * dtype.itemsize}")
-        return (offset, numel, dtype)
+                                  f"{numel * ITEMSIZES[storage_type]}")
+        return (offset, numel, storage_type)
 
     def _rebuild_tensor(self, storage, storage_offset, size, stride, *_ignored):
         offset, numel, dtype = storage
         return TensorRef(self.path, offset, numel, storage_offset, tuple(size), tuple(stride), dtype)
 
 
-def load_lazy(path: str | Path):
+def load_lazy(path: str | Path, light: bool = False):
     """Unpickle a ``torch.save`` zip file with :class:`TensorRef` in place of every tensor (no data read).
+    ``light``: neither torch, numpy, deepspeed nor megatron is imported; their other objects (RNG states' numpy arrays)
+    become :class:`Missing` placeholders.
 
     Raises:
         TensorFileError: not a zip, a record past the end of the file (truncated), or an unreadable pickle.
@@ -249,7 +265,7 @@ def load_lazy(path: str | Path):
     path = Path(path)
     _prefix, records, pickled = _record_offsets(path)
     try:
-        return _LazyUnpickler(pickled, path, records).load()
+        return _LazyUnpickler(pickled, path, records, light).load()
     except TensorFileError:
         raise
     except Exception as e:  # a corrupt pickle: name it in one line

@@ -47,8 +47,10 @@ class GPTModel(nn.Module):
             num_layers=blocks, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
             ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
             max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
-            position_embedding_type=args.position_embedding_type, embed_layernorm=args.embed_layernorm,
+            position_embedding_type=getattr(args, "position_embedding_type", "absolute"),
+            embed_layernorm=getattr(args, "embed_layernorm", False),
             init_method_std=args.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
+            layernorm_epsilon=getattr(args, "layernorm_epsilon", 1e-5),
         )
         model = cls(cfg)
         final = final_norm_layer(args.num_layers)
