@@ -71,4 +71,4 @@ def published_copy(local_log: Path, url: str) -> Path:
     target = file_target(url)
     if local_log.parent.name != "logs":
         raise LogFormatError(f"--remote: {local_log} is not a run's logs/ file; give a spec name or run folder")
-    return target / "logs" / local_log.name
+    return target.root / "logs" / local_log.name
