@@ -33,7 +33,12 @@ CHUNK = 8 * 1024 * 1024
 
 
 class TargetError(ValueError):
-    """A target URL that is malformed or whose scheme is not implemented; one line."""
+    """A malformed target URL, or a transfer that failed (after its retries); one line, secrets scrubbed.
+    ``status``: the HTTP status of the failed request, when there was one."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -148,16 +153,19 @@ def with_retries(call: Callable[[], _T], what: str, options: TargetOptions,
         except Exception as e:  # noqa: BLE001 - every client library has its own error types; all end here
             if not is_transient(e) or attempt == options.retries:
                 tries = f" after {attempt + 1} attempts" if attempt else ""
-                raise TargetError(scrub(f"{what}: {describe(e)}{tries}")) from None
+                raise TargetError(scrub(f"{what}: {describe(e)}{tries}"), status_of(e)) from None
             sleep(options.backoff_s * 2 ** attempt)
     raise AssertionError("unreachable")
+
+
+_MORE_INFO = re.compile(r"For more information check: \S+")  # httpx's pointer to MDN, noise in a one-line error
 
 
 def describe(error: BaseException, limit: int = 400) -> str:
     """A short reason on one line: HTTP status and the message (the server's own explanation included), cut at
     ``limit`` characters. Not scrubbed: callers pass it through :func:`scrub`."""
     status = status_of(error)
-    text = " ".join(str(error).split()) or type(error).__name__
+    text = " ".join(_MORE_INFO.sub("", str(error)).split()) or type(error).__name__
     text = text if len(text) <= limit else text[:limit] + "..."
     return f"HTTP {status}: {text}" if status and str(status) not in text else text
 

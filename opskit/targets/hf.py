@@ -63,7 +63,7 @@ class HfTarget:
             self._retry(lambda: self._api.create_commit(self.repo_id, operations=operations, commit_message=message,
                                                         repo_type=self.repo_type), "commit")
         except TargetError as e:
-            if "HTTP 404" in str(e) or "Repository Not Found" in str(e):
+            if e.status == 404:
                 raise TargetError(f"{self.url}: repository {self.repo_id} not found or not writable with this token; "
                                   "create it, or set sync.create_repo: true in the spec") from None
             raise
