@@ -74,10 +74,11 @@ def start_olah(mirror_root: Path, work: Path) -> tuple[subprocess.Popen, str]:
 class FaultProxy:
     """Forwards every request to ``upstream``; ``fail(part, status, times, skip)`` lets ``skip`` requests whose path
     contains ``part`` through, then answers the next ``times`` of them with ``status``. ``seen`` counts forwarded
-    requests."""
+    requests. ``delay_s`` holds every request that long first (a network round trip, for benchmarks)."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, delay_s: float = 0.0):
         self.upstream, self.rules, self.seen, self.lock = upstream, [], 0, threading.Lock()
+        self.delay_s = delay_s
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -85,6 +86,7 @@ class FaultProxy:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(proxy.delay_s)
                 status = proxy._injected(self.path)
                 if status is not None:
                     data = b'{"error": {"code": %d, "message": "injected"}}' % status

@@ -68,7 +68,8 @@ class GcsTarget:
         expected = crc32c_of_file(local)
 
         def upload() -> None:
-            blob = self._bucket().blob(self._name(key), chunk_size=CHUNK_SIZE)
+            size = local.stat().st_size  # small files: one multipart request; large: resumable 8 MiB chunks
+            blob = self._bucket().blob(self._name(key), chunk_size=CHUNK_SIZE if size > CHUNK_SIZE else None)
             blob.upload_from_filename(str(local), checksum="crc32c", retry=None)
             if blob.crc32c != expected:
                 raise ChecksumMismatch(f"stored CRC32C {blob.crc32c}, local {expected}")
