@@ -1,13 +1,15 @@
 """A STAND-IN for the Hugging Face Hub's write API, for tests only (no installable server accepts uploads).
 
-It implements exactly the three endpoints huggingface_hub calls to create a repository and commit regular files:
+It implements exactly the endpoints huggingface_hub calls to create a repository, commit regular files and tag:
 
 - ``POST /api/repos/create`` (JSON ``{"name", "organization", "type", "visibility"}``) -> ``{"url"}``; 409 when it
   exists (the client's ``exist_ok`` handles that),
 - ``POST /api/{type}s/{org}/{repo}/preupload/{revision}`` (JSON ``{"files": [{"path", "sample", "size"}]}``) ->
   every file ``uploadMode: regular`` (so the test needs no LFS/Xet server),
 - ``POST /api/{type}s/{org}/{repo}/commit/{revision}`` (NDJSON: a ``header`` line, then ``file`` lines with base64
-  content) -> ``{"commitUrl", "commitOid"}``; files are stored in memory, one list entry per commit.
+  content) -> ``{"commitUrl", "commitOid"}``; files are stored in memory, one list entry per commit,
+- ``POST /api/validate-yaml`` (sent before a commit that adds README.md) -> ``{}``,
+- ``GET /api/{type}s/{org}/{repo}/refs`` -> branches and tags; ``POST .../tag/{revision}`` (JSON ``{"tag"}``).
 
 Every request is recorded (method, path, content type, parsed body, whether a Bearer token came) so a contract test
 can pin what the client sends; ``fail(path_part, status, times)`` makes the next matching requests fail with a
@@ -37,6 +39,8 @@ class Recorded:
 class HubStandIn:
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)
     commits: list[dict] = field(default_factory=list)
+    tags: dict[str, dict[str, str]] = field(default_factory=dict)  # repo key -> tag -> commit id
+    snapshots: dict[str, dict[str, bytes]] = field(default_factory=dict)  # commit id -> the repo's files then
     requests: list[Recorded] = field(default_factory=list)
     failures: list[list] = field(default_factory=list)  # [path_part, status, times left]
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,6 +71,8 @@ class HubStandIn:
         if (status := self._injected(path)) is not None:
             return status, {"error": f"injected failure for request with Authorization: {auth}"}
         parts = path.split("?")[0].strip("/").split("/")
+        if method == "POST" and parts == ["api", "validate-yaml"]:
+            return 200, {}
         if method == "POST" and parts[:3] == ["api", "repos", "create"]:
             repo_id = f"{body['organization']}/{body['name']}"
             key = f"{body.get('type', 'model')}:{repo_id}"
@@ -74,8 +80,18 @@ class HubStandIn:
                 return 409, {"error": "You already created this repo", "url": f"{self.endpoint}/{repo_id}"}
             self.repos[key] = {}
             return 200, {"url": f"{self.endpoint}/{repo_id}"}
+        key = f"{parts[1][:-1]}:{parts[2]}/{parts[3]}" if len(parts) >= 5 and parts[0] == "api" else ""
+        if method == "GET" and len(parts) == 5 and parts[4] == "refs":
+            if key not in self.repos:
+                return 404, {"error": "Repository not found"}
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in self.tags.get(key, {}).items()]
+            return 200, {"branches": [], "converts": [], "tags": tags}
+        if method == "POST" and len(parts) == 6 and parts[4] == "tag":
+            if body["tag"] in self.tags.setdefault(key, {}):
+                return 409, {"error": "tag exists"}
+            self.tags[key][body["tag"]] = parts[5]
+            return 200, {}
         if method == "POST" and len(parts) == 6 and parts[0] == "api" and parts[4] in ("preupload", "commit"):
-            key = f"{parts[1][:-1]}:{parts[2]}/{parts[3]}"
             if key not in self.repos:
                 return 404, {"error": "Repository not found"}
             if parts[4] == "preupload":
@@ -92,9 +108,11 @@ class HubStandIn:
                 changed[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
             elif line["key"] == "deletedFile":
                 files.pop(line["value"]["path"], None)
+                changed.pop(line["value"]["path"], None)
         files.update(changed)
         oid = hashlib.sha1(json.dumps([lines[0], sorted(changed)]).encode() + bytes(len(self.commits))).hexdigest()
         self.commits.append({"repo": key, "summary": lines[0]["value"]["summary"], "files": sorted(changed)})
+        self.snapshots[oid] = dict(files)
         return 200, {"commitUrl": f"{self.endpoint}/{key.split(':')[1]}/commit/{oid}", "commitOid": oid}
 
 

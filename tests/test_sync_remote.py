@@ -274,3 +274,46 @@ def test_cli_tail_remote_follows_gcs(run, gcs, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- ckpt publish (stand-in) -------------------------------------------------------------------------------------
+
+def test_ckpt_publish_tags_one_commit_per_step_and_skips_published_ones(hub, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from opskit.train.log import validation_lines
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "logs").mkdir()
+    (run / "logs" / "main_log.txt").write_text("\n".join(validation_lines("iteration 100", 5.25)
+                                                         + validation_lines("iteration 200", 4.5)) + "\n")
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
+    for step in (100, 200):  # real converted folders (config.json + safetensors), as `ckpt convert` leaves them
+        model.save_pretrained(run / "hf" / f"global_step{step}")
+    cli = [sys.executable, "-m", "opskit.cli.app", "ckpt", "publish", str(run / "checkpoints"), "--to",
+           "hf://bigscience/tiny-intermediate"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    from opskit.ckpt.publish import publish
+
+    hub.fail("/tag/", 503, times=3)  # the first step's tag fails through its retries: interrupted after the commit
+    with pytest.raises(TargetError, match="tag global_step100: .*503.* after 3 attempts") as e:
+        publish(run / "hf", "hf://bigscience/tiny-intermediate", [100], lambda s: {}, FAST)
+    assert TOKEN not in str(e.value) and len(hub.commits) == 1
+    done = subprocess.run(cli, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "global_step100: 3 file(s), commit " in done.stdout and "global_step200: 3 file(s)" in done.stdout
+    tags = hub.tags["model:bigscience/tiny-intermediate"]
+    assert sorted(tags) == ["global_step100", "global_step200"]
+    for step, commit in ((100, tags["global_step100"]), (200, tags["global_step200"])):
+        files = hub.snapshots[commit]
+        folder = run / "hf" / f"global_step{step}"
+        assert files["config.json"] == (folder / "config.json").read_bytes()
+        assert files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    card = hub.snapshots[tags["global_step200"]]["README.md"].decode()
+    assert "| `global_step100` | 100 | — | 5.2500 |" in card and "| `global_step200` | 200 | — | 4.5000 |" in card
+    assert 'revision="global_step200"' in card
+    commits = len(hub.commits)
+    again = subprocess.run(cli, capture_output=True, text=True, env=env)
+    assert again.stdout == "global_step100: already published, skipped\nglobal_step200: already published, skipped\n"
+    assert len(hub.commits) == commits

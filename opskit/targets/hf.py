@@ -57,16 +57,51 @@ class HfTarget:
                                                       private=self.options.private, exist_ok=True), "create repo")
             self._created = True
 
-    def _commit(self, operations: list, message: str) -> None:
+    def _commit(self, operations: list, message: str) -> str:
+        """Create one commit on ``main``; its id.
+
+        Raises:
+            TargetError: after retries; a missing repository (or one the token cannot write) says so.
+        """
         self._ensure_repo()
         try:
-            self._retry(lambda: self._api.create_commit(self.repo_id, operations=operations, commit_message=message,
-                                                        repo_type=self.repo_type), "commit")
+            info = self._retry(lambda: self._api.create_commit(self.repo_id, operations=operations,
+                                                               commit_message=message, repo_type=self.repo_type),
+                               "commit")
         except TargetError as e:
             if e.status == 404:
                 raise TargetError(f"{self.url}: repository {self.repo_id} not found or not writable with this token; "
-                                  "create it, or set sync.create_repo: true in the spec") from None
+                                  "create it, or set sync.create_repo: true in the spec", 404) from None
             raise
+        return info.oid
+
+    def commit_files(self, files: dict[str, Path | bytes], message: str, delete: list[str] = ()) -> str:
+        """One commit adding ``files`` (key -> local file or bytes) and deleting ``delete`` keys; its commit id.
+
+        Raises:
+            TargetError: as :meth:`_commit`.
+        """
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        operations = [CommitOperationAdd(self._path(key), data if isinstance(data, bytes) else str(data))
+                      for key, data in files.items()]
+        operations += [CommitOperationDelete(self._path(key)) for key in delete]
+        return self._commit(operations, message)
+
+    def tags(self) -> set[str]:
+        """Tag names of the repository (none when it does not exist yet)."""
+        try:
+            refs = self._retry(lambda: self._api.list_repo_refs(self.repo_id, repo_type=self.repo_type), "list tags")
+        except TargetError as e:
+            if e.status == 404:
+                return set()
+            raise
+        return {t.name for t in refs.tags}
+
+    def tag(self, name: str, revision: str) -> None:
+        """Tag commit ``revision`` as ``name`` (an existing tag of that name is left as it is)."""
+        self._retry(lambda: self._api.create_tag(self.repo_id, tag=name, revision=revision, repo_type=self.repo_type,
+                                                 exist_ok=True), f"tag {name}")
 
     def size(self, key: str) -> int | None:
         infos = self._retry(lambda: self._api.get_paths_info(self.repo_id, [self._path(key)],
@@ -81,11 +116,8 @@ class HfTarget:
 
     def put_batch(self, files: dict[str, Path], message: str) -> BatchResult:
         """One commit with every file; all published or none (then every key is in ``failed``)."""
-        from huggingface_hub import CommitOperationAdd
-
-        operations = [CommitOperationAdd(self._path(key), str(path)) for key, path in files.items()]
         try:
-            self._commit(operations, message)
+            self.commit_files(dict(files), message)
         except TargetError as e:
             return BatchResult([], dict.fromkeys(files, str(e)))
         return BatchResult(list(files), {})
@@ -115,25 +147,20 @@ class HfTarget:
         return self._retry(read, f"read {key}")
 
     def write_text(self, key: str, text: str) -> None:
-        from huggingface_hub import CommitOperationAdd
-
-        self._commit([CommitOperationAdd(self._path(key), text.encode())], f"opskit: write {key}")
+        self.commit_files({key: text.encode()}, f"opskit: write {key}")
 
     def keys(self, prefix: str = "") -> list[str]:
-        from huggingface_hub.errors import RepositoryNotFoundError
-
-        def listing() -> list[str]:
-            try:
-                return self._api.list_repo_files(self.repo_id, repo_type=self.repo_type)
-            except RepositoryNotFoundError:
+        try:
+            files = self._retry(lambda: self._api.list_repo_files(self.repo_id, repo_type=self.repo_type),
+                                "list files")
+        except TargetError as e:
+            if e.status == 404:
                 return []
-
+            raise
         base, strip = self._path(prefix), len(self.prefix) + 1 if self.prefix else 0
-        return sorted(f[strip:] for f in self._retry(listing, "list files") if f.startswith(base))
+        return sorted(f[strip:] for f in files if f.startswith(base))
 
     def delete(self, keys: list[str], message: str) -> None:
-        from huggingface_hub import CommitOperationDelete
-
         if keys:
-            self._commit([CommitOperationDelete(self._path(k)) for k in keys], message)
+            self.commit_files({}, message, delete=keys)
 
