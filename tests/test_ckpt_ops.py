@@ -189,4 +189,4 @@ def test_unsupported_targets_are_refused_in_one_line(run):
     assert (done.returncode, done.stderr) == (1, "error: --to s3://bucket/ckpt: expected file:///absolute/path, "
                                                  "gs://bucket/prefix or hf://[datasets/]org/repo[/path]\n")
     published = cli("publish", str(run), "--to", "hf://org/repo")
-    assert published.returncode == 1 and "not implemented yet" in published.stderr
+    assert published.returncode == 1 and "no converted global_stepN folders" in published.stderr

@@ -160,6 +160,12 @@ def test_cli_syncs_to_the_spec_targets_and_reports_json(run, tmp_path, kjv_data)
                            text=True, env=env)
     assert again.stdout == f"file://{share}: published 0 file(s), 1 unchanged\n"
 
+    from opskit.slurm.cron import hourly_commands
+    from opskit.spec import load_spec
+
+    hourly = hourly_commands(load_spec(str(spec)), sync_to=None)
+    assert hourly[-1].endswith(f" sync all {load_spec(str(spec)).cli_name}")  # the spec's targets, no --to
+
     bad = write_spec(tmp_path / "trainings" / "bad.yaml", kjv_data, run.root, sync={"targets": ["s3://x/y"]})
     refused = subprocess.run([sys.executable, "-m", "opskit.cli.app", "sync", "all", str(bad)], capture_output=True,
                              text=True, env=env)

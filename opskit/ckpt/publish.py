@@ -66,7 +66,7 @@ def publish(hf_root: str | Path, url: str, steps: list[int] | None, facts: Calla
         facts: ``facts(step)`` -> ``{"tokens": int | None, "validation_loss": float | None}`` for the card.
 
     Raises:
-        CheckpointFormatError: an asked step that is not converted. TargetError: not an hf:// URL, or the Hub failed
+        CheckpointFormatError: nothing converted, or an asked step that is not. TargetError: not an hf:// URL, or the Hub failed
             after retries (steps committed and tagged before that stay published).
     """
     hf_root = Path(hf_root)
@@ -74,6 +74,9 @@ def publish(hf_root: str | Path, url: str, steps: list[int] | None, facts: Calla
         raise TargetError(f"--to {url}: expected hf://[datasets/]org/repo")
     available = converted_steps(hf_root)
     chosen = sorted(available) if steps is None else sorted(steps)
+    if not chosen:
+        raise CheckpointFormatError(f"{hf_root}: no converted global_stepN folders: run `opskit ckpt convert ... "
+                                    "--all` first")
     missing = [s for s in chosen if s not in available]
     if missing:
         raise CheckpointFormatError(f"{hf_root / f'global_step{missing[0]}'}: not converted (no config.json): run "

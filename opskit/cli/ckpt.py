@@ -245,7 +245,7 @@ def set_latest(
 @friendly_errors
 def backup(
     run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
-    to: str = typer.Option(..., "--to", help="Target: file:///path (gs:// is not implemented yet)."),
+    to: str = typer.Option(..., "--to", help="Target: gs://bucket/prefix or file:///path."),
     steps: str = typer.Option(None, "--steps", help="Comma-separated steps (default: all)."),
     weights_only: bool = typer.Option(True, "--weights-only/--with-optim",
                                       help="Skip the ZeRO optimizer shards *_optim_states.pt (default)."),
@@ -282,7 +282,7 @@ def backup(
 @app.command("verify")
 @friendly_errors
 def verify(
-    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (file:///path)."),
+    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (gs://bucket/prefix or file:///path)."),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Re-check every object of a backup against its manifests; exit 1 on anything missing or corrupted."""
