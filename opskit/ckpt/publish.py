@@ -66,8 +66,8 @@ def publish(hf_root: str | Path, url: str, steps: list[int] | None, facts: Calla
         facts: ``facts(step)`` -> ``{"tokens": int | None, "validation_loss": float | None}`` for the card.
 
     Raises:
-        CheckpointFormatError: nothing converted, or an asked step that is not. TargetError: not an hf:// URL, or the Hub failed
-            after retries (steps committed and tagged before that stay published).
+        CheckpointFormatError: nothing converted, or an asked step that is not.
+        TargetError: not an hf:// URL, or the Hub failed after retries (steps tagged before that stay published).
     """
     hf_root = Path(hf_root)
     if not url.startswith("hf://"):
