@@ -9,7 +9,8 @@ Targets (:mod:`opskit.targets`): ``file:///path``, ``gs://bucket/prefix``, ``hf:
 - Changed files are first copied to a snapshot folder; a file whose size or mtime moved during that copy (the
   trainer was writing it) is left for the next sync, so nothing half-written is ever published.
 - A lock per (run, target) (``flock`` on a file holding the PID): a sync still running makes the next one skip with a
-  message; a lock whose holder died is free again (the kernel drops it with the process).
+  message; a lock whose holder died is free again (the kernel drops it with the process). Where the file system has
+  no ``flock``, an ``O_EXCL`` PID file, taken over when its process is dead.
 - Nothing local is ever deleted. Remote objects that are no longer local are deleted only with ``delete=True``, and
   only those listed by an earlier dry run with ``delete=True`` (the plan is kept beside the manifest).
 """
@@ -20,6 +21,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -218,24 +220,66 @@ def _delete_planned(run: RunPaths, kinds: list[str], url: str, target: Target) -
 
 @contextmanager
 def run_lock(path: Path, url: str) -> Iterator[None]:
-    """Hold ``path`` (``flock``, PID written in it) for one sync.
+    """Hold ``path`` (``flock``, PID written in it) for one sync; on a file system without ``flock`` (some Lustre and
+    NFS mounts) a ``path.pid`` file created with ``O_EXCL`` instead, taken over when its process is dead.
 
     Raises:
         SyncBusy: a live process holds it (its PID in the message).
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise SyncBusy(f"another sync to {url} is still running (PID {holder}, lock {path}); skipped") from None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SyncBusy(f"another sync to {url} is still running (PID {holder}, lock {path}); skipped") from None
+    except OSError:
+        os.close(fd)
+        with _pid_file_lock(path.with_name(path.name + ".pid"), url):
+            yield
+        return
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
+        yield
     finally:
+        os.ftruncate(fd, 0)
         os.close(fd)  # closing releases the flock
 
+
+@contextmanager
+def _pid_file_lock(path: Path, url: str) -> Iterator[None]:
+    """``O_EXCL`` lock file holding ``host pid``; one whose process is gone (same host) is stale and replaced."""
+    host = socket.gethostname()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            holder = path.read_text(errors="replace").split() if path.is_file() else []
+            if len(holder) == 2 and holder[1].isdigit() and (holder[0] != host or _alive(int(holder[1]))):
+                raise SyncBusy(f"another sync to {url} is still running (PID {holder[1]} on {holder[0]}, lock "
+                               f"{path}); skipped") from None
+            path.unlink(missing_ok=True)  # its process is dead (or the file is garbage): take it over
+    else:
+        raise SyncBusy(f"another sync to {url} took the lock {path} at the same moment; skipped")
+    try:
+        os.write(fd, f"{host} {os.getpid()}\n".encode())
+        os.close(fd)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here (a zombie, which ``kill -0`` still finds, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

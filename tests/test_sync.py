@@ -130,6 +130,29 @@ time.sleep(60)
     assert len(sync(run, KINDS, url).copied) == 3  # ...and its lock is free
 
 
+def test_without_flock_a_pid_file_locks_and_a_dead_pid_is_taken_over(run, tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import socket
+
+    def no_flock(fd, operation):  # what a Lustre mount without -o flock answers
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    url = f"file://{tmp_path / 'share'}"
+    pid_file = state_path(run, url, "lock").with_name(state_path(run, url, "lock").name + ".pid")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        pid_file.write_text(f"{socket.gethostname()} {sleeper.pid}\n")
+        with pytest.raises(SyncBusy, match=rf"\(PID {sleeper.pid} on "):
+            sync(run, KINDS, url)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert len(sync(run, KINDS, url).copied) == 3  # dead holder: taken over
+    assert not pid_file.exists()  # and released
+
+
 def test_remote_deletions_need_a_dry_run_listing_first(run, tmp_path):
     url, share = f"file://{tmp_path / 'share'}", tmp_path / "share"
     sync(run, KINDS, url)
