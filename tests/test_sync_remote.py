@@ -317,3 +317,15 @@ def test_ckpt_publish_tags_one_commit_per_step_and_skips_published_ones(hub, tmp
     again = subprocess.run(cli, capture_output=True, text=True, env=env)
     assert again.stdout == "global_step100: already published, skipped\nglobal_step200: already published, skipped\n"
     assert len(hub.commits) == commits
+
+
+def test_an_unreachable_server_fails_after_retries_with_the_reason_and_loses_nothing(run, monkeypatch):
+    from remote_services import free_port
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    url = "gs://bucket/run"
+    result = sync(run, ["logs"], url, options=TargetOptions(retries=2, backoff_s=0.01))
+    assert result.copied == [] and list(result.failed) == ["logs/main_log.txt"]
+    reason = result.failed["logs/main_log.txt"]
+    assert "Connection refused" in reason and reason.endswith("after 3 attempts") and "\n" not in reason
+    assert run.main_log.is_file() and sync(run, ["logs"], url, dry_run=True).copied == ["logs/main_log.txt"]
