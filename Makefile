@@ -13,7 +13,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[all,test]'
 	touch $@
 
-install: $(VENV)/.installed
+# olah (a Hub mirror for the remote-tail tests) in its own venv: its pins clash with opskit's (psutil).
+.venv-olah/.installed:
+	$(PYTHON) -m venv .venv-olah
+	.venv-olah/bin/python -m pip install -q olah
+	touch $@
+
+install: $(VENV)/.installed .venv-olah/.installed
 
 # Debian packages (SLURM, munge, the KJV corpus, shellcheck); says so in one line where there is no root or apt.
 system-deps:
@@ -30,4 +36,4 @@ lint: install
 	$(VENV)/bin/ruff check opskit tests
 
 clean:
-	rm -rf $(VENV) runs data .pytest_cache
+	rm -rf $(VENV) .venv-olah runs data .pytest_cache

@@ -40,6 +40,11 @@ class RunPaths:
         return self.root / "logs"
 
     @property
+    def codecarbon(self) -> Path:
+        """CodeCarbon's emissions CSVs (``--codecarbon-dir``), as BigScience kept them beside tensorboard/."""
+        return self.root / "codecarbon"
+
+    @property
     def main_log(self) -> Path:
         """All jobs of the chain append here, as BigScience's ``main_log.txt``."""
         return self.logs / "main_log.txt"

@@ -370,6 +370,30 @@ class PathsSpec(_Section):
     """Hugging Face Hub repositories the run publishes to, by kind (``logs: bigscience/tr11-176B-ml-logs``)."""
 
 
+class SyncSpec(_Section):
+    """Where ``opskit sync`` (and the hourly cron job) publishes logs, TensorBoard events and CodeCarbon CSVs."""
+
+    targets: list[str] = Field(default_factory=list)
+    """``hf://[datasets/]org/repo[/path]``, ``gs://bucket/prefix`` or ``file:///path``; each gets every kind."""
+    workers: int = Field(default=8, ge=1, le=64)
+    """Parallel transfers (gs://, file://)."""
+    create_repo: bool = False
+    """hf://: create the repository when it does not exist (``private`` or public)."""
+    private: bool = True
+
+    @field_validator("targets")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        from opskit.targets import TargetError, check_url
+
+        for url in urls:
+            try:
+                check_url(url, "target")
+            except TargetError as e:
+                raise ValueError(str(e)) from None
+        return urls
+
+
 class EmailSpec(_Section):
     """Alert e-mail over SMTP; every key can come from the environment instead (``OPSKIT_SMTP_HOST``, ...)."""
 
@@ -490,6 +514,7 @@ class Spec(_Section):
     checkpoint: CheckpointSpec
     slurm: SlurmSpec = SlurmSpec()
     paths: PathsSpec
+    sync: SyncSpec = SyncSpec()
     curriculum_learning: CurriculumSpec | None = None
     watchdog: WatchdogSpec = WatchdogSpec()
     megatron_args: dict[str, FlagValue] = Field(default_factory=dict)

@@ -1,59 +1,90 @@
-"""``opskit sync``: publish a run's logs and TensorBoard events to a target, copying only what changed.
+"""``opskit sync``: publish a run's logs, TensorBoard events and CodeCarbon CSVs to a target, copying only what changed.
 
-Targets (:mod:`opskit.targets`): ``file:///path`` (a mounted share). A manifest in the run directory remembers
-(size, mtime) of every file last published per target, so an unchanged file is never copied again; each copy goes to
-a temporary name beside its destination and is renamed into place, so readers never see a half-written file. Nothing
-local is deleted.
+Targets (:mod:`opskit.targets`): ``file:///path``, ``gs://bucket/prefix``, ``hf://[datasets/]org/repo[/path]``.
+
+- A manifest in the run directory (one per target) remembers size, mtime and CRC32C of every file last published.
+  A file whose size and mtime match is skipped without being read, so a no-change sync of 10,000 files is a few
+  ``stat`` calls and makes no request at all. A file that was touched but whose CRC32C is unchanged is not uploaded.
+  An append-only log that grew is uploaded again whole (the Hub and GCS store objects, not appends).
+- Changed files are first copied to a snapshot folder; a file whose size or mtime moved during that copy (the
+  trainer was writing it) is left for the next sync, so nothing half-written is ever published.
+- A lock per (run, target) (``flock`` on a file holding the PID): a sync still running makes the next one skip with a
+  message; a lock whose holder died is free again (the kernel drops it with the process). Where the file system has
+  no ``flock``, an ``O_EXCL`` PID file, taken over when its process is dead.
+- Nothing local is ever deleted. Remote objects that are no longer local are deleted only with ``delete=True``, and
+  only those listed by an earlier dry run with ``delete=True`` (the plan is kept beside the manifest).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
-from dataclasses import dataclass
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
-from opskit.targets import FileTarget, TargetError, open_target
+from opskit.targets import Target, TargetOptions, check_url, crc32c_of_file, open_target
 
 # What each kind of sync publishes: (folder of the run, glob under it).
 KINDS = {
     "logs": ("logs", "**/*.txt"),
     "tensorboard": ("tensorboard", "**/*tfevents*"),
+    "codecarbon": ("codecarbon", "**/*.csv"),
 }
 
 
 class SyncError(ValueError):
-    """A bad target or kind; one line saying what was expected."""
+    """A bad target or kind, or uploads that failed after their retries; one line saying what to do."""
 
 
-@dataclass(frozen=True)
+class SyncBusy(SyncError):
+    """Another sync of the same run to the same target holds the lock."""
+
+
+@dataclass
 class SyncResult:
-    copied: list[str]
-    unchanged: int
-    target: Path
+    """What a sync did. ``copied``: keys published (or, dry run, to publish); ``deferred``: files that changed while
+    being read, left for the next sync; ``failed``: key -> reason; ``deleted``: remote keys deleted (or listed)."""
+
+    target: str
+    copied: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    deferred: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    deleted: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "copied": self.copied, "unchanged": self.unchanged, "deferred": self.deferred,
+                "failed": self.failed, "deleted": self.deleted, "dry_run": self.dry_run}
 
 
-def file_target(url: str) -> FileTarget:
-    """The ``file:///abs/path`` target of ``url``.
+def kinds_of(kind: str) -> list[str]:
+    """``all`` -> every kind; else the one kind.
 
     Raises:
-        SyncError: for other schemes or a relative path.
+        SyncError: an unknown kind.
     """
-    try:
-        target = open_target(url)
-    except TargetError as e:
-        raise SyncError(str(e)) from None
-    return target
+    if kind == "all":
+        return list(KINDS)
+    if kind not in KINDS:
+        raise SyncError(f"sync kind {kind!r}: expected one of {', '.join(KINDS)} or all")
+    return [kind]
 
 
-def _candidates(run: RunPaths, kinds: list[str]) -> dict[str, Path]:
-    """Relative path in the target -> local file, for the chosen kinds."""
+def candidates(run: RunPaths, kinds: list[str]) -> dict[str, Path]:
+    """Key at the target (path relative to the run folder) -> local file, for the chosen kinds."""
     files = {}
     for kind in kinds:
-        if kind not in KINDS:
-            raise SyncError(f"sync kind {kind!r}: expected one of {', '.join(KINDS)} or all")
-        folder, pattern = KINDS[kind]
+        folder, pattern = KINDS[kinds_of(kind)[0]]
         base = run.root / folder
         for path in sorted(base.glob(pattern)) if base.is_dir() else []:
             if path.is_file():
@@ -61,29 +92,194 @@ def _candidates(run: RunPaths, kinds: list[str]) -> dict[str, Path]:
     return files
 
 
-def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False) -> SyncResult:
-    """Copy new or changed files of ``kinds`` from the run to ``url``.
+def state_path(run: RunPaths, url: str, what: str) -> Path:
+    """``<run>/.sync-<what>-<url slug>.json``: the manifest, lock or delete plan of one target."""
+    slug = "".join(c if c.isalnum() else "_" for c in url).strip("_")[-80:]
+    return run.root / f".sync-{what}-{slug}"
 
-    An append-only log that grew is copied again whole; a file whose size and mtime match the manifest is skipped.
-    """
-    target = file_target(url)
-    manifest_path = run.root / f".sync-manifest-{_slug(url)}.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-    copied, unchanged = [], 0
-    for relative, path in _candidates(run, kinds).items():
+
+def load_manifest(path: Path) -> dict[str, dict]:
+    """key -> {"size", "mtime_ns", "crc32c"}; an old or unreadable manifest counts as empty (everything re-sent)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)}
+
+
+def changed_files(files: dict[str, Path], manifest: dict[str, dict]) -> tuple[dict[str, Path], int]:
+    """(files whose size or mtime differ from the manifest, how many match): ``stat`` only, nothing is read."""
+    changed = {}
+    for key, path in files.items():
         stat = path.stat()
-        signature = [stat.st_size, stat.st_mtime_ns]
-        if manifest.get(relative) == signature and target.size(relative) is not None:
-            unchanged += 1
-            continue
-        copied.append(relative)
-        if not dry_run:
-            target.put(path, relative)
-            manifest[relative] = signature
-    if copied and not dry_run:
-        atomic_write_text(manifest_path, json.dumps(manifest, indent=1, sort_keys=True))
-    return SyncResult(copied, unchanged, target.root)
+        known = manifest.get(key)
+        if not known or known.get("size") != stat.st_size or known.get("mtime_ns") != stat.st_mtime_ns:
+            changed[key] = path
+    return changed, len(files) - len(changed)
 
 
-def _slug(url: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in url).strip("_")[-80:]
+def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delete: bool = False,
+         options: TargetOptions | None = None, target: Target | None = None) -> SyncResult:
+    """Publish new or changed files of ``kinds`` from the run to ``url``.
+
+    Args:
+        target: an already opened target (tests); default ``open_target(url, options=options)``, opened only when
+            there is something to do.
+
+    Raises:
+        SyncError: unknown kind; SyncBusy: another sync holds the lock; TargetError: a malformed URL or a failed
+            listing/deletion. Upload failures are returned in ``failed`` (what succeeded is kept in the manifest).
+    """
+    for kind in kinds:
+        kinds_of(kind)
+    check_url(url)
+    manifest_path = state_path(run, url, "manifest").with_suffix(".json")
+    manifest = load_manifest(manifest_path)
+    changed, unchanged = changed_files(candidates(run, kinds), manifest)
+    result = SyncResult(url, unchanged=unchanged, dry_run=dry_run)
+    if not changed and not delete:
+        return result  # nothing new: no lock, no client, no request
+    if dry_run:
+        result.copied = sorted(changed)
+        if delete:
+            target = target or open_target(url, options=options)
+            result.deleted = _plan_deletions(run, kinds, url, target)
+        return result
+    with run_lock(state_path(run, url, "lock"), url):
+        target = target or open_target(url, options=options)
+        if changed:
+            _publish(run, kinds, changed, manifest, manifest_path, target, result)
+        if delete:
+            result.deleted = _delete_planned(run, kinds, url, target)
+    return result
+
+
+def _publish(run: RunPaths, kinds: list[str], changed: dict[str, Path], manifest: dict[str, dict],
+             manifest_path: Path, target: Target, result: SyncResult) -> None:
+    with tempfile.TemporaryDirectory(prefix=".sync-snapshot-", dir=run.root) as folder:
+        snapshots = {}
+        for key, path in changed.items():
+            snapshot = _snapshot(path, Path(folder) / key)
+            if snapshot is None:
+                result.deferred.append(key)
+                continue
+            entry, copy = snapshot
+            if manifest.get(key, {}).get("crc32c") == entry["crc32c"]:  # touched, same bytes: nothing to send
+                manifest[key] = entry
+                result.unchanged += 1
+            else:
+                snapshots[key] = (entry, copy)
+        if snapshots:
+            message = (f"opskit sync {'+'.join(kinds)}: {len(snapshots)} file(s) at "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
+            batch = target.put_batch({key: copy for key, (_, copy) in snapshots.items()}, message)
+            for key in batch.done:
+                manifest[key] = snapshots[key][0]
+            result.copied, result.failed = sorted(batch.done), batch.failed
+    atomic_write_text(manifest_path, json.dumps(manifest, indent=0, sort_keys=True))
+
+
+def _snapshot(path: Path, copy: Path) -> tuple[dict, Path] | None:
+    """Copy ``path`` to ``copy`` and return (manifest entry, copy), or None when the file changed during the copy."""
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    before = path.stat()
+    shutil.copyfile(path, copy)
+    after = path.stat()
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) \
+            or copy.stat().st_size != after.st_size:
+        return None
+    return {"size": after.st_size, "mtime_ns": after.st_mtime_ns, "crc32c": crc32c_of_file(copy)}, copy
+
+
+def _extraneous(run: RunPaths, kinds: list[str], target: Target) -> list[str]:
+    """Remote keys under the kinds' folders with no local file."""
+    local = candidates(run, kinds)
+    remote = [k for kind in kinds for k in target.keys(KINDS[kind][0] + "/")]
+    return sorted(k for k in remote if k not in local)
+
+
+def _plan_deletions(run: RunPaths, kinds: list[str], url: str, target: Target) -> list[str]:
+    keys = _extraneous(run, kinds, target)
+    atomic_write_text(state_path(run, url, "delete-plan").with_suffix(".json"), json.dumps(keys))
+    return keys
+
+
+def _delete_planned(run: RunPaths, kinds: list[str], url: str, target: Target) -> list[str]:
+    """Delete what the last ``--delete --dry-run`` listed and is still not local; the plan is used up."""
+    plan_path = state_path(run, url, "delete-plan").with_suffix(".json")
+    if not plan_path.is_file():
+        raise SyncError(f"--delete: run `opskit sync ... --delete --dry-run` first to list what would be deleted "
+                        f"from {url}")
+    planned = set(json.loads(plan_path.read_text()))
+    keys = [k for k in _extraneous(run, kinds, target) if k in planned]
+    if keys:
+        target.delete(keys, f"opskit sync: delete {len(keys)} file(s) no longer in the run")
+    plan_path.unlink()
+    return keys
+
+
+@contextmanager
+def run_lock(path: Path, url: str) -> Iterator[None]:
+    """Hold ``path`` (``flock``, PID written in it) for one sync; on a file system without ``flock`` (some Lustre and
+    NFS mounts) a ``path.pid`` file created with ``O_EXCL`` instead, taken over when its process is dead.
+
+    Raises:
+        SyncBusy: a live process holds it (its PID in the message).
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise SyncBusy(f"another sync to {url} is still running (PID {holder}, lock {path}); skipped") from None
+    except OSError:
+        os.close(fd)
+        with _pid_file_lock(path.with_name(path.name + ".pid"), url):
+            yield
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.ftruncate(fd, 0)
+        os.close(fd)  # closing releases the flock
+
+
+@contextmanager
+def _pid_file_lock(path: Path, url: str) -> Iterator[None]:
+    """``O_EXCL`` lock file holding ``host pid``; one whose process is gone (same host) is stale and replaced."""
+    host = socket.gethostname()
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            holder = path.read_text(errors="replace").split() if path.is_file() else []
+            if len(holder) == 2 and holder[1].isdigit() and (holder[0] != host or _alive(int(holder[1]))):
+                raise SyncBusy(f"another sync to {url} is still running (PID {holder[1]} on {holder[0]}, lock "
+                               f"{path}); skipped") from None
+            path.unlink(missing_ok=True)  # its process is dead (or the file is garbage): take it over
+    else:
+        raise SyncBusy(f"another sync to {url} took the lock {path} at the same moment; skipped")
+    try:
+        os.write(fd, f"{host} {os.getpid()}\n".encode())
+        os.close(fd)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here (a zombie, which ``kill -0`` still finds, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -185,8 +185,8 @@ def test_interrupted_backup_resumes_without_copying_again(run, tmp_path, monkeyp
 
 
 def test_unsupported_targets_are_refused_in_one_line(run):
-    done = cli("backup", str(run), "--to", "gs://bucket/ckpt")
-    assert (done.returncode, done.stderr) == (1, "error: --to gs://bucket/ckpt: gs:// targets are not implemented "
-                                                 "yet; expected file:///absolute/path\n")
+    done = cli("backup", str(run), "--to", "s3://bucket/ckpt")
+    assert (done.returncode, done.stderr) == (1, "error: --to s3://bucket/ckpt: expected file:///absolute/path, "
+                                                 "gs://bucket/prefix or hf://[datasets/]org/repo[/path]\n")
     published = cli("publish", str(run), "--to", "hf://org/repo")
-    assert published.returncode == 1 and "not implemented yet" in published.stderr
+    assert published.returncode == 1 and "no converted global_stepN folders" in published.stderr

@@ -129,7 +129,7 @@ def test_cron_via_crontab_round_trip(tmp_path, user_crontab, monkeypatch):
     subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "/bin/sh", "-c", command], timeout=120, cwd="/")
     log = (RunPaths.of(spec).cron_dir / "cron.log").read_text()
     assert f"PULSE: ***ALERT: {name} is not RUNNING or SCHEDULED!" in log
-    assert re.search(r"^copied \d+ file\(s\) to ", log, re.M), log
+    assert re.search(r"^file://.*: published \d+ file\(s\), \d+ unchanged$", log, re.M), log
     assert not list(tmp_path.glob("PWNED")) and not Path("/PWNED").exists()
 
     # Deleted by hand: status warns; uninstall removes only its own record, never another line.

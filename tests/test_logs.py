@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from opskit.cli.app import app
 from opskit.logs.eta import progress
-from opskit.logs.follow import follow, published_copy
+from opskit.logs.follow import follow, published_key
 from opskit.logs.parse import (
     LogFormatError,
     parse_iteration_line,
@@ -247,7 +247,7 @@ def test_follow_prints_the_end_then_appended_lines_and_survives_replacement(tmp_
                 f.write(text)
 
     assert list(follow(log, 2, 0.0, sleep, polls=3)) == ["two", "three", "four", "five", "six"]
-    assert published_copy(log, "file:///srv/pub") == Path("/srv/pub/logs/main_log.txt")
+    assert published_key(log) == "logs/main_log.txt"
 
 
 def test_cli_parse_jsonl_and_csv():

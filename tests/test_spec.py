@@ -121,8 +121,8 @@ def test_unknown_key_lists_valid_keys(in_tmp):
     raw["slurmm"] = raw.pop("slurm")
     message = spec_error(write(in_tmp / "section.yaml", raw))
     assert message == (f"{in_tmp / 'section.yaml'}: slurmm: unknown key (expected one of: name, description, model, "
-                       f"parallel, batch, optimizer, data, checkpoint, slurm, paths, curriculum_learning, watchdog, "
-                       f"megatron_args, deepspeed_config, variants)")
+                       f"parallel, batch, optimizer, data, checkpoint, slurm, paths, sync, curriculum_learning, "
+                       f"watchdog, megatron_args, deepspeed_config, variants)")
 
 
 def test_wrong_type_names_the_field(in_tmp):

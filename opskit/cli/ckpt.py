@@ -245,7 +245,7 @@ def set_latest(
 @friendly_errors
 def backup(
     run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
-    to: str = typer.Option(..., "--to", help="Target: file:///path (gs:// is not implemented yet)."),
+    to: str = typer.Option(..., "--to", help="Target: gs://bucket/prefix or file:///path."),
     steps: str = typer.Option(None, "--steps", help="Comma-separated steps (default: all)."),
     weights_only: bool = typer.Option(True, "--weights-only/--with-optim",
                                       help="Skip the ZeRO optimizer shards *_optim_states.pt (default)."),
@@ -282,7 +282,7 @@ def backup(
 @app.command("verify")
 @friendly_errors
 def verify(
-    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (file:///path)."),
+    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (gs://bucket/prefix or file:///path)."),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Re-check every object of a backup against its manifests; exit 1 on anything missing or corrupted."""
@@ -304,13 +304,38 @@ def verify(
 @friendly_errors
 def publish(
     run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir."),
-    to: str = typer.Option(..., "--to", help="hf://org/repo"),
+    to: str = typer.Option(..., "--to", help="hf://[datasets/]org/repo"),
+    step: int = typer.Option(None, "--step", help="One converted step (default: every converted step)."),
+    all_steps: bool = typer.Option(False, "--all", help="Every converted step (the default)."),
+    hf_dir: Path = typer.Option(None, "--hf-dir", help="Where the converted global_stepN folders are "
+                                                       "(default: <run>/hf, as `opskit ckpt convert` writes)."),
+    public: bool = typer.Option(False, "--public", help="Create the repository public (default: private)."),
 ) -> None:
-    """Upload converted steps to the Hugging Face Hub, one tagged commit per step (not implemented yet)."""
-    from opskit.targets import TargetError
+    """Upload converted steps to the Hub: one commit per step tagged global_stepN (load with
+    `from_pretrained(repo, revision="global_stepN")`), already published steps skipped, model card with steps, tokens
+    and validation loss. Token from HF_TOKEN or `huggingface-cli login`."""
+    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.publish import publish as publish_steps
+    from opskit.ckpt.publish import validation_losses
+    from opskit.targets import TargetOptions
 
-    raise TargetError(f"--to {to}: `opskit ckpt publish` (hf://) is not implemented yet; convert with "
-                      "`opskit ckpt convert --all` and upload the folders with huggingface_hub meanwhile")
+    directory, run_root = _checkpoint_dir(run_or_dir)
+    root = run_root or directory.parent
+    losses = validation_losses(root / "logs" / "main_log.txt")
+
+    def facts(iteration: int) -> dict:
+        step_dir = directory / f"global_step{iteration}"
+        tokens = describe_step(step_dir).consumed_tokens if step_dir.is_dir() else None
+        return {"tokens": tokens, "validation_loss": losses.get(iteration)}
+
+    results = publish_steps(hf_dir or root / "hf", to, None if all_steps or step is None else [step], facts,
+                            TargetOptions(create_repo=True, private=not public),
+                            progress=lambda tag: console.print(f"publishing {tag} ...", markup=False))
+    for result in results:
+        if result.commit is None:
+            console.print(f"{result.tag}: already published, skipped", markup=False)
+        else:
+            console.print(f"{result.tag}: {result.files} file(s), commit {result.commit[:12]}, tagged", markup=False)
 
 
 @app.command("generate")

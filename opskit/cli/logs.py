@@ -100,17 +100,23 @@ def tail(
     name_or_file: str = typer.Argument(..., help="Spec name, run folder or log file."),
     lines: int = typer.Option(10, "--lines", "-n", min=0, help="How many of the file's last lines to show first."),
     remote: str = typer.Option(None, "--remote", help="Follow the copy published by `opskit sync` to this target "
-                                                      "(file:///path) instead of the local log."),
+                                                      "(file:///path, gs://bucket/prefix, hf://[datasets/]org/repo) "
+                                                      "instead of the local log, by range reads."),
     interval: float = typer.Option(2.0, "--interval", min=0.05, help="Seconds between polls."),
 ) -> None:
     """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync)."""
-    from opskit.logs.follow import follow, published_copy
+    from opskit.logs.follow import follow, follow_published, published_key
     from opskit.logs.sources import resolve
+    from opskit.targets import open_target
 
     local = resolve(name_or_file).text_log("tail")
-    path = published_copy(local, remote) if remote else local
+    if remote:
+        followed = follow_published(open_target(remote, "--remote"), published_key(local), lines, interval,
+                                    sleep=time.sleep)
+    else:
+        followed = follow(local, lines, interval, sleep=time.sleep)
     try:
-        for line in follow(path, lines, interval, sleep=time.sleep):
+        for line in followed:
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
     except KeyboardInterrupt:

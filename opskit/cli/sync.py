@@ -1,33 +1,72 @@
-"""``opskit sync {logs|tensorboard|all} NAME --to URL``: publish a run's logs incrementally."""
+"""``opskit sync {logs|tensorboard|codecarbon|all} NAME [--to URL]``: publish a run's logs incrementally."""
 
 from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, friendly_errors, print_json
+from opskit.cli._common import console, err_console, friendly_errors, print_json
 
 
 @friendly_errors
 def sync(
-    kind: str = typer.Argument(..., help="logs, tensorboard or all."),
+    kind: str = typer.Argument(..., help="logs, tensorboard, codecarbon or all."),
     name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
-    to: str = typer.Option(..., "--to", help="Target: file:///path (a mounted share)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be copied."),
+    to: str = typer.Option(None, "--to", help="Target (default: the spec's sync.targets): hf://[datasets/]org/repo"
+                                              "[/path], gs://bucket/prefix or file:///path."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be published (and, with --delete, "
+                                                          "deleted) without doing it."),
+    delete: bool = typer.Option(False, "--delete", help="Also delete remote files no longer in the run: only those "
+                                                        "a previous --delete --dry-run listed."),
+    workers: int = typer.Option(None, "--workers", min=1, max=64, help="Parallel transfers (default: spec's, 8)."),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Copy new and changed log / TensorBoard files of a run to a target; unchanged files are never copied."""
+    """Publish new and changed log / TensorBoard / CodeCarbon files of a run; unchanged files are never sent, a sync
+    with nothing new makes no request. Exit 1 when an upload failed after its retries."""
     from opskit.runs import RunPaths
     from opskit.spec import load_spec
-    from opskit.sync import KINDS
+    from opskit.sync import SyncBusy, SyncError, kinds_of
     from opskit.sync import sync as sync_run
+    from opskit.targets import TargetOptions
 
-    kinds = list(KINDS) if kind == "all" else [kind]
-    result = sync_run(RunPaths.of(load_spec(name)), kinds, to, dry_run=dry_run)
+    kinds = kinds_of(kind)
+    spec = load_spec(name)
+    urls = [to] if to else spec.sync.targets
+    if not urls:
+        raise SyncError(f"{spec.cli_name}: no sync target: give --to URL or set sync.targets in the spec")
+    options = TargetOptions(workers=workers or spec.sync.workers, create_repo=spec.sync.create_repo,
+                            private=spec.sync.private)
+    results, failed = [], False
+    for url in urls:
+        try:
+            result = sync_run(RunPaths.of(spec), kinds, url, dry_run=dry_run, delete=delete, options=options)
+        except SyncBusy as e:
+            err_console.print(str(e), markup=False)
+            continue
+        results.append(result)
+        failed |= bool(result.failed)
+        if not json_output:
+            _render(result)
     if json_output:
-        print_json({"target": str(result.target), "copied": result.copied, "unchanged": result.unchanged,
-                    "dry_run": dry_run})
-        return
-    verb = "would copy" if dry_run else "copied"
-    console.print(f"{verb} {len(result.copied)} file(s) to {result.target}, {result.unchanged} unchanged")
-    for relative in result.copied:
-        console.print(f"  {relative}", markup=False)
+        print_json([r.as_dict() for r in results])
+    if failed:
+        raise typer.Exit(1)
+
+
+def _render(result) -> None:
+    verb = "would publish" if result.dry_run else "published"
+    deferred = f", {len(result.deferred)} changing (next sync)" if result.deferred else ""
+    console.print(f"{result.target}: {verb} {len(result.copied)} file(s), {result.unchanged} unchanged{deferred}",
+                  markup=False)
+    for key in result.copied:
+        console.print(f"  {key}", markup=False)
+    if result.deleted:
+        console.print(f"{'would delete' if result.dry_run else 'deleted'} {len(result.deleted)} remote file(s):",
+                      markup=False)
+        for key in result.deleted:
+            console.print(f"  {key}", markup=False)
+    by_reason: dict[str, list[str]] = {}
+    for key, reason in result.failed.items():  # an hf:// commit fails as a whole: one line, not one per file
+        by_reason.setdefault(reason, []).append(key)
+    for reason, keys in by_reason.items():
+        err_console.print(f"FAILED {len(keys)} file(s) ({keys[0]}{', ...' if len(keys) > 1 else ''}): {reason}; "
+                          "nothing lost, the next sync retries them", markup=False)

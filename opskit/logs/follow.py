@@ -1,13 +1,21 @@
 """``tail -f`` for training logs: the last lines of a file, then each complete line as it is appended. The file is
-reopened by name at every poll, so a log replaced by ``opskit sync`` (copied beside, renamed over) is followed too."""
+reopened by name at every poll, so a log replaced by ``opskit sync`` (copied beside, renamed over) is followed too.
+A published copy (any :mod:`opskit.targets` target: file://, gs://, hf://) is followed the same way with range reads
+from the last offset, so each poll transfers only the new bytes (BigScience's "delayed tail -f")."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opskit.logs.parse import LogFormatError, from_end
+
+if TYPE_CHECKING:
+    from opskit.targets import Target
+
+TAIL_WINDOW = 64 * 1024  # first range read of a remote tail; doubled until it holds the asked lines
 
 
 def last_lines(path: str | Path, n: int) -> tuple[list[str], int]:
@@ -34,9 +42,7 @@ def new_lines(path: str | Path, offset: int) -> tuple[list[str], int]:
         if os.fstat(f.fileno()).st_size < offset:
             offset = 0
         f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1
-    return data[:end].decode("utf-8", errors="replace").split("\n")[:-1], offset + end
+        return complete_lines(f.read(), offset)
 
 
 def follow(path: str | Path, n: int, interval: float, sleep: Callable[[float], None],
@@ -59,16 +65,62 @@ def follow(path: str | Path, n: int, interval: float, sleep: Callable[[float], N
         yield from lines
 
 
-def published_copy(local_log: Path, url: str) -> Path:
-    """Where ``opskit sync logs`` put ``local_log`` under a ``file://`` target: same path relative to the run folder.
+def complete_lines(data: bytes, offset: int) -> tuple[list[str], int]:
+    """(complete lines of ``data``, read at byte ``offset``; the offset after the last newline)."""
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode("utf-8", errors="replace").split("\n")[:-1], offset + end
+
+
+def remote_last_lines(target: Target, key: str, n: int) -> tuple[list[str], int]:
+    """(the last ``n`` complete lines of a published object, offset after them), by range reads from its end.
 
     Raises:
-        SyncError: a target other than ``file:///...``.
+        FileNotFoundError: nothing published under ``key`` yet.
+    """
+    size = target.size(key)
+    if size is None:
+        raise FileNotFoundError(f"{target.url}: no {key} published there (yet)")
+    window = TAIL_WINDOW
+    while True:
+        start = max(0, size - window)
+        data = target.read_from(key, start) or b""
+        lines, offset = complete_lines(data, start)
+        if start and lines:  # the first line may be cut: drop it
+            lines = lines[1:]
+        if len(lines) >= n or start == 0:
+            return (lines[-n:] if n else []), offset
+        window *= 4
+
+
+def follow_published(target: Target, key: str, n: int, interval: float, sleep: Callable[[float], None],
+                     polls: int | None = None) -> Iterator[str]:
+    """:func:`follow` for an object at a target: the last ``n`` lines, then new complete lines every ``interval``
+    seconds, each poll one range read from the last offset (from 0 again if the object became shorter).
+
+    Raises:
+        FileNotFoundError: nothing published under ``key`` at the start. TargetError: the target failed after retries.
+    """
+    lines, offset = remote_last_lines(target, key, n)
+    yield from lines
+    done = 0
+    while polls is None or done < polls:
+        sleep(interval)
+        done += 1
+        data = target.read_from(key, offset)
+        if not data:
+            if data is not None and (target.size(key) or 0) < offset:
+                offset = 0
+            continue
+        lines, offset = complete_lines(data, offset)
+        yield from lines
+
+
+def published_key(local_log: Path) -> str:
+    """The key under which ``opskit sync logs`` publishes ``local_log``: ``logs/FILE``.
+
+    Raises:
         LogFormatError: ``local_log`` is not ``<run>/logs/FILE`` (a bare file has no published copy).
     """
-    from opskit.sync import file_target
-
-    target = file_target(url)
     if local_log.parent.name != "logs":
         raise LogFormatError(f"--remote: {local_log} is not a run's logs/ file; give a spec name or run folder")
-    return target.root / "logs" / local_log.name
+    return f"logs/{local_log.name}"

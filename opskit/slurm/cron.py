@@ -79,8 +79,8 @@ def read_installed(run: RunPaths) -> Installed | None:
 
 def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executable) -> list[str]:
     """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines; ``--alert`` when the spec
-    or the user's alerts.yaml names an alert channel) and, with a target, the sync of logs and TensorBoard; run from
-    the current directory (where ``trainings/`` is found)."""
+    or the user's alerts.yaml names an alert channel) and, with ``sync_to`` or the spec's ``sync.targets``, the sync of
+    logs, TensorBoard and CodeCarbon; run from the current directory (where ``trainings/`` is found)."""
     from opskit.alerts import AlertConfigError, settings
 
     opskit = f"{shlex.quote(python)} -m opskit.cli.app"
@@ -93,6 +93,8 @@ def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executabl
     commands = [f"{opskit} status {name}" + (" --alert" if alert else "")]
     if sync_to:
         commands.append(f"{opskit} sync all {name} --to {shlex.quote(sync_to)}")
+    elif spec.sync.targets:
+        commands.append(f"{opskit} sync all {name}")
     return commands
 
 
