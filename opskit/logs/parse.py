@@ -11,7 +11,8 @@ Accepted: the 2021 ``(ms)`` format, the 2022 ``(s)`` format, ``[defaultN]:`` pre
 timestamps and logger prefixes (anything before ``iteration``). An iteration or validation line that was wrapped, cut
 mid-way or garbled by another rank's output is skipped and counted, never guessed at.
 
-Speed: str methods only, no per-line regex (bench/log_parse.py, docs/benchmarks.md).
+Speed: str methods only, no per-line regex (bench/log_parse.py, docs/benchmarks.md); what every-field parsing
+cannot go below in CPython: bench/log_parse_floor.py.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
     Args:
         offset: where the previous call stopped (``LogChunk.offset``), 0 for the whole file.
         fields: read only these iteration fields (plus ``kind``, ``iteration``, ``train_iters``; no ``extra``),
-            about 3x faster than every field: what plots and spike detection over a whole log use.
+            about 1.7x faster than every field: what plots and spike detection over a whole log use.
 
     Returns:
         A :class:`LogChunk` whose ``offset`` is the byte just after the last complete line. When the file is shorter
