@@ -16,8 +16,10 @@ Which model: ALiBi + embedding LayerNorm -> BLOOM; absolute position embeddings 
 - The LM head is tied to the word embeddings. The padded vocabulary is kept unless ``trim_vocab``.
 
 Memory: pickles are read lazily (:mod:`opskit.ckpt.tensorfile`) and each output tensor is written block by block
-(one TP shard, or a row chunk of one) into pre-sized safetensors shards (:mod:`opskit.ckpt.safetensors_out`), so peak
-memory is about one TP shard of the largest tensor plus its cast copy, whatever the model size.
+(row chunks of at most CHUNK_BYTES, a few at once) into pre-sized safetensors shards
+(:mod:`opskit.ckpt.safetensors_out`); blocks that keep their dtype go from the mapped checkpoint pages straight into
+the output, so peak memory is a few blocks (plus a cast copy), whatever the model size. Neither torch nor transformers
+is imported unless a block needs a cast or an average (config and tokenizer files are written without them).
 The folder is built under a temporary name, verified, and renamed into place: a failure never leaves a half-written
 model and never replaces a good one.
 """
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -55,7 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-MAX_WORKERS = 8  # writer threads: past this the copies wait on memory, not on CPUs
+DEFAULT_WORKERS = 2
 CHUNK_BYTES = 64 * 1024**2  # row chunks (one write each): memory per writer thread, whatever the tensor
 VERIFY_ATOL = 1e-4
 VERIFY_RTOL = 1e-5
@@ -335,7 +336,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         verify_layers: verify with the first N blocks only; default: the whole model up to 1e9 parameters (both
             models in fp32 take 8 bytes per parameter), else the first 2 blocks.
         progress: ``progress(bytes_read, bytes_total)`` of checkpoint bytes, after each tensor.
-        workers: blocks written at once (threads); default: the CPUs, at most ``MAX_WORKERS``.
+        workers: blocks written at once (threads). Default 2: one maps source pages while another writes; more
+            mostly wait, since writes into one file serialize on its inode lock (ext4, tmpfs; docs/benchmarks.md).
 
     Raises:
         CheckpointFormatError: incomplete or unreadable step (the first bad file named). ConvertError: a model
@@ -369,7 +371,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         shards = _write_shards(staging, tensors, DTYPES[dtype], max_shard_bytes, progress,
-                               workers or min(MAX_WORKERS, os.cpu_count() or 1))
+                               workers or DEFAULT_WORKERS)
         _write_side_files(staging, config, tokenizer)
         try:
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None

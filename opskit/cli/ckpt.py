@@ -160,7 +160,7 @@ def convert(
                                            "else 2)."),
     max_shard_size: float = typer.Option(5.0, "--max-shard-size", help="GB per safetensors shard."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="Tokenizer folder (default: the one the run used)."),
-    workers: int = typer.Option(None, "--workers", min=1, help="Blocks copied at once (default: CPUs, at most 8)."),
+    workers: int = typer.Option(None, "--workers", min=1, help="Blocks copied at once (threads; default 2)."),
 ) -> None:
     """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming."""
     from opskit.ckpt.convert import ConvertError, convert_all, convert_step
