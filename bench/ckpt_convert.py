@@ -115,7 +115,8 @@ def same_tensors(ours: Path, theirs: Path) -> int:
     return compared
 
 
-def run(root: Path, baseline_python: str, out: Path, tp: int) -> None:
+def run(root: Path, baseline_python: str, out: Path, tp: int, workers: int | None = None,
+        baseline_first: bool = False) -> None:
     step = root / "global_step1000"
     size = sum(f.stat().st_size for f in step.iterdir()) / 1024**3
     largest = max(f.stat().st_size for f in step.glob("layer_*")) / 1024**3
@@ -125,12 +126,22 @@ def run(root: Path, baseline_python: str, out: Path, tp: int) -> None:
                 pass
     shutil.rmtree(out, ignore_errors=True)
     (out / "transformers").mkdir(parents=True)  # its --shard_model mode does not create the folder
-    ours = measure([sys.executable, "-m", "opskit.cli.app", "ckpt", "convert", str(step), "--out",
-                    str(out / "opskit"), "--dtype", "bf16", "--no-verify"])
+    def ours_run():
+        return measure([sys.executable, "-m", "opskit.cli.app", "ckpt", "convert", str(step), "--out",
+                        str(out / "opskit"), "--dtype", "bf16", "--no-verify",
+                        *(["--workers", str(workers)] if workers else [])])
+
+    def theirs_run():
+        return measure([baseline_python, "-m",
+                        "transformers.models.bloom.convert_bloom_original_checkpoint_to_pytorch",
+                        "--bloom_checkpoint_path", str(step), "--pytorch_dump_folder_path", str(out / "transformers"),
+                        "--shard_model", "--pretraining_tp", str(tp)])
+
+    if baseline_first:  # on a VM that hands freed memory back, the first converter pays for faulting it in again
+        theirs, ours = theirs_run(), ours_run()
+    else:
+        ours, theirs = ours_run(), theirs_run()
     print(f"opskit ckpt convert: {ours[0]:.1f} s", flush=True)
-    theirs = measure([baseline_python, "-m", "transformers.models.bloom.convert_bloom_original_checkpoint_to_pytorch",
-                      "--bloom_checkpoint_path", str(step), "--pytorch_dump_folder_path", str(out / "transformers"),
-                      "--shard_model", "--pretraining_tp", str(tp)])
     compared = same_tensors(out / "opskit", out / "transformers")
     shutil.rmtree(out)
     print(f"checkpoint {size:.2f} GB, largest layer file {largest:.2f} GB, bound 2x+1 GB = {2 * largest + 1:.2f} GB")
@@ -153,11 +164,13 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--baseline-python", default="/tmp/venv-tf446/bin/python")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-ckpt-out"))
+    parser.add_argument("--workers", type=int, help="opskit's --workers (writer threads; default its own, 2)")
+    parser.add_argument("--baseline-first", action="store_true", help="run transformers' converter first")
     options = parser.parse_args()
     if options.what == "build":
         build(options.root, options.hidden, options.layers, options.heads, options.vocab, options.tp)
     else:
-        run(options.root, options.baseline_python, options.out, options.tp)
+        run(options.root, options.baseline_python, options.out, options.tp, options.workers, options.baseline_first)
 
 
 if __name__ == "__main__":

@@ -315,32 +315,30 @@ def test_convert_all_skips_converted_steps(bloom_run, tmp_path):
     assert [line.split()[0] for line in again.stdout.splitlines()] == ["skipped", "skipped"]
 
 
-@pytest.mark.parametrize("kernel_copy", ["copy_file_range", "sendfile", "neither"])
-def test_tensor_rows_copied_file_to_file_are_exact(tmp_path, monkeypatch, kernel_copy):
-    """The writer copies unconverted rows inside the kernel (copy_file_range on one file system, sendfile across
-    them, else read + write): every way gives the same bytes."""
-    import errno
-
+@pytest.mark.parametrize("mapped", [True, False])
+def test_tensor_rows_copied_file_to_file_are_exact(tmp_path, monkeypatch, mapped):
+    """The writer copies unconverted rows from the mapped checkpoint files (row-parallel shards gathered row by row,
+    several blocks at once), else reads and writes them: both ways give the same bytes as torch.cat."""
     from safetensors.torch import load_file
 
     from opskit.ckpt.safetensors_out import OutTensor, write_safetensors
-    from opskit.ckpt.tensorfile import RowSpan, load_lazy
+    from opskit.ckpt.tensorfile import ColumnSpan, RowSpan, load_lazy
 
-    source = {"a": torch.randn(300, 7, dtype=torch.bfloat16), "b": torch.arange(10, dtype=torch.float16)}
+    source = {"a": torch.randn(300, 7, dtype=torch.bfloat16), "b": torch.arange(10, dtype=torch.float16),
+              "c0": torch.randn(5000, 3, dtype=torch.bfloat16), "c1": torch.randn(5000, 5, dtype=torch.bfloat16)}
     torch.save(source, tmp_path / "source.pt")
     refs = load_lazy(tmp_path / "source.pt")
-
-    def unavailable(*args):
-        raise OSError(errno.EXDEV, "not here")
-
-    if kernel_copy != "copy_file_range":
-        monkeypatch.setattr("os.copy_file_range", unavailable)
-    if kernel_copy == "neither":
-        monkeypatch.setattr("os.sendfile", unavailable)
+    if not mapped:
+        monkeypatch.setattr("mmap.mmap", lambda *args, **kwargs: (_ for _ in ()).throw(OSError("no mmap here")))
+    columns = (refs["c0"], refs["c1"])  # 5000 rows x 2 shards: more buffers than one pwritev takes
     tensors = [OutTensor("a", (300, 7), 0, lambda: iter([(RowSpan(refs["a"], 0, 100), 0),
                                                          (RowSpan(refs["a"], 100, 300), 100)])),
+               OutTensor("c", (5000, 8), 0, lambda: iter([(ColumnSpan(columns, 0, 1), 0),
+                                                          (ColumnSpan(columns, 1, 5000), 1)])),
                OutTensor("b", (10,), 0, lambda: iter([(RowSpan(refs["b"], 0, 10), 0)]))]
-    write_safetensors(tmp_path / "out.safetensors", tensors[:1], torch.bfloat16)
-    write_safetensors(tmp_path / "b.safetensors", tensors[1:], torch.float32)  # a dtype change: read + convert
-    assert torch.equal(load_file(tmp_path / "out.safetensors")["a"], source["a"])
+    write_safetensors(tmp_path / "out.safetensors", tensors[:2], torch.bfloat16, workers=2)
+    write_safetensors(tmp_path / "b.safetensors", tensors[2:], torch.float32)  # a dtype change: read + convert
+    out = load_file(tmp_path / "out.safetensors")
+    assert torch.equal(out["a"], source["a"])
+    assert torch.equal(out["c"], torch.cat([source["c0"], source["c1"]], dim=1))
     assert torch.equal(load_file(tmp_path / "b.safetensors")["b"], source["b"].float())

@@ -17,7 +17,7 @@ from conftest import run_trainer, tiny_trainer_args
 
 from opskit.ckpt.convert import ConvertError, convert_step
 from opskit.ckpt.layout import CheckpointFormatError
-from opskit.data import read_documents
+from opskit.data import EOS_ID, read_documents
 from opskit.train.inference import GPTModel
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
@@ -145,6 +145,11 @@ def test_pp2_gpt_run_converts_to_gpt2(gpt_pp2_run, tokens, tmp_path):
     assert (result.arch, result.iteration, result.shards) == ("gpt2", 2, 3)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["model_type"], config["activation_function"], config["n_positions"]) == ("gpt2", "gelu_fast", 32)
+    from transformers import AutoTokenizer
+
+    # config and tokenizer files are written without transformers: its own reading of them agrees on eos.
+    eos = AutoTokenizer.from_pretrained(tmp_path / "hf").eos_token_id
+    assert config["bos_token_id"] == config["eos_token_id"] == eos == EOS_ID
     assert result.max_abs_diff is not None and result.max_abs_diff <= 1e-5
     ours = reference_logits(gpt_pp2_run / "checkpoints", tokens)
     assert (hf_logits(tmp_path / "hf", tokens) - ours).abs().max().item() <= 1e-5

@@ -16,8 +16,10 @@ Which model: ALiBi + embedding LayerNorm -> BLOOM; absolute position embeddings 
 - The LM head is tied to the word embeddings. The padded vocabulary is kept unless ``trim_vocab``.
 
 Memory: pickles are read lazily (:mod:`opskit.ckpt.tensorfile`) and each output tensor is written block by block
-(one TP shard, or a row chunk of one) into pre-sized safetensors shards (:mod:`opskit.ckpt.safetensors_out`), so peak
-memory is about one TP shard of the largest tensor plus its cast copy, whatever the model size.
+(row chunks of at most CHUNK_BYTES, a few at once) into pre-sized safetensors shards
+(:mod:`opskit.ckpt.safetensors_out`); blocks that keep their dtype go from the mapped checkpoint pages straight into
+the output, so peak memory is a few blocks (plus a cast copy), whatever the model size. Neither torch nor transformers
+is imported unless a block needs a cast or an average (config and tokenizer files are written without them).
 The folder is built under a temporary name, verified, and renamed into place: a failure never leaves a half-written
 model and never replaces a good one.
 """
@@ -25,6 +27,7 @@ model and never replaces a good one.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -45,12 +48,16 @@ from opskit.ckpt.layout import (
     tp_rule,
 )
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
-from opskit.ckpt.tensorfile import RowSpan
+from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.fsutil import replace_dir
 
+# What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-CHUNK_BYTES = 256 * 1024**2  # row chunks of a vocabulary shard: bounds memory for huge embeddings
+DEFAULT_WORKERS = 2
+CHUNK_BYTES = 64 * 1024**2  # row chunks (one write each): memory per writer thread, whatever the tensor
 VERIFY_ATOL = 1e-4
 VERIFY_RTOL = 1e-5
 VERIFY_WHOLE_MAX_PARAMETERS = 10**9
@@ -130,38 +137,39 @@ def original_vocab_size(args: argparse.Namespace, client_state: dict) -> int | N
 
 
 def hf_config(arch: str, args: argparse.Namespace, vocab_size: int, dtype: str, n_positions: int | None,
-              eos_token_id: int | None = None):
-    """``GPT2Config`` or ``BloomConfig`` from the saved args (sizes, epsilon, dropouts, activation); GPT-2's single
-    special token (bos = eos) is the tokenizer's ``eos_token_id``, 50256 when it has none.
+              eos_token_id: int | None = None) -> dict:
+    """``config.json`` of ``GPT2LMHeadModel`` or ``BloomForCausalLM`` from the saved args (sizes, epsilon, dropouts,
+    activation), written as JSON without importing transformers (which fills every other field with its defaults
+    when it loads it); GPT-2's single special token (bos = eos) is the tokenizer's ``eos_token_id``, 50256 when it has
+    none.
 
     Raises:
         ConvertError: BLOOM with an FFN other than 4h or an exact-erf GELU (BLOOM's MLP is fixed: 4h, tanh GELU).
     """
-    from transformers import BloomConfig, GPT2Config
-
-    common = dict(initializer_range=getattr(args, "init_method_std", 0.02), tie_word_embeddings=True,
-                  dtype=DTYPES[dtype])
+    common = {"initializer_range": getattr(args, "init_method_std", 0.02), "tie_word_embeddings": True,
+              "dtype": DTYPES[dtype]}
     epsilon = getattr(args, "layernorm_epsilon", 1e-5)
     if arch == "gpt2":
-        return GPT2Config(
-            vocab_size=vocab_size, n_positions=n_positions, n_embd=args.hidden_size, n_layer=args.num_layers,
-            n_head=args.num_attention_heads, n_inner=args.ffn_hidden_size,
-            activation_function=activation_function(args),
-            resid_pdrop=args.hidden_dropout, embd_pdrop=args.hidden_dropout, attn_pdrop=args.attention_dropout,
-            layer_norm_epsilon=epsilon, scale_attn_weights=True, architectures=["GPT2LMHeadModel"],
-            bos_token_id=50256 if eos_token_id is None else eos_token_id,
-            eos_token_id=50256 if eos_token_id is None else eos_token_id, **common)
+        special = 50256 if eos_token_id is None else eos_token_id
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab_size,
+                "n_positions": n_positions, "n_embd": args.hidden_size, "n_layer": args.num_layers,
+                "n_head": args.num_attention_heads, "n_inner": args.ffn_hidden_size,
+                "activation_function": activation_function(args), "resid_pdrop": args.hidden_dropout,
+                "embd_pdrop": args.hidden_dropout, "attn_pdrop": args.attention_dropout,
+                "layer_norm_epsilon": epsilon, "scale_attn_weights": True, "bos_token_id": special,
+                "eos_token_id": special, **common}
     if args.ffn_hidden_size != 4 * args.hidden_size:
         raise ConvertError(f"ffn_hidden_size {args.ffn_hidden_size} != 4 * hidden_size; BLOOM's MLP is fixed at 4h")
     if activation_function(args) == "gelu":
         raise ConvertError("the run used the exact (erf) GELU; BLOOM's MLP computes the tanh approximation")
-    return BloomConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden_size, n_layer=args.num_layers, n_head=args.num_attention_heads,
-        layer_norm_epsilon=epsilon, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        apply_residual_connection_post_layernorm=bool(getattr(args, "apply_residual_connection_post_layernorm",
-                                                              False)),
-        bos_token_id=1, eos_token_id=2, pad_token_id=3, pretraining_tp=1, slow_but_exact=False,
-        architectures=["BloomForCausalLM"], **common)
+    return {"model_type": "bloom", "architectures": ["BloomForCausalLM"], "vocab_size": vocab_size,
+            "hidden_size": args.hidden_size, "n_layer": args.num_layers, "n_head": args.num_attention_heads,
+            "layer_norm_epsilon": epsilon, "hidden_dropout": args.hidden_dropout,
+            "attention_dropout": args.attention_dropout,
+            "apply_residual_connection_post_layernorm": bool(getattr(args, "apply_residual_connection_post_layernorm",
+                                                                     False)),
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "pretraining_tp": 1, "slow_but_exact": False,
+            "use_cache": True, **common}
 
 
 # --------------------------------------------------------------------------- output tensors, block by block
@@ -183,6 +191,10 @@ def _chunked(tensor, first_row: int = 0) -> Iterator[tuple[object, int]]:
 
 def _replicated(name: str, refs: list, averaged: list[str], where: str) -> OutTensor:
     def blocks():
+        raw = [r.read_bytes() for r in refs]
+        if raw[0] is not None and raw.count(raw[0]) == len(raw):  # identical copies: rank 0's, file to file
+            yield RowSpan(refs[0], 0, refs[0].shape[0]), 0
+            return
         tensors = [r.read() for r in refs]
         diff, _ranks = replicated_diff(tensors)
         if diff == 0:
@@ -225,25 +237,14 @@ def _cat_columns(name: str, refs: list, transpose: bool = False) -> OutTensor:
     shape = (refs[0].shape[0], sum(r.shape[1] for r in refs))
 
     def blocks():
-        import torch
-
         if transpose:
             start = 0
             for ref in refs:
                 yield from _chunked(ref.read().t(), start)
                 start += ref.shape[1]
             return
-        itemsize = refs[0].itemsize
-        for first, last in _row_chunks(shape[0], shape[1] * itemsize):
-            row_bytes = shape[1] * itemsize
-            chunk = torch.empty(last - first, row_bytes, dtype=torch.uint8)
-            raw, column = memoryview(chunk.numpy()).cast("B"), 0
-            for ref in refs:  # each shard's rows land in their column slice: no concatenation pass
-                width = ref.shape[1] * itemsize
-                ref.read_rows_into(first, last, [raw[r + column:r + column + width]
-                                                 for r in range(0, len(raw), row_bytes)])
-                column += width
-            yield chunk.view(refs[0].dtype), first
+        for first, last in _row_chunks(shape[0], shape[1] * refs[0].itemsize):
+            yield ColumnSpan(tuple(refs), first, last), first
 
     return OutTensor(name, shape[::-1] if transpose else shape, sum(r.nbytes for r in refs), blocks)
 
@@ -324,7 +325,7 @@ def _refuse_unknown(step, index: int, state: dict, known: set[str]) -> None:
 def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
                  trim_vocab: bool = False, tokenizer_dir: str | Path | None = None, verify: bool = True,
                  verify_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 progress: Callable[[int, int], None] | None = None) -> Converted:
+                 progress: Callable[[int, int], None] | None = None, workers: int | None = None) -> Converted:
     """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``.
 
     Args:
@@ -335,13 +336,13 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         verify_layers: verify with the first N blocks only; default: the whole model up to 1e9 parameters (both
             models in fp32 take 8 bytes per parameter), else the first 2 blocks.
         progress: ``progress(bytes_read, bytes_total)`` of checkpoint bytes, after each tensor.
+        workers: blocks written at once (threads). Default 2: one maps source pages while another writes; more
+            mostly wait, since writes into one file serialize on its inode lock (ext4, tmpfs; docs/benchmarks.md).
 
     Raises:
         CheckpointFormatError: incomplete or unreadable step (the first bad file named). ConvertError: a model
         neither GPT-2 nor BLOOM, a bad ``dtype``, a missing tokenizer, or a failed verification.
     """
-    import torch
-
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     step_path = resolve_step_dir(path, step)
@@ -349,7 +350,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     if info.problems:
         raise CheckpointFormatError(info.problems[0])
     scanned = scan_step_dir(step_path)
-    client_state = load_state(scanned.mp_rank_file())
+    client_state = load_state(scanned.mp_rank_file(), light=True)  # args only: torch need not be imported
     args = client_state["args"]
     arch = model_arch(args, step_path)
     dtype = dtype or info.dtype
@@ -369,7 +370,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        shards = _write_shards(staging, tensors, getattr(torch, DTYPES[dtype]), max_shard_bytes, progress)
+        shards = _write_shards(staging, tensors, DTYPES[dtype], max_shard_bytes, progress,
+                               workers or DEFAULT_WORKERS)
         _write_side_files(staging, config, tokenizer)
         try:
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
@@ -383,10 +385,11 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
                      num_layers=args.num_layers)
 
 
-def _write_shards(folder: Path, tensors: list[OutTensor], dtype, max_shard_bytes: int,
-                  progress: Callable[[int, int], None] | None) -> int:
-    """The safetensors shards and their index into ``folder``; returns the number of shards."""
-    shards = plan_shards(tensors, dtype.itemsize, max_shard_bytes)
+def _write_shards(folder: Path, tensors: list[OutTensor], dtype: str, max_shard_bytes: int,
+                  progress: Callable[[int, int], None] | None, workers: int) -> int:
+    """The safetensors shards (``dtype``: torch's name) and their index into ``folder``; returns the number of
+    shards."""
+    shards = plan_shards(tensors, ITEMSIZES[dtype], max_shard_bytes)
     total_source, done, total_size, weight_map = sum(t.source_bytes for t in tensors), 0, 0, {}
 
     def tick(nbytes: int) -> None:
@@ -397,43 +400,79 @@ def _write_shards(folder: Path, tensors: list[OutTensor], dtype, max_shard_bytes
 
     for number, shard in enumerate(shards):
         name = shard_name(number, len(shards))
-        total_size += write_safetensors(folder / name, shard, dtype, tick)
+        total_size += write_safetensors(folder / name, shard, dtype, tick, workers=workers)
         weight_map.update({t.name: name for t in shard})
     write_index(folder, weight_map, total_size)
     return len(shards)
 
 
-def load_tokenizer(args: argparse.Namespace, tokenizer_dir: str | Path | None = None):
+@dataclass(frozen=True)
+class RunTokenizer:
+    """The run's tokenizer as the converted folder gets it: the files of ``folder`` copied as they are, or (runs
+    with ``--vocab-file``/``--merge-file``) ``fast``, a transformers tokenizer saved with ``save_pretrained``."""
+
+    eos_token_id: int | None
+    folder: Path | None = None
+    fast: object = None
+
+    def save(self, out: Path) -> None:
+        if self.fast is not None:
+            self.fast.save_pretrained(out)
+            return
+        for name in TOKENIZER_FILES:
+            if (self.folder / name).is_file():
+                shutil.copyfile(self.folder / name, out / name)
+
+
+def load_tokenizer(args: argparse.Namespace, tokenizer_dir: str | Path | None = None) -> RunTokenizer:
     """The run's tokenizer: ``tokenizer_dir``, else the saved ``--tokenizer-name-or-path`` (PretrainedFromHF), else
-    the saved ``--vocab-file``/``--merge-file`` (GPT2BPETokenizer, as tr1-13B ran).
+    the saved ``--vocab-file``/``--merge-file`` (GPT2BPETokenizer, as tr1-13B ran). A tokenizer folder is not loaded:
+    its files are copied (transformers' import alone costs ~2 s), and the eos token is looked up with ``tokenizers``.
 
     Raises:
         ConvertError: none of them is readable here.
     """
-    from transformers import AutoTokenizer, GPT2TokenizerFast
-
     folder = tokenizer_dir or getattr(args, "tokenizer_name_or_path", None)
     if folder is not None:
-        if not (Path(folder) / "tokenizer.json").is_file() and not (Path(folder) / "tokenizer_config.json").is_file():
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
             raise ConvertError(f"{folder}: no tokenizer.json (pass --tokenizer DIR)")
-        return AutoTokenizer.from_pretrained(folder)
+        return RunTokenizer(_eos_token_id(folder), folder=folder)
     vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
     if vocab and merges and Path(vocab).is_file() and Path(merges).is_file():
+        from transformers import GPT2TokenizerFast
+
         with tempfile.TemporaryDirectory() as folder:  # the file names every transformers version reads
             shutil.copy(vocab, Path(folder) / "vocab.json")
             shutil.copy(merges, Path(folder) / "merges.txt")
-            return GPT2TokenizerFast.from_pretrained(folder)
+            fast = GPT2TokenizerFast.from_pretrained(folder)
+            return RunTokenizer(fast.eos_token_id, fast=fast)
     raise ConvertError(f"the run's tokenizer is not readable here (tokenizer_name_or_path None, vocab_file {vocab}, "
                        f"merge_file {merges}); pass --tokenizer DIR")
 
 
-def _write_side_files(folder: Path, config, tokenizer) -> None:
-    from transformers import GenerationConfig
+def _eos_token_id(folder: Path) -> int | None:
+    """Id of the eos token that ``special_tokens_map.json`` or else ``tokenizer_config.json`` names (transformers'
+    precedence), looked up in ``tokenizer.json``; None when there is none."""
+    eos = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).is_file():
+            eos = json.loads((folder / name).read_text()).get("eos_token") or eos
+    if isinstance(eos, dict):  # a serialized AddedToken
+        eos = eos.get("content")
+    if eos is None or not (folder / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
 
-    config.save_pretrained(folder)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
+
+
+def _write_side_files(folder: Path, config: dict, tokenizer: RunTokenizer) -> None:
+    """``config.json``, ``generation_config.json`` (bos/eos/pad as in the config) and the tokenizer's files."""
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):  # staged folder
+        (folder / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    tokenizer.save(folder)
 
 
 def convert_all(checkpoint_dir: str | Path, out_root: str | Path, **options) -> list[Converted | str]:

@@ -119,27 +119,16 @@ class TensorRef:
         row = self.numel // self.shape[0] if self.shape and self.shape[0] else 0
         return self.offset + (self.storage_offset + start * row) * self.itemsize, (stop - start) * row * self.itemsize
 
-    def read_rows_into(self, start: int, stop: int, rows: list) -> None:
-        """Rows ``[start, stop)`` straight into ``rows`` (one writable buffer of a row's bytes per row, e.g. column
-        slices of a bigger matrix): one ``preadv`` per 1024 rows, no intermediate copy."""
-        if not self._is_contiguous():
-            import torch
-
-            data = self.read_rows(start, stop).contiguous().view(-1).view(torch.uint8).numpy()
-            width = len(data) // max(1, stop - start)
-            for i, row in enumerate(rows):
-                row[:] = data[i * width:(i + 1) * width]
-            return
-        offset, count = self.file_range(start, stop)
-        width = count // max(1, stop - start)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for first in range(0, len(rows), 1024):  # IOV_MAX
-                batch = rows[first:first + 1024]
-                if os.preadv(fd, batch, offset + first * width) != len(batch) * width:
-                    raise TensorFileError(f"{self.path}: ends inside a tensor record (truncated)")
-        finally:
-            os.close(fd)
+    def read_bytes(self) -> bytes | None:
+        """The tensor's raw bytes (no torch), or None for a non-contiguous tensor."""
+        if not self.shape or not self._is_contiguous():
+            return None
+        offset, count = self.file_range(0, self.shape[0])
+        with open(self.path, "rb") as f:
+            data = os.pread(f.fileno(), count, offset)
+        if len(data) != count:
+            raise TensorFileError(f"{self.path}: ends inside a tensor record (truncated)")
+        return data
 
     def read_rows(self, start: int, stop: int):
         """Rows ``[start, stop)`` along dim 0 of a contiguous tensor: ``[stop - start, *shape[1:]]``."""
@@ -167,16 +156,63 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class FileBlock:
+    """Where a block of output bytes lies in checkpoint files: ``rows`` rows, row ``i`` being the concatenation over
+    ``pieces`` ``(path, offset, width)`` of the ``width`` bytes at ``offset + i * width`` of ``path``."""
+
+    rows: int
+    pieces: tuple[tuple[Path, int, int], ...]
+
+
+@dataclass(frozen=True)
 class RowSpan:
     """Rows ``[start, stop)`` of a tensor still in its file: a writer can copy the bytes file to file (no pass
-    through Python) when no dtype change is needed, or :meth:`read` them."""
+    through torch) when no dtype change is needed, or :meth:`read` them."""
 
     ref: TensorRef
     start: int
     stop: int
 
+    @property
+    def dtype_name(self) -> str:
+        return self.ref.dtype_name
+
+    def file_block(self) -> FileBlock | None:
+        """The span's bytes as one contiguous piece; None for a non-contiguous tensor."""
+        where = self.ref.file_range(self.start, self.stop)
+        return None if where is None else FileBlock(1, ((self.ref.path, *where),))
+
     def read(self):
         return self.ref.read_rows(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class ColumnSpan:
+    """Rows ``[start, stop)`` of tensors still in their files, concatenated on dim 1 (TP shards of a row-parallel
+    weight): output row ``i`` is row ``start + i`` of every ref in turn."""
+
+    refs: tuple[TensorRef, ...]
+    start: int
+    stop: int
+
+    @property
+    def dtype_name(self) -> str:
+        return self.refs[0].dtype_name
+
+    def file_block(self) -> FileBlock | None:
+        """One piece per ref (its rows' bytes, one row wide); None when a ref is not contiguous."""
+        pieces = []
+        for ref in self.refs:
+            where = ref.file_range(self.start, self.stop)
+            if where is None:
+                return None
+            pieces.append((ref.path, where[0], where[1] // max(1, self.stop - self.start)))
+        return FileBlock(self.stop - self.start, tuple(pieces))
+
+    def read(self):
+        import torch
+
+        return torch.cat([ref.read_rows(self.start, self.stop) for ref in self.refs], dim=1)
 
 
 def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:

@@ -160,6 +160,7 @@ def convert(
                                            "else 2)."),
     max_shard_size: float = typer.Option(5.0, "--max-shard-size", help="GB per safetensors shard."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="Tokenizer folder (default: the one the run used)."),
+    workers: int = typer.Option(None, "--workers", min=1, help="Blocks copied at once (threads; default 2)."),
 ) -> None:
     """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming."""
     from opskit.ckpt.convert import ConvertError, convert_all, convert_step
@@ -169,7 +170,8 @@ def convert(
         raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
     directory, run_root = _checkpoint_dir(run_or_dir)
     options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
-                   verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3))
+                   verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
+                   workers=workers)
     with _progress() as bar:
         task = bar.add_task("converting", total=None)
 
