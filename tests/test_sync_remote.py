@@ -123,22 +123,44 @@ def test_gcs_rate_limit_and_server_errors_are_retried_with_back_off(run, gcs):
     assert target.read_text("probe") == "1"
 
 
-def test_ckpt_backup_and_verify_through_gs(gcs, tmp_path):
-    from opskit.ckpt.backup import backup, verify
-
-    proxy, bucket = gcs
-    step = tmp_path / "checkpoints" / "global_step10"
+def _checkpoint_step(root) -> None:
+    """``root/checkpoints/global_step10``: two weight files and an optimizer-state file, random bytes; ``latest``."""
+    step = root / "checkpoints" / "global_step10"
     step.mkdir(parents=True)
     for name in ("mp_rank_00_model_states.pt", "layer_01-model_00-model_states.pt"):
         (step / name).write_bytes(os.urandom(5000))
     (step / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(os.urandom(9000))
-    (tmp_path / "checkpoints" / "latest").write_text("global_step10")
+    (root / "checkpoints" / "latest").write_text("global_step10")
+
+
+def test_ckpt_backup_and_verify_through_gs(gcs, tmp_path):
+    from opskit.ckpt.backup import backup, verify
+
+    proxy, bucket = gcs
+    _checkpoint_step(tmp_path)
+    step = tmp_path / "checkpoints" / "global_step10"
     url = f"gs://{bucket}/backups/tr1"
     [result] = backup(tmp_path / "checkpoints", url)
     assert result.verified and len(result.copied) == 2  # optimizer states stay behind
     assert verify(url) == {"global_step10": []}
     open_target(url).put(step / "mp_rank_00_model_states.pt", "global_step10/layer_01-model_00-model_states.pt")
     assert "CRC32C" in verify(url)["global_step10"][0]
+
+
+def test_interrupted_gs_backup_resumes_without_copying_again(gcs, tmp_path):
+    from opskit.ckpt.backup import backup, verify
+
+    proxy, bucket = gcs
+    _checkpoint_step(tmp_path)
+    url = f"gs://{bucket}/backups/tr1"
+    proxy.fail("/upload/", 403, times=1, skip=1)  # the 2nd object is refused (not retried: 403)
+    with pytest.raises(TargetError, match="run the backup again to resume"):
+        backup(tmp_path / "checkpoints", url, workers=1)
+    assert not any(key.startswith("manifests/") for key in open_target(url).keys())  # no backup claimed yet
+
+    [result] = backup(tmp_path / "checkpoints", url, workers=1)
+    assert len(result.skipped) == 1 and len(result.copied) == 1 and result.verified  # the 1st is not sent again
+    assert verify(url) == {"global_step10": []}
 
 
 # --- Hub uploads (stand-in) --------------------------------------------------------------------------------------

@@ -92,6 +92,8 @@ def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool
     except OSError as e:
         raise TargetError(f"{target.url}/{key}: copy failed ({e.strerror or e}); run the backup again to resume") \
             from None
+    except TargetError as e:  # a remote target's own one-line reason (HTTP status, after its retries)
+        raise TargetError(f"{e}; run the backup again to resume") from None
     return key, size, crc, True
 
 
