@@ -64,9 +64,12 @@ def check(job_name: str, users: list[str] | None = None, now: datetime | None = 
         entries = [e for e in squeue(users) if e.name == job_name]
     except SchedulerUnreachable as e:
         return Pulse([unreachable_line(job_name, e, now)], alert=False, unreachable=True)
-    if not entries:
-        return Pulse([alert_line(job_name, now)], alert=True)
-    return Pulse([describe(e, now) for e in entries], alert=False)
+    return Pulse(pulse_lines(job_name, entries, now), alert=not entries)
+
+
+def pulse_lines(job_name: str, entries: list[QueueEntry], now: datetime) -> list[str]:
+    """One PULSE line per queue entry of ``job_name``, or the ALERT line when there is none."""
+    return [describe(e, now) for e in entries] or [alert_line(job_name, now)]
 
 
 def wait_until_gone(job_name: str, job_id: str, on_pulse, interval_s: float = 5.0, timeout_s: float | None = None,

@@ -426,12 +426,15 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
                      wd: WatchdogSpec, now: datetime) -> list[Finding]:
     """Age of the newest complete checkpoint (the ``global_stepN`` that ``latest`` names; ``latest`` is written
     last) against ``save_interval`` iterations at the logged speed."""
-    latest = run.checkpoints / "latest"
+    from opskit.ckpt.layout import read_latest
+
+    tag = read_latest(run.checkpoints)
     try:
-        tag = latest.read_text().strip()
-        saved = (run.checkpoints / tag).stat().st_mtime
+        saved = (run.checkpoints / tag).stat().st_mtime if tag else None
     except OSError:
-        return [Finding("checkpoint.none", "ok", f"no complete checkpoint yet ({latest})")]
+        saved = None
+    if saved is None:
+        return [Finding("checkpoint.none", "ok", f"no complete checkpoint yet ({run.checkpoints / 'latest'})")]
     age = now.timestamp() - saved
     data = {"tag": tag, "age_s": round(age)}
     if not running or seconds_per_iteration is None:
@@ -506,8 +509,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
         pulse = [status.unreachable_line(spec.job_name, error, now)]
         scheduler = [Finding("scheduler.unreachable", "warn", f"SLURM did not answer ({error}): job state unknown")]
     else:
-        pulse = [status.describe(e, now) for e in entries] or (
-            [] if run.finished_flag.exists() else [status.alert_line(spec.job_name, now)])
+        finished = not entries and run.finished_flag.exists()  # a finished run is neither running nor an alert
+        pulse = [] if finished else status.pulse_lines(spec.job_name, entries, now)
         scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
     scheduler += check_chain(run, ledger)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
