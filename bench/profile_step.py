@@ -1,9 +1,9 @@
 """Where one training iteration of opskit's trainer spends its time on a GPU (the bench/trainer_throughput.py model).
 
-Runs ``opskit.train`` in-process with DeepSpeed's pipeline-engine instructions wrapped: iterations ``--phase-from`` ..
-``--profile-from - 1`` are timed phase by phase (a device synchronize around each instruction, so the phases add up to
-the iteration), then ``--profile-iters`` iterations run under ``torch.profiler`` (no synchronizes) to give the GPU's
-busy fraction and the top kernels. Prints a short table last; the Chrome trace goes to ``$OUT`` when set.
+Runs ``opskit.train`` in-process with DeepSpeed's ``train_batch`` wrapped: iterations ``--time-from`` ..
+``--profile-from - 1`` are timed with a device synchronize around each, then ``--profile-iters`` iterations run under
+``torch.profiler`` (no synchronizes) to give the GPU's busy time per iteration and the top kernels. Prints the tables
+last; the Chrome trace goes to ``$OUT`` when set.
 
 Usage (GPU machine)::
 
@@ -13,7 +13,6 @@ Usage (GPU machine)::
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shlex
 import sys
@@ -23,9 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_throughput import BLOOM, HEADS, H, L, S, make_data  # noqa: E402
-
-PHASES = ("_exec_load_micro_batch", "_exec_forward_pass", "_exec_backward_pass", "_exec_reduce_grads",
-          "_exec_reduce_tied_grads", "_exec_optimizer_step")
 
 
 def trainer_args(data: Path, tokenizer: Path, opts) -> list[str]:
@@ -38,34 +34,6 @@ def trainer_args(data: Path, tokenizer: Path, opts) -> list[str]:
         "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), "--seed", "1",
         *(BLOOM if opts.bloom else []), *(["--torch-compile"] if opts.compile else []), *shlex.split(opts.extra),
     ]
-
-
-class PhaseTimer:
-    """Wraps PipelineEngine instructions: synchronized wall time per phase while ``timing`` is on."""
-
-    def __init__(self):
-        self.timing = False
-        self.seconds = collections.defaultdict(float)
-        self.iteration_seconds: list[float] = []
-
-    def wrap(self, cls, name: str) -> None:
-        import torch
-
-        inner = getattr(cls, name)
-        timer = self
-
-        def timed(*args, **kwargs):
-            if not timer.timing:
-                with torch.profiler.record_function(name):
-                    return inner(*args, **kwargs)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            result = inner(*args, **kwargs)
-            torch.cuda.synchronize()
-            timer.seconds[name] += time.perf_counter() - start
-            return result
-
-        setattr(cls, name, timed)
 
 
 def busy_fraction(prof, iterations: int) -> tuple[float, float]:
@@ -91,7 +59,7 @@ def main() -> None:
     parser.add_argument("--bloom", action="store_true")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--extra", default="")
-    parser.add_argument("--phase-from", type=int, default=4)
+    parser.add_argument("--time-from", type=int, default=4)
     parser.add_argument("--profile-from", type=int, default=10)
     parser.add_argument("--profile-iters", type=int, default=3)
     opts = parser.parse_args()
@@ -101,10 +69,8 @@ def main() -> None:
 
     from opskit.train.main import main as train_main
 
-    timer = PhaseTimer()
-    for phase in PHASES:
-        timer.wrap(PipelineEngine, phase)
     calls = {"n": 0}
+    iteration_seconds: list[float] = []
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                  torch.profiler.ProfilerActivity.CUDA])
     inner_train_batch = PipelineEngine.train_batch
@@ -112,15 +78,16 @@ def main() -> None:
     def train_batch(self, *args, **kwargs):
         calls["n"] += 1
         n = calls["n"]
-        timer.timing = opts.phase_from <= n < opts.profile_from
+        timed = opts.time_from <= n < opts.profile_from
         if n == opts.profile_from:
             profile.start()
-        torch.cuda.synchronize()
+        if timed:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         loss = inner_train_batch(self, *args, **kwargs)
-        torch.cuda.synchronize()
-        if timer.timing:
-            timer.iteration_seconds.append(time.perf_counter() - start)
+        if timed:
+            torch.cuda.synchronize()
+            iteration_seconds.append(time.perf_counter() - start)
         if n == opts.profile_from + opts.profile_iters - 1:
             profile.stop()
         return loss
@@ -136,17 +103,14 @@ def main() -> None:
                                     * (S + 1) * 2)
         train_main(trainer_args(data, tokenizer, opts))
 
-    timed = len(timer.iteration_seconds)
     if os.environ.get("OUT"):
         profile.export_chrome_trace(os.path.join(os.environ["OUT"], "trace.json"))
     print(profile.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     busy, kernels = busy_fraction(profile, opts.profile_iters)
-    iteration_ms = 1000 * sum(timer.iteration_seconds) / timed
-    print(f"\nPHASES (synchronized, mean of {timed} iterations, MBS {opts.mbs} GBS {opts.gbs}):")
-    for phase in PHASES:
-        print(f"  {phase:28s} {1000 * timer.seconds[phase] / timed:8.1f} ms")
-    print(f"  {'(iteration)':28s} {iteration_ms:8.1f} ms")
+    iteration_ms = 1000 * sum(iteration_seconds) / len(iteration_seconds)
+    print(f"\nSYNCHRONIZED: {iteration_ms:.1f} ms/iteration (mean of {len(iteration_seconds)}, MBS {opts.mbs} "
+          f"GBS {opts.gbs})")
     print(f"PROFILED: GPU busy {busy:.1f} ms/iteration, kernel time {kernels:.1f} ms/iteration")
 
 
