@@ -1,5 +1,6 @@
 """Parsing speed of ``opskit.logs.parse`` on a generated 1-million-line Megatron log, side by side with
-``grep -c iteration`` on the same file (issue 6: >= 500_000 lines/s).
+``grep -c iteration`` and with the per-line parser (what ``read_from`` uses for reads under 16 MiB) on the same file
+(issue 6: >= 500_000 lines/s). Both opskit paths' records are checked equal first.
 
 The log imitates tr11-176B-ml's main_log.txt (seed 004): ``[default7]:`` iteration lines in the 2022 format with
 small noise, each followed by the ``time (ms)`` line Megatron's timers print (seed 003 shows it after the 13B's
@@ -12,6 +13,7 @@ line), a DeepSpeed ``step=`` line every 10 iterations, checkpoint save lines eve
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -19,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from opskit.logs import parse
 from opskit.logs.parse import read_from
 
 ITERATION = ("[default7]: iteration {it:8d}/  600000 | consumed samples: {samples:12d} | consumed tokens: {tokens:12d} "
@@ -60,6 +63,15 @@ def generate(path: Path, lines: int, seed: int = 0) -> int:
     return whole
 
 
+def per_line(path: Path) -> parse.LogChunk:
+    """``read_from`` as it reads a small increment: line by line in Python, no polars (the side-by-side baseline)."""
+    saved, parse._BULK_MIN = parse._BULK_MIN, float("inf")
+    try:
+        return read_from(path)
+    finally:
+        parse._BULK_MIN = saved
+
+
 def best_of(repeat: int, run) -> tuple[float, float]:
     """(best wall seconds, best CPU seconds) over ``repeat`` runs; CPU time counts this process and its children
     (grep), so that other jobs on a shared machine weigh less on the figure."""
@@ -84,22 +96,27 @@ def main() -> None:
     whole = generate(args.file, args.lines)
     chunk = read_from(args.file)
     assert len(chunk.iterations) == whole, (len(chunk.iterations), whole)
+    baseline = per_line(args.file)
+    assert json.dumps([baseline.records, baseline.skipped]) == json.dumps([chunk.records, chunk.skipped])
     fields = ("lm_loss", "grad_norm", "consumed_tokens")  # what `opskit logs plot` / `spikes` read
     assert [r["lm_loss"] for r in read_from(args.file, fields=fields).iterations] == [r["lm_loss"] for r in
                                                                                    chunk.iterations]
     full = best_of(args.repeat, lambda: read_from(args.file))
     some = best_of(args.repeat, lambda: read_from(args.file, fields=fields))
+    python = best_of(args.repeat, lambda: per_line(args.file))
     grep = best_of(args.repeat, lambda: subprocess.run(["grep", "-c", "iteration", str(args.file)], check=False,
                                                        capture_output=True))
     size_mb = args.file.stat().st_size / 1e6
     print(f"{args.lines:,} lines ({size_mb:.0f} MB, {whole:,} iteration records, {chunk.skipped} cut lines counted, "
           f"{len(chunk.records) - whole} validation records); best of {args.repeat}; load average before: "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'':48s} {'wall s':>7s} {'lines/s':>12s} {'CPU s':>7s} {'lines/CPU s':>12s} {'x grep CPU':>10s}")
+    print(f"{'':52s} {'wall s':>7s} {'lines/s':>12s} {'CPU s':>7s} {'lines/CPU s':>12s} {'x grep':>7s}"
+          f" {'x per-line':>10s}")
     for label, (wall, cpu) in ((f"opskit, fields={','.join(fields)}", some), ("opskit, every field", full),
+                               ("opskit, every field, per-line parser (baseline)", python),
                                ("grep -c iteration", grep)):
-        print(f"{label:48s} {wall:7.3f} {args.lines / wall:12,.0f} {cpu:7.3f} {args.lines / cpu:12,.0f} "
-              f"{cpu / grep[1]:10.1f}")
+        print(f"{label:52s} {wall:7.3f} {args.lines / wall:12,.0f} {cpu:7.3f} {args.lines / cpu:12,.0f} "
+              f"{wall / grep[0]:7.1f} {python[0] / wall:10.2f}")
 
 if __name__ == "__main__":
     main()

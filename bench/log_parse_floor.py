@@ -1,8 +1,9 @@
 """What every-field log parsing cannot go below in CPython: the cost of each unavoidable step, measured alone on the
-log bench/log_parse.py writes, side by side with ``read_from(path)`` (issue 6's 500_000 lines/s target = 2 CPU s for
+log bench/log_parse.py writes, side by side with the per-line parser (issue 6's 500_000 lines/s target = 2 CPU s for
 its 1,000,000 lines).
 
-Steps (each the cheapest form found; CPU seconds, best of ``--repeat``, ``read_from`` measured first and last):
+Steps (each the cheapest form found; CPU seconds, best of ``--repeat``, the per-line parser measured first and last;
+this is why large reads go through polars, opskit/logs/bulk.py):
   lines   8 MiB blocks (already in memory) decoded, ``split("\\n")``, the two-substring prefilter loop (what every
           line-based parser pays);
   match   one ``finditer`` per block with a pattern matching the whole common iteration line (anchored, ``[^|\\n]*``
@@ -26,13 +27,13 @@ import time
 from itertools import cycle
 from pathlib import Path
 
-from log_parse import generate  # bench/ is sys.path[0] when run as a script
+from log_parse import generate, per_line  # bench/ is sys.path[0] when run as a script
 
-from opskit.logs.parse import _BLOCK, _KNOWN, read_from
+from opskit.logs.parse import _BLOCK, _KNOWN
 
 
 def blocks(path: Path) -> list[bytes]:
-    """The file as read_from reads it: 8 MiB blocks of complete lines."""
+    """The file as the per-line parser reads it: 8 MiB blocks of complete lines."""
     data, out, start = path.read_bytes(), [], 0
     while start < len(data):
         end = data.rfind(b"\n", start, start + _BLOCK) + 1 or len(data)
@@ -91,7 +92,7 @@ def main() -> None:
                 if line.endswith("|") and "| consumed samples" in line]
         return "|".join(ends).replace(":", ":|").replace("/", "|/|").split("|")[0::2]
 
-    steps = {"read_from(path), every field": lambda: read_from(args.file), "lines": lines, "match": match,
+    steps = {"per-line parser, every field": lambda: per_line(args.file), "lines": lines, "match": match,
              "regex": regex, "split": split}
     results = {label: cpu(args.repeat, run) for label, run in steps.items()}
     records = results["regex"][1]
@@ -109,7 +110,7 @@ def main() -> None:
         return out
 
     results["dicts"] = cpu(args.repeat, dicts)
-    results["read_from(path), every field, again"] = cpu(args.repeat, lambda: read_from(args.file))
+    results["per-line parser, every field, again"] = cpu(args.repeat, lambda: per_line(args.file))
     print(f"{lines_total:,} lines, {len(records):,} whole iteration lines x {len(keys)} values; CPU s, best of "
           f"{args.repeat}")
     for label, (seconds, _) in results.items():

@@ -18,7 +18,7 @@ import opskit
 from opskit.spec import load_spec, padded_vocab_size, preset_names
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
-HEAVY = ("torch", "deepspeed", "megatron", "transformers", "tokenizers", "numpy", "safetensors", "matplotlib")
+HEAVY = ("torch", "deepspeed", "megatron", "transformers", "tokenizers", "numpy", "safetensors", "matplotlib", "polars")
 
 
 def opskit_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120):

@@ -11,8 +11,9 @@ Accepted: the 2021 ``(ms)`` format, the 2022 ``(s)`` format, ``[defaultN]:`` pre
 timestamps and logger prefixes (anything before ``iteration``). An iteration or validation line that was wrapped, cut
 mid-way or garbled by another rank's output is skipped and counted, never guessed at.
 
-Speed: str methods only, no per-line regex (bench/log_parse.py, docs/benchmarks.md); what every-field parsing
-cannot go below in CPython: bench/log_parse_floor.py.
+Speed: per line, str methods only, no regex; a large read (>= 16 MiB) goes through :mod:`opskit.logs.bulk`, which
+builds the common iteration lines' records column-wise with polars and sends every other line here
+(bench/log_parse.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 T = TypeVar("T")
 
@@ -30,8 +31,12 @@ class LogFormatError(ValueError):
     """A log input that cannot be used as asked (no iteration lines where some are needed, a bad range); one line."""
 
 
+def _seconds(milliseconds: float) -> float:
+    return round(milliseconds / 1000, 9)  # rounded so that "31074.1" gives 31.0741, not 31.074099999999998
+
+
 def _milliseconds(text: str) -> float:
-    return round(float(text) / 1000, 9)  # rounded so that "31074.1" gives 31.0741, not 31.074099999999998
+    return _seconds(float(text))
 
 
 # The log's own names, as split out of `` name: value |`` (leading space kept: no strip on the fast path) -> (record
@@ -56,11 +61,9 @@ _KNOWN = {
     " lm loss value": ("validation_lm_loss", float),
     " lm loss PPL": ("validation_ppl", float),
 }
-# Record key -> [(text before its value, converter)], for reading only some fields (``fields=``).
-_PRINTED_AS: dict[str, list[tuple[str, object]]] = {}
-for _name, (_key, _convert) in _KNOWN.items():
-    _PRINTED_AS.setdefault(_key, []).append(("|" + _name + ":", _convert))
 _BLOCK = 8 << 20  # bytes per read: per-read costs vanish, memory stays bounded
+_BULK_BLOCK = 16 << 20  # bytes per read on the bulk path: polars reads one block while Python builds the last
+_BULK_MIN = 16 << 20  # reads this large go through opskit.logs.bulk (smaller ones do not pay for importing polars)
 _CUT = object()  # parse result of a record line that is not whole
 
 
@@ -150,11 +153,11 @@ def _iteration(line: str, at: int, bar: int):
 
 def iteration_fields() -> set[str]:
     """Record keys an iteration line can have outside ``extra`` (what ``fields=`` accepts)."""
-    return {"iteration", "train_iters", *(k for k in _PRINTED_AS if not k.startswith("validation_"))}
+    return {"iteration", "train_iters", *(key for key, _ in _KNOWN.values() if not key.startswith("validation_"))}
 
 
-def _wanted(fields: tuple[str, ...] | None):
-    """``fields`` -> [(record key, [(needle, converter)])] for :func:`_scan_fields`.
+def _keep(fields: tuple[str, ...] | None) -> frozenset[str] | None:
+    """``fields`` -> the keys an iteration record keeps (None: all of them).
 
     Raises:
         LogFormatError: a name that is not an iteration-line field.
@@ -166,7 +169,14 @@ def _wanted(fields: tuple[str, ...] | None):
     if unknown:
         raise LogFormatError(f"unknown iteration field(s) {', '.join(unknown)}: expected some of "
                              f"{', '.join(sorted(known))}")
-    return [(key, _PRINTED_AS[key]) for key in fields if key not in ("iteration", "train_iters")]
+    return frozenset(("kind", "iteration", "train_iters", *fields))
+
+
+def keep_only(record, keep: frozenset[str] | None):
+    """An iteration record cut down to the ``keep`` keys (order kept; None keeps all); anything else unchanged."""
+    if keep is None or not isinstance(record, dict) or record["kind"] != "iteration":
+        return record
+    return {key: value for key, value in record.items() if key in keep}
 
 
 def _validation(line: str, head: str, at: int):
@@ -215,18 +225,17 @@ def parse_iteration_line(line: str) -> dict | None:
 
 def parse_text(text: str, chunk: LogChunk | None = None, fields: tuple[str, ...] | None = None) -> LogChunk:
     """Records of every line in ``text`` appended to ``chunk`` (a new one when None); ``fields`` as in
-    :func:`read_from`."""
+    :func:`read_from`.
+
+    Raises:
+        LogFormatError: an unknown name in ``fields``.
+    """
     chunk = chunk or LogChunk()
-    wanted = _wanted(fields)
-    lines = text.split("\n")
-    if wanted is None:
-        _scan(lines, chunk)
-    else:
-        _scan_fields(lines, chunk, wanted)
+    _scan(text.split("\n"), chunk, _keep(fields))
     return chunk
 
 
-def _scan(lines: list[str], chunk: LogChunk) -> None:
+def _scan(lines: list[str], chunk: LogChunk, keep: frozenset[str] | None) -> None:
     records, cut = chunk.records, 0
     append = records.append
     for line in lines:
@@ -239,61 +248,21 @@ def _scan(lines: list[str], chunk: LogChunk) -> None:
         if record is _CUT:
             cut += 1
         else:
-            append(record)
+            append(record if keep is None else keep_only(record, keep))
     chunk.skipped += cut
 
 
-def _only(record, wanted):
-    """A full record cut down to the ``wanted`` fields (what the fast path would have read)."""
-    if record is None or record is _CUT or record["kind"] != "iteration":
-        return record
-    keep = {"kind", "iteration", "train_iters", *(key for key, _ in wanted)}
-    return {key: value for key, value in record.items() if key in keep}
-
-
-def _scan_fields(lines: list[str], chunk: LogChunk, wanted) -> None:
-    """:func:`_scan` reading only the ``wanted`` fields of the common iteration line with ``str.find`` (the hot loop
-    of plots and spike detection); anything unusual is parsed whole by :func:`_parse` and cut down to them."""
-    needles = [(key, needle, len(needle), convert, needle[2:]) for key, printed in wanted
-               for needle, convert in printed]
-    records, cut = chunk.records, 0
-    append = records.append
-    for line in lines:
-        if "iteration " not in line:
-            if " loss at " in line:
-                record = _parse(line)
-                if record is _CUT:
-                    cut += 1
-                elif record is not None:
-                    append(record)
-            continue
-        bar = line.find("|")
-        at = line.find("iteration ", 0, bar)
-        done, slash, total = line[at + 10:bar].partition("/")
-        if at < 3 or line.startswith("at ", at - 3) or not slash:  # validation lines, cut headers, odd lines
-            record = _only(_parse(line), wanted)
-        elif not (line.endswith("|") or line.rstrip().endswith("|")):
-            record = _CUT
-        elif line.count("|", bar) != line.count(":", bar) + 1:  # not one "name: value |" per field: check them all
-            record = _only(_parse(line), wanted)
-        else:
-            try:
-                record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
-                for key, needle, size, convert, name in needles:
-                    start = line.find(needle, bar)
-                    if start >= 0:
-                        start += size
-                        record[key] = convert(line[start:line.index("|", start)])
-                    elif name in line:  # there, with other spacing: the full parser reads it
-                        record = _only(_parse(line), wanted)
-                        break
-            except ValueError:
-                record = _only(_parse(line), wanted)
-        if record is _CUT:
-            cut += 1
-        elif record is not None:
-            append(record)
-    chunk.skipped += cut
+def _blocks(f: BinaryIO, size: int, chunk: LogChunk) -> Iterator[bytes]:
+    """Blocks of about ``size`` bytes of complete lines from ``f``; ``chunk.offset`` moves past each one as it is
+    handed out (a partial last line is left for the next read)."""
+    carry = b""
+    while block := f.read(size):
+        block = carry + block
+        end = block.rfind(b"\n") + 1
+        carry = block[end:]
+        if end:
+            chunk.offset += end
+            yield block[:end]
 
 
 def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
@@ -301,8 +270,8 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
 
     Args:
         offset: where the previous call stopped (``LogChunk.offset``), 0 for the whole file.
-        fields: read only these iteration fields (plus ``kind``, ``iteration``, ``train_iters``; no ``extra``),
-            about 1.7x faster than every field: what plots and spike detection over a whole log use.
+        fields: keep only these iteration fields (plus ``kind``, ``iteration``, ``train_iters``; no ``extra``): what
+            plots and spike detection over a whole log use.
 
     Returns:
         A :class:`LogChunk` whose ``offset`` is the byte just after the last complete line. When the file is shorter
@@ -312,20 +281,20 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
         FileNotFoundError: no such file.
         LogFormatError: an unknown name in ``fields``.
     """
-    _wanted(fields)
+    keep = _keep(fields)
     chunk = LogChunk(offset=offset)
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < offset:
+        size = os.fstat(f.fileno()).st_size
+        if size < offset:
             chunk.offset, chunk.rewound = 0, True
         f.seek(chunk.offset)
-        carry = b""
-        while block := f.read(_BLOCK):
-            block = carry + block
-            end = block.rfind(b"\n") + 1
-            carry = block[end:]
-            if end:
-                parse_text(block[:end].decode("utf-8", errors="replace"), chunk, fields)
-                chunk.offset += end
+        if size - chunk.offset >= _BULK_MIN:
+            from opskit.logs.bulk import scan_blocks
+
+            scan_blocks(_blocks(f, _BULK_BLOCK, chunk), chunk, keep)
+        else:
+            for block in _blocks(f, _BLOCK, chunk):
+                _scan(block.decode("utf-8", errors="replace").split("\n"), chunk, keep)
     return chunk
 
 
