@@ -43,6 +43,8 @@ ODD = [
     LINE_2022.replace("grad norm: 15.886", "grad norm: 15.886 | grad norm: 16.0"),  # a repeated field
     LINE_2022.replace("31217/", "31217 /"),
     LINE_2022.replace("31217/", "+31217/"),
+    LINE_2022.replace("115311 |", "115311/3 |"),
+    LINE_2022.replace(" TFLOPs: 147.46 |", " TFLOPs: 147.46 | params norm: 1234.5 | curriculum seqlen: 2048 |"),
     LINE_2022.replace("iteration    31217", "iteration 31217 iteration 5"),
     LINE_2022.replace("[default7]:", "[default7]: saving checkpoint at"),
     LINE_2022.replace("[default7]:", "validation loss at"),

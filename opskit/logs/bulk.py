@@ -27,7 +27,7 @@ from opskit.logs.parse import _CUT, _KNOWN, LogChunk, _milliseconds, _parse, _sc
 _HEADER = r"iteration +([0-9]+)/ *([0-9]+) *$"
 _END = "~"  # every line gets "|~" appended: a whole line then has an empty field before it, a cut one does not
 _LAYOUTS = 4  # layouts tried per block; lines of further layouts go through _parse
-_WIDTH = 24  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to _parse
+_WIDTH = 20  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to _parse
 _SPACES = " \t\r"  # what may follow the last "|" (a subset of str.isspace, which the per-line parser uses)
 
 
