@@ -4,7 +4,7 @@ The per-line parser (``parse._parse``) holds the rules; this path only builds th
 as that parser would, for the common iteration line: a header ``iteration N/ M`` (ASCII digits and spaces, one
 ``iteration ``, no `` loss at ``) before the first ``|``, then `` name: value |`` fields of known names laid out as in
 one of the block's first few lines, values that polars reads as numbers (a subset of what ``int``/``float`` accept),
-nothing but spaces after the last ``|``. Every other candidate line (validation lines, cut, odd or unknown-field
+nothing but blanks after the last ``|``. Every other candidate line (validation lines, cut, odd or unknown-field
 lines) goes through ``parse._parse`` and the records are merged back in file order. tests/test_logs_bulk.py checks
 that both paths give the same records, key order included.
 
