@@ -102,6 +102,7 @@ def test_prefixes_extra_fields_cut_interleaved_and_named_validation_sets():
     assert read_from_text(loaded).skipped == read_from_text(loaded, ("lm_loss",)).skipped == 0
     odd = " iteration 3/ 9 |  global batch size:  16.0 | lm loss:1.5 | number of nan iterations: x |"
     assert parse_line(odd) is None  # "x" is no count
+    assert parse_line(odd.replace(": x |", ": inf |")) is None  # nor is inf (it used to raise OverflowError)
     for fields in (None, ("global_batch_size", "lm_loss")):
         (record,) = read_from_text(odd.replace(": x |", ": 0 |"), fields).records
         assert (record["global_batch_size"], record["lm_loss"]) == (16, 1.5)

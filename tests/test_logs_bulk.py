@@ -35,6 +35,7 @@ ODD = [
     LINE_2022.replace("lm loss: 2.241558E+00", "lm loss: -inf"),
     LINE_2022.replace("global batch size:  2048", "global batch size:  2048.0"),  # an int printed as a float
     LINE_2022.replace("global batch size:  2048", "global batch size:  2_048"),
+    LINE_2022.replace("global batch size:  2048", "global batch size:  inf"),
     LINE_2022.replace("global batch size:  2048", "global batch size:  \u0662\u0660"),  # Arabic-Indic digits
     LINE_2022.replace(" TFLOPs: 147.46 |", " TFLOPs: 147.46 | moe loss: 0.0125 | router: top2 |"),  # unknown fields
     LINE_2022.replace("lm loss:", "lm  loss:"),  # odd spacing
@@ -90,6 +91,12 @@ def test_bulk_path_agrees_on_odd_lines_among_common_ones():
     assert sum(table.height for _, table in block.layouts) >= 2 * len(ODD)  # the common lines were built by polars
     records = json.loads(got)[0]
     assert {r.get("elapsed_time_per_iteration_s") for r in records} >= {106.33, 13.2482, 31.0741}
+
+
+def test_bulk_path_agrees_when_the_first_line_is_longer_than_the_columns_read():
+    wide = "| ".join(["x: 1 "] * 40) + "| iteration 7/ 9 |"  # polars sizes its columns from the first line
+    expected, got = both(("\n".join([wide, LINE_2022, ODD[5], LINE_2021, wide]) + "\n").encode())
+    assert got == expected and len(json.loads(got)[0]) == 2
 
 
 def test_bulk_path_keeps_file_order_across_layouts_and_restarts():

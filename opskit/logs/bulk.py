@@ -63,7 +63,7 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
     columns = [f"c{j}" for j in range(_WIDTH)]
     frame = pl.read_csv(data.replace(b"\n", b"|" + _END.encode() + b"\n"), has_header=False, separator="|",
                         quote_char=None, schema=dict.fromkeys(columns, pl.String), encoding="utf8-lossy",
-                        truncate_ragged_lines=True, missing_columns="insert")
+                        truncate_ragged_lines=True, missing_columns="insert", extra_columns="ignore")
     if frame.height != data.count(b"\n"):
         return data, None
     head = pl.col("c0")  # the text before the first "|": all that decides whether a line is a record line

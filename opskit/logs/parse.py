@@ -114,6 +114,18 @@ def _fields(record: dict, rest: str):
     return record
 
 
+def _count(text: str) -> int:
+    """An integer field printed with a decimal point (``2048.0``).
+
+    Raises:
+        ValueError: not a finite number (``inf`` as well as ``nan`` or garbage).
+    """
+    try:
+        return int(float(text))
+    except OverflowError as e:
+        raise ValueError(f"{text!r} is not a count") from e
+
+
 def _other(record: dict, name: str, value: str) -> None:
     """A field off the fast path: odd spacing, an integer printed as ``0.0``, or an unknown name (kept under
     ``extra``: a number when it reads as one, else its text).
@@ -124,7 +136,7 @@ def _other(record: dict, name: str, value: str) -> None:
     spec = _KNOWN.get(" " + name.strip())
     if spec is not None:
         key, convert = spec
-        record[key] = int(float(value)) if convert is int else convert(value)
+        record[key] = _count(value) if convert is int else convert(value)
         return
     key = snake_case(name)
     if not key:
