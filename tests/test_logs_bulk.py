@@ -126,6 +126,28 @@ def test_bulk_path_agrees_on_randomly_damaged_lines(damage):
         assert got == expected
 
 
+_FIXTURE_BYTES = [f.read_bytes() for f in sorted(FIXTURES.glob("*.txt"))]
+_BYTE_EDITS = st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 3),
+                                 st.binary(max_size=4).map(lambda b: bytes(_ALPHABET[x % len(_ALPHABET)] for x in b))),
+                       min_size=1, max_size=40)
+_ALPHABET = b'|:~"\r\n\x00\t iteration/loss at 0123456789.eE+-nainf\xff\xfe\xc3\xa9'
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(_FIXTURE_BYTES), st.integers(1, 3), _BYTE_EDITS)
+def test_bulk_path_agrees_on_randomly_damaged_fixtures(base, copies, edits):
+    # Byte-level damage anywhere: new lines, bad UTF-8, separators, markers (the explicit cases above came from a
+    # longer run of this kind of fuzzing).
+    data = bytearray(base * copies)
+    for where, cut, insert in edits:
+        at = int(where * len(data))
+        data[at:at + cut] = insert
+    data = bytes(data[:data.rfind(b"\n") + 1])
+    for fields in (None, ("lm_loss",)):
+        expected, got = both(data, fields)
+        assert got == expected
+
+
 def test_read_from_takes_the_bulk_path_for_large_reads_and_resumes_at_its_offset(tmp_path, monkeypatch):
     log = tmp_path / "main_log.txt"
     lines = [LINE_2022.replace("31217/", f"{i}/") for i in range(1, 3001)]
