@@ -544,7 +544,8 @@ def test_email_over_tls_with_a_password(slurm, tmp_path, certificate, security):
 
     def authenticator(server, session, envelope, mechanism, auth_data):
         logins.append((auth_data.login, auth_data.password))
-        return AuthResult(success=auth_data.password == b"s3cret")
+        # handled=False: aiosmtpd answers a refusal with 535 itself (handled=True would leave the client waiting).
+        return AuthResult(success=auth_data.password == b"s3cret", handled=False)
 
     box = Mailbox()
     # aiosmtpd does not see that an implicit-TLS connection is encrypted: it must be told AUTH is fine there.
@@ -555,13 +556,23 @@ def test_email_over_tls_with_a_password(slurm, tmp_path, certificate, security):
     box.controller.start()
     try:
         name = unique("opskit-wd-tls")
-        spec = spec_file(tmp_path, name, alerts={"email": {"to": ["oncall@example.org"], "host": "127.0.0.1",
-                                                           "port": box.port, "security": security, "user": "bot",
-                                                           "password_env": "MY_SMTP_SECRET"}})
+        alerts = {"email": {"to": ["oncall@example.org"], "host": "127.0.0.1", "port": box.port,
+                            "security": security, "user": "bot", "password_env": "MY_SMTP_SECRET"}}
+        spec = spec_file(tmp_path, name, alerts=alerts)
         env = {"SSL_CERT_FILE": str(cert), "MY_SMTP_SECRET": "s3cret"}
         done = status_cli(spec, "--alert", env=env)
         assert done.returncode == 1 and "alert via email" in done.stdout, done.stdout + done.stderr
         assert logins == [(b"bot", b"s3cret")] and box.messages[0]["Subject"].startswith(f"[ALERT] {spec.stem}: ")
+
+        # A wrong password: one line naming the server and SMTP's refusal, never the password; nothing sent.
+        (tmp_path / "wrong").mkdir()
+        wrong = spec_file(tmp_path / "wrong", unique("opskit-wd-pw"), alerts=alerts)
+        done = status_cli(wrong, "--alert", env={**env, "MY_SMTP_SECRET": "hunter2-wrong"})
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.startswith(f"error: alert not sent: email via 127.0.0.1:{box.port}: "
+                                      "SMTPAuthenticationError"), done.stderr
+        assert "hunter2" not in done.stdout + done.stderr and len(box.messages) == 1
+        assert logins[-1] == (b"bot", b"hunter2-wrong")  # it did try, with the configured user
     finally:
         box.controller.stop()
 
