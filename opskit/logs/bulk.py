@@ -22,7 +22,7 @@ from itertools import repeat
 
 import polars as pl
 
-from opskit.logs.parse import _CUT, _KNOWN, LogChunk, _milliseconds, _parse, _scan, _seconds, keep_only
+from opskit.logs.parse import _CUT, _KNOWN, LogChunk, _milliseconds, _parse, _scan_bytes, _seconds, keep_only
 
 _HEADER = r"iteration +([0-9]+)/ *([0-9]+) *$"
 _END = "~"  # every line gets "|~" appended: a whole line then has an empty field before it, a cut one does not
@@ -48,12 +48,11 @@ def scan_blocks(blocks: Iterable[bytes], chunk: LogChunk, keep: frozenset[str] |
 
 @dataclass
 class _Block:
-    """What polars found in a block: ``count`` candidate lines (`` loss at `` or ``iteration `` before the first
-    ``|``; slot = their order), ``layouts`` = [(names, table of ``slot``, ``iteration``, ``train_iters``, ``vJ``
-    values)] of the lines whose records are built from columns, ``rest`` = the other candidate lines (``slot``,
-    ``line`` = line number in the block, fields ``cJ``), for the per-line parser."""
+    """What polars found among a block's candidate lines (`` loss at `` or ``iteration `` before the first ``|``;
+    ``slot`` = their order): ``layouts`` = [(names, table of ``slot``, ``iteration``, ``train_iters``, ``vJ``
+    values)] of the lines whose records are built from columns, ``rest`` = the others (``slot``, ``line`` = line
+    number in the block, fields ``cJ``), for the per-line parser."""
 
-    count: int
     layouts: list[tuple[list[str], pl.DataFrame]]
     rest: pl.DataFrame
 
@@ -86,15 +85,15 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
             layouts.append((names, table.filter(ok)))
             pending, taken = pending & ~ok, taken | ok
         pending = pending.scatter(first, False)
-    return data, _Block(lines.height, layouts, lines.filter(~taken))
+    return data, _Block(layouts, lines.filter(~taken))
 
 
 def _finish(data: bytes, block: _Block | None, chunk: LogChunk, keep: frozenset[str] | None) -> None:
     """Build the records of a block that :func:`_columns` read, the odd lines through ``parse._parse``."""
     if block is None:
-        _scan(data.decode("utf-8", errors="replace").split("\n"), chunk, keep)
+        _scan_bytes(data, chunk, keep)
         return
-    slots: list = [None] * block.count
+    slots: list = [None] * (block.rest.height + sum(table.height for _, table in block.layouts))
     for names, table in block.layouts:
         list(map(slots.__setitem__, *_records(table, names, keep)))
     for slot, line in zip(block.rest["slot"], _texts(block.rest, data), strict=True):

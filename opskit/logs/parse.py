@@ -264,17 +264,23 @@ def _scan(lines: list[str], chunk: LogChunk, keep: frozenset[str] | None) -> Non
     chunk.skipped += cut
 
 
-def _blocks(f: BinaryIO, size: int, chunk: LogChunk) -> Iterator[bytes]:
-    """Blocks of about ``size`` bytes of complete lines from ``f``; ``chunk.offset`` moves past each one as it is
-    handed out (a partial last line is left for the next read)."""
+def _blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[bytes]:
+    """Blocks of about ``size`` bytes of complete lines from ``f`` (a partial last line is left for the next read);
+    ``chunk.offset``, when given, moves past each block as it is handed out."""
     carry = b""
     while block := f.read(size):
         block = carry + block
         end = block.rfind(b"\n") + 1
         carry = block[end:]
         if end:
-            chunk.offset += end
+            if chunk is not None:
+                chunk.offset += end
             yield block[:end]
+
+
+def _scan_bytes(data: bytes, chunk: LogChunk, keep: frozenset[str] | None) -> None:
+    """:func:`_scan` of complete lines as read from a file (bad UTF-8 bytes replaced)."""
+    _scan(data.decode("utf-8", errors="replace").split("\n"), chunk, keep)
 
 
 def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
@@ -306,7 +312,7 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
             scan_blocks(_blocks(f, _BULK_BLOCK, chunk), chunk, keep)
         else:
             for block in _blocks(f, _BLOCK, chunk):
-                _scan(block.decode("utf-8", errors="replace").split("\n"), chunk, keep)
+                _scan_bytes(block, chunk, keep)
     return chunk
 
 
@@ -354,14 +360,11 @@ def read_tail(path: str | Path, iterations: int) -> LogChunk:
 def first_iteration(path: str | Path) -> dict | None:
     """The first iteration record of a file, reading only as far as it (None when there is none)."""
     with open(path, "rb") as f:
-        carry = b""
-        while block := f.read(1 << 16):
-            block = carry + block
-            end = block.rfind(b"\n") + 1
-            carry = block[end:]
-            iterations = parse_text(block[:end].decode("utf-8", errors="replace")).iterations
-            if iterations:
-                return iterations[0]
+        for block in _blocks(f, 1 << 16):
+            chunk = LogChunk()
+            _scan_bytes(block, chunk, None)
+            if chunk.iterations:
+                return chunk.iterations[0]
     return None
 
 
