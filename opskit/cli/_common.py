@@ -6,6 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 from functools import wraps
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -13,6 +14,10 @@ from rich.console import Console
 # soft_wrap: log-like lines (PULSE, iteration lines) stay one line each in pipes and files, so grep finds them.
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+# The parameters most commands take, declared once: ``name: SpecName`` and ``json_output: JsonOutput = False``.
+SpecName = Annotated[str, typer.Argument(help="Spec name, unique prefix or YAML path.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:

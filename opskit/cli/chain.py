@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, friendly_errors, print_json
 
 nodes_app = typer.Typer(help="The run's bad-node list, which `opskit submit` excludes (--exclude).",
                         no_args_is_help=True)
@@ -13,7 +13,7 @@ nodes_app = typer.Typer(help="The run's bad-node list, which `opskit submit` exc
 
 @friendly_errors
 def kill_switch(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     state: str = typer.Argument(..., help="on: the running task saves and exits, queued tasks exit at start. off."),
 ) -> None:
     """Turn the run's kill switch on or off (the trainer's --kill-switch-path)."""
@@ -47,7 +47,7 @@ def _control(action: str, name: str) -> list[str]:
 
 @friendly_errors
 def cancel(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     yes: bool = typer.Option(False, "--yes", help="Do not ask (the running task loses the work since its save)."),
 ) -> None:
     """scancel every job of the chain. To stop with a checkpoint, use `opskit kill-switch NAME on` instead."""
@@ -58,13 +58,13 @@ def cancel(
 
 
 @friendly_errors
-def hold(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
+def hold(name: SpecName) -> None:
     """scontrol hold the chain's pending jobs (they keep their queue age)."""
     _control("hold", name)
 
 
 @friendly_errors
-def release(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
+def release(name: SpecName) -> None:
     """scontrol release the chain's held jobs."""
     _control("release", name)
 
@@ -72,8 +72,8 @@ def release(name: str = typer.Argument(..., help="Spec name, unique prefix or YA
 @nodes_app.command("list")
 @friendly_errors
 def nodes_list(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    name: SpecName,
+    json_output: JsonOutput = False,
 ) -> None:
     """The nodes the next submission excludes, with why."""
     from opskit.runs import RunPaths
@@ -93,7 +93,7 @@ def nodes_list(
 @nodes_app.command("add")
 @friendly_errors
 def nodes_add(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     nodes: list[str] = typer.Argument(..., help="Node names."),
     why: str = typer.Option("added by hand", "--why", help="Reason kept next to the node."),
 ) -> None:
@@ -112,7 +112,7 @@ def nodes_add(
 @nodes_app.command("clear")
 @friendly_errors
 def nodes_clear(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     nodes: list[str] = typer.Argument(None, help="Node names (default: all)."),
 ) -> None:
     """Take nodes off the bad-node list (all of them without names)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from opskit.cli._common import console, err_console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, prune, backup, generate.",
                   no_args_is_help=True)
@@ -54,7 +54,7 @@ def _progress(in_bytes: bool = True):
 @friendly_errors
 def list_(
     run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir (with global_stepN folders)."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest."""
     from opskit.ckpt.info import list_steps
@@ -83,7 +83,7 @@ def list_(
 @friendly_errors
 def inspect(
     step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Architecture from the saved args, and every file's tensor names, shapes and dtypes."""
     from opskit.ckpt.info import inspect_step
@@ -110,7 +110,7 @@ def inspect(
 @friendly_errors
 def check(
     step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """TP consistency of replicated tensors, RNG agreement per pipeline stage, NaN/Inf, completeness. Exit 1 on any
     problem."""
@@ -211,7 +211,7 @@ def prune(
                                                        "schedule:1-100/10,101-1000/18,1001-/1500 or schedule:tr1-13B."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
     force: bool = typer.Option(False, "--force", help="Also delete steps no verified backup holds (never latest)."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Delete the steps no keep-rule keeps; never the step 'latest' names, nor (without --force) unbacked-up steps."""
     from opskit.ckpt.prune import parse_keep
@@ -252,7 +252,7 @@ def backup(
     weights_only: bool = typer.Option(True, "--weights-only/--with-optim",
                                       help="Skip the ZeRO optimizer shards *_optim_states.pt (default)."),
     workers: int = typer.Option(4, "--workers", min=1, help="Parallel copies."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Copy steps with a CRC32C manifest, resumably and in parallel; verify every object; exit 1 if any fails."""
     from opskit.ckpt.backup import backup as back_up
@@ -285,7 +285,7 @@ def backup(
 @friendly_errors
 def verify(
     url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (gs://bucket/prefix or file:///path)."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Re-check every object of a backup against its manifests; exit 1 on anything missing or corrupted."""
     from opskit.ckpt.backup import verify as verify_backup

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, friendly_errors, print_json
 
 app = typer.Typer(help="Hourly `opskit status` (and sync) of a run: user crontab, or a self-resubmitting SLURM job.",
                   no_args_is_help=True)
@@ -13,7 +13,7 @@ app = typer.Typer(help="Hourly `opskit status` (and sync) of a run: user crontab
 @app.command("install")
 @friendly_errors
 def install(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     sync_to: str = typer.Option(None, "--sync-to", help="Also `opskit sync all NAME --to URL` every hour."),
     via: str = typer.Option(None, "--via", help="crontab or slurm (default: crontab where it exists)."),
 ) -> None:
@@ -32,8 +32,8 @@ def install(
 @app.command("status")
 @friendly_errors
 def status(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    name: SpecName,
+    json_output: JsonOutput = False,
 ) -> None:
     """Next run of the hourly jobs; exit 1 with a WARNING when the installed cron is gone."""
     from opskit.slurm import cron
@@ -52,7 +52,7 @@ def status(
 
 @app.command("uninstall")
 @friendly_errors
-def uninstall(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
+def uninstall(name: SpecName) -> None:
     """Remove exactly what install added."""
     from opskit.slurm import cron
     from opskit.spec import load_spec

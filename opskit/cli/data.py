@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, friendly_errors
+from opskit.cli._common import SpecName, console, friendly_errors
 
 app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 
 
 @app.command("prepare")
 @friendly_errors
-def prepare(name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path.")) -> None:
+def prepare(name: SpecName) -> None:
     """Train the spec's BPE tokenizer and write its indexed dataset (skipped when already up to date)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

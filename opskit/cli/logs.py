@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from opskit.cli._common import console, err_console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
 
 app = typer.Typer(help="Training logs (Megatron-style iteration and validation lines).", no_args_is_help=True)
 
@@ -201,7 +201,7 @@ def spikes(
                                            "global_stepN folders come first)."),
     window: int = typer.Option(100, "--window", min=5, help="Previous values the robust z-score is taken over."),
     threshold: float = typer.Option(6.0, "--threshold", help="Robust z-score above which a value is a spike."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
     --skip-train-iteration-range to restart with."""

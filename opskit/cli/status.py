@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, err_console, friendly_errors, print_json
+from opskit.cli._common import SpecName, console, err_console, friendly_errors, print_json
 
 _STYLE = {"ok": "green", "warn": "yellow", "alert": "bold red"}
 
 
 @friendly_errors(exit_code=2)
 def status(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     alert: bool = typer.Option(False, "--alert", help="Send alerts (e-mail, webhook, command; once per change)."),
     ack: bool = typer.Option(False, "--ack", help="Silence the current alerts until something changes."),
     json_output: bool = typer.Option(False, "--json", help="Every finding as JSON."),

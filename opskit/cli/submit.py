@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import console, friendly_errors
+from opskit.cli._common import SpecName, console, friendly_errors
 
 
 @friendly_errors
 def submit(
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    name: SpecName,
     array: int = typer.Option(None, "--array", min=1, help="Tasks in the chain (default: the spec's slurm.array)."),
     after: str = typer.Option(None, "--after", help="Also wait for this job id (--dependency=afterany:JOBID)."),
     begin: str = typer.Option(None, "--begin", help="sbatch --begin, e.g. now+2hours (prefer the automatic "

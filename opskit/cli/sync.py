@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from opskit.cli._common import console, err_console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, err_console, friendly_errors, print_json
 
 
 @friendly_errors
 def sync(
-    kind: str = typer.Argument(..., help="logs, tensorboard, codecarbon or all."),
-    name: str = typer.Argument(..., help="Spec name, unique prefix or YAML path."),
+    kind: Annotated[str, typer.Argument(help="logs, tensorboard, codecarbon or all.")],
+    name: SpecName,
     to: str = typer.Option(None, "--to", help="Target (default: the spec's sync.targets): hf://[datasets/]org/repo"
                                               "[/path], gs://bucket/prefix or file:///path."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be published (and, with --delete, "
@@ -18,7 +20,7 @@ def sync(
     delete: bool = typer.Option(False, "--delete", help="Also delete remote files no longer in the run: only those "
                                                         "a previous --delete --dry-run listed."),
     workers: int = typer.Option(None, "--workers", min=1, max=64, help="Parallel transfers (default: spec's, 8)."),
-    json_output: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Publish new and changed log / TensorBoard / CodeCarbon files of a run; unchanged files are never sent, a sync
     with nothing new makes no request. Exit 1 when an upload failed after its retries."""
