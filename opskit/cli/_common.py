@@ -27,6 +27,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.ckpt.layout import CheckpointFormatError
     from opskit.ckpt.prune import PruneError
     from opskit.data import DataError
+    from opskit.errors import OpskitError
     from opskit.logs.parse import LogFormatError
     from opskit.slurm.chain import ChainError
     from opskit.slurm.client import SlurmError
@@ -37,7 +38,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.targets import TargetError
 
     return (SpecError, DataError, SubmitError, SlurmError, ChainError, CronError, CheckpointFormatError,
-            ConvertError, PruneError, SyncError, TargetError, LogFormatError, AlertConfigError, FileNotFoundError)
+            ConvertError, PruneError, SyncError, TargetError, LogFormatError, AlertConfigError, OpskitError,
+            FileNotFoundError)
 
 
 def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:
