@@ -22,7 +22,7 @@ from conftest import write_spec
 from opskit.fsutil import MARKER, OutputRefusedError, has_marker
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
 
 def opskit(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
