@@ -147,8 +147,8 @@ def test_backup_into_a_shared_folder_leaves_other_files_alone(small_checkpoints,
     after = snapshot(share)
     assert {k: v for k, v in after.items() if k in before} == before
     assert (share / "latest").read_text() == "global_step10"
-    again = opskit("ckpt", "backup", small_checkpoints, "--to", f"file://{share}")  # resumes: all already there
-    assert again.returncode == 0 and ", 0 copied," not in again.stdout and "0 copied" in again.stdout
+    again = opskit("ckpt", "backup", small_checkpoints, "--to", f"file://{share}")  # its own objects: all there
+    assert again.returncode == 0 and again.stdout.startswith("global_step10: 0 copied, 5 already there, ")
 
 
 @pytest.mark.parametrize("foreign", ["global_step10/mp_rank_00_model_states.pt", "latest",
@@ -225,10 +225,13 @@ def test_data_prepare_refuses_a_users_folder_even_with_force(corpus, tmp_path):
     from opskit.data import prepare_data
 
     out = users_folder(tmp_path / "data")
+    (tmp_path / "file").write_text("a file of mine\n")
     before = snapshot(tmp_path)
     for force in (False, True):
         with pytest.raises(OutputRefusedError, match=f"^{out}: exists and holds files opskit did not write"):
             prepare_data(corpus, out, 300, name="c", force=force)
+        with pytest.raises(OutputRefusedError, match=f"^{tmp_path / 'file'}: exists and is not a folder"):
+            prepare_data(corpus, tmp_path / "file", 300, name="c", force=force)
     assert snapshot(tmp_path) == before
 
 
@@ -272,7 +275,7 @@ def plot(out: Path | str, *flags: str, cwd: Path | None = None) -> subprocess.Co
 
 
 @pytest.mark.parametrize(("suffix", "magic"), [(".png", b"\x89PNG"), (".jpg", b"\xff\xd8\xff"),
-                                               (".jpeg", b"\xff\xd8\xff"), (".svg", b"<?xml"), (".pdf", b"%PDF")])
+                                               (".svg", b"<?xml"), (".pdf", b"%PDF")])
 def test_plot_writes_the_format_its_suffix_names_and_force_replaces_only_its_own(tmp_path, suffix, magic):
     from opskit.logs.plot import written_by_opskit
 
