@@ -45,7 +45,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from opskit.fsutil import atomic_write_text, replace_dir, staging_path
+from opskit.fsutil import (
+    OutputRefusedError,
+    atomic_write_text,
+    claim_dir,
+    has_marker,
+    replace_dir,
+    staging_path,
+    write_marker,
+)
 
 if TYPE_CHECKING:
     import numpy
@@ -289,6 +297,7 @@ def prepare_data(
     vocab_size: int,
     name: str = "corpus",
     progress: Progress | None = None,
+    force: bool = False,
 ) -> PreparedData:
     """Train a byte-level BPE tokenizer on a corpus and write Megatron's indexed dataset.
 
@@ -299,6 +308,11 @@ def prepare_data(
     renamed; ``manifest.json`` is written last. When it matches the request (name, vocab_size,
     SHA-256 of every input file) and the outputs are intact, nothing is rebuilt.
 
+    Ownership: `output_dir` must be missing, empty (its mode is kept) or opskit's own (its
+    ``.opskit`` marker, or the ``manifest.json`` of an earlier preparation); it is marked before
+    anything is written into it. Outputs of the same request are rebuilt when damaged or
+    unfinished; a dataset prepared for another request is replaced only with `force`.
+
     Args:
         source: ``"kjv"``, a ``.jsonl``/``.txt`` path, or a list of them (see `load_corpus`).
         output_dir: folder for the outputs; created if missing.
@@ -307,6 +321,7 @@ def prepare_data(
         progress: optional ``progress(stage, done, total)`` callback. Stages, in order:
             ``"extract"`` (kjv only, 0/1 then 1/1), ``"scan"`` (files read), ``"train"`` and
             ``"tokenize"`` (documents processed out of all documents).
+        force: rebuild over a dataset opskit prepared here for other inputs or settings.
 
     Returns:
         The `PreparedData` describing the outputs; ``reused`` tells whether they were kept.
@@ -314,11 +329,13 @@ def prepare_data(
     Raises:
         DataError: on a bad vocab_size or name, unreadable/invalid inputs (see `load_corpus`),
             or a corpus without any non-empty document.
+        OutputRefusedError: `output_dir` is a file or holds files opskit did not write (also with
+            `force`), or (without `force`) a dataset prepared for another request.
     """
     _check_vocab_size(vocab_size)
     _check_name(name)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    earlier = _claim_output_dir(output_dir)
     report = progress or (lambda stage, done, total: None)
     paths = _kjv_cache(output_dir, report) if _is_kjv(source) else _input_paths(source)
     request = {
@@ -330,6 +347,9 @@ def prepare_data(
     reused = _reuse(output_dir, request)
     if reused is not None:
         return reused
+    if earlier is not None and {key: earlier.get(key) for key in request} != request and not force:
+        raise OutputRefusedError(f"{output_dir}: holds a dataset opskit prepared with other inputs or settings; "
+                                 "--force rebuilds it")
     (output_dir / MANIFEST).unlink(missing_ok=True)
     num_documents = _count_documents(paths, report)
     if num_documents == 0:
@@ -347,6 +367,33 @@ def prepare_data(
     )
     _write_json_atomic(output_dir / MANIFEST, {**request, **_result_fields(result)})
     return result
+
+
+def _claim_output_dir(output_dir: Path) -> dict | None:
+    """Create or adopt `output_dir` for `prepare_data` (see its ownership rule) and mark it; return the manifest of
+    an earlier preparation there, if any.
+
+    Raises:
+        OutputRefusedError: a file, or a non-empty folder that is not opskit's.
+    """
+    earlier = _earlier_manifest(output_dir)
+    if earlier is None and not has_marker(output_dir):
+        claim_dir(output_dir, force=False, flag="data.dir")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if not has_marker(output_dir):
+        write_marker(output_dir, "data prepare")
+    return earlier
+
+
+def _earlier_manifest(output_dir: Path) -> dict | None:
+    """``manifest.json`` of an earlier `prepare_data` (its fields say so; folders prepared before the ``.opskit``
+    marker existed have only this), else None."""
+    try:
+        manifest = json.loads((output_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    fields = ("version", "name", "requested_vocab_size", "inputs")
+    return manifest if isinstance(manifest, dict) and all(key in manifest for key in fields) else None
 
 
 def _check_vocab_size(vocab_size: int) -> None:
@@ -484,7 +531,8 @@ def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
 
     Args:
         tokenizer: a tokenizer from `_train_tokenizer`.
-        folder: destination folder; an existing one is replaced.
+        folder: destination folder; an existing one is replaced when it carries opskit's marker
+            (:func:`opskit.fsutil.replace_dir`).
     """
     special = dict(zip(("unk_token", "bos_token", "eos_token", "pad_token"), SPECIAL_TOKENS, strict=True))
     config = {
@@ -499,6 +547,7 @@ def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        write_marker(staging, "data prepare")
         replace_dir(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

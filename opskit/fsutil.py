@@ -64,10 +64,11 @@ def claim_dir(target: Path, force: bool, flag: str = "--out") -> None:
 
     Raises:
         OutputRefusedError: ``target`` is a file or another non-folder, a non-empty folder without the marker (even
-            with ``force``: opskit did not write it), or a marked folder without ``force``. ``flag`` names the option
-            the user can change in the message.
+            with ``force``: opskit did not write it), or a marked folder without ``force``; a target named ``.``,
+            ``..`` or ``/``, or below a file. ``flag`` names the option the user can change in the message.
     """
     target = Path(target)
+    _refuse_unnamed(target, flag)
     if not target.exists() and not target.is_symlink():
         return
     if target.is_symlink() or not target.is_dir():
@@ -81,15 +82,27 @@ def claim_dir(target: Path, force: bool, flag: str = "--out") -> None:
         raise OutputRefusedError(f"{target}: exists (written by opskit earlier); --force replaces it")
 
 
+def _refuse_unnamed(target: Path, flag: str) -> None:
+    """An output must have a name of its own (not ``.``, ``..`` or ``/``, which cannot be renamed into place) and a
+    parent that is a folder (or will be one)."""
+    if target.name in ("", ".", ".."):
+        raise OutputRefusedError(f"{flag} {target}: names an existing folder by '.', '..' or '/'; give the output "
+                                 f"its own name (e.g. {flag} {target / 'out'})")
+    parent = next(p for p in target.parents if p.exists() or p.is_symlink() or p == p.parent)
+    if not parent.is_dir():
+        raise OutputRefusedError(f"{parent}: is not a folder; {flag} {target} cannot be created inside it")
+
+
 def claim_file(target: Path, force: bool, ours: Callable[[Path], bool], flag: str = "--out") -> None:
     """Check that the file ``target`` may be written: it is missing, or ``force`` is given and ``ours(target)``
     says opskit wrote it (the format's own marker).
 
     Raises:
         OutputRefusedError: ``target`` is a folder or other non-file, a file opskit did not write, or one it wrote
-            without ``force``.
+            without ``force``; a target named ``.``, ``..`` or ``/``, or below a file.
     """
     target = Path(target)
+    _refuse_unnamed(target, flag)
     if not target.exists() and not target.is_symlink():
         return
     if target.is_symlink() or not target.is_file():

@@ -37,6 +37,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from opskit.fsutil import OutputRefusedError, atomic_write_text, claim_file
+
 USER_SPEC_DIR = Path("trainings")
 # Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
 _ONE_LINE = r"^[^\x00-\x1f\x7f]+$"
@@ -1055,15 +1057,31 @@ class CreatedSpec:
     """Other string fields that still mention the source's name: to check by hand."""
 
 
-def create_user_spec(name: str, source: str) -> CreatedSpec:
+_CREATED_MARK = "# Created by `opskit specs new "
+
+
+def created_by_specs_new(path: Path) -> bool:
+    """Whether the spec file at ``path`` was written by :func:`create_user_spec` (its first line says so)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().startswith(_CREATED_MARK)
+    except OSError:
+        return False
+
+
+def create_user_spec(name: str, source: str, force: bool = False) -> CreatedSpec:
     """Write ``trainings/NAME.yaml`` from ``source`` (a preset, ``NAME:VARIANT`` or a path), validated first.
 
     The copy is the source's mapping with its variant applied (a copy of a whole file keeps its variants); the
     source's name is replaced by ``name`` in ``paths.*`` and ``slurm.job_name`` (of the variants too), so the new
     training never writes into the source's run directory or shares its SLURM job name.
 
+    The file's first line, a YAML comment, marks it as opskit's: with ``force`` such a file is replaced (atomically);
+    any other existing file is never touched.
+
     Raises:
-        SpecError: invalid name, an existing file (never overwritten), or an invalid source spec.
+        SpecError: invalid name, or an invalid source spec. OutputRefusedError: the file exists and (without
+            ``force``, or not written by ``opskit specs new``) is not replaced.
     """
     if not _SPEC_NAME.fullmatch(name):
         raise SpecError(f"spec name {name!r}: use letters, digits and _ . - (it becomes trainings/{name}.yaml)")
@@ -1080,14 +1098,19 @@ def create_user_spec(name: str, source: str) -> CreatedSpec:
     raw = _renamed(raw, old, name, "", renamed)
     still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description"))
     target = USER_SPEC_DIR / f"{name}.yaml"
-    header = (f"# Created by `opskit specs new {name} --from {source}` from {resolved.path}; see that file for the "
-              "source of each value.\n")
+    header = (f"{_CREATED_MARK}{name} --from {source}` from {resolved.path}; see that file for the source of each "
+              "value.\n")
+    text = header + yaml.safe_dump(raw, sort_keys=False, width=120)
+    claim_file(target, force, created_by_specs_new, flag="spec name")
     target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # claimed: opskit's own, and --force
+        atomic_write_text(target, text)
+        return CreatedSpec(target, resolved.path, renamed, still)
     try:
         with open(target, "x") as out:  # exclusive create: never overwrite, even racing another `specs new`
-            out.write(header + yaml.safe_dump(raw, sort_keys=False, width=120))
+            out.write(text)
     except FileExistsError:
-        raise SpecError(f"{target} already exists: pick another name, or edit that file") from None
+        raise OutputRefusedError(f"{target}: was created by someone else just now; not replaced") from None
     return CreatedSpec(target, resolved.path, renamed, still)
 
 

@@ -13,6 +13,11 @@ Targets (:mod:`opskit.targets`): ``file:///path``, ``gs://bucket/prefix``, ``hf:
   no ``flock``, an ``O_EXCL`` PID file, taken over when its process is dead.
 - Nothing local is ever deleted. Remote objects that are no longer local are deleted only with ``delete=True``, and
   only those listed by an earlier dry run with ``delete=True`` (the plan is kept beside the manifest).
+- The target may be shared (a folder or bucket holding other people's files, or another run's): a sync writes,
+  replaces and deletes only the keys its manifest lists. A new key is entered in the manifest (``pending``) before
+  its upload, so an interrupted upload is still this run's; a new key that already exists at the target refuses the
+  sync before anything is uploaded (:class:`opskit.fsutil.OutputRefusedError`), and ``--delete`` removes only keys of
+  the manifest (then drops them from it).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.runs import RunPaths
 from opskit.targets import Target, TargetOptions, check_url, crc32c_of_file, open_target
 
@@ -129,6 +134,8 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
     Raises:
         SyncError: unknown kind; SyncBusy: another sync holds the lock; TargetError: a malformed URL or a failed
             listing/deletion. Upload failures are returned in ``failed`` (what succeeded is kept in the manifest).
+        OutputRefusedError: a file to publish under a key that exists at the target and that this run's manifest
+            does not list (someone else's); nothing is uploaded then (also in a dry run).
     """
     for kind in kinds:
         kinds_of(kind)
@@ -140,18 +147,32 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
     if not changed and not delete:
         return result  # nothing new: no lock, no client, no request
     if dry_run:
+        target = target or open_target(url, options=options)
+        _refuse_foreign(changed, manifest, target, manifest_path)
         result.copied = sorted(changed)
         if delete:
-            target = target or open_target(url, options=options)
-            result.deleted = _plan_deletions(run, kinds, url, target)
+            result.deleted = _plan_deletions(run, kinds, url, target, manifest)
         return result
     with run_lock(state_path(run, url, "lock"), url):
         target = target or open_target(url, options=options)
         if changed:
+            _refuse_foreign(changed, manifest, target, manifest_path)
             _publish(run, kinds, changed, manifest, manifest_path, target, result)
         if delete:
-            result.deleted = _delete_planned(run, kinds, url, target)
+            result.deleted = _delete_planned(run, kinds, url, target, manifest, manifest_path)
     return result
+
+
+def _refuse_foreign(changed: dict[str, Path], manifest: dict[str, dict], target: Target, manifest_path: Path) -> None:
+    """Refuse to publish over an object this run's manifest does not list: the first new key that already exists
+    (one listing per top folder, and only when there are new keys)."""
+    new = sorted(key for key in changed if key not in manifest)
+    present = {k for folder in sorted({key.split("/")[0] for key in new}) for k in target.keys(folder + "/")}
+    for key in new:
+        if key in present:
+            raise OutputRefusedError(f"{target.url.rstrip('/')}/{key}: exists and was not written by this run's "
+                                     f"opskit sync (not in {manifest_path}); sync to another --to (opskit never "
+                                     "replaces what it did not write)")
 
 
 def _publish(run: RunPaths, kinds: list[str], changed: dict[str, Path], manifest: dict[str, dict],
@@ -170,6 +191,9 @@ def _publish(run: RunPaths, kinds: list[str], changed: dict[str, Path], manifest
             else:
                 snapshots[key] = (entry, copy)
         if snapshots:
+            for key in snapshots:  # claimed before the upload: an interrupted one is still this run's key
+                manifest.setdefault(key, {"pending": True})
+            atomic_write_text(manifest_path, json.dumps(manifest, indent=0, sort_keys=True))
             message = (f"opskit sync {'+'.join(kinds)}: {len(snapshots)} file(s) at "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
             batch = target.put_batch({key: copy for key, (_, copy) in snapshots.items()}, message)
@@ -191,29 +215,36 @@ def _snapshot(path: Path, copy: Path) -> tuple[dict, Path] | None:
     return {"size": after.st_size, "mtime_ns": after.st_mtime_ns, "crc32c": crc32c_of_file(copy)}, copy
 
 
-def _extraneous(run: RunPaths, kinds: list[str], target: Target) -> list[str]:
-    """Remote keys under the kinds' folders with no local file."""
+def _extraneous(run: RunPaths, kinds: list[str], target: Target, manifest: dict[str, dict]) -> list[str]:
+    """Keys this run published (its manifest) under the kinds' folders that are no longer local but still at the
+    target; nothing else at the target is ever a candidate."""
     local = candidates(run, kinds)
-    remote = [k for kind in kinds for k in target.keys(KINDS[kind][0] + "/")]
-    return sorted(k for k in remote if k not in local)
+    remote = {k for kind in kinds for k in target.keys(KINDS[kind][0] + "/")}
+    folders = tuple(KINDS[kind][0] + "/" for kind in kinds)
+    return sorted(k for k in manifest if k.startswith(folders) and k not in local and k in remote)
 
 
-def _plan_deletions(run: RunPaths, kinds: list[str], url: str, target: Target) -> list[str]:
-    keys = _extraneous(run, kinds, target)
+def _plan_deletions(run: RunPaths, kinds: list[str], url: str, target: Target, manifest: dict[str, dict]) -> list[str]:
+    keys = _extraneous(run, kinds, target, manifest)
     atomic_write_text(state_path(run, url, "delete-plan").with_suffix(".json"), json.dumps(keys))
     return keys
 
 
-def _delete_planned(run: RunPaths, kinds: list[str], url: str, target: Target) -> list[str]:
-    """Delete what the last ``--delete --dry-run`` listed and is still not local; the plan is used up."""
+def _delete_planned(run: RunPaths, kinds: list[str], url: str, target: Target, manifest: dict[str, dict],
+                    manifest_path: Path) -> list[str]:
+    """Delete what the last ``--delete --dry-run`` listed and is still this run's and not local; the plan is used
+    up, and the deleted keys leave the manifest."""
     plan_path = state_path(run, url, "delete-plan").with_suffix(".json")
     if not plan_path.is_file():
         raise SyncError(f"--delete: run `opskit sync ... --delete --dry-run` first to list what would be deleted "
                         f"from {url}")
     planned = set(json.loads(plan_path.read_text()))
-    keys = [k for k in _extraneous(run, kinds, target) if k in planned]
+    keys = [k for k in _extraneous(run, kinds, target, manifest) if k in planned]
     if keys:
         target.delete(keys, f"opskit sync: delete {len(keys)} file(s) no longer in the run")
+        for key in keys:
+            del manifest[key]
+        atomic_write_text(manifest_path, json.dumps(manifest, indent=0, sort_keys=True))
     plan_path.unlink()
     return keys
 

@@ -210,11 +210,11 @@ def test_no_checkpoint_at_all(tmp_path):
 def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
     parent = tmp_path / "share"
     out = parent / "bloom"
-    out.mkdir(parents=True)
+    convert_step(run / "checkpoints", out, verify=False)  # an earlier conversion: opskit's own, --force replaces it
     (out / "stale-shard.safetensors").write_text("from an older conversion")
     (out / "config.json").write_text("{}")
 
-    convert_step(run / "checkpoints", out, step=10)
+    convert_step(run / "checkpoints", out, step=10, force=True)
     assert sorted(os.listdir(parent)) == ["bloom"]  # no staging folder, no moved-aside old folder left
     assert "stale-shard.safetensors" not in os.listdir(out)
     assert json.loads((out / "config.json").read_text())["model_type"] == "bloom"
@@ -224,7 +224,7 @@ def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
     bad = copy_step(run, tmp_path / "bad")
     (bad / "layer_06-model_00-model_states.pt").write_bytes(b"\0" * 100)
     with pytest.raises(CheckpointFormatError):
-        convert_step(bad, out)
+        convert_step(bad, out, force=True)
     assert sorted(os.listdir(parent)) == ["bloom"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert (hf_logits(out, tokens) - reference_logits(run / "checkpoints", tokens, step=10)).abs().max() < 1e-5

@@ -180,14 +180,14 @@ def test_second_run_skips_and_changes_rebuild(small_inputs, tmp_path):
     assert _mtimes(second) == mtimes
     assert second == dataclasses.replace(first, reused=True)
 
-    bigger = prepare_data(small_inputs, out, 700, name="small")
+    bigger = prepare_data(small_inputs, out, 700, name="small", force=True)  # replaces its own earlier dataset
     assert not bigger.reused and bigger.vocab_size == 700
     assert _mtimes(bigger)["small_text_document.bin"] != mtimes["small_text_document.bin"]
     assert json.loads((out / "manifest.json").read_text())["requested_vocab_size"] == 700
 
     changed = tmp_path / "changed.txt"
     changed.write_text("And God said, Let there be light: and there was light.")
-    assert not prepare_data(small_inputs + [changed], out, 700, name="small").reused
+    assert not prepare_data(small_inputs + [changed], out, 700, name="small", force=True).reused
 
 
 def test_truncated_output_is_rebuilt(small_inputs, tmp_path):
@@ -197,7 +197,7 @@ def test_truncated_output_is_rebuilt(small_inputs, tmp_path):
     rebuilt = prepare_data(small_inputs, tmp_path, 600, name="small")
     assert not rebuilt.reused
     assert bin_path.stat().st_size == 2 * rebuilt.num_tokens
-    assert not list(tmp_path.glob(".*"))  # no staging files or folders left behind
+    assert [p.name for p in tmp_path.glob(".*")] == [".opskit"]  # its marker; no staging files or folders left
 
 
 def test_progress_reports_every_stage_to_completion(small_inputs, tmp_path):

@@ -784,7 +784,7 @@ def test_specs_commands(cli, in_tmp):
     before = (in_tmp / "trainings" / "my11.yaml").read_text()
     done = cli("specs", "new", "my11", "--from", "tiny")
     assert done.exit_code == 1
-    assert done.stderr == "error: trainings/my11.yaml already exists: pick another name, or edit that file\n"
+    assert done.stderr == "error: trainings/my11.yaml: exists (written by opskit earlier); --force replaces it\n"
     assert (in_tmp / "trainings" / "my11.yaml").read_text() == before
 
     done = cli("specs", "new", "mine", "--from", "tr8b-104B")  # a whole file keeps its variants

@@ -155,8 +155,9 @@ def test_without_flock_a_pid_file_locks_and_a_dead_pid_is_taken_over(run, tmp_pa
 
 def test_remote_deletions_need_a_dry_run_listing_first(run, tmp_path):
     url, share = f"file://{tmp_path / 'share'}", tmp_path / "share"
+    (run.logs / "old_log.txt").write_text("from a previous layout\n")
     sync(run, KINDS, url)
-    (share / "logs" / "old_log.txt").write_text("from a previous layout\n")
+    (run.logs / "old_log.txt").unlink()
     (share / "README.md").write_text("not ours\n")
     with pytest.raises(SyncError, match=r"--delete: run `opskit sync ... --delete --dry-run` first"):
         sync(run, KINDS, url, delete=True)

@@ -14,7 +14,7 @@ from remote_services import FaultProxy, olah_cli, start_gcs_emulator, start_olah
 
 from opskit.logs.follow import follow_published
 from opskit.runs import RunPaths
-from opskit.sync import sync
+from opskit.sync import state_path, sync
 from opskit.targets import TargetError, TargetOptions, open_target, scrub
 
 TOKEN = "hf_opskitTestToken0123456789abcdef"
@@ -346,8 +346,10 @@ def test_an_unreachable_server_fails_after_retries_with_the_reason_and_loses_not
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     url = "gs://bucket/run"
-    result = sync(run, ["logs"], url, options=TargetOptions(retries=2, backoff_s=0.01))
-    assert result.copied == [] and list(result.failed) == ["logs/main_log.txt"]
-    reason = result.failed["logs/main_log.txt"]
-    assert "Connection refused" in reason and reason.endswith("after 3 attempts") and "\n" not in reason
-    assert run.main_log.is_file() and sync(run, ["logs"], url, dry_run=True).copied == ["logs/main_log.txt"]
+    # A new key is first looked for at the target (never replace someone else's object): that listing fails.
+    with pytest.raises(TargetError) as failed:
+        sync(run, ["logs"], url, options=TargetOptions(retries=2, backoff_s=0.01))
+    reason = str(failed.value)
+    assert reason.startswith("gs://bucket/run: list logs/: ") and "Connection refused" in reason
+    assert reason.endswith("after 3 attempts") and "\n" not in reason
+    assert run.main_log.is_file() and not state_path(run, url, "manifest").with_suffix(".json").exists()

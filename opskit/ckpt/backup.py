@@ -7,7 +7,13 @@ behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args
 restart with a fresh optimizer); ``weights_only=False`` copies them too.
 
 Per step: files are hashed and copied by a thread pool; an object already at the target with the same size and CRC32C
-is not copied again, so an interrupted backup resumes where it stopped. The manifest is written with
+is not copied again, so an interrupted backup resumes where it stopped.
+
+The target may be shared (a folder holding other people's files): a backup writes only its own keys, and replaces
+only objects that its manifests list (or that already hold the same bytes). Before anything is copied, an object at
+one of its keys that differs and that no manifest of opskit lists, a ``manifests/global_stepN.json`` opskit did not
+write, or a ``latest`` naming no step opskit backed up there, refuses the whole backup in one line
+(:class:`opskit.fsutil.OutputRefusedError`). The manifest is written with
 ``complete: false`` first; every object is then re-read from the target and checked against it, and only then is
 the manifest marked complete and the step recorded locally in ``<checkpoint dir>/.opskit-backups.json`` (which
 ``opskit ckpt prune`` reads to know what is safe to delete).
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.layout import CheckpointFormatError, read_latest, step_dirs
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import Target, TargetError, crc32c_of_file, open_target
 
 OPTIMIZER_SUFFIX = "_optim_states.pt"
@@ -61,6 +67,8 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
 
     Raises:
         CheckpointFormatError: an asked step that does not exist. TargetError: an unusable URL.
+        OutputRefusedError: an object at the target that this backup would replace and opskit did not write (see
+            the module's docstring); nothing is copied then.
     """
     checkpoint_dir = Path(checkpoint_dir)
     target = open_target(url)
@@ -69,6 +77,9 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
     missing = [s for s in chosen if s not in available]
     if missing:
         raise CheckpointFormatError(f"{checkpoint_dir / f'global_step{missing[0]}'}: no such checkpoint step")
+    latest = read_latest(checkpoint_dir)
+    _refuse_foreign_objects(target, [available[s] for s in chosen], weights_only,
+                            latest if latest in {available[s].name for s in chosen} else None)
     results = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for step in chosen:
@@ -76,10 +87,50 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
             results.append(result)
             if result.verified:
                 _record(checkpoint_dir, url, result)
-    latest = read_latest(checkpoint_dir)
-    if latest and any(r.tag == latest and r.verified for r in results):
+    if latest and any(r.tag == latest and r.verified for r in results) and target.read_text("latest") != latest:
         target.write_text("latest", latest)
     return results
+
+
+def _refuse_foreign_objects(target: Target, steps: list[Path], weights_only: bool, latest: str | None) -> None:
+    """Refuse (before any copy) to replace what opskit did not write: per step, its manifest key when it holds no
+    manifest of opskit, and each of its object keys that exists with other bytes and is not in the step's manifest;
+    ``latest`` (when this backup would write it) unless it names a step opskit backed up there."""
+    for folder in steps:
+        manifest_key = f"manifests/{folder.name}.json"
+        manifest = _our_manifest(target, folder.name)
+        if manifest is None and target.size(manifest_key) is not None:
+            _refuse(target, manifest_key)
+        listed = {entry["path"] for entry in manifest["files"]} if manifest else set()
+        present = set(target.keys(f"{folder.name}/"))
+        for path in backup_files(folder, weights_only):
+            key = f"{folder.name}/{path.name}"
+            if key in present and key not in listed and not _same_bytes(target, key, path):
+                _refuse(target, key)
+    current = target.read_text("latest")
+    if latest and current is not None and current != latest and _our_manifest(target, current.strip()) is None:
+        _refuse(target, "latest")
+
+
+def _our_manifest(target: Target, tag: str) -> dict | None:
+    """The step's ``manifests/<tag>.json`` when opskit wrote it (its JSON shape says so), else None."""
+    try:
+        manifest = json.loads(target.read_text(f"manifests/{tag}.json") or "null")
+    except ValueError:
+        return None
+    ours = isinstance(manifest, dict) and manifest.get("step") == tag and "complete" in manifest \
+        and isinstance(manifest.get("files"), list) and all(isinstance(e, dict) and "path" in e
+                                                            for e in manifest["files"])
+    return manifest if ours else None
+
+
+def _same_bytes(target: Target, key: str, path: Path) -> bool:
+    return target.size(key) == path.stat().st_size and target.crc32c(key) == crc32c_of_file(path)
+
+
+def _refuse(target: Target, key: str) -> None:
+    raise OutputRefusedError(f"{target.url.rstrip('/')}/{key}: exists and was not written by opskit ckpt backup; "
+                             "back up to another --to (opskit never replaces what it did not write)")
 
 
 def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool]:

@@ -49,7 +49,7 @@ from opskit.ckpt.layout import (
 )
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
 from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
-from opskit.fsutil import replace_dir
+from opskit.fsutil import claim_dir, replace_dir, write_marker
 
 # What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -325,8 +325,11 @@ def _refuse_unknown(step, index: int, state: dict, known: set[str]) -> None:
 def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None, dtype: str | None = None,
                  trim_vocab: bool = False, tokenizer_dir: str | Path | None = None, verify: bool = True,
                  verify_layers: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                 progress: Callable[[int, int], None] | None = None, workers: int | None = None) -> Converted:
-    """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``.
+                 progress: Callable[[int, int], None] | None = None, workers: int | None = None,
+                 force: bool = False) -> Converted:
+    """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``:
+    a new or empty folder (its mode kept), or with ``force`` a folder an earlier conversion wrote (its ``.opskit``
+    marker); the folder is built beside it, marked, and renamed into place.
 
     Args:
         dtype: ``fp32``/``fp16``/``bf16``; default: the checkpoint's own.
@@ -342,9 +345,13 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     Raises:
         CheckpointFormatError: incomplete or unreadable step (the first bad file named). ConvertError: a model
         neither GPT-2 nor BLOOM, a bad ``dtype``, a missing tokenizer, or a failed verification.
+        OutputRefusedError: ``out_dir`` is a file, holds files opskit did not write, or (without ``force``) an
+        earlier conversion (:func:`opskit.fsutil.claim_dir`); checked before any work and again before the rename.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    out_dir = Path(out_dir)
+    claim_dir(out_dir, force)
     step_path = resolve_step_dir(path, step)
     info = describe_step(step_path)
     if info.problems:
@@ -366,7 +373,6 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
         verify_layers = VERIFY_PARTIAL_LAYERS
 
-    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -377,6 +383,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
         except ConvertError as e:
             raise ConvertError(f"{e}; nothing was written to {out_dir}") from None
+        write_marker(staging, "ckpt convert")
+        claim_dir(out_dir, force)  # again: something may have been written there during the conversion
         replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -475,21 +483,35 @@ def _write_side_files(folder: Path, config: dict, tokenizer: RunTokenizer) -> No
     tokenizer.save(folder)
 
 
-def convert_all(checkpoint_dir: str | Path, out_root: str | Path, **options) -> list[Converted | str]:
+def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = False,
+                **options) -> list[Converted | str]:
     """Convert every complete step of a run into ``out_root/global_stepN``; a step whose folder already has a
     ``config.json`` and index is skipped (``Converted.skipped``), an incomplete step gives its first problem (str).
-    ``options`` as :func:`convert_step`."""
-    results: list[Converted | str] = []
+    ``force`` and ``options`` as :func:`convert_step`.
+
+    Raises:
+        OutputRefusedError: before anything is converted, for the first step folder :func:`convert_step` would
+            refuse (a user's folder, or an earlier conversion without ``force``).
+    """
     _latest, steps = list_steps(checkpoint_dir)
-    for info in steps:
-        out = Path(out_root) / info.path.name
+    plan = [(info, Path(out_root) / info.path.name) for info in steps]
+    for info, out in plan:  # every refusal before the first (long) conversion
+        if info.complete and not _converted(out):
+            claim_dir(out, force)
+    results: list[Converted | str] = []
+    for info, out in plan:
         if not info.complete:
             results.append(info.problems[0])
-        elif (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file():
+        elif _converted(out):
             results.append(Converted(out, info.path, info.iteration, "", 0, skipped=True))
         else:
-            results.append(convert_step(info.path, out, **options))
+            results.append(convert_step(info.path, out, force=force, **options))
     return results
+
+
+def _converted(out: Path) -> bool:
+    """A converted folder is there (``--all`` skips it; older conversions carry no marker, and are left alone)."""
+    return (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
 
 
 # --------------------------------------------------------------------------- verification

@@ -161,8 +161,11 @@ def convert(
     max_shard_size: float = typer.Option(5.0, "--max-shard-size", help="GB per safetensors shard."),
     tokenizer: Path = typer.Option(None, "--tokenizer", help="Tokenizer folder (default: the one the run used)."),
     workers: int = typer.Option(None, "--workers", min=1, help="Blocks copied at once (threads; default 2)."),
+    force: bool = typer.Option(False, "--force", help="Replace an output folder an earlier conversion wrote (never "
+                                                      "a folder opskit did not write)."),
 ) -> None:
-    """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming."""
+    """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming. The output
+    folder must be new or empty; the folder is built beside it and renamed into place."""
     from opskit.ckpt.convert import ConvertError, convert_all, convert_step
     from opskit.ckpt.layout import resolve_step_dir
 
@@ -171,7 +174,7 @@ def convert(
     directory, run_root = _checkpoint_dir(run_or_dir)
     options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
                    verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
-                   workers=workers)
+                   workers=workers, force=force)
     with _progress() as bar:
         task = bar.add_task("converting", total=None)
 

@@ -11,8 +11,13 @@ app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 
 @app.command("prepare")
 @friendly_errors
-def prepare(name: SpecName) -> None:
-    """Train the spec's BPE tokenizer and write its indexed dataset (skipped when already up to date)."""
+def prepare(
+    name: SpecName,
+    force: bool = typer.Option(False, "--force", help="Rebuild over a dataset opskit prepared in data.dir for other "
+                                                      "inputs or settings (never a folder opskit did not write)."),
+) -> None:
+    """Train the spec's BPE tokenizer and write its indexed dataset (skipped when already up to date). data.dir must
+    be new, empty or opskit's own."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from opskit.data import prepare_data
@@ -30,7 +35,8 @@ def prepare(name: SpecName) -> None:
                 tasks[stage] = bar.add_task(stage, total=total)
             bar.update(tasks[stage], completed=done, total=total)
 
-        result = prepare_data(corpus, output_dir, spec.data.vocab_size, name=spec.data.name, progress=progress)
+        result = prepare_data(corpus, output_dir, spec.data.vocab_size, name=spec.data.name, progress=progress,
+                              force=force)
     verb = "up to date" if result.reused else "prepared"
     console.print(f"data {verb}: {result.num_documents} documents, {result.num_tokens:,} tokens, "
                   f"vocab {result.vocab_size}")

@@ -133,18 +133,23 @@ def plot(
     x_range: str = typer.Option(None, "--range", help="A:B on the x axis (A: or :B open), e.g. 0:24e9."),
     smooth: int = typer.Option(1, "--smooth", min=1, help="Trailing mean over N points."),
     log_y: bool = typer.Option(False, "--log-y", help="Logarithmic y axis."),
-    out: Path = typer.Option(None, "--out", help="PNG to write; without it, a terminal plot (stdout a terminal)."),
+    out: Path = typer.Option(None, "--out", help="Image to write: .png, .jpg, .svg or .pdf (the suffix picks the "
+                                                 "format); without it, a terminal plot (stdout a terminal)."),
+    force: bool = typer.Option(False, "--force", help="Replace an image an earlier `opskit logs plot` wrote (never "
+                                                      "a file opskit did not write)."),
 ) -> None:
-    """Plot a metric of one or more runs: a PNG with --out, else a terminal plot. One line per run, spikes marked
+    """Plot a metric of one or more runs: an image with --out, else a terminal plot. One line per run, spikes marked
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
     from opskit.logs.parse import LogFormatError
-    from opskit.logs.plot import draw_png, draw_text, make_series, parse_range, y_key
+    from opskit.logs.plot import claim_image, draw_image, draw_text, make_series, parse_range, y_key
     from opskit.logs.sources import resolve
     from opskit.logs.spikes import find_spikes
 
     key, bounds = y_key(y), parse_range(x_range)
     if out is None and not sys.stdout.isatty():
         raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
+    if out is not None:
+        claim_image(out, force)  # before reading any log
     series = []
     for item in inputs:
         source = resolve(item)
@@ -159,7 +164,7 @@ def plot(
             raise LogFormatError(f"{item}: no '{key}' values with an x ({x}) in range")
         series.append(one)
     if out is not None:
-        console.print(f"wrote {draw_png(series, out, x, key, log_y)}", markup=False)
+        console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}", markup=False)
     else:
         sys.stdout.write(draw_text(series, x, key, log_y) + "\n")
 

@@ -51,11 +51,13 @@ def show(
 def new(
     name: str = typer.Argument(..., help="Name of the new spec: writes trainings/NAME.yaml."),
     source: str = typer.Option(..., "--from", help="Preset, NAME:VARIANT or YAML path to start from."),
+    force: bool = typer.Option(False, "--force", help="Replace trainings/NAME.yaml when `opskit specs new` created "
+                                                      "it (never a file it did not write)."),
 ) -> None:
-    """Start a spec of your own from a preset (never overwrites an existing file)."""
+    """Start a spec of your own from a preset (an existing file is kept, unless --force and opskit created it)."""
     from opskit.spec import create_user_spec
 
-    created = create_user_spec(name, source)
+    created = create_user_spec(name, source, force)
     console.print(f"wrote {created.path} (from {created.source})", markup=False)
     if created.renamed:
         console.print(f"  renamed for {name}: {', '.join(created.renamed)}", markup=False)

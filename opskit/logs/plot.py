@@ -1,11 +1,20 @@
-"""Series for ``opskit logs plot``: one line per run, smoothing, a range, spike markers; drawn as a PNG (matplotlib,
-Agg backend) or as text for a terminal (plotext). Both libraries are imported inside the functions that draw."""
+"""Series for ``opskit logs plot``: one line per run, smoothing, a range, spike markers; drawn as an image file
+(matplotlib, Agg backend: PNG, JPEG, SVG or PDF, as the file name's suffix says) or as text for a terminal (plotext).
+Both libraries are imported inside the functions that draw.
+
+An image opskit wrote carries :data:`SOFTWARE` in its format's own metadata (PNG: a ``Software`` text chunk; JPEG: a
+comment segment; SVG: the Dublin Core creator; PDF: the info dictionary's ``/Creator``), read back by
+:func:`written_by_opskit` without matplotlib or PIL; only such a file is replaced, and only with ``force``.
+"""
 
 from __future__ import annotations
 
+import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.fsutil import claim_file
 from opskit.logs.parse import LogFormatError
 from opskit.logs.spikes import Spike
 
@@ -14,6 +23,13 @@ Y_ALIASES = {"lr": "learning_rate", "loss": "lm_loss", "time": "elapsed_time_per
              "val_loss": "validation_lm_loss", "ppl": "validation_ppl"}
 # One colour per run, in legend order (matplotlib's tab10), so a test can find each run's line by its colour.
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+# File name suffix -> matplotlib's format name.
+FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".svg": "svg", ".pdf": "pdf"}
+SOFTWARE = "opskit logs plot"
+_SAVE_MARK = {"png": {"metadata": {"Software": SOFTWARE}}, "svg": {"metadata": {"Creator": SOFTWARE}},
+              "pdf": {"metadata": {"Creator": SOFTWARE}}, "jpeg": {"pil_kwargs": {"comment": SOFTWARE.encode()}}}
+_SVG_MARK = re.compile(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>" + re.escape(SOFTWARE.encode()) + rb"</dc:title>")
+_PDF_MARK = b"/Creator (" + SOFTWARE.encode() + b")"
 
 
 @dataclass
@@ -112,20 +128,98 @@ def _require(module: str):
         raise PlotUnavailable(f"{module} is not installed: pip install 'opskit[plot]'") from None
 
 
-def draw_png(series: list[Series], out: str | Path, x: str, y: str, log_y: bool = False, title: str | None = None,
-             size: tuple[int, int] = (1200, 675)) -> Path:
-    """Write a PNG of ``size`` pixels: one line per series (colours from :data:`COLORS`, legend = series names),
-    black ``x`` at spike peaks. Written to a temporary name and renamed, so readers never see half a file.
+def image_format(out: Path) -> str:
+    """matplotlib's format for the suffix of ``out`` (``loss.jpg`` -> ``jpeg``).
 
     Raises:
-        PlotUnavailable: matplotlib is not installed.
+        LogFormatError: another suffix, or none.
     """
+    suffix = Path(out).suffix.lower()
+    if suffix not in FORMATS:
+        raise LogFormatError(f"--out {out}: expected a file name ending in .png, .jpg, .svg or .pdf (the suffix "
+                             "picks the format)")
+    return FORMATS[suffix]
+
+
+def claim_image(out: Path, force: bool) -> str:
+    """Check that ``out`` may be written (:func:`opskit.fsutil.claim_file` with :func:`written_by_opskit`); its format.
+
+    Raises:
+        LogFormatError: an unknown suffix. OutputRefusedError: ``out`` exists and opskit did not write it, or
+            ``force`` is not given.
+    """
+    fmt = image_format(out)
+    claim_file(Path(out), force, written_by_opskit)
+    return fmt
+
+
+def written_by_opskit(path: Path) -> bool:
+    """Whether the image at ``path`` carries :data:`SOFTWARE` in its format's metadata (the format from its suffix)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return {"png": _png_software, "jpeg": _jpeg_comment, "svg": _svg_creator, "pdf": _pdf_creator}[
+                FORMATS.get(path.suffix.lower(), "")](f)
+    except (OSError, KeyError, struct.error):
+        return False
+
+
+def _png_software(f) -> bool:
+    """A ``tEXt`` chunk ``Software`` = :data:`SOFTWARE` before the image data (PNG: 8-byte signature, then chunks of
+    length, type, data, CRC)."""
+    if f.read(8) != b"\x89PNG\r\n\x1a\n":
+        return False
+    while True:
+        length, kind = struct.unpack(">I4s", f.read(8))
+        if kind in (b"IDAT", b"IEND"):
+            return False
+        data = f.read(length)
+        f.seek(4, 1)
+        if kind == b"tEXt" and data == b"Software\0" + SOFTWARE.encode():
+            return True
+
+
+def _jpeg_comment(f) -> bool:
+    """A COM segment holding :data:`SOFTWARE` before the scan (JPEG: SOI, then marker + 2-byte length segments)."""
+    if f.read(2) != b"\xff\xd8":
+        return False
+    while True:
+        marker, length = struct.unpack(">2sH", f.read(4))
+        if marker[0] != 0xFF or marker[1] == 0xDA:  # not a marker, or the start of the scan
+            return False
+        data = f.read(length - 2)
+        if marker[1] == 0xFE and data.rstrip(b"\0") == SOFTWARE.encode():
+            return True
+
+
+def _svg_creator(f) -> bool:
+    """matplotlib writes the metadata near the top of the SVG."""
+    return bool(_SVG_MARK.search(f.read(16384)))
+
+
+def _pdf_creator(f) -> bool:
+    """matplotlib writes the info dictionary at the end of the PDF, before the cross-reference table."""
+    f.seek(0, 2)
+    f.seek(max(0, f.tell() - 65536))
+    return _PDF_MARK in f.read()
+
+
+def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: bool = False, title: str | None = None,
+               size: tuple[int, int] = (1200, 675), force: bool = False) -> Path:
+    """Write an image of ``size`` pixels in the format ``out``'s suffix names (PNG, JPEG, SVG, PDF; marked as
+    opskit's): one line per series (colours from :data:`COLORS`, legend = series names), black ``x`` at spike peaks.
+    Written to a temporary name and renamed, so readers never see half a file.
+
+    Raises:
+        PlotUnavailable: matplotlib is not installed. LogFormatError, OutputRefusedError: see :func:`claim_image`.
+    """
+    out = Path(out)
+    fmt = claim_image(out, force)
     _require("matplotlib").use("Agg")
     from matplotlib import pyplot as plt
 
     from opskit.fsutil import staging_path
 
-    out = Path(out)
     fig, ax = plt.subplots(figsize=(size[0] / 100, size[1] / 100), dpi=100)
     try:
         for i, s in enumerate(series):
@@ -144,8 +238,11 @@ def draw_png(series: list[Series], out: str | Path, x: str, y: str, log_y: bool 
         ax.legend()
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = staging_path(out)
-        fig.savefig(staging, format="png")
-        staging.replace(out)
+        try:
+            fig.savefig(staging, format=fmt, **_SAVE_MARK[fmt])
+            staging.replace(out)
+        finally:
+            staging.unlink(missing_ok=True)
     finally:
         plt.close(fig)
     return out

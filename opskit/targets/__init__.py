@@ -199,7 +199,9 @@ def crc32c_of_file(path: str | Path) -> str:
 
 
 class FileTarget:
-    """A folder (``file:///abs/path``): objects are files, written to a temporary name and renamed into place."""
+    """A folder (``file:///abs/path``): objects are files, written to a temporary name and renamed into place. The
+    folder may hold other files: the callers (backup, sync) decide which keys are theirs to write and delete; folders
+    are created with the umask's mode, existing ones are never re-moded."""
 
     def __init__(self, url: str, root: Path, options: TargetOptions | None = None):
         self.url, self.root, self.options = url, root, options or TargetOptions()
@@ -217,13 +219,16 @@ class FileTarget:
 
     def put(self, local: Path, key: str) -> None:
         destination = self._path(key)
-        destination.parent.mkdir(parents=True, exist_ok=True)
         staging = staging_path(destination)
         try:
-            shutil.copy2(local, staging)
-            staging.replace(destination)
-        finally:
-            staging.unlink(missing_ok=True)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                shutil.copy2(local, staging)
+                staging.replace(destination)
+            finally:
+                staging.unlink(missing_ok=True)
+        except OSError as e:  # a full share, a file where a folder should be: the key fails, in one line
+            raise TargetError(f"{self.url.rstrip('/')}/{key}: {e.strerror or e}") from None
 
     def put_batch(self, files: dict[str, Path], message: str) -> BatchResult:
         return put_parallel(self, files, self.options.workers)

@@ -104,7 +104,7 @@ class GcsTarget:
     def keys(self, prefix: str = "") -> list[str]:
         base = self._name(prefix)
         strip = len(self.prefix) + 1 if self.prefix else 0
-        blobs = self._retry(lambda: list(self._bucket().client.list_blobs(self.bucket_name, prefix=base)),
+        blobs = self._retry(lambda: list(self._bucket().client.list_blobs(self.bucket_name, prefix=base, retry=None)),
                             f"list {prefix or '/'}")
         return sorted(b.name[strip:] for b in blobs)
 
