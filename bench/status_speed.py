@@ -2,7 +2,8 @@
 its offset saved) side by side with a bare ``squeue`` call and an empty Python start (issue 7: < 0.5 s).
 
 The run directory holds a ~100 MB main_log.txt in tr11's format (bench/log_parse.py's generator) and a checkpoint;
-a job of the spec's name sleeps in the local SLURM's queue meanwhile, so squeue has a row to report.
+a job of the run (the spec's name and the run's comment) sleeps in the local SLURM's queue meanwhile, so squeue has a
+row to report.
 
     python bench/status_speed.py [--mb 100] [--repeat 10]
 """
@@ -21,6 +22,10 @@ from pathlib import Path
 
 import yaml
 from log_parse import generate  # bench/ is on sys.path when run as a script
+
+from opskit.runs import RunPaths
+from opskit.slurm.chain import job_comment
+from opskit.slurm.client import SQUEUE_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
 OPSKIT = [sys.executable, "-m", "opskit.cli.app"]
@@ -59,14 +64,16 @@ def main() -> None:
         generate(log, int(args.mb * 1e6 / 180))
         (tmp / "run" / "checkpoints" / "global_step100").mkdir(parents=True)
         (tmp / "run" / "checkpoints" / "latest").write_text("global_step100")
-        job = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", "--time=10", "-o", "/dev/null",
-                              "--wrap", "sleep 600"], capture_output=True, text=True, check=True).stdout.strip()
+        comment = job_comment(RunPaths((tmp / "run").resolve()))
+        job = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", f"--comment={comment}", "--time=10", "-o",
+                              "/dev/null", "--wrap", "sleep 600"], capture_output=True, text=True,
+                             check=True).stdout.strip()
         try:
             started = time.perf_counter()
             subprocess.run([*OPSKIT, "status", str(spec)], capture_output=True, check=False, env=ENV)
             first = time.perf_counter() - started
             rows = [("python -c pass", wall([sys.executable, "-c", "pass"], args.repeat)),
-                    ("squeue (bare)", wall(["squeue", "-h", "-o", "%i|%P|%j|%T|%M|%D|%S|%R|%V|%l"], args.repeat)),
+                    ("squeue (bare)", wall(["squeue", "-h", "-o", SQUEUE_FORMAT], args.repeat)),
                     ("opskit status NAME", wall([*OPSKIT, "status", str(spec)], args.repeat)),
                     ("opskit status NAME --json", wall([*OPSKIT, "status", str(spec), "--json"], args.repeat))]
         finally:

@@ -11,7 +11,7 @@ import yaml
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client, local
-from opskit.slurm.render import data_files, render_job, trainer_args, trainer_rejections
+from opskit.slurm.render import RenderedJob, data_files, render_job, trainer_args, trainer_rejections
 from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
 
 
@@ -21,11 +21,14 @@ class SubmitError(RuntimeError):
 
 @dataclass
 class Submission:
-    """What ``submit`` did. ``command`` is empty when ``--keep`` found the chain stocked (``skipped`` says why)."""
+    """What ``submit`` did (or, with ``dry_run``, would do). ``command`` is empty when ``--keep`` found the chain
+    stocked (``skipped`` says why)."""
 
     run: RunPaths
     executor: str
     command: list[str]
+    script: str = ""
+    """The rendered job script (written to ``run.script`` unless ``dry_run``)."""
     job_id: str | None = None
     local_tasks: list[local.LocalTask] = field(default_factory=list)
     after: str | None = None
@@ -76,20 +79,19 @@ def check_trainer(spec: Spec, run: RunPaths) -> None:
         raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
 
 
-def render_run(spec: Spec, exclude: list[str] = ()) -> RunPaths:
-    """Write the job script, DeepSpeed config and the resolved spec into the run directory (atomically).
+def write_run(spec: Spec, run: RunPaths, job: RenderedJob) -> None:
+    """Create (and mark) the run directory, then write the job script, DeepSpeed config and the resolved spec into
+    it (atomically).
 
-    Args:
-        exclude: nodes the job must not run on (``#SBATCH --exclude``).
+    Raises:
+        OutputRefusedError: ``paths.output`` is a file or a folder opskit did not write (:func:`chain.claim_run_dir`).
     """
-    run = RunPaths.of(spec)
+    chain.claim_run_dir(run, "submit")
     for folder in (run.slurm_dir, run.logs, run.checkpoints, run.tensorboard):
         folder.mkdir(parents=True, exist_ok=True)
-    job = render_job(spec, run, exclude=exclude)
     atomic_write_text(run.script, job.script, mode=0o755)
     atomic_write_text(run.ds_config, job.ds_config)
     atomic_write_text(run.resolved_spec, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
-    return run
 
 
 def check_flags(spec: Spec, run: RunPaths, yes: bool, dry_run: bool) -> list[str]:
@@ -123,12 +125,13 @@ def check_flags(spec: Spec, run: RunPaths, yes: bool, dry_run: bool) -> list[str
 def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_run: bool = False,
            on_local_task=None, after: str | None = None, begin: str | None = None, keep: int | None = None,
            yes: bool = False) -> Submission:
-    """Render and submit ``array`` chained tasks (default: the spec's ``slurm.array``) after the spec's running or
-    pending jobs, so that two trainings of one spec never overlap.
+    """Render and submit ``array`` chained tasks (default: the spec's ``slurm.array``) after the run's running or
+    pending jobs (:func:`chain.run_jobs`), so that two trainings of one run directory never overlap.
 
     Args:
         executor: ``slurm`` (sbatch) or ``local`` (bash, tasks run here one after another; returns when done).
-        dry_run: render and return the command without running it.
+        dry_run: check and render in memory, and return the script and command: nothing is written (not even the
+            run directory) and nothing submitted.
         on_local_task: progress callback for the local executor, ``(task_id, job_id)``.
         after: a job id the new array must also wait for (``afterany``).
         begin: sbatch's ``--begin`` (``now+2hours``).
@@ -137,29 +140,32 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
 
     Raises:
         SubmitError: missing data, a job the trainer would refuse, a flag that would make every task exit, an
-            unknown executor. ``ChainError`` for an unknown ``slurm.group`` or a bad ``bad-nodes.txt``.
-            ``client.SlurmError`` when squeue or sbatch fail. ``SpecError`` for an unset ``$VAR`` of the spec.
+            unknown executor. ``OutputRefusedError``: ``paths.output`` is not opskit's (:func:`chain.claim_run_dir`).
+            ``ChainError`` for an unknown ``slurm.group`` or a bad ``bad-nodes.txt``. ``client.SlurmError`` when
+            squeue or sbatch fail. ``SpecError`` for an unset ``$VAR`` of the spec.
     """
     if executor not in ("slurm", "local"):
         raise SubmitError(f"--executor {executor}: expected 'slurm' or 'local'")
     if after is not None and not re.fullmatch(r"\d+(_\d+)?", after):
         raise SubmitError(f"--after {after}: expected a SLURM job id such as 1234 or 1234_2")
     check_data(spec)
-    paths = RunPaths.of(spec)
-    check_trainer(spec, paths)
-    notes = check_flags(spec, paths, yes, dry_run)
+    run = RunPaths.of(spec)
+    check_trainer(spec, run)
+    notes = [note] if (note := chain.claim_run_dir(run, "submit", write=False)) else []
+    notes += check_flags(spec, run, yes, dry_run)
     tasks = array or spec.slurm.array
     if executor == "local":
-        run = render_run(spec)
-        submission = Submission(run, executor, ["bash", str(run.script)], notes=notes)
+        job = render_job(spec, run)
+        submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes)
         if not dry_run:
+            write_run(spec, run, job)
             submission.local_tasks = local.run_array(
                 run.script, spec.job_name, tasks, spec.slurm.time_minutes * 60, spec.slurm.signal_margin_secs,
                 run.slurm_dir, on_start=on_local_task)
         return submission
-    queue = _queue(spec, dry_run, notes)
+    queue = _queue(spec, run, dry_run, notes)
     if keep is not None and queue is not None and queue.tasks >= keep:
-        return Submission(paths, executor, [], notes=notes,
+        return Submission(run, executor, [], notes=notes,
                           skipped=f"{queue.tasks} task(s) of {spec.job_name} running or pending (--keep {keep}): "
                                   "nothing submitted")
     last = queue.last_job if queue is not None else None
@@ -167,24 +173,25 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
     if last:
         notes.append(f"{spec.job_name} already has {queue.tasks} task(s) running or pending (job {last}): the new "
                      f"array waits for them (--dependency=afterany:{last}), so two trainings never overlap")
-    exclude = sorted(chain.read_bad_nodes(paths))
+    exclude = sorted(chain.read_bad_nodes(run))
     if exclude:
-        notes.append(f"excluding bad node(s) {','.join(exclude)} ({paths.bad_nodes}; `opskit nodes clear` when "
+        notes.append(f"excluding bad node(s) {','.join(exclude)} ({run.bad_nodes}; `opskit nodes clear` when "
                      "repaired)")
-    run = render_run(spec, exclude)
+    job = render_job(spec, run, exclude=exclude)
     dependency = "afterany:" + ":".join(waits) if waits else None
     command = client.sbatch_command(run.script, array=tasks, dependency=dependency, begin=begin)
-    submission = Submission(run, executor, command, after=last, notes=notes)
+    submission = Submission(run, executor, command, job.script, after=last, notes=notes)
     if not dry_run:
+        write_run(spec, run, job)
         submission.job_id = client.sbatch(run.script, array=tasks, dependency=dependency, begin=begin)
     return submission
 
 
-def _queue(spec: Spec, dry_run: bool, notes: list[str]) -> chain.Queue | None:
-    """The spec's running and pending jobs (one squeue call, for the users of ``slurm.group`` when set). A dry run
+def _queue(spec: Spec, run: RunPaths, dry_run: bool, notes: list[str]) -> chain.Queue | None:
+    """The run's running and pending jobs (one squeue call, for the users of ``slurm.group`` when set). A dry run
     goes on without SLURM, with a note; a real submission does not."""
     try:
-        return chain.spec_queue(spec.job_name, spec.slurm.group)
+        return chain.run_queue(run, spec.job_name, spec.slurm.group)
     except client.SchedulerUnreachable as e:
         if not dry_run:
             raise

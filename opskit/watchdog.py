@@ -216,7 +216,7 @@ def _pending_too_long(wd: WatchdogSpec, pending: list[QueueEntry], last_running:
 def _queue_depth(spec: Spec, running: list[QueueEntry], entries: list[QueueEntry],
                  seconds_left: float | None) -> list[Finding]:
     """When will the last queued task end, if each one runs to its time limit?"""
-    queue = chain.queue_of(spec.job_name, entries)
+    queue = chain.queue_of(entries)
     limit = _minutes(entries[0].time_limit) or spec.slurm.time_minutes
     used = sum(_minutes(e.time_used) or 0 for e in running)
     covered_h = ((queue.tasks - len(running)) * limit + max(0.0, len(running) * limit - used)) / 60
@@ -483,7 +483,8 @@ def check_progress(spec: Spec, records: list[dict]) -> tuple[list[Finding], floa
 
 
 def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None = None) -> Report:
-    """Every check, once: one squeue call, the new bytes of main_log.txt, ``latest``, the file system.
+    """Every check, once: one squeue call (the run's jobs: :func:`chain.run_jobs`), the new bytes of
+    main_log.txt, ``latest``, the file system.
 
     Raises:
         ChainError: ``slurm.group`` names no usable Unix group. ``SlurmError``: squeue failed otherwise.
@@ -494,8 +495,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     run = RunPaths.of(spec)
     state = load_state(run)
     try:
-        entries = [e for e in client.squeue(users or (chain.group_users(spec.slurm.group) if spec.slurm.group
-                                                      else None)) if e.name == spec.job_name]
+        entries = chain.run_jobs(run, spec.job_name, client.squeue(users or chain.queue_users(spec.slurm.group)))
         error = None
     except SchedulerUnreachable as e:
         entries, error = [], e

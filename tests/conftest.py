@@ -112,6 +112,14 @@ def jobs(slurm, tmp_path):
         subprocess.run(["scancel", *submitted], capture_output=True, timeout=30)
 
 
+def as_run(run_dir: Path) -> str:
+    """The sbatch option that makes a test job one of the jobs of the run in ``run_dir`` (opskit's ``--comment``)."""
+    from opskit.runs import RunPaths
+    from opskit.slurm.chain import job_comment
+
+    return f"--comment={job_comment(RunPaths(Path(run_dir).resolve()))}"
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 

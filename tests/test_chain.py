@@ -75,14 +75,38 @@ def test_crash_signatures_and_their_nodes():
 
 
 def test_queue_counts_array_tasks_and_finds_the_last_job():
-    rows = [QueueEntry("682842_[2-5%1]", "gpu", "tr", "PENDING", "0:00", "48", "N/A", "(JobArrayTaskLimit)"),
-            QueueEntry("682842_1", "gpu", "tr", "RUNNING", "1:00", "48", "2022", "r7i5n[2-3]"),
-            QueueEntry("690001", "gpu", "tr", "PENDING", "0:00", "48", "N/A", "(Dependency)"),
-            QueueEntry("700000_[1,3-4]", "gpu", "other", "PENDING", "0:00", "1", "N/A", "(None)")]
-    queue = chain.queue_of("tr", rows)
+    rows = [QueueEntry("682842_[2-5%1]", "gpu", "tr", "PENDING", "0:00", "48", "N/A", "(JobArrayTaskLimit)",
+                       comment="opskit-run:/runs/tr"),
+            QueueEntry("682842_1", "gpu", "tr", "RUNNING", "1:00", "48", "2022", "r7i5n[2-3]",
+                       comment="opskit-run:/runs/tr"),
+            QueueEntry("690001", "gpu", "tr", "PENDING", "0:00", "48", "N/A", "(Dependency)")]
+    queue = chain.queue_of(rows)
     assert (queue.tasks, queue.last_job) == (6, "690001")
     assert chain.array_tasks("700000_[1,3-4]") == 3 and chain.array_tasks("5_[1-9:2%1]") == 5
-    assert chain.queue_of("none", rows).last_job is None
+    assert chain.queue_of([]).last_job is None
+
+
+def test_a_runs_jobs_are_known_by_comment_or_by_name_and_script():
+    def row(job_id: str, name: str = "tr", comment: str = "", command: str = "") -> QueueEntry:
+        return QueueEntry(job_id, "gpu", name, "PENDING", "0:00", "1", "N/A", "(None)", comment=comment,
+                          command=command)
+
+    rows = [row("1", comment="opskit-run:/runs/tr"),
+            row("2", name="renamed", comment="opskit-run:/runs/tr"),  # slurm.job_name changed: still the run's
+            row("3", command="/runs/tr/slurm/train.slurm"),  # submitted before comments
+            row("4", comment="account=x", command="/runs/tr/slurm/train.slurm"),  # a site rewrote the comment
+            row("5", comment="opskit-run:/runs/tr2"),  # another run of the same name
+            row("6", command="/runs/tr2/slurm/train.slurm"),
+            row("7", name="other", command="/runs/tr/slurm/train.slurm"),
+            row("8"),  # same name, --wrap: no script, no comment
+            row("9", name="tr-cron", comment="opskit-cron:/runs/tr"),
+            row("10", name="tr-cron", command="/runs/tr/cron/cron.slurm")]
+    run = RunPaths(Path("/runs/tr"))
+    assert [e.job_id for e in chain.run_jobs(run, "tr", rows)] == ["1", "2", "3", "4"]
+    assert [e.job_id for e in chain.run_jobs(run, "tr-cron", rows, "cron")] == ["9", "10"]
+    assert chain.job_comment(run) == "opskit-run:/runs/tr" and chain.job_comment(run, "cron") == "opskit-cron:/runs/tr"
+    with pytest.raises(chain.ChainError, match=r"^paths.output '/runs/a\\nb': a control character"):
+        chain.job_comment(RunPaths(Path("/runs/a\nb")))
 
 
 def test_ledger_counts_failures_since_the_last_success(tmp_path):
@@ -248,13 +272,13 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
     with pytest.raises(SubmitError, match=r"^the chain was stopped .* fix the cause"):
         submit(spec, dry_run=True)
     dry = submit(spec, dry_run=True, yes=True)
-    assert "#SBATCH --exclude=localhost\n" in dry.run.script.read_text()
+    assert "#SBATCH --exclude=localhost\n" in dry.script
     assert any(note.startswith("excluding bad node(s) localhost ") for note in dry.notes)
     listed = cli("nodes", "list", str(tmp_path / "spec.yaml"), "--json")
     assert list(json.loads(listed.stdout)) == ["localhost"]
     assert "CUDA error: unknown error" in json.loads(listed.stdout)["localhost"]
     assert cli("nodes", "clear", str(tmp_path / "spec.yaml")).stdout == "cleared localhost\n"
-    assert "--exclude" not in submit(spec, dry_run=True, yes=True).run.script.read_text()
+    assert "--exclude" not in submit(spec, dry_run=True, yes=True).script
     bad = cli("nodes", "add", str(tmp_path / "spec.yaml"), "r7i5n2;reboot")
     assert (bad.returncode, bad.stderr) == (1, "error: node 'r7i5n2;reboot': expected a host name (letters, digits, "
                                                 ". _ -)\n")
@@ -284,7 +308,7 @@ def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, canc
     rows = chain.read_ledger(sub.run)
     assert [(r.task, r.state, r.exit_code) for r in rows] == [(f"{sub.job_id}_1", "CANCELLED", 143)]
     assert chain.consecutive_failures(rows) == []
-    assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job named {name}\n"
+    assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job of {name} for {sub.run.root}\n"
 
 
 # A worker that hangs (a stuck collective) and ignores the SIGUSR1 that asks it to save.

@@ -650,7 +650,8 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
     assert run.root == jean_zay / "six_ALL_CCFRSCRATCH" / "checkpoints" / "tr11-176B-ml"
     job = render_job(spec, run)
     header = [line for line in job.script.splitlines() if line.startswith("#SBATCH")]
-    assert header == ["#SBATCH --job-name=tr11-176B-ml", "#SBATCH --partition=gpu_p5", "#SBATCH --account=six@a100",
+    assert header == ["#SBATCH --job-name=tr11-176B-ml", f"#SBATCH --comment=opskit-run:{run.root}",
+                      "#SBATCH --partition=gpu_p5", "#SBATCH --account=six@a100",
                       "#SBATCH --qos=qos_gpu-gc", "#SBATCH --reservation=hug", "#SBATCH --constraint=a100",
                       "#SBATCH --nodes=48", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=64",
                       "#SBATCH --hint=nomultithread", "#SBATCH --gres=gpu:8", "#SBATCH --time=100:00:00",

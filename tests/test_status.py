@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import queued, running, unique, write_spec
+from conftest import as_run, queued, running, unique, write_spec
 
 from opskit import status
 from opskit.slurm import client
@@ -52,8 +52,8 @@ def spec_for(tmp_path: Path, job_name: str) -> Path:
 
 
 def test_running_job(jobs, tmp_path):
-    name = unique("opskit-status run")  # a space in the name: squeue's '|' columns must still split right
-    job_id = jobs(name)
+    name = unique("opskit-status run|x")  # a space and a '|' in the name: squeue's columns must still split right
+    job_id = jobs(name, as_run(tmp_path / "run"))
     queued(name, running)
     pulse = check(name)
     assert pulse == Pulse(pulse.lines, alert=False, unreachable=False)

@@ -235,8 +235,8 @@ def test_dry_run_renders_without_sbatch(kjv_data, tmp_path, slurm):
     sub = submit(spec, array=2, dry_run=True)
     assert sub.job_id is None
     assert sub.command == ["sbatch", "--parsable", "--array=1-2%1", str(sub.run.script)]
-    assert sub.run.script.is_file() and sub.run.ds_config.is_file() and sub.run.resolved_spec.is_file()
-    assert os.access(sub.run.script, os.X_OK)
+    assert sub.script.startswith("#!/bin/bash\n") and f"\n#SBATCH --comment=opskit-run:{sub.run.root}\n" in sub.script
+    assert not sub.run.root.exists()  # a dry run writes nothing
     assert not [e for e in client.squeue() if e.name == name]
 
     # One task: no --array at all; the spec's slurm.array is the default.
@@ -256,7 +256,8 @@ def test_rendered_script_passes_bash_n_and_shellcheck(kjv_data, tmp_path):
         if os.geteuid() == 0:
             pytest.fail("shellcheck is missing: apt-get install -y shellcheck")
         pytest.skip("shellcheck is missing (apt-get install -y shellcheck)")
-    script = submit(chain_spec(tmp_path, kjv_data, "tr11-176B-ml", 100), dry_run=True).run.script
+    script = tmp_path / "train.slurm"
+    script.write_text(submit(chain_spec(tmp_path, kjv_data, "tr11-176B-ml", 100), dry_run=True).script)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     done = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True,
                           text=True)
@@ -276,8 +277,11 @@ def test_hostile_names_and_paths_stay_literal(kjv_data, tmp_path, slurm, cancel_
     name = HOSTILE_NAME.format(tag=tag)
     output = tmp_path / "runs" / "a b $(touch PWNED) `touch PWNED2` it's \"q\" ;x"
     spec = chain_spec(tmp_path, kjv_data, name, 100, output=output)
-    script = submit(spec, dry_run=True).run.script
+    sub = submit(spec, dry_run=True)
+    script = sub.run.script
     assert script == output / "slurm" / "train.slurm"
+    script.parent.mkdir(parents=True)
+    script.write_text(sub.script)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     if shutil.which("shellcheck"):  # literal `$(...)` in single quotes is the point here: SC2016 is expected
         done = subprocess.run(["shellcheck", "--shell=bash", "--exclude=SC2016", str(script)], capture_output=True,
@@ -304,6 +308,8 @@ def test_hostile_names_and_paths_stay_literal(kjv_data, tmp_path, slurm, cancel_
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
     assert f"JobName={name}\n" in shown, shown
     assert f"StdOut={output}/slurm/{name}-{job_id}.out\n" in shown, shown
+    [entry] = [e for e in client.squeue() if e.array_id == job_id]  # the run's comment, read back whole
+    assert (entry.name, entry.comment, entry.command) == (name, f"opskit-run:{output}", str(script))
     assert list(scratch.iterdir()) == [] and not any(m.exists() for m in markers)
 
 

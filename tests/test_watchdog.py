@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import queued, running, unique, write_spec
+from conftest import as_run, queued, running, unique, write_spec
 
 from opskit.logs.parse import read_from
 from opskit.runs import RunPaths
@@ -298,7 +298,7 @@ def findings_of(done: subprocess.CompletedProcess) -> dict[str, dict]:
 @pytest.mark.slurm
 def test_running_job_and_a_short_queue(jobs, tmp_path):
     name = unique("opskit-wd run")
-    job_id = jobs(name)
+    job_id = jobs(name, as_run(tmp_path / "run"))
     queued(name, running)
     spec = spec_file(tmp_path, name)
     done = status_cli(spec, "--json")
@@ -327,9 +327,9 @@ def test_pending_reasons_and_waiting_too_long(jobs, tmp_path):
     first_id = jobs(first)
     queued(first, running)
     dep, array, later = unique("opskit-wd-dep"), unique("opskit-wd-arr"), unique("opskit-wd-begin")
-    jobs(dep, f"--dependency=afterany:{first_id}")
-    array_id = jobs(array, "--array=1-2%1", f"--dependency=afterany:{first_id}")
-    jobs(later, "--begin=now+1hour")
+    jobs(dep, f"--dependency=afterany:{first_id}", as_run(tmp_path / "dep" / "run"))
+    array_id = jobs(array, "--array=1-2%1", f"--dependency=afterany:{first_id}", as_run(tmp_path / "array" / "run"))
+    jobs(later, "--begin=now+1hour", as_run(tmp_path / "begin" / "run"))
     queued(dep, lambda es: any(e.reason == "(Dependency)" for e in es))
     queued(later, lambda es: any(e.reason == "(BeginTime)" for e in es))
     queued(array, lambda es: any(e.reason in ("(Dependency)", "(JobArrayTaskLimit)") for e in es))
@@ -346,7 +346,7 @@ def test_pending_reasons_and_waiting_too_long(jobs, tmp_path):
     assert done.returncode == 0 and "scheduler.pending_too_long" not in found
 
     # Nothing has run since it was submitted: with max_pending_hours 0 any wait is too long.
-    done = status_cli(spec_file(tmp_path / "strict", later, max_pending_hours=0), "--json")
+    done = status_cli(spec_file(tmp_path / "begin", later, max_pending_hours=0), "--json")
     assert done.returncode == 1, done.stdout + done.stderr
     too_long = findings_of(done)["scheduler.pending_too_long"]
     assert too_long["severity"] == "alert" and "1 job(s) wait (BeginTime); watchdog.max_pending_hours is 0" in \
@@ -508,7 +508,7 @@ def test_email_once_then_resolved(jobs, tmp_path, mailbox):
     assert len(mailbox.messages) == 2 and mailbox.messages[1]["Subject"] == mail["Subject"]
 
     # The job is back in the queue: one RESOLVED message, then silence.
-    jobs(name, "--begin=now+1hour")
+    jobs(name, "--begin=now+1hour", as_run(run.root))
     queued(name, lambda es: bool(es))
     done = status_cli(spec, "--alert", env=env)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -31,17 +31,19 @@ def kill_switch(
 
 
 def _control(action: str, name: str) -> list[str]:
+    from opskit.runs import RunPaths
     from opskit.slurm.chain import control
     from opskit.spec import load_spec
 
     spec = load_spec(name)
-    ids = control(spec.job_name, spec.slurm.group, action)
+    run = RunPaths.of(spec)
+    ids = control(run, spec.job_name, spec.slurm.group, action)
     done = {"cancel": "cancelled", "hold": "held", "release": "released"}[action]
     if ids:
         console.print(f"{done} {spec.job_name}: job(s) {', '.join(ids)}", markup=False)
     else:
-        console.print(f"nothing to {action}: no {'pending ' if action != 'cancel' else ''}job named "
-                      f"{spec.job_name}", markup=False)
+        console.print(f"nothing to {action}: no {'pending ' if action != 'cancel' else ''}job of {spec.job_name} "
+                      f"for {run.root}", markup=False)
     return ids
 
 
@@ -50,7 +52,8 @@ def cancel(
     name: SpecName,
     yes: bool = typer.Option(False, "--yes", help="Do not ask (the running task loses the work since its save)."),
 ) -> None:
-    """scancel every job of the chain. To stop with a checkpoint, use `opskit kill-switch NAME on` instead."""
+    """scancel every job of the run's chain (its jobs, not others of the same name). To stop with a checkpoint, use
+    `opskit kill-switch NAME on` instead."""
     if not yes:
         typer.confirm("Cancel the chain? The running task loses everything since its last checkpoint "
                       "(`opskit kill-switch NAME on` saves first)", abort=True)

@@ -16,11 +16,23 @@ def install(
     name: SpecName,
     sync_to: str = typer.Option(None, "--sync-to", help="Also `opskit sync all NAME --to URL` every hour."),
     via: str = typer.Option(None, "--via", help="crontab or slurm (default: crontab where it exists)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the crontab line, or the job script and the sbatch "
+                                                         "command; write and submit nothing."),
 ) -> None:
     """Install the hourly jobs (run from the current directory, where trainings/ is)."""
     from opskit.slurm import cron
     from opskit.spec import load_spec
+    from opskit.submit import format_command
 
+    if dry_run:
+        plan = cron.plan_install(load_spec(name), sync_to=sync_to, method=via)
+        if plan.script is None:
+            console.print(f"# would add to the crontab: {plan.installed.crontab_line}", markup=False)
+        else:
+            console.print(plan.script, markup=False, end="")
+            console.print(f"# would write {plan.installed.script} and run: {format_command(plan.command)}",
+                          markup=False)
+        return
     installed = cron.install(load_spec(name), sync_to=sync_to, method=via)
     if installed.method == "crontab":
         console.print(f"added to the crontab: {installed.crontab_line}", markup=False)
@@ -52,10 +64,13 @@ def status(
 
 @app.command("uninstall")
 @friendly_errors
-def uninstall(name: SpecName) -> None:
+def uninstall(
+    name: SpecName,
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed; remove nothing."),
+) -> None:
     """Remove exactly what install added."""
     from opskit.slurm import cron
     from opskit.spec import load_spec
 
-    for item in cron.uninstall(load_spec(name)):
-        console.print(f"removed {item}", markup=False)
+    for item in cron.uninstall(load_spec(name), dry_run=dry_run):
+        console.print(f"{'would remove' if dry_run else 'removed'} {item}", markup=False)

@@ -18,11 +18,12 @@ def submit(
     keep: int = typer.Option(None, "--keep", min=1, help="Submit only when fewer than K tasks are queued (cron)."),
     yes: bool = typer.Option(False, "--yes", help="Remove a finished or stopped flag left by an earlier chain."),
     executor: str = typer.Option("slurm", "--executor", help="slurm (sbatch) or local (bash, here, one by one)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Render and print the script and the sbatch command only."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the script and the sbatch command; write and submit "
+                                                         "nothing."),
     wait: bool = typer.Option(False, "--wait", help="Stay until the whole chain has ended, printing PULSE lines."),
 ) -> None:
     """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1) after the
-    spec's running or pending jobs."""
+    run's running or pending jobs."""
     from opskit import status
     from opskit.spec import load_spec
     from opskit.submit import format_command
@@ -35,8 +36,8 @@ def submit(
 
     sub = submit_run(spec, array=array, executor=executor, dry_run=dry_run, on_local_task=on_local_task,
                      after=after, begin=begin, keep=keep, yes=yes)
-    if dry_run:
-        console.print(sub.run.script.read_text(), markup=False)
+    if dry_run and sub.script:
+        console.print(sub.script, markup=False, end="")
     for note in sub.notes:
         console.print(f"{'# ' if dry_run else ''}note: {note}", markup=False)
     if sub.skipped:

@@ -1,5 +1,12 @@
-"""The job chain: which of a spec's jobs are queued, and the state its tasks share in the run directory.
+"""The job chain: which queued jobs are a run's, and the state its tasks share in the run directory.
 
+- identity: a job is a run's by its comment, ``opskit-run:<run directory>`` (``opskit-cron:`` for the cron job),
+  which the rendered script's ``#SBATCH --comment`` gives every task and resubmission; jobs without an opskit comment
+  (submitted by opskit before comments, or at a site that rewrites comments) are the run's when their name is the
+  spec's job name and their batch script lies inside the run directory. Never by name alone: two runs of one spec
+  name (two directories, two members of a ``slurm.group``) never touch each other's jobs;
+- the run directory's ownership: opskit writes only into a run directory it created (``.opskit`` marker) or one an
+  earlier opskit rendered a job script into;
 - flags: the kill switch (running task saves and exits, queued ones exit at start), the finished flag (the trainer
   wrote it: every later task exits 0 at start) and the stopped flag (``slurm.max_failures`` consecutive failures);
 - the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, CANCELLED,
@@ -23,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.crash import Crash, find_crashes
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, write_marker
 from opskit.runs import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry
@@ -91,23 +98,63 @@ class Queue:
         return str(ids[-1]) if ids else None
 
 
-def queue_of(job_name: str, entries: list[QueueEntry]) -> Queue:
-    """The rows named exactly ``job_name`` that are not over yet (a COMPLETING job may still hold its nodes)."""
-    return Queue([e for e in entries if e.name == job_name and e.state in _QUEUED])
+_COMMENT_PREFIXES = {"train": "opskit-run:", "cron": "opskit-cron:"}
 
 
-def spec_queue(job_name: str, group: str | None = None) -> Queue:
-    """The running and pending jobs named ``job_name`` from one ``squeue`` call (for the members of ``group`` when
-    given: SLURM may hide other users' jobs, and one member may have to chain after another's).
+def job_comment(run: RunPaths, kind: str = "train") -> str:
+    """The ``--comment`` of a run's jobs (``squeue -o %k`` shows it): ``opskit-run:<run directory>`` for the training
+    chain, ``opskit-cron:<run directory>`` for the cron job.
+
+    Raises:
+        ChainError: a run directory with a control character (a squeue row could not carry it).
+    """
+    if re.search(r"[\x00-\x1f\x7f]", str(run.root)):
+        raise ChainError(f"paths.output {str(run.root)!r}: a control character in the run directory; SLURM's queue "
+                         "listing could not name the run's jobs: choose a plain path")
+    return _COMMENT_PREFIXES[kind] + str(run.root)
+
+
+def run_jobs(run: RunPaths, job_name: str, entries: list[QueueEntry], kind: str = "train") -> list[QueueEntry]:
+    """The rows of ``entries`` (any state) that are the run's jobs of ``kind`` (``train`` or ``cron``): their comment
+    is :func:`job_comment`; or, with no opskit comment (a job submitted by opskit before comments, or at a site whose
+    submit plugin rewrites comments), their name is ``job_name`` and their batch script lies inside the run directory.
+
+    Raises:
+        ChainError: a run directory no job comment can carry (:func:`job_comment`).
+    """
+    comment, inside = job_comment(run, kind), f"{run.root}/"
+    opskit = tuple(_COMMENT_PREFIXES.values())
+    return [e for e in entries if (e.comment == comment if e.comment.startswith(opskit) else
+                                   e.name == job_name and e.command.startswith(inside))]
+
+
+def queue_of(entries: list[QueueEntry]) -> Queue:
+    """The rows that are not over yet (a COMPLETING job may still hold its nodes)."""
+    return Queue([e for e in entries if e.state in _QUEUED])
+
+
+def queue_users(group: str | None) -> list[str] | None:
+    """Whose jobs to list: the members of ``slurm.group`` (SLURM may hide other users' jobs, and one member may have
+    to chain after another's), or None for squeue's default.
+
+    Raises:
+        ChainError: unknown group.
+    """
+    return group_users(group) if group else None
+
+
+def run_queue(run: RunPaths, job_name: str, group: str | None = None) -> Queue:
+    """The run's running and pending training jobs from one ``squeue`` call (of the members of ``group`` when
+    given).
 
     Raises:
         ChainError: unknown group. ``SchedulerUnreachable`` / ``SlurmError`` from squeue.
     """
-    return queue_of(job_name, client.squeue(group_users(group) if group else None))
+    return queue_of(run_jobs(run, job_name, client.squeue(queue_users(group))))
 
 
-def control(job_name: str, group: str | None, action: str) -> list[str]:
-    """``cancel``, ``hold`` or ``release`` every job (array) of the chain; returns the job ids acted on.
+def control(run: RunPaths, job_name: str, group: str | None, action: str) -> list[str]:
+    """``cancel``, ``hold`` or ``release`` every job (array) of the run's chain; returns the job ids acted on.
 
     Hold and release touch pending jobs only (``scontrol hold`` keeps the job's queue age, unlike a resubmission).
 
@@ -116,7 +163,7 @@ def control(job_name: str, group: str | None, action: str) -> list[str]:
     """
     if action not in ("cancel", "hold", "release"):
         raise ValueError(f"{action}: expected cancel, hold or release")
-    entries = spec_queue(job_name, group).entries
+    entries = run_queue(run, job_name, group).entries
     if action != "cancel":
         entries = [e for e in entries if e.state == "PENDING"]
     ids = sorted({e.array_id for e in entries}, key=int)
@@ -127,6 +174,56 @@ def control(job_name: str, group: str | None, action: str) -> list[str]:
     return ids
 
 
+# --------------------------------------------------------------------------- the run directory
+
+# The line every job script opskit renders carries (opskit/slurm/templates/*.slurm): how a run directory from before
+# the marker is recognised as opskit's.
+RENDERED_BY = "# Rendered by `opskit "
+
+
+def rendered_by_opskit(script: Path) -> bool:
+    """Whether ``script`` is a job script opskit rendered (a line of its header starts with :data:`RENDERED_BY`)."""
+    try:
+        with open(script, "rb") as f:
+            head = f.read(1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return any(line.startswith(RENDERED_BY) for line in head.splitlines())
+
+
+def claim_run_dir(run: RunPaths, what: str, write: bool = True) -> str | None:
+    """Check that opskit may write into the run directory and, with ``write``, create it and put opskit's marker
+    (``.opskit``, naming the command ``what``) in it.
+
+    Allowed: a missing or empty folder, a folder with opskit's marker, or a folder from before the marker that holds
+    a job script an earlier opskit rendered (``slurm/train.slurm`` or ``cron/cron.slurm``): it gets the marker. A
+    folder with anything else is the user's: refused, since submitting writes slurm/, logs/ and checkpoints/ there.
+
+    Returns:
+        a note when an earlier opskit's run directory is taken (unmarked, with a job script opskit rendered).
+
+    Raises:
+        OutputRefusedError: ``paths.output`` is a file, or a non-empty folder opskit did not write.
+    """
+    root = run.root
+    if has_marker(root):
+        return None
+    if root.exists() and not root.is_dir():
+        raise OutputRefusedError(f"{root}: paths.output exists and is not a folder; choose another paths.output")
+    earlier = any(rendered_by_opskit(script) for script in (run.script, run.cron_dir / "cron.slurm"))
+    if root.is_dir() and not earlier and any(root.iterdir()):
+        raise OutputRefusedError(f"{root}: paths.output exists and holds files opskit did not write (no .opskit "
+                                 "marker, no job script rendered by opskit); choose another paths.output (opskit "
+                                 "writes runs only into folders it created)")
+    if write:
+        root.mkdir(parents=True, exist_ok=True)
+        write_marker(root, what)
+    if earlier:
+        return (f"{root} holds a job script of an earlier opskit: taken as opskit's run directory (it gets the "
+                ".opskit marker)")
+    return None
+
+
 # --------------------------------------------------------------------------- flags
 
 
@@ -135,7 +232,8 @@ def set_kill_switch(run: RunPaths, on: bool) -> bool:
     if on == run.kill_switch.exists():
         return False
     if on:
-        run.root.mkdir(parents=True, exist_ok=True)
+        if not run.root.exists():
+            claim_run_dir(run, "kill-switch")
         atomic_write_text(run.kill_switch, f"{datetime.now():%Y-%m-%d %H:%M:%S} opskit kill-switch on\n")
     else:
         run.kill_switch.unlink(missing_ok=True)
@@ -243,7 +341,8 @@ def write_bad_nodes(run: RunPaths, nodes: dict[str, str]) -> None:
     if not nodes:
         run.bad_nodes.unlink(missing_ok=True)
         return
-    run.root.mkdir(parents=True, exist_ok=True)
+    if not run.root.exists():
+        claim_run_dir(run, "nodes add")
     lines = ["# Nodes `opskit submit` excludes (--exclude); edit with `opskit nodes add|clear`."]
     lines += [f"{node}\t{why}" for node, why in sorted(nodes.items())]
     atomic_write_text(run.bad_nodes, "\n".join(lines) + "\n")

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TIMEOUT_S = 20
-# squeue fields, '|'-separated: job id (with array task), partition, name, state, time used, nodes, start time,
-# reason (pending) or node list (running), as BigScience's slurm-status.py; then the submit time and time limit.
-SQUEUE_FORMAT = "%i|%P|%j|%T|%M|%D|%S|%R|%V|%l"
+# squeue fields: job id (with array task), partition, name, state, time used, nodes, start time, reason (pending) or
+# node list (running), as BigScience's slurm-status.py; then the submit time, the time limit, the comment (which run
+# the job is: opskit.slurm.chain.job_comment) and the command (the batch script's path). Separated by the ASCII unit
+# separator, which no job name (opskit's spec refuses control characters) nor run directory holds, so a name, a
+# comment or a path with '|' or spaces splits right.
+SEPARATOR = "\x1f"
+SQUEUE_FORMAT = SEPARATOR.join(("%i", "%P", "%j", "%T", "%M", "%D", "%S", "%R", "%V", "%l", "%k", "%o"))
 
 
 # What SLURM's commands print when slurmctld is down, unreachable or too slow (MessageTimeout).
@@ -44,6 +48,8 @@ class QueueEntry:
     reason: str  # "(JobArrayTaskLimit)", "(Dependency)", ... while pending; the node list while running
     submit_time: str = ""  # 2026-11-21T09:14:27
     time_limit: str = ""  # sbatch's format (20:00:00, 1-00:00:00) or UNLIMITED
+    comment: str = ""  # sbatch's --comment ("" for none); opskit's jobs carry their run's (chain.job_comment)
+    command: str = ""  # the batch script's path as submitted ("" for --wrap jobs)
 
     @property
     def array_id(self) -> str:
@@ -66,16 +72,15 @@ def _run(cmd: list[str], timeout: float = TIMEOUT_S) -> str:
 
 
 def parse_squeue(text: str) -> list[QueueEntry]:
-    """Rows of ``squeue -h -o SQUEUE_FORMAT`` output; the name may contain '|', so split from both ends."""
+    """Rows of ``squeue -h -o SQUEUE_FORMAT`` output; squeue's ``(null)`` (no comment, a ``--wrap`` job's command)
+    becomes ""."""
+    fields = SQUEUE_FORMAT.count(SEPARATOR) + 1
     entries = []
-    for line in text.splitlines():
-        if not line.strip():
+    for line in text.split("\n"):
+        values = line.split(SEPARATOR)
+        if len(values) != fields:
             continue
-        head = line.split("|", 2)
-        tail = head[2].rsplit("|", 7) if len(head) == 3 else []
-        if len(tail) != 8:
-            continue
-        entries.append(QueueEntry(head[0], head[1], *tail))
+        entries.append(QueueEntry(*values[:-2], *("" if v == "(null)" else v for v in values[-2:])))
     return entries
 
 

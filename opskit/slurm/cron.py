@@ -4,7 +4,10 @@ Zay), from a self-resubmitting SLURM job on a CPU partition.
 The SLURM job is BigScience's ``cron-hourly.slurm`` (reference 1.4): it resubmits itself first with
 ``sbatch --begin=now+1hour`` (so a failing hourly step never ends the cron), then runs the hourly commands, without
 ``set -e`` ("we must run all of it"). Unlike BigScience's, ``opskit cron status`` notices when the cron job itself is
-gone. ``install`` records what it added in ``<run>/cron/cron.json``; ``uninstall`` removes exactly that.
+gone. ``install`` records what it added in ``<run>/cron/cron.json``; ``uninstall`` removes exactly that. The cron
+job is found by its run (``#SBATCH --comment=opskit-cron:<run directory>``, :func:`opskit.slurm.chain.run_jobs`), so
+two runs of one spec name keep their own cron jobs. Neither replaces nor removes what it did not write: a
+``cron/cron.slurm`` opskit did not render, a crontab line it did not add.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import atomic_write_text, claim_file
 from opskit.runs import RunPaths
-from opskit.slurm import client
+from opskit.slurm import chain, client
 from opskit.slurm.render import template_env
 from opskit.spec import Spec
 
@@ -45,6 +48,18 @@ class Installed:
     job_name: str | None = None
     script: str | None = None
     job_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CronPlan:
+    """What ``install`` would add (``opskit cron install --dry-run`` prints it)."""
+
+    installed: Installed
+    """The record ``install`` writes (no job ids before sbatch)."""
+    script: str | None = None
+    """slurm: the rendered job script."""
+    command: list[str] = field(default_factory=list)
+    """slurm: the sbatch command."""
 
 
 @dataclass(frozen=True)
@@ -126,44 +141,74 @@ def pick_method(method: str | None) -> str:
     return method
 
 
-def install(spec: Spec, sync_to: str | None = None, method: str | None = None,
-            now: datetime | None = None) -> Installed:
-    """Set up the hourly commands of a run.
+def plan_install(spec: Spec, sync_to: str | None = None, method: str | None = None,
+                 now: datetime | None = None) -> CronPlan:
+    """What :func:`install` would add, with every check it makes; nothing is written or submitted.
 
     Raises:
-        CronError: already installed (uninstall first), no way to install. ``SlurmError`` from sbatch.
+        CronError: already installed (uninstall first), a crontab line of this run without a record, no way to
+            install. ``OutputRefusedError``: the run directory or ``cron/cron.slurm`` is not opskit's.
     """
     run = RunPaths.of(spec)
     if (old := read_installed(run)) is not None:
         raise CronError(f"cron is already installed for {spec.job_name} ({old.method}, {old.installed}): "
                         f"`opskit cron uninstall {shlex.quote(spec.cli_name)}` first")
     method = pick_method(method)
+    chain.claim_run_dir(run, "cron install", write=False)
     now = now or datetime.now()
-    run.cron_dir.mkdir(parents=True, exist_ok=True)
-    log = shlex.quote(str(run.cron_dir / "cron.log"))
+    stamp = f"{now:%Y-%m-%d %H:%M:%S}"
     commands = hourly_commands(spec, sync_to)
     if method == "crontab":
         # One line, tagged with the run directory; `%` is a newline to cron unless escaped.
-        tag = hashlib.sha1(str(run.root).encode()).hexdigest()[:12]
+        tag = _crontab_tag(run)
+        if any(line.endswith(tag) for line in _read_crontab()):
+            raise CronError(f"the crontab already has a line of this run ('{tag}') but there is no record "
+                            f"{state_file(run)}: remove that line (crontab -e), then install again")
+        log = shlex.quote(str(run.cron_dir / "cron.log"))
         body = _environment() + "; ".join(f"{c} >> {log} 2>&1" for c in commands)
-        line = f"{now.minute} * * * * {body.replace('%', chr(92) + '%')} # opskit cron {tag}"
-        _write_crontab(_read_crontab() + [line])
-        installed = Installed("crontab", f"{now:%Y-%m-%d %H:%M:%S}", commands, crontab_line=line)
+        line = f"{now.minute} * * * * {body.replace('%', chr(92) + '%')} {tag}"
+        return CronPlan(Installed("crontab", stamp, commands, crontab_line=line))
+    script = run.cron_dir / "cron.slurm"
+    claim_file(script, force=True, ours=chain.rendered_by_opskit, flag="paths.output")
+    return CronPlan(Installed("slurm", stamp, commands, job_name=cron_job_name(spec), script=str(script)),
+                    render_cron_script(spec, run, commands, script), client.sbatch_command(script))
+
+
+def install(spec: Spec, sync_to: str | None = None, method: str | None = None,
+            now: datetime | None = None) -> Installed:
+    """Set up the hourly commands of a run (:func:`plan_install`, then add the crontab line or write the job script
+    and submit it), and record what was added.
+
+    Raises:
+        CronError, ``OutputRefusedError``: see :func:`plan_install`. ``SlurmError`` from sbatch.
+    """
+    plan = plan_install(spec, sync_to, method, now)
+    run = RunPaths.of(spec)
+    chain.claim_run_dir(run, "cron install")
+    run.cron_dir.mkdir(parents=True, exist_ok=True)
+    installed = plan.installed
+    if installed.method == "crontab":
+        _write_crontab(_read_crontab() + [installed.crontab_line])
     else:
-        script = run.cron_dir / "cron.slurm"
-        atomic_write_text(script, render_cron_script(spec, run, commands, script), mode=0o755)
-        job_id = client.sbatch(script)
-        installed = Installed("slurm", f"{now:%Y-%m-%d %H:%M:%S}", commands, job_name=cron_job_name(spec),
-                              script=str(script), job_ids=[job_id])
+        script = Path(installed.script)
+        atomic_write_text(script, plan.script, mode=0o755)
+        installed = replace(installed, job_ids=[client.sbatch(script)])
     atomic_write_text(state_file(run), json.dumps(asdict(installed), indent=2) + "\n")
     return installed
 
 
+def _crontab_tag(run: RunPaths) -> str:
+    """The comment that ends the crontab line of a run (the run directory's hash)."""
+    return f"# opskit cron {hashlib.sha1(str(run.root).encode()).hexdigest()[:12]}"
+
+
 def render_cron_script(spec: Spec, run: RunPaths, commands: list[str], script: Path) -> str:
-    """The self-resubmitting SLURM job (``slurm_templates/cron.slurm``)."""
+    """The self-resubmitting SLURM job (``opskit/slurm/templates/cron.slurm``); its comment names the run, and each
+    resubmission reads it again from the header."""
     s = spec.slurm
-    sbatch = {"job-name": cron_job_name(spec), "partition": s.cron_partition, "account": s.cron_account or s.account,
-              "nodes": 1, "ntasks": 1, "time": CRON_TIME, "output": run.cron_dir / "%x-%j.out"}
+    sbatch = {"job-name": cron_job_name(spec), "comment": chain.job_comment(run, "cron"),
+              "partition": s.cron_partition, "account": s.cron_account or s.account, "nodes": 1, "ntasks": 1,
+              "time": CRON_TIME, "output": run.cron_dir / "%x-%j.out"}
     return template_env().get_template("cron.slurm").render(
         sbatch={k: v for k, v in sbatch.items() if v is not None}, spec=spec, script=script,
         cd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH"), commands=commands)
@@ -191,7 +236,7 @@ def status(spec: Spec, now: datetime | None = None) -> CronStatus:
             upcoming += timedelta(hours=1) if upcoming <= now else timedelta()
             lines.append(f"cron: next run at {upcoming:%Y-%m-%d %H:%M} (crontab, minute {minute} of every hour)")
     else:
-        jobs = [e for e in client.squeue() if e.name == installed.job_name]
+        jobs = chain.run_jobs(run, installed.job_name, client.squeue(), "cron")
         present = bool(jobs)
         for job in jobs:
             when = (f"running now since {job.start_time}" if job.state == "RUNNING"
@@ -203,8 +248,10 @@ def status(spec: Spec, now: datetime | None = None) -> CronStatus:
     return CronStatus(installed, present, lines)
 
 
-def uninstall(spec: Spec) -> list[str]:
-    """Remove what ``install`` added; returns what was removed.
+def uninstall(spec: Spec, dry_run: bool = False) -> list[str]:
+    """Remove what ``install`` added (with ``dry_run``, nothing); returns what was (or would be) removed: the
+    crontab line (one copy, if a user copied it), or the job script (when opskit rendered it) and the run's cron
+    jobs; then the record.
 
     Raises:
         CronError: not installed. ``SlurmError`` from squeue / scancel.
@@ -216,19 +263,25 @@ def uninstall(spec: Spec) -> list[str]:
     removed = []
     if installed.method == "crontab":
         lines = _read_crontab()
-        kept = [line for line in lines if line != installed.crontab_line]
-        if len(kept) != len(lines):
-            _write_crontab(kept)
+        if installed.crontab_line in lines:
+            last = len(lines) - 1 - lines[::-1].index(installed.crontab_line)
+            if not dry_run:
+                _write_crontab(lines[:last] + lines[last + 1:])
             removed.append(f"crontab line: {installed.crontab_line}")
     else:
         # The script first: a running cron job resubmits itself only while its script exists.
-        Path(installed.script).unlink(missing_ok=True)
-        removed.append(f"script {installed.script}")
-        ids = sorted({e.array_id for e in client.squeue() if e.name == installed.job_name}, key=int)
+        script = Path(installed.script)
+        if chain.rendered_by_opskit(script):
+            if not dry_run:
+                script.unlink()
+            removed.append(f"script {installed.script}")
+        ids = sorted({e.array_id for e in chain.run_jobs(run, installed.job_name, client.squeue(), "cron")}, key=int)
         if ids:
-            client.scancel(ids)
+            if not dry_run:
+                client.scancel(ids)
             removed.append(f"SLURM job(s) {', '.join(ids)} ({installed.job_name})")
-    state_file(run).unlink()
+    if not dry_run:
+        state_file(run).unlink()
     removed.append(f"record {state_file(run)}")
     return removed
 

@@ -1,5 +1,5 @@
-"""Spec -> trainer flags, DeepSpeed config and the SLURM job script (``slurm_templates/train.slurm``), as pure
-functions.
+"""Spec -> trainer flags, DeepSpeed config and the SLURM job script (``opskit/slurm/templates/train.slurm``, which
+the repository's ``slurm_templates/`` links to), as pure functions.
 
 Every value that reaches the shell goes through ``shlex.quote``, so job names and paths with spaces, quotes or ``$()``
 stay literal; the ``#SBATCH`` header too, since sbatch splits its lines on whitespace with the shell's quoting rules.
@@ -19,10 +19,8 @@ from pathlib import Path
 import jinja2
 
 from opskit.runs import RunPaths, data_paths
+from opskit.slurm.chain import job_comment
 from opskit.spec import Spec, deep_merge
-
-TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "slurm_templates"
-
 
 # Megatron-DeepSpeed spells this one flag with an underscore.
 _UNDERSCORE_FLAGS = {"deepspeed_config"}
@@ -234,9 +232,10 @@ def deepspeed_config(spec: Spec) -> dict:
 
 
 def template_env() -> jinja2.Environment:
-    """``slurm_templates/`` with the ``q`` filter (``shlex.quote``) that every shell value goes through."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+    """The job templates shipped in the package (``opskit/slurm/templates/``, read from an installed wheel too), with
+    the ``q`` filter (``shlex.quote``) that every shell value goes through."""
+    env = jinja2.Environment(loader=jinja2.PackageLoader("opskit.slurm", "templates"),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     env.filters["q"] = lambda value: shlex.quote(str(value))
     return env
 
@@ -253,11 +252,15 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
     Args:
         python: the interpreter the job runs the trainer (and the chain's ledger hook) with.
         exclude: nodes for ``#SBATCH --exclude`` (the run's bad-node list).
+
+    Raises:
+        ChainError: a run directory no job comment can carry. ``SpecError``: an unset ``$VAR``.
     """
     env = template_env()
     s = spec.slurm
     sbatch = {
         "job-name": spec.job_name,
+        "comment": job_comment(run),  # which run the job is: every task and resubmission carries it
         "partition": s.partition,
         "account": s.account,
         "qos": s.qos,
