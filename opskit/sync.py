@@ -12,7 +12,7 @@ Targets (:mod:`opskit.targets`): ``file:///path``, ``gs://bucket/prefix``, ``hf:
   message; a lock whose holder died is free again (the kernel drops it with the process). Where the file system has
   no ``flock``, an ``O_EXCL`` PID file, taken over when its process is dead.
 - Nothing local is ever deleted. Remote objects that are no longer local are deleted only with ``delete=True``, and
-  only those listed by an earlier dry run with ``delete=True`` (the plan is kept beside the manifest).
+  only those this run published (its manifest lists them); ``delete=True, dry_run=True`` lists them, writing nothing.
 - The target may be shared (a folder or bucket holding other people's files, or another run's): a sync writes,
   replaces and deletes only the keys its manifest lists. A new key is entered in the manifest (``pending``) before
   its upload, so an interrupted upload is still this run's; a new key that already exists at the target refuses the
@@ -151,7 +151,7 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
         _refuse_foreign(changed, manifest, target, manifest_path)
         result.copied = sorted(changed)
         if delete:
-            result.deleted = _plan_deletions(run, kinds, url, target, manifest)
+            result.deleted = _extraneous(run, kinds, target, manifest)
         return result
     with run_lock(state_path(run, url, "lock"), url):
         target = target or open_target(url, options=options)
@@ -159,7 +159,7 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
             _refuse_foreign(changed, manifest, target, manifest_path)
             _publish(run, kinds, changed, manifest, manifest_path, target, result)
         if delete:
-            result.deleted = _delete_planned(run, kinds, url, target, manifest, manifest_path)
+            result.deleted = _delete_extraneous(run, kinds, target, manifest, manifest_path)
     return result
 
 
@@ -224,28 +224,15 @@ def _extraneous(run: RunPaths, kinds: list[str], target: Target, manifest: dict[
     return sorted(k for k in manifest if k.startswith(folders) and k not in local and k in remote)
 
 
-def _plan_deletions(run: RunPaths, kinds: list[str], url: str, target: Target, manifest: dict[str, dict]) -> list[str]:
+def _delete_extraneous(run: RunPaths, kinds: list[str], target: Target, manifest: dict[str, dict],
+                       manifest_path: Path) -> list[str]:
+    """Delete the remote keys this run published that are no longer local; they leave the manifest."""
     keys = _extraneous(run, kinds, target, manifest)
-    atomic_write_text(state_path(run, url, "delete-plan").with_suffix(".json"), json.dumps(keys))
-    return keys
-
-
-def _delete_planned(run: RunPaths, kinds: list[str], url: str, target: Target, manifest: dict[str, dict],
-                    manifest_path: Path) -> list[str]:
-    """Delete what the last ``--delete --dry-run`` listed and is still this run's and not local; the plan is used
-    up, and the deleted keys leave the manifest."""
-    plan_path = state_path(run, url, "delete-plan").with_suffix(".json")
-    if not plan_path.is_file():
-        raise SyncError(f"--delete: run `opskit sync ... --delete --dry-run` first to list what would be deleted "
-                        f"from {url}")
-    planned = set(json.loads(plan_path.read_text()))
-    keys = [k for k in _extraneous(run, kinds, target, manifest) if k in planned]
     if keys:
         target.delete(keys, f"opskit sync: delete {len(keys)} file(s) no longer in the run")
         for key in keys:
             del manifest[key]
         atomic_write_text(manifest_path, json.dumps(manifest, indent=0, sort_keys=True))
-    plan_path.unlink()
     return keys
 
 

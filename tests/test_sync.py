@@ -153,16 +153,16 @@ def test_without_flock_a_pid_file_locks_and_a_dead_pid_is_taken_over(run, tmp_pa
     assert not pid_file.exists()  # and released
 
 
-def test_remote_deletions_need_a_dry_run_listing_first(run, tmp_path):
+def test_remote_deletions_are_listed_by_a_dry_run_that_writes_nothing(run, tmp_path):
     url, share = f"file://{tmp_path / 'share'}", tmp_path / "share"
     (run.logs / "old_log.txt").write_text("from a previous layout\n")
     sync(run, KINDS, url)
     (run.logs / "old_log.txt").unlink()
     (share / "README.md").write_text("not ours\n")
-    with pytest.raises(SyncError, match=r"--delete: run `opskit sync ... --delete --dry-run` first"):
-        sync(run, KINDS, url, delete=True)
+    before = sorted(p.name for p in run.root.iterdir())
     listed = sync(run, KINDS, url, delete=True, dry_run=True)
     assert listed.deleted == ["logs/old_log.txt"] and (share / "logs" / "old_log.txt").exists()
+    assert sorted(p.name for p in run.root.iterdir()) == before
     done = sync(run, KINDS, url, delete=True)
     assert done.deleted == ["logs/old_log.txt"]
     assert not (share / "logs" / "old_log.txt").exists() and (share / "README.md").exists()

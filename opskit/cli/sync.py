@@ -17,8 +17,8 @@ def sync(
                                               "[/path], gs://bucket/prefix or file:///path."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be published (and, with --delete, "
                                                           "deleted) without doing it."),
-    delete: bool = typer.Option(False, "--delete", help="Also delete remote files no longer in the run: only those "
-                                                        "a previous --delete --dry-run listed."),
+    delete: bool = typer.Option(False, "--delete", help="Also delete remote files no longer in the run: only files "
+                                                        "this run published (--dry-run lists them)."),
     workers: int = typer.Option(None, "--workers", min=1, max=64, help="Parallel transfers (default: spec's, 8)."),
     json_output: JsonOutput = False,
 ) -> None:
