@@ -48,7 +48,25 @@ _ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """YAML 1.1 without base-60 integers: ``time: 20:00:00`` stays the string sbatch expects, not 72000."""
+    """YAML 1.1 without base-60 integers (``time: 20:00:00`` stays the string sbatch expects, not 72000), and a key
+    given twice in one mapping is an error (plain YAML keeps the last value silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then keys that override it: YAML's own rule
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise _DuplicateKey(key, key_node.start_mark, seen[key])
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, mark: yaml.Mark, first: yaml.Mark):
+        super().__init__(f"line {mark.line + 1}: key {key!r} given twice (first at line {first.line + 1}): keep one")
 
 
 _SpecLoader.yaml_implicit_resolvers = {
@@ -99,8 +117,10 @@ def parse_slurm_time(value: str) -> float:
 
 
 class _Section(BaseModel):
-    # Unknown keys are typos: reject them and let pydantic list the valid ones.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys are typos: reject them and let pydantic list the valid ones. Strict types: `num_layers: true`,
+    # `2.0` or "4" is refused, never read as 1, 2 or 4. The one conversion kept: an int is a fine float (YAML reads
+    # `lr: 1` as an int).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Section):
@@ -159,7 +179,8 @@ class ParallelSpec(_Section):
     pp_partition_method: str | None = Field(default=None, pattern=_ONE_LINE)
     """``--pp-partition-method`` (Megatron-DeepSpeed), e.g. ``type:transformer|embedding`` (BLOOM-176B): counts the
     embeddings as layers when balancing pipeline stages, so num_layers need not be a multiple of PP."""
-    zero_stage: Literal[0, 1] = 1
+    zero_stage: int = Field(default=1, ge=0, le=1)
+    """DeepSpeed ZeRO stage: 0 or 1."""
     deepspeed_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+)?([^\n]*)$")
     """DeepSpeed version the job will run with; default: the one installed where opskit runs (``opskit submit``)."""
 
@@ -188,6 +209,11 @@ class BatchSpec(_Section):
     """``--train-iters``: the alternative to train_samples, without a batch ramp-up."""
     train_tokens: int | None = Field(default=None, gt=0)
     """``--train-tokens`` (curriculum learning, Megatron-DeepSpeed): stop after this many tokens."""
+
+    @field_validator("rampup_batch_size", mode="before")
+    @classmethod
+    def _yaml_list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value  # YAML has lists; strict mode wants the tuple
 
     @model_validator(mode="after")
     def _one_length(self) -> BatchSpec:
@@ -859,13 +885,38 @@ def find_spec(name_or_path: str) -> Path:
     raise SpecError(f"no spec named {name_or_path!r}; known: {', '.join(sorted(candidates))}")
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml(path: Path) -> Any:
+    """The YAML document of a file opskit reads settings from (a spec, the user's alert settings).
+
+    Raises:
+        SpecError: one line naming the file: unreadable (a folder, no permission), not UTF-8 text, not YAML (with
+            the line), a key given twice in one mapping (with both lines).
+    """
     try:
-        raw = yaml.load(path.read_text(), Loader=_SpecLoader)
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); expected a "
+                        "YAML text file") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return yaml.load(text, Loader=_SpecLoader)
+    except _DuplicateKey as e:
+        raise SpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise SpecError(f"{path}:{where} not valid YAML ({problem})") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    """The top-level mapping of a spec file.
+
+    Raises:
+        SpecError: see :func:`read_yaml`; or the document is not a mapping.
+    """
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of sections (model, batch, ...), got {type(raw).__name__}")
     return raw
@@ -1022,11 +1073,14 @@ class SpecEntry:
     description: str
     source: Path
     origin: Literal["preset", "trainings"]
+    error: str | None = None
+    """Why the file cannot be read (one line naming it); such an entry has no variants and no description."""
 
 
 def list_specs() -> list[SpecEntry]:
     """Every spec and variant that a name finds: the user's ``trainings/*.yaml`` (first) and the bundled presets they
-    do not shadow. Unreadable files are listed with their one-line error as description."""
+    do not shadow. A file that cannot be read is one entry carrying its one-line error: the others are listed as
+    usual."""
     entries = []
     candidates = _candidates()
     user = {name for name, path in candidates.items() if path.parent == USER_SPEC_DIR}
@@ -1037,7 +1091,7 @@ def list_specs() -> list[SpecEntry]:
             raw = _read_yaml(path)
             variants = _variants_of(path, raw)
         except SpecError as e:
-            entries.append(SpecEntry(name, f"error: {e}", path, origin))
+            entries.append(SpecEntry(name, "", path, origin, error=str(e)))
             continue
         entries.append(SpecEntry(name, str(raw.get("description", "")), path, origin))
         for variant, overlay in variants.items():
