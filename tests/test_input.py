@@ -129,3 +129,54 @@ def test_a_key_given_twice_is_refused_with_file_key_and_line(in_tmp):
     (in_tmp / "top.yaml").write_text(PRESET.read_text() + "description: again\n")
     with pytest.raises(SpecError, match=r"^top\.yaml: line \d+: key 'description' given twice"):
         load_spec("top.yaml")
+
+
+# --------------------------------------------------------------------------- log files
+
+
+def test_logs_parse_goes_on_past_a_folder_and_says_what_each_file_gave(tmp_path):
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "binary.bin").write_bytes(BINARY)
+    (tmp_path / "log.gz").write_bytes(gzip.compress((FIXTURES / "tr8b-104B.txt").read_bytes()))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    good = FIXTURES / "hang.txt"
+    done = opskit_cli("logs", "parse", str(good), "a-folder", "binary.bin", "log.gz", "empty.txt", "missing.txt",
+                      cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert records and {r["file"] for r in records} == {str(good)}  # the good file's records, before and after
+    err = done.stderr.splitlines()
+    assert err[0] == "error: a-folder: a folder, not a log file"
+    assert err[1].startswith("binary.bin: 0 records, 8 lines skipped (not a training log?)"), err
+    assert err[2].startswith("log.gz: 0 records,") and "(not a training log?)" in err[2], err
+    assert err[3] == "empty.txt: empty, 0 records"
+    assert err[4].startswith("error: missing.txt: no such file"), err
+    assert len(err) == 5, err
+
+
+def test_logs_parse_of_good_files_only_exits_0_with_nothing_on_stderr(tmp_path):
+    done = opskit_cli("logs", "parse", str(FIXTURES / "hang.txt"), cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+@pytest.mark.parametrize("command", [["show"], ["tail", "-n", "1"], ["spikes"], ["plot", "--out", "p.png"]])
+def test_logs_commands_on_a_folder_that_is_no_run_are_one_line(tmp_path, command):
+    (tmp_path / "not-a-run").mkdir()
+    done = opskit_cli("logs", command[0], "not-a-run", *command[1:], cwd=tmp_path, timeout=60)
+    line = one_error_line(done, 1)
+    assert line.startswith("error: not-a-run: a folder with neither logs/main_log.txt nor TensorBoard event files")
+
+    done = opskit_cli("logs", command[0], "runs/nope/main_log.txt", *command[1:], cwd=tmp_path, timeout=60)
+    assert one_error_line(done, 1).startswith("error: runs/nope/main_log.txt: no such file or folder")
+
+
+@pytest.mark.parametrize("option, value", [("--y", "lmloss"), ("--y", "extra.nothing"), ("--x", "step")])
+def test_plot_names_the_valid_fields(tmp_path, option, value):
+    done = opskit_cli("logs", "plot", str(FIXTURES / "hang.txt"), option, value, "--out", "p.png", cwd=tmp_path)
+    line = one_error_line(done, 1)
+    assert f"{option} {value}: " in line and "expected one of" in line, line
+    if option == "--y":
+        assert "lm_loss" in line and "grad_norm" in line and "validation_lm_loss" in line and "lr" in line, line
+    else:
+        assert "iteration, samples, tokens" in line, line
+    assert not (tmp_path / "p.png").exists()
