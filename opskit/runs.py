@@ -20,12 +20,14 @@ class RunPaths:
 
     @classmethod
     def of(cls, spec: Spec) -> RunPaths:
-        """The run directory of a spec (``paths.output``, ``$VAR`` expanded).
+        """The run directory of a spec: ``paths.output``, ``$VAR`` expanded, a relative path taken from the spec's
+        base directory (``Spec.base_dir``: the project holding ``trainings/``), so every command finds the same run
+        from any current directory.
 
         Raises:
             SpecError: when ``paths.output`` uses an environment variable that is not set here.
         """
-        return cls(Path(spec.expand(spec.paths.output, "paths.output")).resolve())
+        return cls(spec.local_path(spec.paths.output, "paths.output"))
 
     @property
     def checkpoints(self) -> Path:
@@ -140,20 +142,21 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
         raise DataError(f"{spec.file or spec.name}: data: this spec reads a dataset prepared elsewhere "
                         f"(data.{source}); `opskit data prepare` only builds a data.corpus: prepare it with "
                         "Megatron's tools/preprocess_data.py, or give the spec a corpus and dir")
-    return output_paths(Path(spec.expand(spec.data.dir, "data.dir", environ)).resolve(), spec.data.name)
+    return output_paths(spec.local_path(spec.data.dir, "data.dir", environ), spec.data.name)
 
 
 def corpus_inputs(spec: Spec) -> tuple[str | list[str], Path]:
-    """(corpus, output folder) to pass to ``opskit.data.prepare_data`` for a spec, ``$VAR`` expanded.
+    """(corpus, output folder) to pass to ``opskit.data.prepare_data`` for a spec: ``$VAR`` expanded, corpus files
+    taken from the spec's base directory (as ``data.dir``); the named corpus ``kjv`` as it is.
 
     Raises:
         DataError: for a spec whose data was prepared elsewhere (see :func:`data_paths`).
         SpecError: an unset ``$VAR``.
     """
+    from opskit.data import KJV
+
     tokenizer_dir, _ = data_paths(spec)
     corpus = spec.data.corpus
     if isinstance(corpus, list):
-        corpus = [spec.expand(c, "data.corpus") for c in corpus]
-    else:
-        corpus = spec.expand(corpus, "data.corpus")
-    return corpus, tokenizer_dir.parent
+        return [str(spec.local_path(c, "data.corpus")) for c in corpus], tokenizer_dir.parent
+    return (corpus if corpus == KJV else str(spec.local_path(corpus, "data.corpus"))), tokenizer_dir.parent

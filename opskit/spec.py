@@ -260,7 +260,8 @@ class DataSpec(_Section):
     corpus: str | list[str] | None = None
     """A named corpus (``kjv``) or a list of .txt/.jsonl files for ``opskit data prepare``."""
     dir: str | None = None
-    """Folder that holds tokenizer.json and the indexed dataset (relative paths: to the current directory)."""
+    """Folder that holds tokenizer.json and the indexed dataset (a relative path starts from the spec's base
+    directory: see ``Spec.base_dir``)."""
     name: str = "corpus"
     """Dataset file stem: ``<dir>/<name>_text_document.bin/.idx``."""
     vocab_size: int = Field(gt=0)
@@ -391,7 +392,9 @@ class SlurmSpec(_Section):
 
 class PathsSpec(_Section):
     output: str
-    """Run directory (checkpoints/, tensorboard/, logs/main_log.txt, slurm/); relative to the current directory."""
+    """Run directory (checkpoints/, tensorboard/, logs/main_log.txt, slurm/). A relative path starts from the spec's
+    base directory, not the current one: the project directory holding ``trainings/`` for a spec there, the file's
+    folder for another file, the current directory for a bundled preset (``Spec.base_dir``)."""
     hub_repos: dict[str, str] = Field(default_factory=dict)
     """Hugging Face Hub repositories the run publishes to, by kind (``logs: bigscience/tr11-176B-ml-logs``)."""
 
@@ -713,6 +716,26 @@ class Spec(_Section):
         """Time limit minus the margin, so the job saves before SLURM kills it (validated to be in (0, limit))."""
         return self.slurm.time_minutes - self.slurm.exit_margin_mins
 
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative paths of this spec (``paths.output``, ``data.dir``, ``data.corpus`` files) start from,
+        absolute: for a file in a ``trainings/`` folder the project directory holding that folder (BigScience's
+        layout: ``<project>/trainings/NAME.yaml``, runs under ``<project>/runs/NAME``), whatever the current
+        directory; for another YAML file its own folder; for a bundled preset (or a spec built in memory) the current
+        directory."""
+        if self._file is None or self._file.resolve().parent == _preset_dir().resolve():
+            return Path.cwd()
+        folder = self._file.resolve().parent
+        return folder.parent if folder.name == USER_SPEC_DIR.name else folder
+
+    def local_path(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
+        """A path field of the spec, ``$VAR`` expanded and made absolute from :attr:`base_dir`.
+
+        Raises:
+            SpecError: an unset ``$VAR`` (see :meth:`expand`).
+        """
+        return (self.base_dir / Path(self.expand(value, field, environ)).expanduser()).resolve()
+
     def expand(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> str:
         """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``).
 
@@ -841,8 +864,12 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in files if p.name.endswith(".yaml"))
 
 
+def _preset_dir() -> Path:
+    return Path(str(resources.files("opskit.presets")))
+
+
 def _preset_file(name: str) -> Path:
-    return Path(str(resources.files("opskit.presets") / f"{name}.yaml"))
+    return _preset_dir() / f"{name}.yaml"
 
 
 def _candidates() -> dict[str, Path]:

@@ -22,11 +22,9 @@ FIXTURES = REPO / "tests" / "fixtures" / "logs"
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 BINARY = bytes(range(256)) * 8 + b"\xff\xfe\x00 iteration \x00|"
 
-
 def opskit_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120):
     return subprocess.run([OPSKIT, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-
 
 def one_error_line(done, code: int) -> str:
     """The single `error: ...` line of a refused command (no traceback), with its exit code checked."""
@@ -36,19 +34,15 @@ def one_error_line(done, code: int) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     return lines[0]
 
-
 def tiny() -> dict:
     return yaml.safe_load(PRESET.read_text())
-
 
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
-
 # --------------------------------------------------------------------------- spec files
-
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00\x01binary", "model: caf\xe9\n".encode("latin-1"),
                                      gzip.compress(PRESET.read_bytes())], ids=["binary", "latin-1", "gzip"])
@@ -60,12 +54,10 @@ def test_a_spec_that_is_not_utf8_is_one_line(in_tmp, content):
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"{path}: ") and "UTF-8" in message, message
 
-
 def test_a_folder_named_like_a_spec_file_is_one_line(in_tmp):
     (in_tmp / "dir.yaml").mkdir()
     with pytest.raises(SpecError, match=r"^dir\.yaml: "):
         load_spec("dir.yaml")
-
 
 def test_one_bad_file_in_trainings_does_not_hide_the_others(in_tmp):
     (in_tmp / "trainings").mkdir()
@@ -80,7 +72,6 @@ def test_one_bad_file_in_trainings_does_not_hide_the_others(in_tmp):
     done = opskit_cli("specs", "list", cwd=in_tmp)
     assert "good" in done.stdout and "tiny" in done.stdout and "broken" not in done.stdout
     assert one_error_line(done, 1).startswith("error: trainings/broken.yaml: not UTF-8 text")
-
 
 @pytest.mark.parametrize("section, key, value, expected", [
     ("model", "num_layers", True, "Input should be a valid integer"),
@@ -105,7 +96,6 @@ def test_spec_types_are_strict(in_tmp, section, key, value, expected):
         load_spec("t.yaml")
     assert f"{section}.{key}" in str(info.value) and expected in str(info.value), str(info.value)
 
-
 def test_an_int_is_a_fine_float_and_a_list_a_fine_tuple(in_tmp):
     raw = tiny()
     raw["optimizer"]["lr"] = 1  # YAML reads `lr: 1` as an int
@@ -115,7 +105,6 @@ def test_an_int_is_a_fine_float_and_a_list_a_fine_tuple(in_tmp):
     spec = load_spec("t.yaml")
     assert spec.optimizer.lr == 1.0 and isinstance(spec.optimizer.lr, float)
     assert spec.batch.rampup_batch_size == (8, 8, 320)
-
 
 def test_a_key_given_twice_is_refused_with_file_key_and_line(in_tmp):
     text = PRESET.read_text().replace("  hidden_size: 128\n", "  hidden_size: 128\n  hidden_size: 64\n")
@@ -130,9 +119,7 @@ def test_a_key_given_twice_is_refused_with_file_key_and_line(in_tmp):
     with pytest.raises(SpecError, match=r"^top\.yaml: line \d+: key 'description' given twice"):
         load_spec("top.yaml")
 
-
 # --------------------------------------------------------------------------- log files
-
 
 def test_logs_parse_goes_on_past_a_folder_and_says_what_each_file_gave(tmp_path):
     (tmp_path / "a-folder").mkdir()
@@ -153,11 +140,9 @@ def test_logs_parse_goes_on_past_a_folder_and_says_what_each_file_gave(tmp_path)
     assert err[4].startswith("error: missing.txt: no such file"), err
     assert len(err) == 5, err
 
-
 def test_logs_parse_of_good_files_only_exits_0_with_nothing_on_stderr(tmp_path):
     done = opskit_cli("logs", "parse", str(FIXTURES / "hang.txt"), cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
-
 
 @pytest.mark.parametrize("command", [["show"], ["tail", "-n", "1"], ["spikes"], ["plot", "--out", "p.png"]])
 def test_logs_commands_on_a_folder_that_is_no_run_are_one_line(tmp_path, command):
@@ -169,7 +154,6 @@ def test_logs_commands_on_a_folder_that_is_no_run_are_one_line(tmp_path, command
     done = opskit_cli("logs", command[0], "runs/nope/main_log.txt", *command[1:], cwd=tmp_path, timeout=60)
     assert one_error_line(done, 1).startswith("error: runs/nope/main_log.txt: no such file or folder")
 
-
 @pytest.mark.parametrize("option, value", [("--y", "lmloss"), ("--y", "extra.nothing"), ("--x", "step")])
 def test_plot_names_the_valid_fields(tmp_path, option, value):
     done = opskit_cli("logs", "plot", str(FIXTURES / "hang.txt"), option, value, "--out", "p.png", cwd=tmp_path)
@@ -180,3 +164,103 @@ def test_plot_names_the_valid_fields(tmp_path, option, value):
     else:
         assert "iteration, samples, tokens" in line, line
     assert not (tmp_path / "p.png").exists()
+
+# --------------------------------------------------------------------------- where a spec's relative paths start
+
+def test_relative_paths_start_from_the_project_holding_trainings(tmp_path, monkeypatch):
+    from opskit.runs import RunPaths, corpus_inputs, data_paths
+
+    project = tmp_path / "project"
+    raw = tiny()
+    raw["data"]["corpus"] = ["corpus/a.jsonl"]
+    (project / "trainings").mkdir(parents=True)
+    (project / "trainings" / "mine.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "other.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)  # not the project
+    spec = load_spec("project/trainings/mine.yaml")
+    assert spec.base_dir == project.resolve()
+    assert RunPaths.of(spec).root == project.resolve() / "runs" / "tiny"
+    assert data_paths(spec)[0].parent == project.resolve() / "data" / "kjv"
+    assert corpus_inputs(spec)[0] == [str(project.resolve() / "corpus" / "a.jsonl")]
+    assert RunPaths.of(load_spec("elsewhere/other.yaml")).root == (tmp_path / "elsewhere" / "runs" / "tiny").resolve()
+    assert RunPaths.of(load_spec("tiny")).root == tmp_path.resolve() / "runs" / "tiny"  # a preset: the current folder
+
+    monkeypatch.chdir(project)  # by name from the project: the same run
+    assert RunPaths.of(load_spec("mine")).root == project.resolve() / "runs" / "tiny"
+
+@pytest.mark.slurm
+def test_status_from_another_folder_sees_the_run_or_says_it_cannot(slurm, tmp_path):
+    project = tmp_path / "project"
+    raw = tiny()
+    raw["slurm"]["job_name"] = f"opskit-h5-{os.getpid()}"
+    raw["paths"]["output"] = "runs/mine"
+    (project / "trainings").mkdir(parents=True)
+    spec = project / "trainings" / "mine.yaml"
+    spec.write_text(yaml.safe_dump(raw))
+    (tmp_path / "elsewhere").mkdir()
+
+    done = opskit_cli("status", str(spec), "--json", cwd=tmp_path / "elsewhere")
+    assert done.returncode == 2, done.stdout + done.stderr  # never "no log ... ok" for a run it cannot see
+    findings = {f["key"]: f for f in json.loads(done.stdout)["findings"]}
+    assert findings["run.missing"]["severity"] == "alert"
+    assert str(project.resolve() / "runs" / "mine") in findings["run.missing"]["message"]
+    assert "log.none" not in findings and "checkpoint.none" not in findings
+
+    logs = project / "runs" / "mine" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "main_log.txt").write_bytes((FIXTURES / "hang.txt").read_bytes())
+    done = opskit_cli("status", str(spec), "--json", cwd=tmp_path / "elsewhere")
+    assert done.returncode == 1, done.stdout + done.stderr  # the absent job's alert, nothing else
+    findings = {f["key"]: f for f in json.loads(done.stdout)["findings"]}
+    assert "run.missing" not in findings and findings["progress"]["severity"] == "ok"
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+
+def test_status_on_a_bad_spec_exits_2_in_one_line(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00")
+    assert one_error_line(opskit_cli("status", "bin.yaml", cwd=tmp_path), 2).startswith("error: bin.yaml: not UTF-8")
+    raw = tiny()
+    raw["model"]["num_layers"] = True
+    (tmp_path / "bool.yaml").write_text(yaml.safe_dump(raw))
+    assert "model.num_layers" in one_error_line(opskit_cli("status", "bool.yaml", cwd=tmp_path), 2)
+
+# --------------------------------------------------------------------------- the trainer's command line
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--num-layers", "two"], []])
+def test_a_bad_trainer_flag_is_one_line_with_a_hint(tmp_path, argv):
+    for command in ([OPSKIT, "train"], [sys.executable, "-m", "opskit.train"]):
+        done = subprocess.run([*command, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 2 and done.stdout == "", done.stdout
+        assert done.stderr.count("\n") == 1 and "usage:" not in done.stderr, done.stderr
+        assert done.stderr.startswith("python -m opskit.train: error: ") and \
+            done.stderr.endswith("(python -m opskit.train --help lists the flags)\n"), done.stderr
+    if argv == ["--bogus"]:
+        assert "unrecognized arguments: --bogus" in done.stderr
+
+# A `python -c` prelude that makes torch (and what needs it) unimportable, as on a login node without the extra.
+NO_TORCH = ("import sys\n"
+            "class _Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'deepspeed'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, _Block())\n")
+
+def test_the_trainer_without_its_extra_is_one_line(tmp_path):
+
+    argv = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-samples", "1", "--lr", "1e-3",
+            "--data-path", "x", "--tokenizer-name-or-path", "x"]
+    for entry in ("import runpy; runpy.run_module('opskit.train', run_name='__main__')",
+                  "import sys; from opskit.cli.app import main; sys.argv[0] = 'opskit'; main()"):
+        argv_of = ["train", *argv] if "cli" in entry else argv
+        done = subprocess.run([sys.executable, "-c", NO_TORCH + entry, *argv_of], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+        assert "pip install 'opskit[train]'" in done.stderr and "torch" in done.stderr, done.stderr
+
+    help_ = subprocess.run([sys.executable, "-c", NO_TORCH + "import runpy; runpy.run_module('opskit.train', "
+                            "run_name='__main__')", "--help"], capture_output=True, text=True, cwd=tmp_path,
+                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert help_.returncode == 0 and "--num-layers" in help_.stdout  # --help needs no torch
