@@ -1057,12 +1057,18 @@ def _describe(error: ValidationError) -> str:
     """Every pydantic error as `field.path: message`, joined on one line (cross-section rules name their fields)."""
     parts = []
     for err in error.errors():
-        field = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
+        field = ".".join(_key_text(p) for p in err["loc"])
+        message = " ".join(err["msg"].removeprefix("Value error, ").split())
         if err["type"] == "extra_forbidden":
             message = f"unknown key (expected one of: {', '.join(_section_keys(err['loc'][:-1]))})"
         parts.append(f"{field}: {message}" if field else message)
     return "; ".join(parts)
+
+
+def _key_text(key: Any) -> str:
+    """A key of an error location as written in a message: plain when it is a plain word, else quoted (a key with a
+    newline, a colon or a dot must not break the one line, nor pass for a path)."""
+    return str(key) if isinstance(key, int) or re.fullmatch(r"[\w-]+", str(key)) else repr(key)
 
 
 def _section_keys(loc: tuple) -> list[str]:

@@ -264,3 +264,14 @@ def test_the_trainer_without_its_extra_is_one_line(tmp_path):
                             "run_name='__main__')", "--help"], capture_output=True, text=True, cwd=tmp_path,
                            timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert help_.returncode == 0 and "--num-layers" in help_.stdout  # --help needs no torch
+
+
+def test_a_log_whose_iteration_total_is_zero_or_absurd_is_no_traceback(tmp_path):
+    (tmp_path / "z.log").write_text(" iteration 5/ 0 | lm loss: 1.0 | elapsed time per iteration (s): 1.0 |\n"
+                                    " iteration 6/ 0 | consumed samples: -8 | consumed tokens: 8 | "
+                                    "global batch size: 0 | lm loss: 1e400 |\n")
+    for command in (["show"], ["spikes"]):
+        done = opskit_cli("logs", *command, "z.log", cwd=tmp_path)
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "progress: iteration 6 of 0 (no total logged), 0 left" in opskit_cli("logs", "show", "z.log",
+                                                                               cwd=tmp_path).stdout
