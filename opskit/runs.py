@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.fsutil import atomic_write_text
-from opskit.spec import Spec
+from opskit.spec import Spec, SpecError
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class RunPaths:
         Raises:
             SpecError: when ``paths.output`` uses an environment variable that is not set here.
         """
-        return cls(spec.local_path(spec.paths.output, "paths.output"))
+        return cls(folder_path(spec, spec.paths.output, "paths.output"))
 
     @property
     def checkpoints(self) -> Path:
@@ -113,6 +113,20 @@ class RunPaths:
         return self.root / "hf" / tag
 
 
+def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A folder the spec names (``Spec.local_path``), refused when it, or a folder above it, is a file: every command
+    would otherwise fail on it later with an OS error of its own.
+
+    Raises:
+        SpecError: naming the file, the field and the path that is a file; an unset ``$VAR``.
+    """
+    path = spec.local_path(value, field, environ)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise SpecError(f"{spec.file or spec.name}: {field}: {existing} is a file, not a folder")
+    return path
+
+
 def mark_run_finished(detail: str, run_dir: str | None = None) -> Path | None:
     """Write the finished flag of the run the job script named in ``$OPSKIT_RUN_DIR`` (the trainer calls this when
     ``--train-samples`` are consumed); a trainer started outside a job script (no such variable) writes nothing.
@@ -142,7 +156,7 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
         raise DataError(f"{spec.file or spec.name}: data: this spec reads a dataset prepared elsewhere "
                         f"(data.{source}); `opskit data prepare` only builds a data.corpus: prepare it with "
                         "Megatron's tools/preprocess_data.py, or give the spec a corpus and dir")
-    return output_paths(spec.local_path(spec.data.dir, "data.dir", environ), spec.data.name)
+    return output_paths(folder_path(spec, spec.data.dir, "data.dir", environ), spec.data.name)
 
 
 def corpus_inputs(spec: Spec) -> tuple[str | list[str], Path]:

@@ -898,6 +898,8 @@ def find_spec(name_or_path: str) -> Path:
     """
     path = Path(name_or_path)
     if path.suffix in {".yaml", ".yml"} or path.is_file():  # a folder named like a spec (logs, runs) is no spec
+        if path.is_dir():
+            raise SpecError(f"{name_or_path}: a folder, not a spec file")
         if not path.is_file():
             raise SpecError(f"{name_or_path}: no such spec file")
         return path

@@ -56,7 +56,7 @@ def test_a_spec_that_is_not_utf8_is_one_line(in_tmp, content):
 
 def test_a_folder_named_like_a_spec_file_is_one_line(in_tmp):
     (in_tmp / "dir.yaml").mkdir()
-    with pytest.raises(SpecError, match=r"^dir\.yaml: "):
+    with pytest.raises(SpecError, match=r"^dir\.yaml: a folder, not a spec file$"):
         load_spec("dir.yaml")
 
 def test_one_bad_file_in_trainings_does_not_hide_the_others(in_tmp):
@@ -275,3 +275,19 @@ def test_a_log_whose_iteration_total_is_zero_or_absurd_is_no_traceback(tmp_path)
         assert done.returncode == 0 and done.stderr == "", done.stderr
     assert "progress: iteration 6 of 0 (no total logged), 0 left" in opskit_cli("logs", "show", "z.log",
                                                                                cwd=tmp_path).stdout
+
+
+@pytest.mark.parametrize("command", [["kill-switch"], ["status"], ["logs", "show"], ["nodes", "list"]])
+def test_a_run_directory_below_a_file_is_one_line(tmp_path, command):
+    raw = tiny()
+    raw["paths"]["output"] = "afile/run"
+    (tmp_path / "afile").write_text("not a folder\n")
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    argv = [*command, "s.yaml", *(["on"] if command == ["kill-switch"] else [])]
+    line = one_error_line(opskit_cli(*argv, cwd=tmp_path), 2 if command == ["status"] else 1)
+    assert line == f"error: s.yaml: paths.output: {tmp_path.resolve() / 'afile'} is a file, not a folder"
+
+
+def test_error_lines_keep_their_colons(tmp_path):
+    done = opskit_cli("logs", "plot", str(FIXTURES / "hang.txt"), "--range", "a:b:", "--out", "p.png", cwd=tmp_path)
+    assert one_error_line(done, 1).startswith("error: --range a:b:: expected A:B")
