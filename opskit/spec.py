@@ -11,6 +11,11 @@ A spec is found by path, by exact name, or by a unique name prefix (``tr11`` -> 
 *variants* (partial specs under ``variants:``, deep-merged over the rest of the file; ``null`` deletes a key), chosen
 with ``NAME:VARIANT`` (``tr8b-104B:cl``, ``tr8b:cl``, ``trainings/mine.yaml:cl``).
 
+Relative paths (``paths.output``, ``data.dir``, ``data.corpus`` files) start from the spec's base directory: the
+project directory holding its ``trainings/`` folder, else the spec file's folder, the current one for a bundled preset
+(``Spec.base_dir``). Types are strict (``num_layers: true`` or ``2.0`` is refused, an int is a fine float) and a key
+given twice in one mapping is refused with both lines.
+
 String values of ``paths``, ``data`` paths, ``slurm.env`` and ``megatron_args`` may use ``$VAR`` / ``${VAR}``
 (BigScience's ``$six_ALL_CCFRSCRATCH``): they are expanded from the environment where the job is rendered (``opskit
 submit``), and an unset variable is an error there, never an empty string.
