@@ -204,9 +204,13 @@ class ParallelSpec(_Section):
         return self.world_size // self.model_parallel_size
 
 
+# Batch sizes beyond this are typos (BLOOM-176B: 2048): the node-count search and the ramp-up table grow with them.
+MAX_BATCH = 1 << 20
+
+
 class BatchSpec(_Section):
-    micro_batch_size: int = Field(gt=0)
-    global_batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0, le=MAX_BATCH)
+    global_batch_size: int = Field(gt=0, le=MAX_BATCH)
     rampup_batch_size: tuple[int, int, int] | None = None
     """[start, increment, ramp-up samples], Megatron's --rampup-batch-size."""
     train_samples: int | None = Field(default=None, gt=0)

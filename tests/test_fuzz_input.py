@@ -5,7 +5,7 @@ hundred examples per test, the whole file in well under a minute on 2 cores."""
 from __future__ import annotations
 
 import copy
-import math
+import json
 from pathlib import Path
 
 import pytest
@@ -121,7 +121,7 @@ def damaged_presets(draw):
 COUNTS = {"loaded": 0, "refused": 0}
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=damaged_presets())
 def test_damaged_presets_and_variants_are_a_spec_or_one_spec_error(tmp_path_factory, case):
     name, raw = case
@@ -220,14 +220,8 @@ def test_random_bytes_into_the_bulk_path(blocks):
     expected = parse.LogChunk()
     for block in blocks:
         parse._scan_bytes(block, expected, None)
-    assert chunk.records == expected.records or _same_with_nan(chunk.records, expected.records)
+    assert json.dumps(chunk.records) == json.dumps(expected.records)  # NaN == NaN, key order included
     _check_records(chunk.records)
-
-
-def _same_with_nan(a: list[dict], b: list[dict]) -> bool:
-    def norm(v):
-        return "nan" if isinstance(v, float) and math.isnan(v) else v
-    return [{k: norm(v) for k, v in r.items()} for r in a] == [{k: norm(v) for k, v in r.items()} for r in b]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))

@@ -291,3 +291,20 @@ def test_a_run_directory_below_a_file_is_one_line(tmp_path, command):
 def test_error_lines_keep_their_colons(tmp_path):
     done = opskit_cli("logs", "plot", str(FIXTURES / "hang.txt"), "--range", "a:b:", "--out", "p.png", cwd=tmp_path)
     assert one_error_line(done, 1).startswith("error: --range a:b:: expected A:B")
+
+
+def test_an_absurd_batch_size_is_refused_not_searched(in_tmp):
+    # global_batch_size 2**64 used to hang `opskit plan` (the node-count search tried every divisor up to 2**32).
+    raw = tiny()
+    raw["batch"]["global_batch_size"] = 2**64
+    (in_tmp / "huge.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(SpecError, match=r"batch\.global_batch_size: Input should be less than or equal to 1048576"):
+        load_spec("huge.yaml")
+
+
+def test_a_garbled_iteration_time_is_no_eta(tmp_path):
+    (tmp_path / "t.log").write_text(" iteration 1/ 10 | elapsed time per iteration (s): nan |\n"
+                                    " iteration 2/ 10 | elapsed time per iteration (s): -inf |\n")
+    done = opskit_cli("logs", "show", "t.log", cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "ETA" not in done.stdout and "progress: iteration 2 of 10 (20.0%), 8 left" in done.stdout

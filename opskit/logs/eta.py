@@ -4,6 +4,7 @@ consumed / planned, as the tr11 chronicle computed "125 days more" by hand from 
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -56,7 +57,8 @@ def progress(iterations: list[dict], recent: int = 20, planned_tokens: int | Non
         raise ValueError("no iteration records")
     last = iterations[-1]
     if seconds_per_iteration is None:
-        times = [r["elapsed_time_per_iteration_s"] for r in iterations[-recent:] if "elapsed_time_per_iteration_s" in r]
+        times = [t for r in iterations[-recent:] if (t := r.get("elapsed_time_per_iteration_s")) is not None
+                 and math.isfinite(t) and t >= 0]  # a garbled "nan" or "-inf" time must not become the ETA
         seconds_per_iteration = statistics.median(times) if times else None
     left = max(0, last["train_iters"] - last["iteration"])
     tokens, samples = last.get("consumed_tokens"), last.get("consumed_samples")
