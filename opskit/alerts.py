@@ -156,18 +156,17 @@ def settings(spec_alerts: AlertsSpec, environ: Mapping[str, str] | None = None) 
     Raises:
         AlertConfigError: the file is not YAML, or not ``watchdog.alerts`` keys; one line naming it.
     """
-    import yaml
     from pydantic import ValidationError
 
-    from opskit.spec import deep_merge
+    from opskit.spec import SpecError, deep_merge, read_yaml
 
     path = user_config(environ)
     if not path.is_file():
         return spec_alerts
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise AlertConfigError(f"{path}: not readable YAML ({' '.join(str(e).split())})") from None
+        raw = read_yaml(path) or {}
+    except SpecError as e:
+        raise AlertConfigError(str(e)) from None
     if not isinstance(raw, dict):
         raise AlertConfigError(f"{path}: expected the keys of a spec's watchdog.alerts (email, webhook, ...)")
     try:

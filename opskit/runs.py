@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.fsutil import atomic_write_text
-from opskit.spec import Spec
+from opskit.spec import Spec, SpecError
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,14 @@ class RunPaths:
 
     @classmethod
     def of(cls, spec: Spec) -> RunPaths:
-        """The run directory of a spec (``paths.output``, ``$VAR`` expanded).
+        """The run directory of a spec: ``paths.output``, ``$VAR`` expanded, a relative path taken from the spec's
+        base directory (``Spec.base_dir``: the project holding ``trainings/``), so every command finds the same run
+        from any current directory.
 
         Raises:
             SpecError: when ``paths.output`` uses an environment variable that is not set here.
         """
-        return cls(Path(spec.expand(spec.paths.output, "paths.output")).resolve())
+        return cls(folder_path(spec, spec.paths.output, "paths.output"))
 
     @property
     def checkpoints(self) -> Path:
@@ -111,6 +113,20 @@ class RunPaths:
         return self.root / "hf" / tag
 
 
+def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A folder the spec names (``Spec.local_path``), refused when it, or a folder above it, is a file: every command
+    would otherwise fail on it later with an OS error of its own.
+
+    Raises:
+        SpecError: naming the file, the field and the path that is a file; an unset ``$VAR``.
+    """
+    path = spec.local_path(value, field, environ)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise SpecError(f"{spec.file or spec.name}: {field}: {existing} is a file, not a folder")
+    return path
+
+
 def mark_run_finished(detail: str, run_dir: str | None = None) -> Path | None:
     """Write the finished flag of the run the job script named in ``$OPSKIT_RUN_DIR`` (the trainer calls this when
     ``--train-samples`` are consumed); a trainer started outside a job script (no such variable) writes nothing.
@@ -140,20 +156,21 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
         raise DataError(f"{spec.file or spec.name}: data: this spec reads a dataset prepared elsewhere "
                         f"(data.{source}); `opskit data prepare` only builds a data.corpus: prepare it with "
                         "Megatron's tools/preprocess_data.py, or give the spec a corpus and dir")
-    return output_paths(Path(spec.expand(spec.data.dir, "data.dir", environ)).resolve(), spec.data.name)
+    return output_paths(folder_path(spec, spec.data.dir, "data.dir", environ), spec.data.name)
 
 
 def corpus_inputs(spec: Spec) -> tuple[str | list[str], Path]:
-    """(corpus, output folder) to pass to ``opskit.data.prepare_data`` for a spec, ``$VAR`` expanded.
+    """(corpus, output folder) to pass to ``opskit.data.prepare_data`` for a spec: ``$VAR`` expanded, corpus files
+    taken from the spec's base directory (as ``data.dir``); the named corpus ``kjv`` as it is.
 
     Raises:
         DataError: for a spec whose data was prepared elsewhere (see :func:`data_paths`).
         SpecError: an unset ``$VAR``.
     """
+    from opskit.data import KJV
+
     tokenizer_dir, _ = data_paths(spec)
     corpus = spec.data.corpus
     if isinstance(corpus, list):
-        corpus = [spec.expand(c, "data.corpus") for c in corpus]
-    else:
-        corpus = spec.expand(corpus, "data.corpus")
-    return corpus, tokenizer_dir.parent
+        return [str(spec.local_path(c, "data.corpus")) for c in corpus], tokenizer_dir.parent
+    return (corpus if corpus == KJV else str(spec.local_path(corpus, "data.corpus"))), tokenizer_dir.parent

@@ -11,6 +11,11 @@ A spec is found by path, by exact name, or by a unique name prefix (``tr11`` -> 
 *variants* (partial specs under ``variants:``, deep-merged over the rest of the file; ``null`` deletes a key), chosen
 with ``NAME:VARIANT`` (``tr8b-104B:cl``, ``tr8b:cl``, ``trainings/mine.yaml:cl``).
 
+Relative paths (``paths.output``, ``data.dir``, ``data.corpus`` files) start from the spec's base directory: the
+project directory holding its ``trainings/`` folder, else the spec file's folder, the current one for a bundled preset
+(``Spec.base_dir``). Types are strict (``num_layers: true`` or ``2.0`` is refused, an int is a fine float) and a key
+given twice in one mapping is refused with both lines.
+
 String values of ``paths``, ``data`` paths, ``slurm.env`` and ``megatron_args`` may use ``$VAR`` / ``${VAR}``
 (BigScience's ``$six_ALL_CCFRSCRATCH``): they are expanded from the environment where the job is rendered (``opskit
 submit``), and an unset variable is an error there, never an empty string.
@@ -50,7 +55,25 @@ _ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """YAML 1.1 without base-60 integers: ``time: 20:00:00`` stays the string sbatch expects, not 72000."""
+    """YAML 1.1 without base-60 integers (``time: 20:00:00`` stays the string sbatch expects, not 72000), and a key
+    given twice in one mapping is an error (plain YAML keeps the last value silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then keys that override it: YAML's own rule
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise _DuplicateKey(key, key_node.start_mark, seen[key])
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, mark: yaml.Mark, first: yaml.Mark):
+        super().__init__(f"line {mark.line + 1}: key {key!r} given twice (first at line {first.line + 1}): keep one")
 
 
 _SpecLoader.yaml_implicit_resolvers = {
@@ -101,8 +124,10 @@ def parse_slurm_time(value: str) -> float:
 
 
 class _Section(BaseModel):
-    # Unknown keys are typos: reject them and let pydantic list the valid ones.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown keys are typos: reject them and let pydantic list the valid ones. Strict types: `num_layers: true`,
+    # `2.0` or "4" is refused, never read as 1, 2 or 4. The one conversion kept: an int is a fine float (YAML reads
+    # `lr: 1` as an int).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSpec(_Section):
@@ -161,7 +186,8 @@ class ParallelSpec(_Section):
     pp_partition_method: str | None = Field(default=None, pattern=_ONE_LINE)
     """``--pp-partition-method`` (Megatron-DeepSpeed), e.g. ``type:transformer|embedding`` (BLOOM-176B): counts the
     embeddings as layers when balancing pipeline stages, so num_layers need not be a multiple of PP."""
-    zero_stage: Literal[0, 1] = 1
+    zero_stage: int = Field(default=1, ge=0, le=1)
+    """DeepSpeed ZeRO stage: 0 or 1."""
     deepspeed_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+)?([^\n]*)$")
     """DeepSpeed version the job will run with; default: the one installed where opskit runs (``opskit submit``)."""
 
@@ -180,9 +206,13 @@ class ParallelSpec(_Section):
         return self.world_size // self.model_parallel_size
 
 
+# Batch sizes beyond this are typos (BLOOM-176B: 2048): the node-count search and the ramp-up table grow with them.
+MAX_BATCH = 1 << 20
+
+
 class BatchSpec(_Section):
-    micro_batch_size: int = Field(gt=0)
-    global_batch_size: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0, le=MAX_BATCH)
+    global_batch_size: int = Field(gt=0, le=MAX_BATCH)
     rampup_batch_size: tuple[int, int, int] | None = None
     """[start, increment, ramp-up samples], Megatron's --rampup-batch-size."""
     train_samples: int | None = Field(default=None, gt=0)
@@ -190,6 +220,11 @@ class BatchSpec(_Section):
     """``--train-iters``: the alternative to train_samples, without a batch ramp-up."""
     train_tokens: int | None = Field(default=None, gt=0)
     """``--train-tokens`` (curriculum learning, Megatron-DeepSpeed): stop after this many tokens."""
+
+    @field_validator("rampup_batch_size", mode="before")
+    @classmethod
+    def _yaml_list(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value  # YAML has lists; strict mode wants the tuple
 
     @model_validator(mode="after")
     def _one_length(self) -> BatchSpec:
@@ -236,7 +271,8 @@ class DataSpec(_Section):
     corpus: str | list[str] | None = None
     """A named corpus (``kjv``) or a list of .txt/.jsonl files for ``opskit data prepare``."""
     dir: str | None = None
-    """Folder that holds tokenizer.json and the indexed dataset (relative paths: to the current directory)."""
+    """Folder that holds tokenizer.json and the indexed dataset (a relative path starts from the spec's base
+    directory: see ``Spec.base_dir``)."""
     name: str = "corpus"
     """Dataset file stem: ``<dir>/<name>_text_document.bin/.idx``."""
     vocab_size: int = Field(gt=0)
@@ -367,7 +403,9 @@ class SlurmSpec(_Section):
 
 class PathsSpec(_Section):
     output: str
-    """Run directory (checkpoints/, tensorboard/, logs/main_log.txt, slurm/); relative to the current directory."""
+    """Run directory (checkpoints/, tensorboard/, logs/main_log.txt, slurm/). A relative path starts from the spec's
+    base directory, not the current one: the project directory holding ``trainings/`` for a spec there, the file's
+    folder for another file, the current directory for a bundled preset (``Spec.base_dir``)."""
     hub_repos: dict[str, str] = Field(default_factory=dict)
     """Hugging Face Hub repositories the run publishes to, by kind (``logs: bigscience/tr11-176B-ml-logs``)."""
 
@@ -689,6 +727,26 @@ class Spec(_Section):
         """Time limit minus the margin, so the job saves before SLURM kills it (validated to be in (0, limit))."""
         return self.slurm.time_minutes - self.slurm.exit_margin_mins
 
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative paths of this spec (``paths.output``, ``data.dir``, ``data.corpus`` files) start from,
+        absolute: for a file in a ``trainings/`` folder the project directory holding that folder (BigScience's
+        layout: ``<project>/trainings/NAME.yaml``, runs under ``<project>/runs/NAME``), whatever the current
+        directory; for another YAML file its own folder; for a bundled preset (or a spec built in memory) the current
+        directory."""
+        if self._file is None or self._file.resolve().parent == _preset_dir().resolve():
+            return Path.cwd()
+        folder = self._file.resolve().parent
+        return folder.parent if folder.name == USER_SPEC_DIR.name else folder
+
+    def local_path(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
+        """A path field of the spec, ``$VAR`` expanded and made absolute from :attr:`base_dir`.
+
+        Raises:
+            SpecError: an unset ``$VAR`` (see :meth:`expand`).
+        """
+        return (self.base_dir / Path(self.expand(value, field, environ)).expanduser()).resolve()
+
     def expand(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> str:
         """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``).
 
@@ -817,8 +875,12 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in files if p.name.endswith(".yaml"))
 
 
+def _preset_dir() -> Path:
+    return Path(str(resources.files("opskit.presets")))
+
+
 def _preset_file(name: str) -> Path:
-    return Path(str(resources.files("opskit.presets") / f"{name}.yaml"))
+    return _preset_dir() / f"{name}.yaml"
 
 
 def _candidates() -> dict[str, Path]:
@@ -847,6 +909,8 @@ def find_spec(name_or_path: str) -> Path:
     """
     path = Path(name_or_path)
     if path.suffix in {".yaml", ".yml"} or path.is_file():  # a folder named like a spec (logs, runs) is no spec
+        if path.is_dir():
+            raise SpecError(f"{name_or_path}: a folder, not a spec file")
         if not path.is_file():
             raise SpecError(f"{name_or_path}: no such spec file")
         return path
@@ -861,13 +925,38 @@ def find_spec(name_or_path: str) -> Path:
     raise SpecError(f"no spec named {name_or_path!r}; known: {', '.join(sorted(candidates))}")
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml(path: Path) -> Any:
+    """The YAML document of a file opskit reads settings from (a spec, the user's alert settings).
+
+    Raises:
+        SpecError: one line naming the file: unreadable (a folder, no permission), not UTF-8 text, not YAML (with
+            the line), a key given twice in one mapping (with both lines).
+    """
     try:
-        raw = yaml.load(path.read_text(), Loader=_SpecLoader)
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); expected a "
+                        "YAML text file") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        return yaml.load(text, Loader=_SpecLoader)
+    except _DuplicateKey as e:
+        raise SpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise SpecError(f"{path}:{where} not valid YAML ({problem})") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    """The top-level mapping of a spec file.
+
+    Raises:
+        SpecError: see :func:`read_yaml`; or the document is not a mapping.
+    """
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: expected a mapping of sections (model, batch, ...), got {type(raw).__name__}")
     return raw
@@ -981,12 +1070,18 @@ def _describe(error: ValidationError) -> str:
     """Every pydantic error as `field.path: message`, joined on one line (cross-section rules name their fields)."""
     parts = []
     for err in error.errors():
-        field = ".".join(str(p) for p in err["loc"])
-        message = err["msg"].removeprefix("Value error, ")
+        field = ".".join(_key_text(p) for p in err["loc"])
+        message = " ".join(err["msg"].removeprefix("Value error, ").split())
         if err["type"] == "extra_forbidden":
             message = f"unknown key (expected one of: {', '.join(_section_keys(err['loc'][:-1]))})"
         parts.append(f"{field}: {message}" if field else message)
     return "; ".join(parts)
+
+
+def _key_text(key: Any) -> str:
+    """A key of an error location as written in a message: plain when it is a plain word, else quoted (a key with a
+    newline, a colon or a dot must not break the one line, nor pass for a path)."""
+    return str(key) if isinstance(key, int) or re.fullmatch(r"[\w-]+", str(key)) else repr(key)
 
 
 def _section_keys(loc: tuple) -> list[str]:
@@ -1024,11 +1119,14 @@ class SpecEntry:
     description: str
     source: Path
     origin: Literal["preset", "trainings"]
+    error: str | None = None
+    """Why the file cannot be read (one line naming it); such an entry has no variants and no description."""
 
 
 def list_specs() -> list[SpecEntry]:
     """Every spec and variant that a name finds: the user's ``trainings/*.yaml`` (first) and the bundled presets they
-    do not shadow. Unreadable files are listed with their one-line error as description."""
+    do not shadow. A file that cannot be read is one entry carrying its one-line error: the others are listed as
+    usual."""
     entries = []
     candidates = _candidates()
     user = {name for name, path in candidates.items() if path.parent == USER_SPEC_DIR}
@@ -1039,7 +1137,7 @@ def list_specs() -> list[SpecEntry]:
             raw = _read_yaml(path)
             variants = _variants_of(path, raw)
         except SpecError as e:
-            entries.append(SpecEntry(name, f"error: {e}", path, origin))
+            entries.append(SpecEntry(name, "", path, origin, error=str(e)))
             continue
         entries.append(SpecEntry(name, str(raw.get("description", "")), path, origin))
         for variant, overlay in variants.items():

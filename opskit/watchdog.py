@@ -67,6 +67,8 @@ class Report:
     unreachable: bool = False
     unknown: tuple[str, ...] = ()
     main_log: Path | None = None
+    run_missing: bool = False
+    """The run directory does not exist here: nothing of the run could be seen (finding ``run.missing``)."""
 
     @property
     def severity(self) -> str:
@@ -78,8 +80,8 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """0 ok (warnings included), 1 alert, 2 scheduler unreachable."""
-        return 2 if self.unreachable else 1 if self.severity == "alert" else 0
+        """0 ok (warnings included), 1 alert, 2 scheduler unreachable or no run directory to look at."""
+        return 2 if self.unreachable or self.run_missing else 1 if self.severity == "alert" else 0
 
     def as_dict(self) -> dict:
         return {"name": self.name, "job_name": self.job_name, "time": self.time.isoformat(timespec="seconds"),
@@ -254,7 +256,7 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
 
     try:
         info = os.stat(run.main_log)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     offset = state.get("offset", 0) if state.get("inode") == info.st_ino else 0
     chunk = read_from(run.main_log, offset, fields=FIELDS)
@@ -514,20 +516,32 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
         scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
     scheduler += check_chain(run, ledger)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
-    if log is None:
+    run_missing = not run.root.is_dir()
+    if run_missing:  # never "no log yet, ok" about a run this machine cannot see
+        findings.append(_run_missing(spec, run))
+    elif log is None:
         findings.append(Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet"))
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
-    findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now)
+    if not run_missing:
+        findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now)
     findings += check_disk(run, spec.watchdog)
     save_state(run, state)
     report = Report(spec.name, spec.job_name, now, pulse, scheduler + findings, unreachable=error is not None,
                     unknown=("scheduler", "log.hang", "checkpoint.age") if error is not None else (),
-                    main_log=run.main_log)
+                    main_log=run.main_log, run_missing=run_missing)
     if spec.watchdog.append_to_main_log and run.main_log.parent.is_dir():
         _append(run.main_log, pulse)
     return report
+
+
+def _run_missing(spec: Spec, run: RunPaths) -> Finding:
+    what = "is a file, not a folder" if run.root.exists() else "does not exist"
+    return Finding("run.missing", "alert", f"run directory {run.root} {what} (paths.output {spec.paths.output!r} from "
+                   f"{spec.base_dir}): nothing of the run can be checked here; not submitted yet (`opskit submit "
+                   f"{spec.cli_name}`), or paths.output names another folder than the jobs write to",
+                   {"run_dir": str(run.root)})
 
 
 def _append(path: Path, lines: list[str]) -> None:

@@ -248,7 +248,7 @@ def test_variants_in_user_files(in_tmp):
     write(path, raw)
     with pytest.raises(SpecError, match=r"variants\.named\.name: not allowed in a variant"):
         load_spec("mine:two")  # a malformed variant spoils the whole file
-    assert list_specs()[0].description.startswith("error: ")
+    assert "variants.named.name: not allowed in a variant" in list_specs()[0].error
 
 
 # --------------------------------------------------------------------------- the seed figures

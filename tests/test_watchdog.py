@@ -280,8 +280,10 @@ def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
 
 
 def spec_file(tmp_path: Path, job_name: str, **watchdog) -> Path:
-    """A spec watching SLURM job ``job_name`` with run directory ``tmp_path/run`` (status needs no data)."""
+    """A spec watching SLURM job ``job_name`` with run directory ``tmp_path/run``, created as `opskit submit` does
+    (status needs no data)."""
     fake_data = SimpleNamespace(data_prefix=tmp_path / "data" / "kjv_text_document")
+    (tmp_path / "run").mkdir(parents=True, exist_ok=True)
     return write_spec(tmp_path / f"{job_name}.yaml", fake_data, tmp_path / "run", slurm={"job_name": job_name},
                       watchdog=watchdog)
 

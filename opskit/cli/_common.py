@@ -12,8 +12,9 @@ import typer
 from rich.console import Console
 
 # soft_wrap: log-like lines (PULSE, iteration lines) stay one line each in pipes and files, so grep finds them.
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# emoji=False: rich would print ":b:" of "--range a:b:" or a "NAME:VARIANT:..." path as an emoji, even without markup.
+console = Console(highlight=False, soft_wrap=True, emoji=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 # The parameters most commands take, declared once: ``name: SpecName`` and ``json_output: JsonOutput = False``.
 SpecName = Annotated[str, typer.Argument(help="Spec name, unique prefix or YAML path.")]

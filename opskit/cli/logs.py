@@ -25,6 +25,11 @@ def _report_skipped(name: str, skipped: int) -> None:
                           markup=False)
 
 
+def _note(line: str | None) -> None:
+    if line:
+        err_console.print(line, markup=False)
+
+
 @app.command("parse")
 @friendly_errors
 def parse(
@@ -32,19 +37,28 @@ def parse(
     output_format: str = typer.Option("jsonl", "--format", help="jsonl or csv."),
 ) -> None:
     """One record per iteration and validation line, with its restart segment (0, 1, ... each time the iteration
-    goes back); unknown `key: value |` fields under `extra` (csv: `extra.KEY` columns)."""
+    goes back); unknown `key: value |` fields under `extra` (csv: `extra.KEY` columns). A file that gave no records
+    or skipped lines gets one line on stderr; one that cannot be read (a folder, missing) an `error:` line, and the
+    others are still parsed (exit 1)."""
     from opskit.logs.export import write_csv, write_jsonl
     from opskit.logs.parse import LogFormatError, read_from, split_segments
 
     if output_format not in ("jsonl", "csv"):
         raise LogFormatError(f"--format {output_format}: expected jsonl or csv")
-    rows = []
+    rows, failed = [], False
     for path in files:
-        chunk = read_from(path)
-        _report_skipped(str(path), chunk.skipped)
+        try:
+            chunk = read_from(path)
+        except (LogFormatError, FileNotFoundError) as e:
+            err_console.print(f"error: {e}", markup=False)
+            failed = True
+            continue
+        _note(chunk.summary(str(path)))
         for segment, records in enumerate(split_segments(chunk.records)):
             rows += [{"file": str(path), "segment": segment, **r} for r in records]
     (write_jsonl if output_format == "jsonl" else write_csv)(rows, sys.stdout)
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command("show")
@@ -141,11 +155,12 @@ def plot(
     """Plot a metric of one or more runs: an image with --out, else a terminal plot. One line per run, spikes marked
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
     from opskit.logs.parse import LogFormatError
-    from opskit.logs.plot import claim_image, draw_image, draw_text, make_series, parse_range, y_key
+    from opskit.logs.plot import check_x, check_y, claim_image, draw_image, draw_text, make_series, parse_range, y_key
     from opskit.logs.sources import resolve
     from opskit.logs.spikes import find_spikes
 
     key, bounds = y_key(y), parse_range(x_range)
+    check_x(x)
     if out is None and not sys.stdout.isatty():
         raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
     if out is not None:
@@ -154,6 +169,7 @@ def plot(
     for item in inputs:
         source = resolve(item)
         records, skipped = source.records(_fields_for(key, x))
+        check_y(y, records)
         _report_skipped(item, skipped)
         iterations = _timeline_or_fail(source, records)
         points = iterations if not key.startswith("validation_") else [r for r in records if r["kind"] ==

@@ -14,16 +14,24 @@ app = typer.Typer(help="List, show and create training specs.", no_args_is_help=
 @app.command("list")
 @friendly_errors
 def list_() -> None:
-    """Every spec a NAME finds: trainings/*.yaml first, then the bundled presets, with their variants."""
+    """Every spec a NAME finds: trainings/*.yaml first, then the bundled presets, with their variants. A file that
+    cannot be read gets one `error:` line on stderr (exit 1), the others are listed."""
     from opskit.spec import list_specs
 
     table = Table(title="specs (NAME or NAME:VARIANT)", title_justify="left")
     for column in ("name", "description", "source"):
         table.add_column(column, overflow="fold")
-    for entry in list_specs():
-        source = f"preset {entry.source.name}" if entry.origin == "preset" else str(entry.source)
-        table.add_row(Text(entry.name), Text(entry.description), Text(source))
+    entries = list_specs()
+    for entry in entries:
+        if entry.error is None:
+            source = f"preset {entry.source.name}" if entry.origin == "preset" else str(entry.source)
+            table.add_row(Text(entry.name), Text(entry.description), Text(source))
     console.print(table)
+    errors = [entry.error for entry in entries if entry.error is not None]
+    for error in errors:
+        err_console.print(f"error: {error}", markup=False)
+    if errors:
+        raise typer.Exit(1)
 
 
 @app.command("show")

@@ -4,6 +4,7 @@ consumed / planned, as the tr11 chronicle computed "125 days more" by hand from 
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -56,7 +57,8 @@ def progress(iterations: list[dict], recent: int = 20, planned_tokens: int | Non
         raise ValueError("no iteration records")
     last = iterations[-1]
     if seconds_per_iteration is None:
-        times = [r["elapsed_time_per_iteration_s"] for r in iterations[-recent:] if "elapsed_time_per_iteration_s" in r]
+        times = [t for r in iterations[-recent:] if (t := r.get("elapsed_time_per_iteration_s")) is not None
+                 and math.isfinite(t) and t >= 0]  # a garbled "nan" or "-inf" time must not become the ETA
         seconds_per_iteration = statistics.median(times) if times else None
     left = max(0, last["train_iters"] - last["iteration"])
     tokens, samples = last.get("consumed_tokens"), last.get("consumed_samples")
@@ -87,15 +89,16 @@ def format_count(n: int) -> str:
 
 def progress_lines(state: Progress, recent: int) -> list[str]:
     """``progress: ...``, ``ETA: ...`` and ``tokens: ...`` lines, in the chronicles' units."""
-    lines = [f"progress: iteration {state.iteration:,} of {state.train_iters:,} "
-             f"({state.iteration / state.train_iters:.1%}), {state.iterations_left:,} left"]
+    share = f"{state.iteration / state.train_iters:.1%}" if state.train_iters > 0 else "no total logged"
+    lines = [f"progress: iteration {state.iteration:,} of {state.train_iters:,} ({share}), "
+             f"{state.iterations_left:,} left"]
     if state.iterations_left == 0:
         lines.append("ETA: finished")
     elif state.seconds_per_iteration is not None:
         lines.append(f"ETA: {state.iterations_left:,} x {state.seconds_per_iteration:.2f} s (median of the last "
                      f"{recent}) = {format_duration(state.seconds_left)} at this speed without downtime")
     if state.consumed_tokens is not None:
-        planned = "" if state.planned_tokens is None else (
+        planned = "" if not state.planned_tokens else (
             f" / {format_count(state.planned_tokens)} planned ({state.planned_tokens_source}), "
             f"{state.consumed_tokens / state.planned_tokens:.1%}")
         lines.append(f"tokens: {format_count(state.consumed_tokens)} consumed{planned}")

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from opskit.logs.parse import LogFormatError, from_end
+from opskit.logs.parse import LogFormatError, from_end, open_log
 
 if TYPE_CHECKING:
     from opskit.targets import Target
@@ -36,9 +36,9 @@ def new_lines(path: str | Path, offset: int) -> tuple[list[str], int]:
     """(complete lines after byte ``offset``, the offset after them); from 0 when the file became shorter.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
     """
-    with open(path, "rb") as f:
+    with open_log(path) as f:
         if os.fstat(f.fileno()).st_size < offset:
             offset = 0
         f.seek(offset)

@@ -77,10 +77,26 @@ class LogChunk:
     offset: int = 0
     skipped: int = 0
     rewound: bool = False
+    lines: int = 0
+    """Complete lines read (by :func:`read_from`)."""
+    unread: int = 0
+    """Bytes after the last complete line, left for the next read (by :func:`read_from`)."""
 
     @property
     def iterations(self) -> list[dict]:
         return [r for r in self.records if r["kind"] == "iteration"]
+
+    def summary(self, name: str) -> str | None:
+        """One line for stderr saying what a read of file ``name`` skipped, or None when it gave records and skipped
+        nothing: a binary, compressed or unrelated file must not pass for a log with no iterations yet."""
+        tail = f"; {self.unread:,} bytes after the last newline not read" if self.unread else ""
+        if not self.records:
+            if not self.lines and not self.unread:
+                return f"{name}: empty, 0 records"
+            return f"{name}: 0 records, {self.lines:,} lines skipped (not a training log?){tail}"
+        if self.skipped:
+            return f"{name}: {self.skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)"
+        return None
 
 
 def snake_case(name: str) -> str:
@@ -264,17 +280,36 @@ def _scan(lines: list[str], chunk: LogChunk, keep: frozenset[str] | None) -> Non
     chunk.skipped += cut
 
 
+def open_log(path: str | Path) -> BinaryIO:
+    """``path`` opened for reading bytes.
+
+    Raises:
+        FileNotFoundError: no such file (followers wait for it). LogFormatError: a folder, or not readable.
+    """
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise LogFormatError(f"{path}: a folder, not a log file") from None
+    except OSError as e:
+        raise LogFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
 def _blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[bytes]:
     """Blocks of about ``size`` bytes of complete lines from ``f`` (a partial last line is left for the next read);
-    ``chunk.offset``, when given, moves past each block as it is handed out."""
+    ``chunk.offset``, ``lines`` and ``unread``, when given, move past each block as it is handed out."""
     carry = b""
     while block := f.read(size):
         block = carry + block
         end = block.rfind(b"\n") + 1
         carry = block[end:]
+        if chunk is not None:
+            chunk.unread = len(carry)
         if end:
             if chunk is not None:
                 chunk.offset += end
+                chunk.lines += block.count(b"\n", 0, end)
             yield block[:end]
 
 
@@ -297,11 +332,11 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
 
     Raises:
         FileNotFoundError: no such file.
-        LogFormatError: an unknown name in ``fields``.
+        LogFormatError: a folder or an unreadable file; an unknown name in ``fields``.
     """
     keep = _keep(fields)
     chunk = LogChunk(offset=offset)
-    with open(path, "rb") as f:
+    with open_log(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < offset:
             chunk.offset, chunk.rewound = 0, True
@@ -323,9 +358,9 @@ def from_end(path: str | Path, attempt: Callable[[str, bool], T | None]) -> tupl
     being where a follower continues.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
     """
-    with open(path, "rb") as f:
+    with open_log(path) as f:
         size = os.fstat(f.fileno()).st_size
         span = 1 << 16
         while True:
@@ -345,7 +380,7 @@ def read_tail(path: str | Path, iterations: int) -> LogChunk:
     multi-GB log costs a few reads (:func:`from_end`). ``offset`` is where a follower continues.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
     """
 
     def enough(text: str, at_start: bool) -> LogChunk | None:
@@ -358,8 +393,12 @@ def read_tail(path: str | Path, iterations: int) -> LogChunk:
 
 
 def first_iteration(path: str | Path) -> dict | None:
-    """The first iteration record of a file, reading only as far as it (None when there is none)."""
-    with open(path, "rb") as f:
+    """The first iteration record of a file, reading only as far as it (None when there is none).
+
+    Raises:
+        FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
+    """
+    with open_log(path) as f:
         for block in _blocks(f, 1 << 16):
             chunk = LogChunk()
             _scan_bytes(block, chunk, None)

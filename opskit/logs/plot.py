@@ -47,6 +47,31 @@ def y_key(name: str) -> str:
     return Y_ALIASES.get(name, name)
 
 
+def check_x(x: str) -> None:
+    """Raises LogFormatError: ``x`` is not iteration, samples or tokens (one line listing them)."""
+    if x not in X_AXES:
+        raise LogFormatError(f"--x {x}: expected one of {', '.join(X_AXES)}")
+
+
+def check_y(y: str, records: list[dict]) -> None:
+    """Refuse a ``--y`` that is neither a record field, an alias, nor an unknown field some of ``records`` carry
+    under ``extra`` (``moe_loss`` or ``extra.moe_loss``).
+
+    Raises:
+        LogFormatError: one line listing the valid names.
+    """
+    from opskit.logs.parse import iteration_fields
+
+    fields = sorted(iteration_fields() - {"train_iters"}) + ["validation_lm_loss", "validation_ppl"]
+    extras = sorted({key for r in records for key in r.get("extra", {})})
+    key = y_key(y)
+    if key in fields or key.removeprefix("extra.") in extras:
+        return
+    aliases = ", ".join(f"{alias}={field}" for alias, field in Y_ALIASES.items())
+    found = f"; this log's extra fields: {', '.join(extras)}" if extras else ""
+    raise LogFormatError(f"--y {y}: no such field; expected one of {', '.join(fields)} (aliases {aliases}){found}")
+
+
 def parse_range(text: str | None) -> tuple[float | None, float | None]:
     """``"A:B"``, ``"A:"``, ``":B"`` (numbers such as ``24e9``) -> (A, B), None where open.
 
@@ -72,8 +97,7 @@ def make_series(name: str, records: list[dict], x: str, y: str, x_range=(None, N
     Raises:
         LogFormatError: ``x`` is not iteration/samples/tokens.
     """
-    if x not in X_AXES:
-        raise LogFormatError(f"--x {x}: expected one of {', '.join(X_AXES)}")
+    check_x(x)
     x_key, low, high = X_AXES[x], *x_range
     xs, ys, x_of = [], [], {}
     for record in records:

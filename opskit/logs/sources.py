@@ -51,12 +51,20 @@ class LogSource:
         return records
 
 
+_LOG_SUFFIXES = (".txt", ".log", ".out", ".err", ".gz", ".jsonl")
+_EXPECTED = "expected a log file, a run folder, a TensorBoard event folder or a spec name"
+
+
 def resolve(name_or_path: str) -> LogSource:
     """A file, an event folder, a run folder (with ``logs/main_log.txt``), else a spec name.
 
     Raises:
         SpecError: not a path, and no spec of that name.
+        LogFormatError: a folder that is neither a run nor an event folder and no spec's name; a name that can only
+            be a path (a ``/`` or a log suffix) and does not exist.
     """
+    from opskit.spec import SpecError, split_variant
+
     path = Path(name_or_path)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
@@ -65,6 +73,15 @@ def resolve(name_or_path: str) -> LogSource:
             return LogSource(path.name, path / "logs" / "main_log.txt")
         if is_event_dir(path):
             return LogSource(path.name, path, events=True)
+        try:
+            return from_spec(name_or_path)  # BigScience keeps a folder named like each training
+        except SpecError:
+            raise LogFormatError(f"{path}: a folder with neither logs/main_log.txt nor TensorBoard event files, and "
+                                 f"no spec of that name; {_EXPECTED}") from None
+    base = Path(split_variant(name_or_path)[0])
+    if not base.exists() and base.suffix not in (".yaml", ".yml") and ("/" in str(base) or base.suffix in
+                                                                        _LOG_SUFFIXES):
+        raise LogFormatError(f"{name_or_path}: no such file or folder; {_EXPECTED}")
     return from_spec(name_or_path)
 
 

@@ -284,7 +284,7 @@ def read_ledger(run: RunPaths) -> list[TaskOutcome]:
     if not run.ledger.is_file():
         return []
     rows = []
-    for number, line in enumerate(run.ledger.read_text().splitlines(), 1):
+    for number, line in enumerate(run.ledger.read_text(errors="replace").splitlines(), 1):  # bad bytes: that line
         if not line.strip():
             continue
         try:

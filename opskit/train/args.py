@@ -7,10 +7,29 @@ attribute names are Megatron's too (``consumed_train_samples``, ``padded_vocab_s
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line and a hint: the usage of this trainer's ~70 flags is 60 lines, and the one
+    line that matters would scroll away (or be lost in a job's output) above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help lists the flags)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A misspelt flag first: argparse would name the required flags it hides (`--num-layer 2` -> "required:
+        # --num-layers", not the typo).
+        argv = sys.argv[1:] if args is None else list(args)
+        unknown = [a for a in argv if a.startswith("--") and a != "--"
+                   and a.split("=", 1)[0] not in self._option_string_actions]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_known_args(args, namespace)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="python -m opskit.train",
         description="Megatron-DeepSpeed-style GPT/BLOOM pretraining (DeepSpeed pipeline engine).",
         allow_abbrev=False,

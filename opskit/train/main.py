@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a real text stream (not a test's capture object)
         sys.stdout.reconfigure(write_through=False, line_buffering=True)
     args = parse_args(argv)
+    if missing := _missing_extra():
+        print(f"error: {missing}", file=sys.stderr, flush=True)
+        return 2
     exit_requests = _ExitRequests()
     from opskit.train.checkpointing import CheckpointError
 
@@ -56,6 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainerError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+
+
+def _missing_extra() -> str | None:
+    """Why the trainer's own packages (the ``train`` extra) cannot be imported here, in one line; None when they can.
+    Flags are parsed first, so ``--help`` and flag errors need none of them (a login node without torch)."""
+    import importlib
+
+    for module in ("torch", "deepspeed", "megatron.core", "tokenizers", "numpy"):
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return (f"the trainer cannot import {module} ({' '.join(str(e).split())}): pip install 'opskit[train]' "
+                    "(torch first: the README says which build)")
+    return None
 
 
 def _init_distributed(args: argparse.Namespace) -> None:
