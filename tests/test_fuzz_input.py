@@ -81,7 +81,8 @@ def test_random_bytes_as_a_spec_are_one_spec_error(tmp_path_factory, data):
 _PRESET_RAW = {p.stem: yaml.safe_load(p.read_text()) for p in PRESETS}
 _WRONG = st.one_of(st.booleans(), st.integers(-3, 3), st.integers(2**31, 2**64), st.floats(-1e3, 1e3),
                    st.sampled_from([float("nan"), float("inf"), 2.0, 0.5, "", "4", "abc", "2.0", [], [1, 2], {},
-                                    {"x": 1}, None, "$UNSET_VAR/x", "a\nb", [[]], {"nested": {"junk": [1, {"a": None}]}}]))
+                                    {"x": 1}, None, "$UNSET_VAR/x", "a\nb", [[]],
+                                    {"nested": {"junk": [1, {"a": None}]}}]))
 
 
 def _paths(tree, prefix=()):
