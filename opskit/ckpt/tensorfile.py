@@ -3,8 +3,10 @@
 A ``torch.save`` file (zip format, torch >= 1.6) is an uncompressed zip holding ``<name>/data.pkl`` (the pickled
 object, whose tensors refer to storages by key) and one record ``<name>/data/<key>`` per storage. :func:`load_lazy`
 unpickles ``data.pkl`` with every tensor replaced by a :class:`TensorRef` (file, record offset, dtype, shape, strides):
-no tensor data is touched, so "are the headers loadable and is every record inside the file" costs a few KB of reads
-per file, and a converter can read one tensor (or a block of its rows) at a time, so its memory does not grow with the
+no tensor data is touched, so "are the headers loadable and is every record inside the file" (every local header where
+the zip directory says, each record ending before the next begins, data.pkl's CRC-32) costs a few KB of reads per
+file; :func:`verify_crc` reads everything and checks every record's CRC-32 (bytes flipped inside tensor data); a
+converter can read one tensor (or a block of its rows) at a time, so its memory does not grow with the
 file. Classes from modules that are not installed here (``megatron.enums.PositionEmbeddingType`` in Megatron-DeepSpeed's
 saved ``args``) load as :class:`Missing` placeholders instead of failing; :class:`PositionEmbeddingType` values become
 their names (``"alibi"``).
@@ -19,6 +21,7 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +42,35 @@ _STORAGE_DTYPES = {"FloatStorage": "float32", "HalfStorage": "float16", "BFloat1
                    "IntStorage": "int32", "LongStorage": "int64", "BoolStorage": "bool"}
 
 
-@dataclass(frozen=True)
 class Missing:
-    """Placeholder for an object of a class this interpreter cannot import; keeps the class path and its args."""
+    """Placeholder for an object of a class this interpreter cannot (or, ``light``, should not) import; ``qualname``
+    names the class, ``args`` are the arguments it was built with. One subclass per class path: pickle's ``NEWOBJ``
+    needs a type (DeepSpeed's ``fragment_address`` in a bf16 optimizer's state)."""
 
-    qualname: str
-    args: tuple = ()
+    qualname = ""
+
+    def __new__(cls, *args, **_kwargs):
+        placeholder = super().__new__(cls)
+        placeholder.args = args
+        return placeholder
 
     def __setstate__(self, state):  # pickled instances restore their __dict__; keep nothing
         pass
+
+    def __repr__(self) -> str:
+        return f"Missing({self.qualname})"
+
+
+_MISSING_CLASSES: dict[str, type[Missing]] = {}
 
 
 def _missing_class(module: str, name: str):
     if name == "PositionEmbeddingType":
         return lambda value: _POSITION_EMBEDDING_TYPES.get(value, f"PositionEmbeddingType({value})")
-    return lambda *args, **kwargs: Missing(f"{module}.{name}", args)
+    qualname = f"{module}.{name}"
+    if qualname not in _MISSING_CLASSES:
+        _MISSING_CLASSES[qualname] = type(name, (Missing,), {"qualname": qualname})
+    return _MISSING_CLASSES[qualname]
 
 
 @dataclass(frozen=True)
@@ -215,37 +232,101 @@ class ColumnSpan:
         return torch.cat([ref.read_rows(self.start, self.stop) for ref in self.refs], dim=1)
 
 
-def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:
-    """(archive prefix, storage key -> (data offset, size), data.pkl bytes), reading only zip headers and data.pkl."""
+@dataclass(frozen=True)
+class ZipRecord:
+    """One record of a ``torch.save`` zip: its ``name``, where its data starts (byte offset), its ``size`` in bytes and
+    the CRC-32 the central directory holds for it."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+
+
+def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+        return zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, ValueError) as e:  # ValueError: a directory entry with impossible fields
         raise TensorFileError(f"{path}: not a torch.save zip file ({e})") from None
+
+
+def _checked_records(archive: zipfile.ZipFile, raw, path: Path) -> list[ZipRecord]:
+    """Every record of ``archive``, checked against the file itself (headers only): a local header where the central
+    directory says, with the same name; stored uncompressed, as ``torch.save`` writes; the data inside the file and
+    ending before the next record (or the central directory) begins. A truncated or spliced file fails here.
+
+    Raises:
+        TensorFileError: naming the first record that fails.
+    """
+    infos = sorted(archive.infolist(), key=lambda i: i.header_offset)
+    ends = [i.header_offset for i in infos[1:]] + [archive.start_dir]
+    file_size = os.fstat(raw.fileno()).st_size
+    records = []
+    for info, limit in zip(infos, ends, strict=True):
+        header = os.pread(raw.fileno(), 30, info.header_offset)
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            raise TensorFileError(f"{path}: broken zip record {info.filename} (no local header at byte "
+                                  f"{info.header_offset})")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+        if os.pread(raw.fileno(), name_len, info.header_offset + 30) != name:
+            raise TensorFileError(f"{path}: broken zip record {info.filename} (its local header names another)")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise TensorFileError(f"{path}: record {info.filename} is compressed (torch.save stores records as is)")
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > file_size:
+            raise TensorFileError(f"{path}: record {info.filename} ends at byte {start + info.file_size}, past "
+                                  f"the end of the file ({file_size} bytes): truncated")
+        if start + info.file_size > limit:
+            raise TensorFileError(f"{path}: record {info.filename} ends at byte {start + info.file_size}, inside "
+                                  f"what follows it (byte {limit}): broken zip directory")
+        records.append(ZipRecord(info.filename, start, info.file_size, info.CRC))
+    return records
+
+
+def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:
+    """(archive prefix, storage key -> (data offset, size), data.pkl bytes), reading only zip headers and data.pkl
+    (whose CRC-32 is checked)."""
+    archive = _open_zip(path)
     with archive, open(path, "rb") as raw:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pickles) != 1:
             raise TensorFileError(f"{path}: no data.pkl record (not written by torch.save)")
         prefix = pickles[0][: -len("data.pkl")]
-        records = {}
-        file_size = os.fstat(raw.fileno()).st_size
-        for info in archive.infolist():
-            if not info.filename.startswith(prefix + "data/"):
-                continue
-            raw.seek(info.header_offset)
-            header = raw.read(30)
-            if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                raise TensorFileError(f"{path}: broken zip record {info.filename}")
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            start = info.header_offset + 30 + name_len + extra_len
-            if start + info.file_size > file_size:
-                raise TensorFileError(f"{path}: record {info.filename} ends at byte {start + info.file_size}, past "
-                                      f"the end of the file ({file_size} bytes): truncated")
-            records[info.filename[len(prefix) + len("data/"):]] = (start, info.file_size)
+        records = {r.name[len(prefix) + len("data/"):]: (r.start, r.size)
+                   for r in _checked_records(archive, raw, path) if r.name.startswith(prefix + "data/")}
         try:
             pickled = archive.read(pickles[0])
-        except (zipfile.BadZipFile, OSError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
             raise TensorFileError(f"{path}: {pickles[0]} unreadable ({e})") from None
     return prefix, records, pickled
+
+
+def verify_crc(path: str | Path, block: int = 16 << 20) -> int:
+    """Read every record of a ``torch.save`` zip to its end and compare its CRC-32 with the zip directory's: the one
+    check that sees bytes changed inside tensor data (headers alone cannot). Reads the whole file, ``block`` bytes
+    at a time.
+
+    Returns:
+        The number of bytes read.
+
+    Raises:
+        TensorFileError: a broken zip (as :func:`load_lazy`), or the first record whose data does not match its CRC.
+    """
+    path = Path(path)
+    archive = _open_zip(path)
+    done = 0
+    with archive, open(path, "rb") as raw:
+        for record in _checked_records(archive, raw, path):
+            crc = 0
+            for offset in range(record.start, record.start + record.size, block):
+                data = os.pread(raw.fileno(), min(block, record.start + record.size - offset), offset)
+                crc = zlib.crc32(data, crc)
+                done += len(data)
+            if crc != record.crc:
+                raise TensorFileError(f"{path}: record {record.name} fails its CRC-32 check (its bytes changed "
+                                      "after torch.save wrote them)")
+    return done
 
 
 class _LazyUnpickler(pickle.Unpickler):
