@@ -104,10 +104,9 @@ def exercise(checkpoints: Path, out: Path, damaged: int | None = None) -> dict:
 
 def equal(a, b) -> bool:
     """Deep equality of what torch.load returns (tensors bit for bit)."""
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor):  # compared as bytes: NaN == NaN
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
-                        b.view(torch.uint8) if b.is_floating_point() else b)
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, dict):
@@ -231,3 +230,34 @@ def test_cli_on_damaged_checkpoints_is_one_line(pristine, tmp_path, case):
     assert codes["check"] == (1 if damaged_step20 else 0)
     assert codes["set-latest"] == (1 if case.startswith("truncated") else 0)  # a flip is seen only by check
     assert codes["convert"] == (1 if case.startswith("truncated") else 0)
+
+
+def _structure(path: Path) -> dict[str, int]:
+    """Byte offsets of zip fields that Python's zipfile reads past but torch's reader (miniz) does not."""
+    import zipfile
+
+    archive = zipfile.ZipFile(path)
+    zip64_end = archive.start_dir + sum(46 + len(i.orig_filename) + len(i.extra) + len(i.comment)
+                                        for i in archive.infolist())
+    return {"zip64 end record: disk number": zip64_end + 16, "zip64 locator: total disks": zip64_end + 56 + 16,
+            "central entry: directory attribute": archive.start_dir + 38,
+            "central entry: data offset": archive.start_dir + 43}
+
+
+@pytest.mark.parametrize("field", ["zip64 end record: disk number", "zip64 locator: total disks",
+                                   "central entry: directory attribute", "central entry: data offset"])
+def test_zip_fields_torch_refuses_are_never_complete(pristine, tmp_path, field):
+    """Found by fuzzing: flips zipfile reads past, but torch.load fails on (or reads other bytes through)."""
+    checkpoints = linked_copy(pristine, tmp_path / "checkpoints")
+    victim = checkpoints / "global_step20" / "layer_01-model_00-model_states.pt"
+    raw = bytearray(victim.read_bytes())
+    raw[_structure(victim)[field]] ^= 0x10
+    replace_bytes(victim, bytes(raw))
+    try:
+        same = equal(torch.load(victim, weights_only=False),
+                     torch.load(pristine / "global_step20" / victim.name, weights_only=False))
+    except Exception:  # noqa: BLE001 - torch's reader fails in several ways (RuntimeError, UnpicklingError)
+        same = False
+    assert not same  # the damage matters to the resume
+    info = describe_step(checkpoints / "global_step20")
+    assert not info.complete and info.problems[0].startswith(f"{victim}: cannot be loaded (")

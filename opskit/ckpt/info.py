@@ -185,13 +185,14 @@ class ResumePoint:
         """``latest`` cannot be used, but an older complete step can."""
         return self.problem is not None and self.step is not None
 
-    def _broken_is(self) -> str:
-        return "is incomplete" if self.broken and self.broken.name != "latest" else "is unusable"
+    @property
+    def _verdict(self) -> str:
+        return "incomplete" if self.broken and self.broken.name != "latest" else "unusable"
 
     @property
     def warning(self) -> str:
         """The trainer's line when it falls back (:data:`FALLBACK_LINE` finds it in a log)."""
-        return (f"WARNING: checkpoint {self.broken} {self._broken_is()} ({self.problem}); resuming from "
+        return (f"WARNING: checkpoint {self.broken} is {self._verdict} ({self.problem}); resuming from "
                 f"{self.step.path.name}, the newest complete step")
 
     @property
@@ -200,7 +201,7 @@ class ResumePoint:
         if self.problem is None or self.step is not None:
             return None
         latest = self.directory / "latest"
-        what = f"{latest} names {self.latest}, which is incomplete" if self._broken_is() == "is incomplete" else \
+        what = f"{latest} names {self.latest}, which is incomplete" if self._verdict == "incomplete" else \
             f"{latest} is unusable"
         older = "no older step" if self.latest else "no step"
         return (f"{what} ({self.problem}), and {older} is complete: restore a step from a backup (opskit ckpt "
@@ -221,16 +222,16 @@ def resume_point(directory: str | Path) -> ResumePoint:
     if tag is None and problem is None:
         return ResumePoint(directory)
     steps = step_dirs(directory)
-    below = int(STEP_DIR.match(tag).group(1)) if tag else None
+    broken, below = directory / "latest", None  # an unusable latest: any step will do
     if tag is not None:
+        below = int(STEP_DIR.match(tag).group(1))
         if below not in steps:
-            problem = f"{directory / 'latest'}: names {tag}, which does not exist"
+            problem = f"{broken}: names {tag}, which does not exist"
         else:
             info = describe_step(steps[below], latest=True)
             if info.complete:
                 return ResumePoint(directory, tag, step=info)
-            problem = info.problems[0]
-    broken = steps[below] if tag is not None and below in steps else directory / "latest"
+            broken, problem = steps[below], info.problems[0]
     for iteration in sorted(steps, reverse=True):
         if below is None or iteration < below:
             info = describe_step(steps[iteration])

@@ -71,7 +71,8 @@ def read_latest(directory: str | Path) -> str | None:
     try:
         tag = data.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise CheckpointFormatError(f"{path}: not text ({len(data)} bytes: {data[:16]!r}...), {expected}") from None
+        more = "..." if len(data) > 16 else ""
+        raise CheckpointFormatError(f"{path}: not text ({len(data)} bytes: {data[:16]!r}{more}), {expected}") from None
     if not STEP_DIR.match(tag):
         raise CheckpointFormatError(f"{path}: holds {tag[:40]!r}, {expected}")
     return tag
