@@ -148,6 +148,21 @@ def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(kjv_
     assert str(step20 / SHARD) in finding.message
 
 
+def test_pp2_ranks_take_the_same_fallback(kjv_data, gpt_pp2_run, tmp_path):
+    # Stage 1's optimizer shard is read by rank 1 only: rank 0 decides for both, so neither loads global_step2.
+    run = copy_run(gpt_pp2_run, tmp_path)
+    victim = run / "checkpoints" / "global_step2" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    truncate(victim)
+    done = run_trainer(tiny_trainer_args(kjv_data, run, train_samples=16, save_interval=1, log_interval=1,
+                                         position_embedding_type="absolute", embed_layernorm=None,
+                                         pipeline_model_parallel_size=2), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [warning] = [line for line in done.stdout.splitlines() if "WARNING: checkpoint" in line]
+    assert f"({victim}: cannot be loaded (" in warning and warning.endswith("resuming from global_step1, the newest "
+                                                                            "complete step")
+    assert list(losses(done.stdout)) == [2] and describe_step(victim.parent).complete
+
+
 def test_no_complete_step_fails_in_one_line_and_changes_nothing(kjv_data, bloom_run, tmp_path):
     run = copy_run(bloom_run, tmp_path)
     for step in (10, 20):
