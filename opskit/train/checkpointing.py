@@ -98,7 +98,7 @@ def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
         CheckpointError: ``latest`` is there but no step is complete, or the saved architecture differs from the flags.
     """
     point = _agreed_resume_point(args.load) if args.load else None
-    if point is None or point.problem is None and point.step is None:
+    if point is None or (point.problem is None and point.step is None):
         if dist.get_rank() == 0 and args.load:
             print(f"WARNING: could not find the metadata file {args.load}/latest", flush=True)
             print("    will not load any checkpoints and will start from random", flush=True)
