@@ -321,7 +321,7 @@ def check_log(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: date
         findings += _hang(log, wd, now, running_since)
     if log.new:
         findings += _spikes(log, wd, save_interval) + _nan(log.new) + _throughput(log.records, len(log.new), wd)
-    findings += _crashes(log.text)
+    findings += _crashes(log.text) + _resume_fallbacks(log.text)
     return findings
 
 
@@ -421,32 +421,60 @@ def _crashes(text: str) -> list[Finding]:
                     {"crashes": [c._asdict() for c in crashes[:20]]})]
 
 
+def _resume_fallbacks(text: str) -> list[Finding]:
+    """The trainer's line when it resumed from an older step than ``latest`` named (opskit.ckpt.info.FALLBACK_LINE):
+    iterations are redone, and the step it skipped is damaged."""
+    from opskit.ckpt.info import FALLBACK_LINE
+
+    found = [m for line in text.splitlines()
+             if "the newest complete step" in line and (m := FALLBACK_LINE.search(line))]
+    if not found:
+        return []
+    last = found[-1]
+    return [Finding("log.resume_fallback", "alert", f"the trainer resumed from {last['tag']}, not from "
+                    f"{last['broken']} ({last['problem']}): the iterations since {last['tag']} are redone; find out "
+                    "what damaged it (full disk, killed copy) before the next save",
+                    {"resumed_from": last["tag"], "broken": last["broken"], "problem": last["problem"],
+                     "count": len(found)})]
+
+
 # --------------------------------------------------------------------------- checkpoints, disk, progress
 
 
 def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
                      wd: WatchdogSpec, now: datetime) -> list[Finding]:
-    """Age of the newest complete checkpoint (the ``global_stepN`` that ``latest`` names; ``latest`` is written
-    last) against ``save_interval`` iterations at the logged speed."""
-    from opskit.ckpt.layout import read_latest
+    """The step the next job resumes from (:func:`opskit.ckpt.info.resume_point`, headers only): an ALERT when
+    ``latest`` is unusable or names a missing or incomplete step (the next job falls back to the newest complete
+    step, or fails when there is none); then that step's age against ``save_interval`` iterations at the logged
+    speed."""
+    from opskit.ckpt.info import resume_point
 
-    tag = read_latest(run.checkpoints)
+    point = resume_point(run.checkpoints)
+    findings = []
+    if point.problem:
+        resume_from = point.step.path.name if point.step else None
+        then = (f"the next job resumes from {resume_from}, the newest complete step" if resume_from else
+                "no complete step is left: the next job will fail (restore one from a backup)")
+        findings.append(Finding("checkpoint.incomplete", "alert", f"{point.problem}; {then}",
+                                {"latest": point.latest, "problem": point.problem, "resume_from": resume_from}))
     try:
-        saved = (run.checkpoints / tag).stat().st_mtime if tag else None
+        saved = point.step.path.stat().st_mtime if point.step else None
     except OSError:
         saved = None
     if saved is None:
-        return [Finding("checkpoint.none", "ok", f"no complete checkpoint yet ({run.checkpoints / 'latest'})")]
+        return findings or [Finding("checkpoint.none", "ok",
+                                    f"no complete checkpoint yet ({run.checkpoints / 'latest'})")]
+    tag = point.step.path.name
     age = now.timestamp() - saved
     data = {"tag": tag, "age_s": round(age)}
     if not running or seconds_per_iteration is None:
-        return [Finding("checkpoint.age", "ok", f"{tag} saved {age / 3600:.1f} h ago", data)]
+        return [*findings, Finding("checkpoint.age", "ok", f"{tag} saved {age / 3600:.1f} h ago", data)]
     expected = save_interval * seconds_per_iteration
     severity = "alert" if age > 2 * wd.checkpoint_age_factor * expected else (
         "warn" if age > wd.checkpoint_age_factor * expected else "ok")
-    return [Finding("checkpoint.age", severity, f"{tag} saved {age / 3600:.1f} h ago; one every {save_interval} "
-                    f"iterations is {expected / 3600:.1f} h at {seconds_per_iteration:.3g} s/it",
-                    {**data, "expected_s": round(expected)})]
+    return [*findings, Finding("checkpoint.age", severity, f"{tag} saved {age / 3600:.1f} h ago; one every "
+                               f"{save_interval} iterations is {expected / 3600:.1f} h at "
+                               f"{seconds_per_iteration:.3g} s/it", {**data, "expected_s": round(expected)})]
 
 
 def check_disk(run: RunPaths, wd: WatchdogSpec) -> list[Finding]:

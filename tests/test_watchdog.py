@@ -203,17 +203,16 @@ def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
 # --------------------------------------------------------------------------- checkpoints and disk
 
 
-def test_checkpoint_age_against_the_save_interval(tmp_path):
+def test_checkpoint_age_against_the_save_interval(bloom_run, tmp_path):
     run = RunPaths(tmp_path / "run")
-    step = run.checkpoints / "global_step100"
-    step.mkdir(parents=True)
-    (run.checkpoints / "latest").write_text("global_step100")
+    shutil.copytree(bloom_run / "checkpoints", run.checkpoints)  # a real step: latest -> global_step20
+    step = run.checkpoints / "global_step20"
     wd = WatchdogSpec()  # checkpoint_age_factor 2: warn past 2 intervals, alert past 4
     for hours, severity in ((1, "ok"), (4, "warn"), (8, "alert")):
         os.utime(step, ((NOW - timedelta(hours=hours)).timestamp(),) * 2)
         [age] = check_checkpoint(run, save_interval=100, seconds_per_iteration=60.0, running=True, wd=wd, now=NOW)
-        assert (age.key, age.severity, age.data["tag"]) == ("checkpoint.age", severity, "global_step100"), hours
-    assert "global_step100 saved 8.0 h ago; one every 100 iterations is 1.7 h at 60 s/it" == age.message
+        assert (age.key, age.severity, age.data["tag"]) == ("checkpoint.age", severity, "global_step20"), hours
+    assert "global_step20 saved 8.0 h ago; one every 100 iterations is 1.7 h at 60 s/it" == age.message
     [idle] = check_checkpoint(run, 100, 60.0, running=False, wd=wd, now=NOW)
     assert idle.severity == "ok"  # nothing runs: the checkpoint cannot get newer
     (run.checkpoints / "latest").unlink()

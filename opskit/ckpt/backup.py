@@ -6,8 +6,10 @@ and ``latest`` when the step it names is backed up. By default the ZeRO optimize
 behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args and RNG are enough to convert or to
 restart with a fresh optimizer); ``weights_only=False`` copies them too.
 
-Per step: files are hashed and copied by a thread pool; an object already at the target with the same size and CRC32C
-is not copied again, so an interrupted backup resumes where it stopped.
+Only complete steps (:func:`opskit.ckpt.info.describe_step`, optimizer shards included) are copied: an incomplete
+one is reported with its first problem, copies nothing and is not recorded as backed up. Per step: files are hashed
+and copied by a thread pool; an object already at the target with the same size and CRC32C is not copied again, so an
+interrupted backup resumes where it stopped.
 
 The target may be shared (a folder holding other people's files): a backup writes only its own keys, and replaces
 only objects that its manifests list (or that already hold the same bytes). Before anything is copied, an object at
@@ -28,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import CheckpointFormatError, read_latest, step_dirs
+from opskit.ckpt.layout import CheckpointFormatError, latest_state, step_dirs
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import Target, TargetError, crc32c_of_file, open_target
 
@@ -65,6 +67,9 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
     Args:
         progress: ``progress(key, nbytes)`` after each object is hashed and copied (or found already there).
 
+    Returns:
+        One :class:`StepBackup` per step; an incomplete step's has ``problems`` (not verified) and copied nothing.
+
     Raises:
         CheckpointFormatError: an asked step that does not exist. TargetError: an unusable URL.
         OutputRefusedError: an object at the target that this backup would replace and opskit did not write (see
@@ -77,7 +82,7 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
     missing = [s for s in chosen if s not in available]
     if missing:
         raise CheckpointFormatError(f"{checkpoint_dir / f'global_step{missing[0]}'}: no such checkpoint step")
-    latest = read_latest(checkpoint_dir)
+    latest, _unusable = latest_state(checkpoint_dir)  # an unusable latest is not copied; the steps still are
     _refuse_foreign_objects(target, [available[s] for s in chosen], weights_only,
                             latest if latest in {available[s].name for s in chosen} else None)
     results = []
@@ -150,7 +155,13 @@ def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool
 
 def _backup_step(folder: Path, target: Target, weights_only: bool, pool: ThreadPoolExecutor,
                  progress: Callable[[str, int], None] | None) -> StepBackup:
+    from opskit.ckpt.info import describe_step
+
     result = StepBackup(folder.name)
+    info = describe_step(folder)
+    if not info.complete:
+        result.problems.append(f"incomplete, not backed up: {info.problems[0]}")
+        return result
     futures = [pool.submit(_copy_one, f, f"{folder.name}/{f.name}", target) for f in backup_files(folder, weights_only)]
     entries = []
     try:

@@ -8,7 +8,9 @@
 - RNG states (``torch_rng_state``, ``np_rng_state``, ``random_rng_state``, ``cuda_rng_state``) agree among the TP
   ranks of each pipeline stage (``mp_rank_{pp*TP+tp}`` files).
 - NaN/Inf: every tensor of every layer file, one tensor in memory at a time.
-- Completeness: :func:`opskit.ckpt.info.describe_step`.
+- Completeness: :func:`opskit.ckpt.info.describe_step` (headers), then, with ``crc``, every byte of every file the
+  step needs (optimizer shards included) against its zip record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`):
+  the only check here that sees bytes flipped inside tensor data.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from opskit.ckpt.info import describe_step
 from opskit.ckpt.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
-from opskit.ckpt.tensorfile import TensorRef
+from opskit.ckpt.tensorfile import TensorFileError, TensorRef, verify_crc
 
 RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")
 
@@ -27,13 +29,16 @@ RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_sta
 class CheckReport:
     """``tp_diffs``: ``{"layer": i, "key": k, "max_abs_diff": d, "ranks": [tp ranks that differ from 0]}`` for every
     replicated tensor (``d == 0`` when consistent); ``rng``: ``{"pp": s, "key": k, "agree": bool}``; ``nonfinite``:
-    ``{"file": name, "key": k, "nan": n, "inf": n}``; ``problems``: missing/unreadable files."""
+    ``{"file": name, "key": k, "nan": n, "inf": n}``; ``problems``: missing/unreadable files; ``corrupt``: files whose
+    bytes fail their CRC-32; ``crc_bytes``: bytes read for the CRC checks."""
 
     step: Path
     tp_diffs: list[dict] = field(default_factory=list)
     rng: list[dict] = field(default_factory=list)
     nonfinite: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    crc_bytes: int = 0
 
     @property
     def tp_mismatches(self) -> list[dict]:
@@ -41,12 +46,13 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.tp_mismatches or self.nonfinite or self.problems or any(not r["agree"] for r in self.rng))
+        return not (self.tp_mismatches or self.nonfinite or self.problems or self.corrupt
+                    or any(not r["agree"] for r in self.rng))
 
     def as_json(self) -> dict:
         return {"step": str(self.step), "ok": self.ok, "tp_mismatches": self.tp_mismatches,
                 "tp_checked": len(self.tp_diffs), "rng": self.rng, "nonfinite": self.nonfinite,
-                "problems": self.problems}
+                "problems": self.problems, "corrupt": self.corrupt, "crc_bytes": self.crc_bytes}
 
 
 def replicated_diff(shards: list) -> tuple[float, list[int]]:
@@ -72,8 +78,9 @@ def _rng_equal(a, b) -> bool:
     return a == b
 
 
-def check_step(path: str | Path, progress=None) -> CheckReport:
-    """Run every check on one ``global_stepN`` folder; ``progress(files_done, files_total)`` is called per layer.
+def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport:
+    """Run every check on one ``global_stepN`` folder; ``progress(done, total)`` is called per layer, then per file
+    CRC-checked (``crc``: read every file the step needs to its end).
 
     Raises:
         CheckpointFormatError: only when ``mp_rank_00`` is unusable (everything else lands in the report).
@@ -120,4 +127,17 @@ def check_step(path: str | Path, progress=None) -> CheckReport:
             if states and key in states[0]:
                 report.rng.append({"pp": pp, "key": key,
                                    "agree": all(_rng_equal(states[0][key], s.get(key)) for s in states[1:])})
+    if crc:
+        _check_crcs(report, info.files, progress)
     return report
+
+
+def _check_crcs(report: CheckReport, files: list[Path], progress) -> None:
+    readable = [f for f in files if f.is_file() and not any(p.startswith(f"{f}: ") for p in report.problems)]
+    for done, f in enumerate(readable, start=1):
+        try:
+            report.crc_bytes += verify_crc(f)
+        except (TensorFileError, OSError) as e:
+            report.corrupt.append(str(e) if isinstance(e, TensorFileError) else f"{f}: unreadable ({e})")
+        if progress:
+            progress(done, len(readable))

@@ -1,14 +1,21 @@
-"""What is in a run's checkpoint dir: ``opskit ckpt list`` (steps, sizes, degrees, completeness, counters) and
-``opskit ckpt inspect`` (architecture and per-file tensors), reading pickles and zip headers only (no tensor data).
+"""What is in a run's checkpoint dir: ``opskit ckpt list`` (steps, sizes, degrees, completeness, counters),
+``opskit ckpt inspect`` (architecture and per-file tensors) and the step a resume reads (:func:`resume_point`),
+reading pickles and zip headers only (no tensor data, no torch).
 
-"Complete" means: ``mp_rank_00`` loads and has ``args``; every layer file that ``args`` implies (embedding, blocks,
-final LayerNorm, for each TP rank) and every ``mp_rank_XX`` file (``TP * PP`` of them) is there, loads, and has every
-tensor record inside the file (a truncated copy fails that).
+The one definition of a complete step (:func:`describe_step`; ``ckpt list/check/set-latest/prune/backup/convert``,
+the watchdog and the trainer's resume all use it): ``mp_rank_00_model_states.pt`` loads and has ``args``; every file
+the step's TP x PP x DP layout needs is there -- the layer files ``args`` implies (embedding, blocks, final LayerNorm,
+per TP rank), the ``TP * PP`` ``mp_rank_XX`` files, and the optimizer shards DeepSpeed 0.19.8 writes
+(:func:`optimizer_shards`) -- and each is readable to its end: zip directory intact, every record's local header
+where the directory says and its data inside the file (a truncated copy fails that), data.pkl's CRC-32 right and its
+pickle loadable. Bytes flipped inside tensor data pass these header checks: ``ckpt check`` also reads every file and
+compares each record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,12 +23,13 @@ from opskit.ckpt.layout import (
     FIRST_BLOCK_LAYER,
     LAYER_FILE,
     MP_RANK_FILE,
+    OPTIMIZER_FILE,
     STEP_DIR,
     CheckpointFormatError,
     expected_layers,
+    latest_state,
     layer_file_name,
     load_state,
-    read_latest,
     step_dirs,
 )
 from opskit.ckpt.tensorfile import TensorRef
@@ -31,8 +39,9 @@ ZERO_FILE_SUFFIX = "_optim_states.pt"
 
 @dataclass
 class StepInfo:
-    """One ``global_stepN`` folder. ``size_bytes``: all its files; ``problems``: one line per missing or unreadable
-    file (full path first); ``dtype``: of the transformer weights (``bf16``/``fp16``/``fp32``)."""
+    """One ``global_stepN`` folder. ``size_bytes``: all its files; ``files``: every file a complete step of its layout
+    has (empty when ``mp_rank_00`` is unusable); ``problems``: one line per missing or unreadable file (full path
+    first); ``dtype``: of the transformer weights (``bf16``/``fp16``/``fp32``)."""
 
     iteration: int
     path: Path
@@ -45,6 +54,7 @@ class StepInfo:
     consumed_samples: int | None = None
     consumed_tokens: int | None = None
     latest: bool = False
+    files: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -76,28 +86,66 @@ def _client_state(path: Path) -> tuple[dict | None, str | None]:
     return state, None
 
 
+def _enabled(config: dict, *keys: str) -> bool:
+    return any(isinstance(config.get(k), dict) and config[k].get("enabled") is True for k in keys)
+
+
+def optimizer_shards(state: dict, mp_size: int, names: set[str]) -> tuple[list[str], int | None]:
+    """(file names of the optimizer shards a step needs, DP size), as DeepSpeed 0.19.8 writes them.
+
+    DeepSpeed writes ``{prefix}zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`` for every DP rank ``dp`` and
+    model-parallel rank ``mp < TP * PP`` whenever its optimizer is partitioned: ZeRO stage >= 1, or bf16 (the
+    BF16_Optimizer, at ZeRO-0 too); ``prefix`` is ``bf16_`` under bf16, else empty (``engine._get_zero_ckpt_name``).
+    ZeRO-0 fp32/fp16 writes none: the optimizer state is inside the ``mp_rank`` files. The saved ``ds_config``
+    (``mp_rank_00``) says which; without one (older writers), the shards present do. The DP size is DeepSpeed's
+    ``dp_world_size`` in ``mp_rank_00``, else the highest DP rank among the shards present + 1.
+
+    Args:
+        state: ``mp_rank_00``'s pickle (light). mp_size: ``TP * PP``. names: the file names in the step folder.
+    """
+    present = [m for n in names if (m := OPTIMIZER_FILE.match(n))]
+    dp = state.get("dp_world_size")
+    if not isinstance(dp, int) or dp < 1:
+        dp = max((int(m.group(2)) for m in present), default=-1) + 1 or None
+    config = state.get("ds_config")
+    if isinstance(config, dict):
+        bf16 = _enabled(config, "bf16", "bfloat16")
+        zero = config.get("zero_optimization")
+        stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+        prefix = ("bf16_" if bf16 else "") if bf16 or (isinstance(stage, int) and stage >= 1) else None
+    else:
+        prefix = min((m.group(1) or "" for m in present), default=None)
+    if prefix is None or dp is None:
+        return [], dp
+    return [f"{prefix}zero_pp_rank_{d}_mp_rank_{mp:02d}{ZERO_FILE_SUFFIX}" for mp in range(mp_size)
+            for d in range(dp)], dp
+
+
 def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
-    """Read one step folder's headers into a :class:`StepInfo` (never raises for a damaged step: see ``problems``)."""
+    """Read one step folder's headers into a :class:`StepInfo` (never raises for a damaged step: see ``problems``;
+    complete = no problems, the definition in the module docstring)."""
     path = Path(path)
-    files = sorted(p for p in path.iterdir() if p.is_file())
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else []
     match = STEP_DIR.match(path.name)
     info = StepInfo(iteration=int(match.group(1)) if match else -1, path=path,
                     size_bytes=sum(f.stat().st_size for f in files), latest=latest)
-    state, problem = _client_state(path / "mp_rank_00_model_states.pt")
+    client_file = path / "mp_rank_00_model_states.pt"
+    state, problem = _client_state(client_file)
     if state is None:
-        info.problems.append(problem if (path / "mp_rank_00_model_states.pt").is_file() else
-                             f"{path / 'mp_rank_00_model_states.pt'}: no such file")
+        info.problems.append(problem if client_file.is_file() else f"{client_file}: no such file")
         return info
     args = state["args"]
     info.tp, info.pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     info.num_layers = args.num_layers
     info.consumed_samples = getattr(args, "consumed_train_samples", None)
     info.consumed_tokens = state.get("tokens")
-    zero_files = [f for f in files if f.name.endswith(ZERO_FILE_SUFFIX)]
-    info.dp = len(zero_files) // (info.tp * info.pp) if zero_files else state.get("dp_world_size")
-    expected = [path / layer_file_name(i, t) for i in expected_layers(info.num_layers) for t in range(info.tp)]
-    expected += [path / f"mp_rank_{m:02d}_model_states.pt" for m in range(1, info.tp * info.pp)]
-    for f in expected:
+    shards, info.dp = optimizer_shards(state, info.tp * info.pp, {f.name for f in files})
+    info.files = [path / layer_file_name(i, t) for i in expected_layers(info.num_layers) for t in range(info.tp)]
+    info.files += [path / f"mp_rank_{m:02d}_model_states.pt" for m in range(info.tp * info.pp)]
+    info.files += [path / name for name in shards]
+    for f in info.files:
+        if f == client_file:
+            continue
         if not f.is_file():
             info.problems.append(f"{f}: no such file")
             continue
@@ -106,16 +154,95 @@ def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
         except CheckpointFormatError as e:
             info.problems.append(str(e))
             continue
+        if OPTIMIZER_FILE.match(f.name) and not (isinstance(loaded, dict) and "optimizer_state_dict" in loaded):
+            info.problems.append(f"{f}: no 'optimizer_state_dict' (not a DeepSpeed optimizer shard)")
         if info.dtype is None and f.name.startswith(f"layer_{FIRST_BLOCK_LAYER:02d}-"):  # the blocks' weights
             info.dtype = next((dtype_name(v) for v in loaded.values() if isinstance(v, TensorRef)), None)
-    unexpected = [f for f in files if (LAYER_FILE.match(f.name) or MP_RANK_FILE.match(f.name)) and f not in expected
-                  and f.name != "mp_rank_00_model_states.pt"]
+    unexpected = [f for f in files if (LAYER_FILE.match(f.name) or MP_RANK_FILE.match(f.name)) and f not in info.files]
     info.problems += [f"{f}: not expected for TP={info.tp}, PP={info.pp}, {info.num_layers} layers" for f in unexpected]
     return info
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resume from a run's checkpoint dir starts (:func:`resume_point`).
+
+    Attributes:
+        directory: the checkpoint dir. latest: the tag ``latest`` holds (None: no ``latest``, or an unusable one).
+        broken: what stops a resume from ``latest``'s step (the ``latest`` file, or the incomplete step folder),
+            None when nothing does. problem: why, one line naming the file. step: the step to resume from
+            (``latest``'s, or the newest complete step before it), None when there is none.
+    """
+
+    directory: Path
+    latest: str | None = None
+    broken: Path | None = None
+    problem: str | None = None
+    step: StepInfo | None = None
+
+    @property
+    def fallback(self) -> bool:
+        """``latest`` cannot be used, but an older complete step can."""
+        return self.problem is not None and self.step is not None
+
+    @property
+    def _verdict(self) -> str:
+        return "incomplete" if self.broken and self.broken.name != "latest" else "unusable"
+
+    @property
+    def warning(self) -> str:
+        """The trainer's line when it falls back (:data:`FALLBACK_LINE` finds it in a log)."""
+        return (f"WARNING: checkpoint {self.broken} is {self._verdict} ({self.problem}); resuming from "
+                f"{self.step.path.name}, the newest complete step")
+
+    @property
+    def error(self) -> str | None:
+        """Why no resume is possible (``latest`` is there, but no step to resume from), or None."""
+        if self.problem is None or self.step is not None:
+            return None
+        latest = self.directory / "latest"
+        what = f"{latest} names {self.latest}, which is incomplete" if self._verdict == "incomplete" else \
+            f"{latest} is unusable"
+        older = "no older step" if self.latest else "no step"
+        return (f"{what} ({self.problem}), and {older} is complete: restore a step from a backup (opskit ckpt "
+                "verify), or move latest away to start from scratch")
+
+
+# The trainer's fallback line (ResumePoint.warning), anywhere in a log line (launchers prefix lines).
+FALLBACK_LINE = re.compile(r"WARNING: checkpoint (?P<broken>.+?) is (?:incomplete|unusable) \((?P<problem>.*)\); "
+                           r"resuming from (?P<tag>global_step[0-9]+), the newest complete step")
+
+
+def resume_point(directory: str | Path) -> ResumePoint:
+    """The step a resume from ``directory`` reads: ``latest``'s when it is complete; when ``latest`` names a missing or
+    incomplete step, the newest complete step before it; when ``latest`` is unusable (binary, not a tag), the newest
+    complete step. Nothing without ``latest`` (a fresh start). Reads headers only; never raises for damage."""
+    directory = Path(directory)
+    tag, problem = latest_state(directory)
+    if tag is None and problem is None:
+        return ResumePoint(directory)
+    steps = step_dirs(directory)
+    broken, below = directory / "latest", None  # an unusable latest: any step will do
+    if tag is not None:
+        below = int(STEP_DIR.match(tag).group(1))
+        if below not in steps:
+            problem = f"{broken}: names {tag}, which does not exist"
+        else:
+            info = describe_step(steps[below], latest=True)
+            if info.complete:
+                return ResumePoint(directory, tag, step=info)
+            broken, problem = steps[below], info.problems[0]
+    for iteration in sorted(steps, reverse=True):
+        if below is None or iteration < below:
+            info = describe_step(steps[iteration])
+            if info.complete:
+                return ResumePoint(directory, tag, broken, problem, info)
+    return ResumePoint(directory, tag, broken, problem)
+
+
 def list_steps(directory: str | Path) -> tuple[str | None, list[StepInfo]]:
-    """(``latest`` tag or None, every ``global_stepN`` of a run's checkpoint dir, ascending).
+    """(``latest`` tag or None -- None also when it is unusable: :func:`~opskit.ckpt.layout.latest_state` says why --,
+    every ``global_stepN`` of a run's checkpoint dir, ascending).
 
     Raises:
         CheckpointFormatError: when ``directory`` has no ``global_stepN`` folders.
@@ -124,7 +251,7 @@ def list_steps(directory: str | Path) -> tuple[str | None, list[StepInfo]]:
     steps = step_dirs(directory)
     if not steps:
         raise CheckpointFormatError(f"{directory}: no global_stepN folders (not a checkpoint dir)")
-    latest = read_latest(directory)
+    latest, _problem = latest_state(directory)
     return latest, [describe_step(p, latest=p.name == latest) for p in steps.values()]
 
 

@@ -2,7 +2,9 @@
 
 A run's checkpoint directory holds ``latest`` and ``global_stepN/`` folders; a step folder holds one
 ``layer_XX-model_YY-model_states.pt`` per layer and TP rank, one ``mp_rank_MM_model_states.pt`` per (PP, TP) rank
-(``MM = pp * TP + tp``) carrying the training ``args``, and ZeRO optimizer shards we never need for weights.
+(``MM = pp * TP + tp``) carrying the training ``args``, and the optimizer shards
+``[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt`` (one per DP rank and ``MM``) that a resume reads but weights
+never need. Which files a complete step has: :func:`opskit.ckpt.info.describe_step`.
 
 TP merge rules, as in transformers' BLOOM converter and DeepSpeed's ds_to_universal: replicated tensors (LayerNorms,
 row-parallel biases, position embeddings) are averaged, row-parallel weights concatenated on dim 1, everything else on
@@ -18,7 +20,8 @@ from pathlib import Path
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-STEP_DIR = re.compile(r"^global_step(\d+)$")
+OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+STEP_DIR = re.compile(r"^global_step([0-9]+)\Z")
 
 REPLICATED_SUFFIXES = (
     "input_layernorm.weight", "input_layernorm.bias",
@@ -49,9 +52,38 @@ def layer_file_name(index: int, tp_rank: int) -> str:
 
 
 def read_latest(directory: str | Path) -> str | None:
-    """The tag in ``<dir>/latest`` (e.g. ``global_step95000``), or None when there is none."""
+    """The tag in ``<dir>/latest`` (``global_stepN``, e.g. ``global_step95000``), or None when there is no ``latest``.
+
+    Raises:
+        CheckpointFormatError: ``latest`` is a directory, unreadable, not text, or not a ``global_stepN`` tag (empty,
+            a path such as ``../x``): one line quoting what it holds.
+    """
     path = Path(directory) / "latest"
-    return path.read_text().strip() or None if path.is_file() else None
+    if not path.exists() and not path.is_symlink():
+        return None
+    expected = "expected a tag such as global_step1000"
+    if path.is_dir():
+        raise CheckpointFormatError(f"{path}: a directory, {expected}")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: unreadable ({e.strerror or e}), {expected}") from None
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        more = "..." if len(data) > 16 else ""
+        raise CheckpointFormatError(f"{path}: not text ({len(data)} bytes: {data[:16]!r}{more}), {expected}") from None
+    if not STEP_DIR.match(tag):
+        raise CheckpointFormatError(f"{path}: holds {tag[:40]!r}, {expected}")
+    return tag
+
+
+def latest_state(directory: str | Path) -> tuple[str | None, str | None]:
+    """(tag, None) from :func:`read_latest`; (None, None) without ``latest``; (None, why) when it is unusable."""
+    try:
+        return read_latest(directory), None
+    except CheckpointFormatError as e:
+        return None, str(e)
 
 
 def write_latest(directory: str | Path, tag: str) -> None:
@@ -107,8 +139,11 @@ def resolve_step_dir(path: str | Path, step: int | None = None) -> Path:
         target = path / f"global_step{step}"
     elif any(path.glob("layer_*-model_states.pt")):
         return path
-    elif (path / "latest").is_file():
-        target = path / (path / "latest").read_text().strip()
+    elif tag := read_latest(path):
+        target = path / tag
+        if not target.is_dir():
+            raise CheckpointFormatError(f"{path / 'latest'}: names {tag}, which does not exist")
+        return target
     else:
         raise CheckpointFormatError(f"{path}: neither a global_stepN folder nor a checkpoint dir with a 'latest' file")
     if not target.is_dir():

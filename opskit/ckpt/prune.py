@@ -10,9 +10,11 @@ Keep-rules (a step is kept if any rule keeps it):
   ``schedule:tr1-13B`` is the 13B interpretability schedule of the seeds (every 10 steps up to 100, every 18 up to
   1000, then every 1500).
 
-Never deleted: the step ``latest`` points to (even with ``force``), and, unless ``force``, a step that no verified
-backup holds (:func:`opskit.ckpt.backup.backed_up_steps`). A deleted step is first renamed to a hidden name, then
-removed, so no reader ever sees a half-deleted ``global_stepN``.
+Rules count complete steps only (:func:`opskit.ckpt.info.describe_step`): ``last:2`` keeps the two newest steps a
+resume can read, however many broken ones lie between. Never deleted (even with ``force``): the step ``latest``
+points to, the newest complete step, and an incomplete step newer than every complete one (a save in progress?);
+unless ``force``, a step that no verified backup holds (:func:`opskit.ckpt.backup.backed_up_steps`). A deleted step
+is first renamed to a hidden name, then removed, so no reader ever sees a half-deleted ``global_stepN``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import read_latest, step_dirs, write_latest
+from opskit.ckpt.layout import latest_state, read_latest, step_dirs, write_latest
 
 NAMED_SCHEDULES = {"tr1-13B": "1-100/10,101-1000/18,1001-/1500"}
 
@@ -97,16 +99,25 @@ class PrunePlan:
 
 
 def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False) -> PrunePlan:
-    """Which steps of a run's checkpoint dir the rules keep, and which would be deleted."""
+    """Which steps of a run's checkpoint dir the rules keep, and which would be deleted (module docstring).
+
+    Raises:
+        CheckpointFormatError: ``latest`` is unusable (the step it protects cannot be known).
+    """
     from opskit.ckpt.backup import backed_up_steps
+    from opskit.ckpt.info import describe_step
 
     directory = Path(directory)
-    steps = list(step_dirs(directory))
+    latest = read_latest(directory)
+    steps = step_dirs(directory)
+    complete = [step for step, folder in steps.items() if describe_step(folder).complete]
     plan = PrunePlan(directory)
     for rule in rules:
-        for step in rule.keeps(steps):
+        for step in rule.keeps(complete):
             plan.keep.setdefault(step, []).append(rule.text)
-    latest = read_latest(directory)
+    newest_complete = max(complete, default=-1)
+    if complete and newest_complete not in plan.keep:
+        plan.keep[newest_complete] = ["newest complete step"]
     backed_up = backed_up_steps(directory)
     for step in steps:
         tag = f"global_step{step}"
@@ -114,6 +125,8 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
             plan.keep.setdefault(step, []).append("latest")
         elif step in plan.keep:
             continue
+        elif step > newest_complete:
+            plan.protected[step] = "incomplete, and newer than every complete step (a save in progress?)"
         elif not force and tag not in backed_up:
             plan.protected[step] = "not backed up (use --force to delete anyway)"
         else:
@@ -139,10 +152,11 @@ def set_latest(directory: str | Path, step: int) -> str:
     """Point ``directory/latest`` at ``global_step{step}`` atomically, after checking the step is complete.
 
     Returns:
-        The previous tag (or None).
+        What ``latest`` held before: its tag, None (no ``latest``), or ``unusable (why)`` (replaced: this is how a
+        broken ``latest`` is repaired).
 
     Raises:
-        PruneError: no such step, or an incomplete one (its first problem named).
+        PruneError: no such step, an incomplete one (its first problem named), or ``latest`` is a directory.
     """
     from opskit.ckpt.info import describe_step
 
@@ -153,6 +167,8 @@ def set_latest(directory: str | Path, step: int) -> str:
     info = describe_step(folder)
     if info.problems:
         raise PruneError(f"{folder}: incomplete, latest not changed: {info.problems[0]}")
-    previous = read_latest(directory)
+    if (directory / "latest").is_dir():
+        raise PruneError(f"{directory / 'latest'}: a directory, not a file opskit may replace; move it away first")
+    previous, problem = latest_state(directory)
     write_latest(directory, folder.name)
-    return previous
+    return f"unusable ({problem})" if problem else previous

@@ -3,8 +3,10 @@
 A ``torch.save`` file (zip format, torch >= 1.6) is an uncompressed zip holding ``<name>/data.pkl`` (the pickled
 object, whose tensors refer to storages by key) and one record ``<name>/data/<key>`` per storage. :func:`load_lazy`
 unpickles ``data.pkl`` with every tensor replaced by a :class:`TensorRef` (file, record offset, dtype, shape, strides):
-no tensor data is touched, so "are the headers loadable and is every record inside the file" costs a few KB of reads
-per file, and a converter can read one tensor (or a block of its rows) at a time, so its memory does not grow with the
+no tensor data is touched, so "are the headers loadable and is every record inside the file" (every local header where
+the zip directory says, each record ending before the next begins, data.pkl's CRC-32) costs a few KB of reads per
+file; :func:`verify_crc` reads everything and checks every record's CRC-32 (bytes flipped inside tensor data); a
+converter can read one tensor (or a block of its rows) at a time, so its memory does not grow with the
 file. Classes from modules that are not installed here (``megatron.enums.PositionEmbeddingType`` in Megatron-DeepSpeed's
 saved ``args``) load as :class:`Missing` placeholders instead of failing; :class:`PositionEmbeddingType` values become
 their names (``"alibi"``).
@@ -19,6 +21,7 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +42,35 @@ _STORAGE_DTYPES = {"FloatStorage": "float32", "HalfStorage": "float16", "BFloat1
                    "IntStorage": "int32", "LongStorage": "int64", "BoolStorage": "bool"}
 
 
-@dataclass(frozen=True)
 class Missing:
-    """Placeholder for an object of a class this interpreter cannot import; keeps the class path and its args."""
+    """Placeholder for an object of a class this interpreter cannot (or, ``light``, should not) import; ``qualname``
+    names the class, ``args`` are the arguments it was built with. One subclass per class path: pickle's ``NEWOBJ``
+    needs a type (DeepSpeed's ``fragment_address`` in a bf16 optimizer's state)."""
 
-    qualname: str
-    args: tuple = ()
+    qualname = ""
+
+    def __new__(cls, *args, **_kwargs):
+        placeholder = super().__new__(cls)
+        placeholder.args = args
+        return placeholder
 
     def __setstate__(self, state):  # pickled instances restore their __dict__; keep nothing
         pass
+
+    def __repr__(self) -> str:
+        return f"Missing({self.qualname})"
+
+
+_MISSING_CLASSES: dict[str, type[Missing]] = {}
 
 
 def _missing_class(module: str, name: str):
     if name == "PositionEmbeddingType":
         return lambda value: _POSITION_EMBEDDING_TYPES.get(value, f"PositionEmbeddingType({value})")
-    return lambda *args, **kwargs: Missing(f"{module}.{name}", args)
+    qualname = f"{module}.{name}"
+    if qualname not in _MISSING_CLASSES:
+        _MISSING_CLASSES[qualname] = type(name, (Missing,), {"qualname": qualname})
+    return _MISSING_CLASSES[qualname]
 
 
 @dataclass(frozen=True)
@@ -215,37 +232,184 @@ class ColumnSpan:
         return torch.cat([ref.read_rows(self.start, self.stop) for ref in self.refs], dim=1)
 
 
-def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:
-    """(archive prefix, storage key -> (data offset, size), data.pkl bytes), reading only zip headers and data.pkl."""
+@dataclass(frozen=True)
+class ZipRecord:
+    """One record of a ``torch.save`` zip: its ``name``, where its data starts (byte offset), its ``size`` in bytes and
+    the CRC-32 the central directory holds for it."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+
+
+def _open_zip(path: Path) -> zipfile.ZipFile:
     try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
+        return zipfile.ZipFile(path)
+    # ValueError: a directory entry with impossible fields; NotImplementedError: "zip file version 12.7" (a flipped
+    # byte in the directory)
+    except (zipfile.BadZipFile, OSError, ValueError, NotImplementedError, EOFError) as e:
         raise TensorFileError(f"{path}: not a torch.save zip file ({e})") from None
+
+
+# Zip headers (APPNOTE 4.3): end of central directory, its zip64 locator and record, central and local file headers.
+_EOCD = struct.Struct("<4s4H2LH")
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+_CENTRAL = struct.Struct("<4s6H3L5H2L")
+_LOCAL = struct.Struct("<4s5H3L2H")
+_FULL = 0xFFFFFFFF
+
+
+def _broken(path: Path, what: str) -> TensorFileError:
+    return TensorFileError(f"{path}: broken zip structure ({what})")
+
+
+def _central_directory(fd: int, path: Path, file_size: int) -> tuple[list[tuple], int]:
+    """(central directory entries as ``(name bytes, header fields, local header offset, size)``, where the directory
+    ends), read strictly as torch's reader (miniz) needs them: the end record last in the file (torch writes no
+    comment), one disk, entry counts and directory bounds that agree, zip64 fields where 32 bits do not suffice.
+    Python's zipfile forgives much of this, miniz does not (a flipped "disk number" byte is "unsupported multidisk")."""
+    tail = os.pread(fd, _EOCD.size, file_size - _EOCD.size) if file_size >= _EOCD.size else b""
+    if len(tail) < _EOCD.size:
+        raise _broken(path, "no end of central directory")
+    sig, disk, cd_disk, here, total, cd_size, cd_offset, comment = _EOCD.unpack(tail)
+    end = file_size - _EOCD.size
+    if sig != b"PK\x05\x06" or comment or disk or cd_disk or here != total:
+        raise _broken(path, "end of central directory")
+    locator = os.pread(fd, _EOCD64_LOCATOR.size, end - _EOCD64_LOCATOR.size) if end >= _EOCD64_LOCATOR.size else b""
+    if locator[:4] == b"PK\x06\x07" or _FULL in (cd_size, cd_offset) or 0xFFFF in (here, total):  # zip64
+        sig, disk, offset, disks = _EOCD64_LOCATOR.unpack(locator) if len(locator) == 20 else (b"", 0, -1, 0)
+        record = os.pread(fd, _EOCD64.size, offset) if 0 <= offset < file_size else b""
+        if sig != b"PK\x06\x07" or disk or disks != 1 or len(record) < _EOCD64.size:
+            raise _broken(path, "zip64 locator")
+        sig, size, _made, _needed, disk, cd_disk, here, total, cd_size, cd_offset = _EOCD64.unpack(record)
+        if sig != b"PK\x06\x06" or size != _EOCD64.size - 12 or disk or cd_disk or here != total:
+            raise _broken(path, "zip64 end of central directory")
+        end = offset
+    if cd_offset + cd_size != end:
+        raise _broken(path, "central directory size and offset")
+    directory, entries, at = os.pread(fd, cd_size, cd_offset), [], 0
+    for _ in range(total):
+        fields = _CENTRAL.unpack_from(directory, at) if at + _CENTRAL.size <= len(directory) else None
+        if fields is None or fields[0] != b"PK\x01\x02":
+            raise _broken(path, f"central directory entry {len(entries)}")
+        name_len, extra_len, comment_len, disk = fields[10:14]
+        sizes = [fields[9], fields[8], fields[16]]  # uncompressed, compressed, local header offset
+        name = directory[at + _CENTRAL.size:at + _CENTRAL.size + name_len]
+        extra = directory[at + _CENTRAL.size + name_len:at + _CENTRAL.size + name_len + extra_len]
+        sizes = _zip64_sizes(extra, sizes, path, name)
+        directory_like = fields[15] & 0x10 or name.endswith(b"/")  # miniz then reads no data from it
+        if disk or fields[2] & 0x41 or fields[4] != zipfile.ZIP_STORED or sizes[0] != sizes[1] or directory_like:
+            raise _broken(path, f"{name!r} is split, encrypted, compressed, of two sizes or a directory")
+        entries.append((name, fields[2:8], sizes[2], sizes[0]))  # needed, flags, method, time, date, crc
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+    if at != len(directory):
+        raise _broken(path, "central directory length")
+    return entries, cd_offset
+
+
+def _zip64_sizes(extra: bytes, sizes: list[int], path: Path, name: bytes) -> list[int]:
+    """``sizes`` (uncompressed, compressed, offset) with each 0xFFFFFFFF replaced from the zip64 extra field."""
+    wanted = [i for i, v in enumerate(sizes) if v == _FULL]
+    at = 0
+    while wanted and at + 4 <= len(extra):
+        kind, length = struct.unpack_from("<HH", extra, at)
+        if kind == 1:
+            if length < 8 * len(wanted):
+                break
+            for n, i in enumerate(wanted):
+                sizes[i] = struct.unpack_from("<Q", extra, at + 4 + 8 * n)[0]
+            return sizes
+        at += 4 + length
+    if wanted:
+        raise _broken(path, f"{name!r} has no zip64 sizes")
+    return sizes
+
+
+def _checked_records(archive: zipfile.ZipFile, raw, path: Path) -> list[ZipRecord]:
+    """Every record of ``archive``, checked against the file itself (headers only, :func:`_central_directory`): each
+    local header where the directory says, agreeing with the directory on name, flags, method, time, CRC-32 and sizes;
+    stored uncompressed, as ``torch.save`` writes; the data inside the file and ending before the next record (or the
+    central directory) begins. A truncated, spliced or header-damaged file fails here.
+
+    Raises:
+        TensorFileError: naming the first record that fails.
+    """
+    fd = raw.fileno()
+    file_size = os.fstat(fd).st_size
+    entries, directory_start = _central_directory(fd, path, file_size)
+    if len(entries) != len(archive.infolist()):
+        raise _broken(path, "entry count")
+    entries.sort(key=lambda e: e[2])
+    ends = [e[2] for e in entries[1:]] + [directory_start]
+    records = []
+    for (name, central, offset, size), limit in zip(entries, ends, strict=True):
+        text = name.decode("utf-8", "replace")
+        header = os.pread(fd, _LOCAL.size, offset) if 0 <= offset < file_size else b""
+        local = _LOCAL.unpack(header) if len(header) == _LOCAL.size else None
+        if local is None or local[0] != b"PK\x03\x04":
+            raise TensorFileError(f"{path}: broken zip record {text} (no local header at byte {offset})")
+        name_len, extra_len = local[9:11]
+        # With a data descriptor (flag bit 3, as torch writes) the local CRC and sizes are zero.
+        described = (0, 0, 0) if central[1] & 0x08 else (central[5], size, size)
+        agree = local[1:6] == central[:5] and (local[6:9] == described or local[7:9] == (_FULL, _FULL))
+        if not agree or os.pread(fd, name_len, offset + _LOCAL.size) != name:
+            raise TensorFileError(f"{path}: broken zip record {text} (its local header disagrees with the directory)")
+        start = offset + _LOCAL.size + name_len + extra_len
+        if start + size > file_size:
+            raise TensorFileError(f"{path}: record {text} ends at byte {start + size}, past the end of the file "
+                                  f"({file_size} bytes): truncated")
+        if start + size > limit:
+            raise TensorFileError(f"{path}: record {text} ends at byte {start + size}, inside what follows it "
+                                  f"(byte {limit}): broken zip directory")
+        records.append(ZipRecord(text, start, size, central[5]))
+    return records
+
+
+def _record_offsets(path: Path) -> tuple[str, dict[str, tuple[int, int]], bytes]:
+    """(archive prefix, storage key -> (data offset, size), data.pkl bytes), reading only zip headers and data.pkl
+    (whose CRC-32 is checked)."""
+    archive = _open_zip(path)
     with archive, open(path, "rb") as raw:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pickles) != 1:
             raise TensorFileError(f"{path}: no data.pkl record (not written by torch.save)")
         prefix = pickles[0][: -len("data.pkl")]
-        records = {}
-        file_size = os.fstat(raw.fileno()).st_size
-        for info in archive.infolist():
-            if not info.filename.startswith(prefix + "data/"):
-                continue
-            raw.seek(info.header_offset)
-            header = raw.read(30)
-            if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                raise TensorFileError(f"{path}: broken zip record {info.filename}")
-            name_len, extra_len = struct.unpack("<HH", header[26:30])
-            start = info.header_offset + 30 + name_len + extra_len
-            if start + info.file_size > file_size:
-                raise TensorFileError(f"{path}: record {info.filename} ends at byte {start + info.file_size}, past "
-                                      f"the end of the file ({file_size} bytes): truncated")
-            records[info.filename[len(prefix) + len("data/"):]] = (start, info.file_size)
+        records = {r.name[len(prefix) + len("data/"):]: (r.start, r.size)
+                   for r in _checked_records(archive, raw, path) if r.name.startswith(prefix + "data/")}
         try:
             pickled = archive.read(pickles[0])
-        except (zipfile.BadZipFile, OSError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, EOFError) as e:  # RuntimeError: "encrypted"
             raise TensorFileError(f"{path}: {pickles[0]} unreadable ({e})") from None
     return prefix, records, pickled
+
+
+def verify_crc(path: str | Path, block: int = 16 << 20) -> int:
+    """Read every record of a ``torch.save`` zip to its end and compare its CRC-32 with the zip directory's: the one
+    check that sees bytes changed inside tensor data (headers alone cannot). Reads the whole file, ``block`` bytes
+    at a time.
+
+    Returns:
+        The number of bytes read.
+
+    Raises:
+        TensorFileError: a broken zip (as :func:`load_lazy`), or the first record whose data does not match its CRC.
+    """
+    path = Path(path)
+    archive = _open_zip(path)
+    done = 0
+    with archive, open(path, "rb") as raw:
+        for record in _checked_records(archive, raw, path):
+            crc = 0
+            for offset in range(record.start, record.start + record.size, block):
+                data = os.pread(raw.fileno(), min(block, record.start + record.size - offset), offset)
+                crc = zlib.crc32(data, crc)
+                done += len(data)
+            if crc != record.crc:
+                raise TensorFileError(f"{path}: record {record.name} fails its CRC-32 check (its bytes changed "
+                                      "after torch.save wrote them)")
+    return done
 
 
 class _LazyUnpickler(pickle.Unpickler):

@@ -58,13 +58,18 @@ def list_(
 ) -> None:
     """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest."""
     from opskit.ckpt.info import list_steps
+    from opskit.ckpt.layout import latest_state
 
     directory, _ = _checkpoint_dir(run_or_dir)
     latest, steps = list_steps(directory)
+    _, unusable = latest_state(directory)
     if json_output:
-        print_json({"dir": str(directory), "latest": latest, "steps": [s.as_json() for s in steps]})
+        print_json({"dir": str(directory), "latest": latest, "latest_problem": unusable,
+                    "steps": [s.as_json() for s in steps]})
         return
-    console.print(f"{directory}  latest: {latest or 'none'}", markup=False)
+    missing = " (no such step)" if latest and not any(s.latest for s in steps) else ""
+    console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}",
+                  markup=False)
     console.print(f"{'step':<18} {'size':>9} {'TP':>3} {'PP':>3} {'DP':>3} {'dtype':>5} {'complete':>8} "
                   f"{'consumed samples':>16} {'consumed tokens':>16}")
     for s in steps:
@@ -110,22 +115,26 @@ def inspect(
 @friendly_errors
 def check(
     step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
+    crc: bool = typer.Option(True, "--crc/--no-crc", help="Read every file to its end and check its CRC-32s (finds "
+                                                          "bytes changed inside tensor data)."),
     json_output: JsonOutput = False,
 ) -> None:
-    """TP consistency of replicated tensors, RNG agreement per pipeline stage, NaN/Inf, completeness. Exit 1 on any
-    problem."""
+    """Completeness, every file's CRC-32s, TP consistency of replicated tensors, RNG agreement per pipeline stage,
+    NaN/Inf. Exit 1 on any problem."""
     from opskit.ckpt.check import check_step
     from opskit.ckpt.layout import resolve_step_dir
 
     with _progress(in_bytes=False) as bar:
-        task = bar.add_task("checking layers", total=None)
+        task = bar.add_task("checking", total=None)
         report = check_step(resolve_step_dir(step_dir), lambda done, total: bar.update(task, completed=done,
-                                                                                           total=total))
+                                                                                           total=total), crc=crc)
     if json_output:
         print_json(report.as_json())
     else:
         for problem in report.problems:
             console.print(f"incomplete: {problem}", markup=False)
+        for problem in report.corrupt:
+            console.print(f"corrupt: {problem}", markup=False)
         for d in report.tp_mismatches:
             console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
                           f"(TP ranks {d['ranks']} vs 0)", markup=False)
@@ -136,7 +145,8 @@ def check(
             console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf", markup=False)
         verdict = "OK" if report.ok else "FAILED"
         console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
-                      f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared)", markup=False)
+                      f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
+                      + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"), markup=False)
     if not report.ok:
         raise typer.Exit(1)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from opskit.ckpt.layout import read_latest, write_latest
+from opskit.ckpt.info import ResumePoint, resume_point
+from opskit.ckpt.layout import write_latest
 
 CHECKPOINT_VERSION = 3.0
 
@@ -82,35 +82,41 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
 
 
 def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
-    """Resume from ``--load``'s ``latest``: weights, optimizer, LR scheduler, RNG and counters
-    (``args.consumed_valid_samples``, ``args.skipped_train_samples`` and the skip ranges already applied are set
-    from the saved args, as Megatron does for its counters).
+    """Resume from ``--load``: weights, optimizer, LR scheduler, RNG and counters (``args.consumed_valid_samples``,
+    ``args.skipped_train_samples`` and the skip ranges already applied are set from the saved args, as Megatron does
+    for its counters).
+
+    The step is ``latest``'s when it is complete (:func:`opskit.ckpt.info.resume_point`); when ``latest`` names a
+    missing or incomplete step, or is unusable, the newest complete step before it, with one WARNING line (a chain
+    that crashed on the same broken step job after job would make no progress). ``latest`` itself is left as it is:
+    the next save moves it. Rank 0 decides, every rank loads what it decided.
 
     Returns:
         ``(iteration, consumed_samples, consumed_tokens)``; zeros when there is nothing to load.
 
     Raises:
-        CheckpointError: when ``latest`` names a missing step or the saved architecture differs from the flags.
+        CheckpointError: ``latest`` is there but no step is complete, or the saved architecture differs from the flags.
     """
-    tag = read_latest(args.load) if args.load else None
-    if tag is None:
+    point = _agreed_resume_point(args.load) if args.load else None
+    if point is None or (point.problem is None and point.step is None):
         if dist.get_rank() == 0 and args.load:
             print(f"WARNING: could not find the metadata file {args.load}/latest", flush=True)
             print("    will not load any checkpoints and will start from random", flush=True)
         return 0, 0, 0
-    if not (Path(args.load) / tag).is_dir():
-        raise CheckpointError(f"{args.load}/latest names {tag}, but {args.load}/{tag} does not exist")
+    if point.error:
+        raise CheckpointError(point.error)
+    if point.fallback and dist.get_rank() == 0:
+        print(point.warning, flush=True)
+    tag, step_dir = point.step.path.name, point.step.path
     # Check the architecture before DeepSpeed loads the weights: a mismatch would fail there with a shape traceback.
-    client_file = Path(args.load) / tag / "mp_rank_00_model_states.pt"
-    if not client_file.is_file():
-        raise CheckpointError(f"{args.load}/{tag}: no mp_rank_00_model_states.pt")
-    _check_args(torch.load(client_file, map_location="cpu", weights_only=False)["args"], args, f"{args.load}/{tag}")
+    _check_args(torch.load(step_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"],
+                args, str(step_dir))
     if dist.get_rank() == 0:
         print(f" loading checkpoint from {args.load} at {tag}", flush=True)
     path, state = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:
-        raise CheckpointError(f"{args.load}/{tag}: DeepSpeed could not load it")
+        raise CheckpointError(f"{step_dir}: DeepSpeed could not load it")
     _set_rng_state(state)
     args.consumed_valid_samples = getattr(state["args"], "consumed_valid_samples", 0)
     args.skipped_train_samples = getattr(state["args"], "skipped_train_samples", 0)
@@ -119,6 +125,14 @@ def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
     return iteration, state["args"].consumed_train_samples, state["tokens"]
+
+
+def _agreed_resume_point(directory: str) -> ResumePoint:
+    """Rank 0's :func:`resume_point`, sent to every rank: ranks that looked at the files at different moments (a
+    file system's attribute caches) would otherwise load different steps."""
+    decided = [resume_point(directory) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(decided, src=0)
+    return decided[0]
 
 
 def _check_args(saved: argparse.Namespace, current: argparse.Namespace, where: str) -> None:

@@ -228,13 +228,11 @@ def _check_precision(args: argparse.Namespace) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from opskit.train.checkpointing import read_latest
-
     accelerator = get_accelerator()
     if args.fp16 and not accelerator.is_fp16_supported():
         raise TrainerError(f"--fp16: DeepSpeed {deepspeed.__version__} does not support fp16 on this "
                            f"{accelerator.device_name()} accelerator; use --bf16 (or a GPU)")
-    if args.bf16 and args.zero_stage == 0 and args.load and read_latest(args.load):
+    if args.bf16 and args.zero_stage == 0 and args.load and (Path(args.load) / "latest").exists():
         raise TrainerError(f"--load {args.load} has a checkpoint, but DeepSpeed {deepspeed.__version__}'s pipeline "
                            "engine cannot resume bf16 with --zero-stage 0; train bf16 with --zero-stage 1")
 

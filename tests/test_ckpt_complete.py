@@ -1,0 +1,247 @@
+"""One definition of a complete checkpoint step (opskit.ckpt.info.describe_step), used by ckpt list / check /
+set-latest / prune / backup / convert, the watchdog and the trainer's resume; a broken ``latest`` never crash-loops
+the chain. Real trainer checkpoints (conftest's ``bloom_run``), copied before any damage."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from conftest import run_trainer, tiny_trainer_args
+
+from opskit.ckpt.backup import backup
+from opskit.ckpt.convert import convert_step
+from opskit.ckpt.info import describe_step, list_steps, resume_point
+from opskit.ckpt.layout import CheckpointFormatError
+from opskit.ckpt.prune import parse_keep, plan_prune, set_latest
+from opskit.runs import RunPaths
+from opskit.spec import WatchdogSpec
+from opskit.watchdog import LogRead, check_checkpoint, check_log
+
+OPSKIT = str(Path(sys.executable).with_name("opskit"))
+SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+ITERATION = re.compile(r" iteration\s+(\d+)/.*? lm loss: (\S+) \|")
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([OPSKIT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def copy_run(bloom_run: Path, tmp_path: Path) -> Path:
+    """A private copy of the shared run folder (checkpoints only): damage is done to the copy."""
+    shutil.copytree(bloom_run / "checkpoints", tmp_path / "run" / "checkpoints")
+    return tmp_path / "run"
+
+
+def truncate(path: Path, keep: int | None = None) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep is None else keep])
+
+
+def losses(stdout: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in ITERATION.finditer(stdout)}
+
+
+# --------------------------------------------------------------------------- the truncated optimizer shard
+
+
+def test_truncated_optimizer_shard_is_incomplete_for_every_command(bloom_run, tmp_path):
+    run = copy_run(bloom_run, tmp_path)
+    checkpoints = run / "checkpoints"
+    victim = checkpoints / "global_step20" / SHARD
+    truncate(victim)
+
+    # list: the library and the CLI.
+    latest, steps = list_steps(checkpoints)
+    assert latest == "global_step20"
+    assert [(s.iteration, s.complete) for s in steps] == [(10, True), (20, False)]
+    assert steps[1].problems[0].startswith(f"{victim}: ")
+    listed = cli("ckpt", "list", str(checkpoints), "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [s["complete"] for s in json.loads(listed.stdout)["steps"]] == [True, False]
+    assert f"global_step20: {victim}: " in cli("ckpt", "list", str(checkpoints)).stdout
+
+    # check: not OK, naming the shard.
+    checked = cli("ckpt", "check", str(checkpoints / "global_step20"))
+    assert checked.returncode == 1
+    assert f"incomplete: {victim}: " in checked.stdout and "FAILED" in checked.stdout
+
+    # set-latest: refused, latest unchanged; the complete step is accepted.
+    set_latest(checkpoints, 10)
+    refused = cli("ckpt", "set-latest", str(checkpoints), "20")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith(f"error: {checkpoints / 'global_step20'}: incomplete, latest not changed: "
+                                     f"{victim}: ") and refused.stderr.count("\n") == 1
+    assert (checkpoints / "latest").read_text() == "global_step10"
+    (checkpoints / "latest").write_text("global_step20")  # as the trainer left it
+
+    # watchdog: an ALERT naming the bad file and the step the next job resumes from.
+    [finding, age] = check_checkpoint(RunPaths(run), 10, 1.0, running=False, wd=WatchdogSpec(), now=datetime.now())
+    assert (finding.key, finding.severity) == ("checkpoint.incomplete", "alert")
+    assert str(victim) in finding.message and "global_step10" in finding.message
+    assert finding.data["resume_from"] == "global_step10"
+    assert (age.key, age.data["tag"]) == ("checkpoint.age", "global_step10")
+
+    # convert: refused, naming the shard.
+    with pytest.raises(CheckpointFormatError, match=re.escape(f"{victim}: ")):
+        convert_step(checkpoints / "global_step20", tmp_path / "hf", verify=False)
+    assert not (tmp_path / "hf").exists()
+
+    # backup: the incomplete step is flagged and not recorded as backed up; the complete one is.
+    results = backup(checkpoints, f"file://{tmp_path / 'backup'}", weights_only=False)
+    assert [(r.tag, r.verified) for r in results] == [("global_step10", True), ("global_step20", False)]
+    assert results[1].problems[0].startswith(f"incomplete, not backed up: {victim}: ")
+    assert not (tmp_path / "backup" / "global_step20").exists()
+
+    # prune: last:1 counts complete steps only, so the newest complete step is kept.
+    plan = plan_prune(checkpoints, [parse_keep("last:1")], force=True)
+    assert plan.keep == {10: ["last:1"], 20: ["latest"]} and plan.delete == []
+
+
+def test_deleted_optimizer_shard_and_dp_size_from_the_saved_state(bloom_run, tmp_path):
+    run = copy_run(bloom_run, tmp_path)
+    step = run / "checkpoints" / "global_step10"
+    info = describe_step(step)
+    assert (info.tp, info.pp, info.dp, info.complete) == (1, 1, 1, True)
+    assert sorted(f.name for f in info.files) == sorted(f.name for f in step.iterdir())  # every file is needed
+    (step / SHARD).unlink()
+    info = describe_step(step)
+    assert (info.dp, info.complete) == (1, False)  # DeepSpeed's dp_world_size in mp_rank_00: DP without the shards
+    assert info.problems == [f"{step / SHARD}: no such file"]
+
+
+# --------------------------------------------------------------------------- the trainer's resume
+
+
+def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(kjv_data, bloom_run, tmp_path):
+    damaged, control = copy_run(bloom_run, tmp_path / "damaged"), copy_run(bloom_run, tmp_path / "control")
+    truncate(damaged / "checkpoints" / "global_step20" / SHARD)
+    set_latest(control / "checkpoints", 10)  # an uninterrupted resume from step 10
+
+    runs = {}
+    for name, out in (("damaged", damaged), ("control", control)):
+        done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=1))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = done.stdout
+    step20 = damaged / "checkpoints" / "global_step20"
+    warnings = [line for line in runs["damaged"].splitlines() if line.startswith("WARNING: checkpoint")]
+    assert warnings == [f"WARNING: checkpoint {step20} is incomplete ({step20 / SHARD}: cannot be loaded (not a "
+                        "torch.save zip file (File is not a zip file))); resuming from global_step10, the newest "
+                        "complete step"]
+    assert "WARNING: checkpoint" not in runs["control"]
+    assert list(losses(runs["damaged"])) == list(range(11, 21))
+    assert losses(runs["damaged"]) == losses(runs["control"])
+    # The save at 20 rewrote the damaged step and moved latest: the chain is healthy again.
+    assert describe_step(step20).complete and (damaged / "checkpoints" / "latest").read_text() == "global_step20"
+
+    # The watchdog alerts on the line (it is news: the chain lost a checkpoint's worth of iterations).
+    [finding] = [f for f in check_log(LogRead([], [], runs["damaged"], 0, None), WatchdogSpec(), datetime.now(),
+                                      None) if f.key == "log.resume_fallback"]
+    assert finding.severity == "alert" and finding.data["resumed_from"] == "global_step10"
+    assert str(step20 / SHARD) in finding.message
+
+
+def test_pp2_ranks_take_the_same_fallback(kjv_data, gpt_pp2_run, tmp_path):
+    # Stage 1's optimizer shard is read by rank 1 only: rank 0 decides for both, so neither loads global_step2.
+    run = copy_run(gpt_pp2_run, tmp_path)
+    victim = run / "checkpoints" / "global_step2" / "zero_pp_rank_0_mp_rank_01_optim_states.pt"
+    truncate(victim)
+    done = run_trainer(tiny_trainer_args(kjv_data, run, train_samples=16, save_interval=1, log_interval=1,
+                                         position_embedding_type="absolute", embed_layernorm=None,
+                                         pipeline_model_parallel_size=2), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [warning] = [line for line in done.stdout.splitlines() if "WARNING: checkpoint" in line]
+    assert f"({victim}: cannot be loaded (" in warning and warning.endswith("resuming from global_step1, the newest "
+                                                                            "complete step")
+    assert list(losses(done.stdout)) == [2] and describe_step(victim.parent).complete
+
+
+def test_no_complete_step_fails_in_one_line_and_changes_nothing(kjv_data, bloom_run, tmp_path):
+    run = copy_run(bloom_run, tmp_path)
+    for step in (10, 20):
+        truncate(run / "checkpoints" / f"global_step{step}" / "layer_03-model_00-model_states.pt")
+    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
+    done = run_trainer(tiny_trainer_args(kjv_data, run, train_samples=160, save_interval=10, log_interval=1))
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and losses(done.stdout) == {}
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert error == [f"error: {run / 'checkpoints'}/latest names global_step20, which is incomplete "
+                     f"({run / 'checkpoints' / 'global_step20' / 'layer_03-model_00-model_states.pt'}: cannot be "
+                     "loaded (not a torch.save zip file (File is not a zip file))), and no older step is complete: "
+                     "restore a step from a backup (opskit ckpt verify), or move latest away to start from scratch"]
+    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
+
+
+# --------------------------------------------------------------------------- a broken latest
+
+
+BAD_LATEST = {"binary": b"\x80\xff\x00global_step20\xfe", "path": b"../x", "empty": b"", "directory": None,
+              "no step folder": b"global_step30"}
+
+
+@pytest.mark.parametrize("kind", list(BAD_LATEST))
+def test_broken_latest_is_one_line_in_every_command(bloom_run, tmp_path, kind):
+    run = copy_run(bloom_run, tmp_path)
+    checkpoints = run / "checkpoints"
+    (checkpoints / "latest").unlink()
+    if BAD_LATEST[kind] is None:
+        (checkpoints / "latest").mkdir()
+    else:
+        (checkpoints / "latest").write_bytes(BAD_LATEST[kind])
+
+    point = resume_point(checkpoints)
+    assert point.step.path.name == "global_step20" and point.problem.startswith(f"{checkpoints}/latest")
+    for argv in (["ckpt", "inspect", str(checkpoints)], ["ckpt", "check", str(checkpoints)],
+                 ["ckpt", "convert", str(checkpoints), "--out", str(tmp_path / "hf"), "--no-verify"]):
+        done = cli(*argv)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (argv, done.stderr)
+        assert done.stderr.startswith(f"error: {checkpoints}/latest") and done.stderr.count("\n") == 1, argv
+    listed = cli("ckpt", "list", str(checkpoints))
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    listed_json = json.loads(cli("ckpt", "list", str(checkpoints), "--json").stdout)
+    if kind == "no step folder":
+        assert listed.stdout.splitlines()[0].endswith("latest: global_step30 (no such step)")
+        assert (listed_json["latest"], listed_json["latest_problem"]) == ("global_step30", None)
+    else:
+        assert f"latest: unusable ({checkpoints}/latest: " in listed.stdout.splitlines()[0]
+        assert listed_json["latest"] is None and listed_json["latest_problem"].startswith(f"{checkpoints}/latest: ")
+
+    if kind != "directory":  # set-latest repairs it (a directory named latest is not ours to replace)
+        fixed = cli("ckpt", "set-latest", str(checkpoints), "10")
+        assert fixed.returncode == 0, fixed.stderr
+        was = "global_step30" if kind == "no step folder" else "unusable"
+        assert fixed.stdout.startswith(f"{checkpoints}/latest: {was}") and fixed.stdout.endswith(" -> global_step10\n")
+        assert (checkpoints / "latest").read_text() == "global_step10"
+    else:
+        refused = cli("ckpt", "set-latest", str(checkpoints), "10")
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+
+
+def test_trainer_with_a_binary_latest_resumes_from_the_newest_complete_step(kjv_data, bloom_run, tmp_path):
+    run = copy_run(bloom_run, tmp_path)
+    latest = run / "checkpoints" / "latest"
+    latest.write_bytes(BAD_LATEST["binary"])
+    # Nothing left to train after step 20: no save, so latest shows the trainer never rewrites it itself.
+    done = run_trainer(tiny_trainer_args(kjv_data, run, train_samples=160, save_interval=10, log_interval=1))
+    assert done.returncode == 0, done.stderr[-3000:]
+    [warning] = [line for line in done.stdout.splitlines() if line.startswith("WARNING: checkpoint")]
+    assert warning.startswith(f"WARNING: checkpoint {latest} is unusable ({latest}: ")
+    assert warning.endswith("; resuming from global_step20, the newest complete step")
+    assert " successfully loaded checkpoint from " in done.stdout and "at iteration 20" in done.stdout
+    assert latest.read_bytes() == BAD_LATEST["binary"]
+
+
+def test_status_reports_a_binary_latest_in_one_alert(bloom_run, tmp_path):
+    run = copy_run(bloom_run, tmp_path)
+    (run / "checkpoints" / "latest").write_bytes(BAD_LATEST["binary"])
+    findings = check_checkpoint(RunPaths(run), 10, None, running=False, wd=WatchdogSpec(), now=datetime.now())
+    assert [(f.key, f.severity) for f in findings] == [("checkpoint.incomplete", "alert"), ("checkpoint.age", "ok")]
+    assert findings[0].data["resume_from"] == "global_step20"
+    assert os.fspath(run / "checkpoints" / "latest") in findings[0].message
