@@ -170,7 +170,7 @@ def test_submit_writes_only_into_a_run_directory_of_its_own(tmp_path, job_name):
     a_file = tmp_path / "a-file"
     a_file.write_text("mine\n")
     done = cli("submit", spec_at(tmp_path, name, output=a_file))
-    assert done.stderr == f"error: {a_file}: paths.output exists and is not a folder; choose another paths.output\n"
+    assert done.stderr == f"error: {tmp_path / 'spec.yaml'}: paths.output: {a_file} is a file, not a folder\n"
 
     # An empty folder is taken (its mode kept) and marked; submitting again continues the run, no --force.
     empty = tmp_path / "empty"

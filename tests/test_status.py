@@ -43,8 +43,10 @@ def status_cli(spec_name: str, *args: str, path: str | None = None, cwd: Path | 
 
 
 def spec_for(tmp_path: Path, job_name: str) -> Path:
-    """A spec whose SLURM job name is ``job_name`` (status needs no data)."""
+    """A spec whose SLURM job name is ``job_name`` (status needs no data), its run directory created as ``opskit
+    submit`` would (status alerts with exit 2 on a run directory it cannot see)."""
     fake_data = SimpleNamespace(data_prefix=tmp_path / "data" / "kjv_text_document")
+    (tmp_path / "run").mkdir(exist_ok=True)
     return write_spec(tmp_path / "watched.yaml", fake_data, tmp_path / "run", slurm={"job_name": job_name})
 
 
