@@ -123,27 +123,32 @@ def test_gcs_rate_limit_and_server_errors_are_retried_with_back_off(run, gcs):
     assert target.read_text("probe") == "1"
 
 
-def _checkpoint_step(root) -> None:
-    """``root/checkpoints/global_step10``: two weight files and an optimizer-state file, random bytes; ``latest``."""
-    step = root / "checkpoints" / "global_step10"
-    step.mkdir(parents=True)
-    for name in ("mp_rank_00_model_states.pt", "layer_01-model_00-model_states.pt"):
-        (step / name).write_bytes(os.urandom(5000))
-    (step / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(os.urandom(9000))
-    (root / "checkpoints" / "latest").write_text("global_step10")
+def _checkpoint_step(root) -> list[str]:
+    """``root/checkpoints/global_step10`` (+ ``latest``): a complete tiny GPT-2 checkpoint, TP=1 (four weight files and
+    a ZeRO optimizer shard); returns the weight files' names."""
+    import torch
+    from megatron_ckpt import build_checkpoint
+
+    step = build_checkpoint(root / "checkpoints", arch="gpt2", tp=1, layers=1, hidden=32, iteration=10,
+                            dtype=torch.float16)
+    return sorted(p.name for p in step.iterdir() if not p.name.endswith("_optim_states.pt"))
 
 
 def test_ckpt_backup_and_verify_through_gs(gcs, tmp_path):
     from opskit.ckpt.backup import backup, verify
 
     proxy, bucket = gcs
-    _checkpoint_step(tmp_path)
+    weights = _checkpoint_step(tmp_path)
     step = tmp_path / "checkpoints" / "global_step10"
     url = f"gs://{bucket}/backups/tr1"
     [result] = backup(tmp_path / "checkpoints", url)
-    assert result.verified and len(result.copied) == 2  # optimizer states stay behind
+    assert result.verified and sorted(k.split("/")[-1] for k in result.copied) == weights  # optimizer states stay
     assert verify(url) == {"global_step10": []}
-    open_target(url).put(step / "mp_rank_00_model_states.pt", "global_step10/layer_01-model_00-model_states.pt")
+    tampered = tmp_path / "tampered.pt"
+    data = bytearray((step / "layer_01-model_00-model_states.pt").read_bytes())
+    data[-100] ^= 0xFF  # same size, one byte changed
+    tampered.write_bytes(data)
+    open_target(url).put(tampered, "global_step10/layer_01-model_00-model_states.pt")
     assert "CRC32C" in verify(url)["global_step10"][0]
 
 
@@ -151,7 +156,7 @@ def test_interrupted_gs_backup_resumes_without_copying_again(gcs, tmp_path):
     from opskit.ckpt.backup import backup, verify
 
     proxy, bucket = gcs
-    _checkpoint_step(tmp_path)
+    weights = _checkpoint_step(tmp_path)
     url = f"gs://{bucket}/backups/tr1"
     proxy.fail("/upload/", 403, times=1, skip=1)  # the 2nd object is refused (not retried: 403)
     with pytest.raises(TargetError, match="run the backup again to resume"):
@@ -159,7 +164,8 @@ def test_interrupted_gs_backup_resumes_without_copying_again(gcs, tmp_path):
     assert not any(key.startswith("manifests/") for key in open_target(url).keys())  # no backup claimed yet
 
     [result] = backup(tmp_path / "checkpoints", url, workers=1)
-    assert len(result.skipped) == 1 and len(result.copied) == 1 and result.verified  # the 1st is not sent again
+    assert result.verified and sorted(result.copied + result.skipped) == [f"global_step10/{w}" for w in weights]
+    assert f"global_step10/{weights[0]}" in result.skipped  # the 1st object reached the bucket: not sent again
     assert verify(url) == {"global_step10": []}
 
 
