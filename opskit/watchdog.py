@@ -311,8 +311,8 @@ def line_interval(records: list[dict]) -> float | None:
 def check_log(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime | None,
               save_interval: int | None = None) -> list[Finding]:
     """Log health: hang (only while ``running_since`` is set), lm loss / grad norm spikes, NaN/inf losses and nan
-    or skipped iterations, throughput drops, crash lines. Events (spikes, NaNs, crashes) are reported for the new
-    records and text only."""
+    or skipped iterations, throughput drops, crash lines, failed checkpoint saves. Events (spikes, NaNs, crashes,
+    failed saves) are reported for the new records and text only."""
     findings: list[Finding] = []
     if log.skipped:
         findings.append(Finding("log.skipped_lines", "ok", f"{log.skipped} cut or garbled iteration line(s) skipped",
@@ -321,7 +321,7 @@ def check_log(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: date
         findings += _hang(log, wd, now, running_since)
     if log.new:
         findings += _spikes(log, wd, save_interval) + _nan(log.new) + _throughput(log.records, len(log.new), wd)
-    findings += _crashes(log.text) + _resume_fallbacks(log.text)
+    findings += _crashes(log.text) + _resume_fallbacks(log.text) + _save_failures(log.text)
     return findings
 
 
@@ -436,6 +436,20 @@ def _resume_fallbacks(text: str) -> list[Finding]:
                     "what damaged it (full disk, killed copy) before the next save",
                     {"resumed_from": last["tag"], "broken": last["broken"], "problem": last["problem"],
                      "count": len(found)})]
+
+
+def _save_failures(text: str) -> list[Finding]:
+    """The trainer's ``error: saving global_stepN failed: ...`` lines (disk full, quota): the chain's next tasks
+    would train to the same step and fail again."""
+    from opskit.ckpt.layout import SAVE_FAILED_LINE, save_failed_message
+
+    failed = [m for line in text.splitlines() if "saving global_step" in line and (m := SAVE_FAILED_LINE.search(line))]
+    if not failed:
+        return []
+    tag, reason = failed[-1].groups()
+    return [Finding("log.save_failed", "alert", f"{save_failed_message(tag, reason)}; latest still names the step "
+                    "before: free space (or quota) under the checkpoint dir before the next task reaches its next save",
+                    {"tag": tag, "reason": reason, "failures": len(failed)})]
 
 
 # --------------------------------------------------------------------------- checkpoints, disk, progress

@@ -6,13 +6,16 @@ damaged steps are named."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from conftest import run_trainer, tiny_trainer_args
 from megatron_ckpt import build_checkpoint
 
 from opskit.ckpt.check import check_step
@@ -255,6 +258,30 @@ def test_check_passes_a_consistent_trainer_checkpoint_and_agreeing_rng(bloom_run
     report = json.loads(done.stdout)
     assert report["ok"] and report["problems"] == [] and report["nonfinite"] == []
     assert {r["key"] for r in report["rng"]} >= {"torch_rng_state", "np_rng_state", "random_rng_state"}
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_check_passes_model_parallel_trainer_checkpoints(kjv_data, tmp_path, tp, pp):
+    """The trainer seeds Python's and NumPy's generators as Megatron does (seed + 100 * pipeline rank), so the TP
+    ranks of a stage save equal RNG states and ``ckpt check`` passes the trainer's own checkpoints (it flagged them)."""
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=16, save_interval=2, log_interval=1,
+                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, tensorboard_dir=None)
+    done = run_trainer(args, nproc=tp * pp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checked = cli("check", str(tmp_path / "checkpoints"), "--json")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    report = json.loads(checked.stdout)
+    assert report["ok"], report
+    assert {(r["pp"], r["key"]) for r in report["rng"]} >= {
+        (stage, key) for stage in range(pp) for key in ("random_rng_state", "np_rng_state", "torch_rng_state")}
+    for rank in range(tp * pp):  # Megatron's rule: seed + 100 * pipeline rank (nothing draws from these two)
+        saved = torch.load(tmp_path / "checkpoints" / "global_step2" / f"mp_rank_{rank:02d}_model_states.pt",
+                           weights_only=False)
+        seed = 1234 + 100 * (rank // tp)
+        assert saved["random_rng_state"] == random.Random(seed).getstate(), rank
+        name, keys, *position = saved["np_rng_state"]
+        want_name, want_keys, *want_position = np.random.RandomState(seed).get_state()
+        assert (name, position) == (want_name, want_position) and np.array_equal(keys, want_keys), rank
 
 
 def test_check_finds_nan_and_rng_disagreement(gpt2_fp16, tmp_path):

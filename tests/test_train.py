@@ -443,6 +443,13 @@ def test_missing_data_path(kjv_data, tmp_path):
     one_line_error(done, "--data-path", str(missing))
 
 
+@pytest.mark.parametrize("seed", [0, 2**32])
+def test_seed_numpy_cannot_take_is_a_one_line_error(kjv_data, tmp_path, seed):
+    """Megatron's rule (a positive seed) and NumPy's range (below 2**32), rather than NumPy's traceback."""
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, seed=seed, save=None, load=None))
+    one_line_error(done, f"--seed {seed}")
+
+
 def test_tokenizer_folder_without_tokenizer_json(kjv_data, tmp_path):
     folder = tmp_path / "tokenizer"
     folder.mkdir()

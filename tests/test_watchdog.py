@@ -165,6 +165,25 @@ def test_crash_lines_name_their_node(tmp_path):
     assert crash.data["crashes"][0]["signature"] == "out of memory" and crash.data["crashes"][0]["node"] is None
 
 
+def test_failed_save_is_an_alert_of_its_own(tmp_path):
+    """The trainer's one line for a failed save (no traceback, no crash signature) under torchrun's rank prefix: an
+    alert keyed log.save_failed, not a crash; only new lines count."""
+    run = run_with_log(tmp_path, "crash.txt")
+    state: dict = {}
+    assert "log.save_failed" not in keys(check_log(read_log(run, state), WatchdogSpec(), NOW, None))
+    with open(run.main_log, "a") as f:
+        f.write("saving checkpoint at iteration      40 to /scratch/run/checkpoints\n"
+                "[default0]:error: saving global_step40 failed: [Errno 28] No space left on device "
+                "(/scratch/run/checkpoints/global_step40/zero_pp_rank_0_mp_rank_00_optim_states.pt)\n")
+    findings = check_log(read_log(run, state), WatchdogSpec(), NOW, None)
+    failed = only(findings, "log.save_failed")
+    assert failed.severity == "alert" and "log.crash" not in keys(findings)
+    assert failed.data == {"tag": "global_step40", "failures": 1, "reason": "[Errno 28] No space left on device "
+                           "(/scratch/run/checkpoints/global_step40/zero_pp_rank_0_mp_rank_00_optim_states.pt)"}
+    assert failed.message.startswith("saving global_step40 failed: [Errno 28] No space left on device (")
+    assert "log.save_failed" not in keys(check_log(read_log(run, state), WatchdogSpec(), NOW, None))
+
+
 def test_throughput_drop(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
     state: dict = {}

@@ -93,6 +93,15 @@ def write_latest(directory: str | Path, tag: str) -> None:
     atomic_write_text(Path(directory) / "latest", tag)
 
 
+# The trainer's error line when a save fails (opskit.train.checkpointing); the watchdog looks for it in the log.
+SAVE_FAILED_LINE = re.compile(r"error: saving (global_step\d+) failed: (.+)$")
+
+
+def save_failed_message(tag: str, reason: str) -> str:
+    """What the trainer prints after ``error: `` when saving ``tag`` failed (matched by ``SAVE_FAILED_LINE``)."""
+    return f"saving {tag} failed: {reason}"
+
+
 def step_dirs(directory: str | Path) -> dict[int, Path]:
     """Iteration -> ``global_stepN`` folder of a run's checkpoint dir, ascending."""
     directory = Path(directory)

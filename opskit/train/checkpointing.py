@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from opskit.ckpt.info import ResumePoint, resume_point
-from opskit.ckpt.layout import write_latest
+from opskit.ckpt.layout import save_failed_message, write_latest
 
 CHECKPOINT_VERSION = 3.0
 
@@ -53,9 +55,48 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
+def _write_through_python_file(zipfile_serialization: bool, state_dict, path: str) -> None:
+    """DeepSpeed's ``TorchCheckpointEngine.save``, but torch.save into a Python file, so that a failed write (disk
+    full, quota) surfaces as the OSError with its errno, and the path is added. Given a path name, torch.save writes
+    from C++ and raises a RuntimeError that names neither ("unexpected pos 576 vs 534"). The zip's records are then
+    named ``archive/...`` rather than ``<file stem>/...``; torch.load and opskit's reader take either."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile_serialization)
+    except (OSError, RuntimeError) as e:
+        # torch's zip writer replaces the file's OSError with that RuntimeError while closing the archive
+        error = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(error, OSError):
+            raise
+        raise OSError(error.errno, error.strerror, path) from None
+
+
+def _name_failed_writes(engine) -> None:
+    """Route the DeepSpeed engine's torch.save calls through :func:`_write_through_python_file` (idempotent; another
+    checkpoint engine, such as DeepSpeed's fast writer, is left as it is)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    writer = engine.checkpoint_engine
+    if type(writer) is TorchCheckpointEngine:
+        writer.save = partial(_write_through_python_file, writer.zipfile_serialization)
+
+
+def _failure_reason(error: OSError, where: Path) -> str:
+    """``[Errno 28] No space left on device (<file>)``: the file the error names, else ``where``."""
+    if error.errno is None:
+        return f"{error} ({where})"
+    return f"[Errno {error.errno}] {error.strerror} ({error.filename or where})"
+
+
 def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_samples: int,
                     consumed_tokens: int) -> None:
-    """Save ``global_step{iteration}`` under ``--save`` from every rank, then move ``latest`` to it."""
+    """Save ``global_step{iteration}`` under ``--save`` from every rank, then move ``latest`` to it.
+
+    Raises:
+        CheckpointError: a file could not be written (disk full, quota, permissions): one line naming the step, the
+            OS error and the file. ``latest`` still names the previous step, whose files are untouched; the files
+            of this step written so far stay (an incomplete step for ``opskit ckpt list``).
+    """
     tag = step_tag(iteration)
     if dist.get_rank() == 0:
         print(f"saving checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
@@ -73,10 +114,17 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
                             "original_vocab_size": args.original_vocab_size},
         **_rng_state(),
     }
-    engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
-    dist.barrier()
+    _name_failed_writes(engine)
+    where = Path(args.save) / tag
+    try:
+        engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            where = Path(args.save) / "latest"
+            write_latest(args.save, tag)
+    except OSError as e:
+        raise CheckpointError(save_failed_message(tag, _failure_reason(e, where))) from None
     if dist.get_rank() == 0:
-        write_latest(args.save, tag)
         print(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
         print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
 

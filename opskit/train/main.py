@@ -18,6 +18,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
@@ -237,6 +238,28 @@ def _check_precision(args: argparse.Namespace) -> None:
                            "engine cannot resume bf16 with --zero-stage 0; train bf16 with --zero-stage 1")
 
 
+def _set_random_seed(seed: int, pipeline_rank: int, pipeline_size: int) -> None:
+    """Megatron's ``_set_random_seed``: Python's, NumPy's and torch's global generators from ``seed + 100 *
+    pipeline_rank``, so the TP and DP ranks of a stage hold equal RNG states (``ckpt check`` compares the saved ones)
+    and the stages differ. Called before the model is built; the layers then reseed torch per layer (pipe.py), so the
+    weights and the losses do not depend on it.
+
+    Raises:
+        TrainerError: a seed NumPy cannot take on every stage (Megatron asks for a positive integer).
+    """
+    import numpy as np
+    import torch
+
+    bound = 2**32 - 100 * (pipeline_size - 1)  # NumPy takes seeds below 2**32
+    if not 0 < seed < bound:
+        raise TrainerError(f"--seed {seed}: expected a positive integer below {bound} (stage s is seeded with "
+                           "seed + 100 * s)")
+    stage_seed = seed + 100 * pipeline_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+
+
 def _param_groups(model) -> list[dict]:
     """Megatron's weight-decay rule: no decay for biases and LayerNorm parameters."""
     decay, no_decay = [], []
@@ -281,6 +304,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _set_random_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank(), pp)
 
     # Megatron takes the earliest start over all ranks, so every rank agrees on when to stop.
     start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=_collective_device())

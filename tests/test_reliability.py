@@ -1,0 +1,250 @@
+"""The trainer's checkpoints under failure, for real: SIGKILL at random moments of saves (the chain's next task resumes
+from a complete step and prints the uninterrupted run's losses), and a file system that fills up during a save (one
+error line, ``latest`` and the earlier steps untouched, the watchdog alerts)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_trainer, tiny_trainer_args
+
+from opskit.ckpt.info import describe_step, list_steps
+from opskit.ckpt.layout import read_latest, write_latest
+from opskit.logs.parse import parse_iteration_line
+from opskit.runs import RunPaths
+from opskit.spec import WatchdogSpec
+from opskit.watchdog import check_log, read_log
+
+GBS = 8
+KILLS = 30  # kills that land inside a save
+MAX_KILL_RUNS = 40  # a kill that lands after its save has finished is tried again, up to this many runs in all
+ITERATIONS = 2 * MAX_KILL_RUNS + 4  # each killed run moves `latest` on by one or two steps
+SAVE_TIME = re.compile(r"^time \(ms\) \| save-checkpoint: ([\d.]+)$", re.M)
+
+
+def chain_args(data, out: Path) -> list[str]:
+    """The flags of every run of the crash test (reference, killed and resumed): a save after every iteration."""
+    return tiny_trainer_args(data, out, train_samples=ITERATIONS * GBS, save_interval=1, tensorboard_dir=None)
+
+
+def losses(stdout: str) -> dict[int, float]:
+    """Iteration -> lm loss of every iteration line (as printed: equal strings give equal floats)."""
+    parsed = [r for line in stdout.splitlines() if (r := parse_iteration_line(line))]
+    return {r["iteration"]: r["lm_loss"] for r in parsed}
+
+
+@pytest.fixture(scope="module")
+def reference(kjv_data, tmp_path_factory):
+    """The uninterrupted run: its checkpoints, losses and save durations (ms)."""
+    out = tmp_path_factory.mktemp("reference")
+    done = run_trainer(chain_args(kjv_data, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    saves_ms = [float(ms) for ms in SAVE_TIME.findall(done.stdout)]
+    assert len(saves_ms) == ITERATIONS
+    return Namespace(save=out / "checkpoints", losses=losses(done.stdout), saves_ms=saves_ms)
+
+
+# --------------------------------------------------------------------------- SIGKILL during saves
+
+
+def folder_bytes(folder: Path) -> int:
+    try:
+        return sum(entry.stat().st_size for entry in os.scandir(folder))
+    except FileNotFoundError:  # not created yet, or a file renamed while we looked
+        return 0
+
+
+def run_and_kill_in_a_save(args: list[str], save: Path, kill_at_bytes: int, stderr_path: Path) -> str:
+    """Start the trainer in its own process group; its first save runs whole (and rewrites whatever an earlier kill
+    left of that step); in the second one, SIGKILL the whole group as soon as the step's folder holds
+    ``kill_at_bytes``: moments spread by bytes written, whatever the machine's load does to the timing. That folder
+    is new: the chain never got that far before. Returns all it printed to stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    with open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "opskit.train", *args], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, env=env, cwd=REPO, start_new_session=True)
+    kill = lambda: os.killpg(proc.pid, signal.SIGKILL)  # noqa: E731
+    guard = threading.Timer(300, kill)  # a trainer that never gets there fails the test instead of hanging it
+    guard.start()
+    printed, saves = [], 0
+    try:
+        for line in proc.stdout:
+            printed.append(line)
+            if line.startswith("saving checkpoint at iteration"):
+                saves += 1
+                if saves == 2:
+                    step = save / f"global_step{int(line.split()[4])}"
+                    while proc.poll() is None and folder_bytes(step) < kill_at_bytes:
+                        time.sleep(0.0002)
+                    kill()
+                    break
+        printed.append(proc.stdout.read())
+        proc.wait()
+    finally:
+        guard.cancel()
+    assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}:\n{''.join(printed)[-3000:]}\n" \
+                                               f"{stderr_path.read_text()[-3000:]}"
+    return "".join(printed)
+
+
+def assert_resumed_exactly(stdout: str, save: Path, tag: str, reference) -> list[int]:
+    """The run loaded ``tag`` and printed the reference's losses from the next iteration on; its iterations."""
+    assert f"loading checkpoint from {save} at {tag}" in stdout, stdout[-3000:]
+    got = losses(stdout)
+    start = int(tag.removeprefix("global_step")) + 1
+    assert got and sorted(got) == list(range(start, start + len(got))), (tag, sorted(got))
+    for iteration, loss in got.items():
+        assert loss == reference.losses[iteration], (iteration, loss, reference.losses[iteration])
+    return sorted(got)
+
+
+def assert_latest_is_complete(save: Path) -> str:
+    tag = read_latest(save)
+    assert tag is not None and (save / tag).is_dir(), f"latest names {tag}, which does not exist"
+    step = describe_step(save / tag, latest=True)
+    assert step.complete, step.problems
+    return tag
+
+
+def interrupted_save(stdout: str) -> int | None:
+    """The iteration whose save was under way when the run died, or None when every save it began had finished."""
+    begun = re.findall(r"^saving checkpoint at iteration +(\d+)", stdout, re.M)
+    finished = set(re.findall(r"^  successfully saved checkpoint at iteration +(\d+)", stdout, re.M))
+    return int(begun[-1]) if begun and begun[-1] not in finished else None
+
+
+def test_sigkill_during_saves_resumes_from_a_complete_step_with_the_same_losses(kjv_data, reference, tmp_path):
+    """The chain's tasks killed with SIGKILL at moments spread over whole saves: after every kill ``latest`` names a
+    complete step, and the next task (same flags) resumes from it and prints the uninterrupted run's losses; in the
+    end every step folder is complete (each one a kill cut short was written again by the next task)."""
+    save = tmp_path / "checkpoints"
+    save.mkdir()
+    shutil.copytree(reference.save / "global_step1", save / "global_step1")
+    write_latest(save, "global_step1")
+    args = chain_args(kjv_data, tmp_path)
+    step_bytes = sum(f.stat().st_size for f in (reference.save / "global_step1").iterdir())
+    rng = random.Random(0)
+    # Moments spread evenly over the save: the k-th kill at a random point of the k-th slice of its bytes.
+    fractions = [(k + rng.random()) / KILLS for k in range(KILLS)]
+    rng.shuffle(fractions)
+    kills: list[dict] = []  # the kills that landed inside a save
+    runs = 0
+    while len(kills) < KILLS:
+        assert runs < MAX_KILL_RUNS, f"only {len(kills)} of {runs} kills landed inside a save"
+        runs += 1
+        before = assert_latest_is_complete(save)
+        fraction = fractions[len(kills)]  # tried again when the kill missed its save
+        stdout = run_and_kill_in_a_save(args, save, int(fraction * step_bytes), tmp_path / "stderr.txt")
+        assert_resumed_exactly(stdout, save, before, reference)
+        after = assert_latest_is_complete(save)
+        interrupted = interrupted_save(stdout)
+        if interrupted is None:
+            continue
+        step = save / f"global_step{interrupted}"
+        assert after in (f"global_step{interrupted - 1}", step.name), (before, after, interrupted)
+        kills.append({"latest_moved": after == step.name, "written": folder_bytes(step) / step_bytes,
+                      "files": len(list(step.iterdir())) if step.is_dir() else 0})
+    before = assert_latest_is_complete(save)
+    final = subprocess.run([sys.executable, "-m", "opskit.train", *args], capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"), cwd=REPO)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert assert_resumed_exactly(final.stdout, save, before, reference)[-1] == ITERATIONS
+    assert assert_latest_is_complete(save) == f"global_step{ITERATIONS}"
+    assert [s.iteration for s in list_steps(save)[1] if not s.complete] == []
+    files = {n: sum(k["files"] == n for k in kills) for n in sorted({k["files"] for k in kills})}
+    print(f"\n{runs} kills ({len(kills)} inside a save, {runs - len(kills)} after it had finished), {runs} clean "
+          f"resumes; a save of {step_bytes} bytes took {statistics.median(reference.saves_ms):.1f} ms (median of the "
+          f"reference run's; {min(reference.saves_ms):.1f}-{max(reference.saves_ms):.1f}); kills after "
+          f"`latest` moved: {sum(k['latest_moved'] for k in kills)}; files of the step being written at the kill -> "
+          f"kills: {files}; share of the step's bytes written at the kill: "
+          f"{sorted(round(k['written'], 2) for k in kills)}")
+
+
+# --------------------------------------------------------------------------- disk full during a save
+
+
+def pages(path: Path) -> int:
+    """Bytes ``path`` takes on a tmpfs: whole 4 KiB pages."""
+    return -(-path.stat().st_size // 4096) * 4096
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    return {str(f.relative_to(root)): hashlib.sha256(f.read_bytes()).hexdigest() for f in root.rglob("*")
+            if f.is_file()}
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``mount(size_bytes) -> Path``: a tmpfs of that size at ``tmp_path/fs``, unmounted at the end whatever
+    happened. Skips where mounting is not permitted (CI runs as root)."""
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        point = tmp_path / "fs"
+        point.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                                  capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            pytest.skip("no mount command")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        if subprocess.run(["umount", str(point)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(point)], capture_output=True, timeout=30)
+
+
+def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, reference, small_fs, tmp_path):
+    """A file system with room for one step and half of the next one's first file: the first task saves
+    global_step2; the next one fails to save global_step4 with one error line and exit 2, ``latest`` and every
+    earlier file are untouched, the cut-short step is not complete, and the watchdog alerts on the line."""
+    one_step = reference.save / "global_step1"
+    room = sum(pages(f) for f in one_step.iterdir()) + sum(pages(f) for f in reference.save.iterdir() if f.is_file())
+    first_file = one_step / "layer_01-model_00-model_states.pt"  # DeepSpeed writes the layer files first
+    fs = small_fs(room + pages(first_file) // 2)
+    save = fs / "checkpoints"
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, save_interval=2, exit_interval=2, save=save,
+                             load=save, tensorboard_dir=None)
+    first = run_trainer(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert read_latest(save) == "global_step2"
+    kept = file_hashes(fs)
+
+    second = run_trainer(args)
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "Traceback" not in second.stdout + second.stderr, second.stderr[-4000:]
+    [line] = [line for line in second.stderr.splitlines() if "error:" in line]
+    assert re.fullmatch(rf"error: saving global_step4 failed: \[Errno 28\] No space left on device "
+                        rf"\({re.escape(str(save))}/global_step4/[\w.-]+\.pt\)", line), line
+    assert read_latest(save) == "global_step2" and describe_step(save / "global_step2").complete
+    after = file_hashes(fs)
+    assert {name: after.get(name) for name in kept} == kept
+    assert all(name.startswith("checkpoints/global_step4/") for name in set(after) - set(kept)), sorted(after)
+    assert not describe_step(save / "global_step4").complete
+
+    run = RunPaths(tmp_path / "run")  # the job script appends the trainer's stdout and stderr to main_log.txt
+    run.logs.mkdir(parents=True)
+    run.main_log.write_text(second.stdout + second.stderr)
+    findings = check_log(read_log(run, {}), WatchdogSpec(), datetime.now(), None)
+    [finding] = [f for f in findings if f.key == "log.save_failed"]
+    assert finding.severity == "alert" and finding.data["tag"] == "global_step4", finding
+    assert "No space left on device" in finding.message and "log.crash" not in {f.key for f in findings}
+    print(f"\n{line}\n{finding.key} ({finding.severity}): {finding.message}")
