@@ -165,6 +165,13 @@ def test_plot_names_the_valid_fields(tmp_path, option, value):
         assert "iteration, samples, tokens" in line, line
     assert not (tmp_path / "p.png").exists()
 
+
+@pytest.mark.parametrize("threshold", ["0", "-1"])
+def test_spikes_refuses_a_threshold_that_marks_everything(tmp_path, threshold):
+    done = opskit_cli("logs", "spikes", str(FIXTURES / "hang.txt"), "--threshold", threshold, cwd=tmp_path)
+    assert done.returncode == 2 and "Invalid value for '--threshold'" in done.stderr, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+
 # --------------------------------------------------------------------------- where a spec's relative paths start
 
 def test_relative_paths_start_from_the_project_holding_trainings(tmp_path, monkeypatch):

@@ -221,7 +221,8 @@ def spikes(
                                       help="Checkpoint interval (default: the spec's; with a spec, the existing "
                                            "global_stepN folders come first)."),
     window: int = typer.Option(100, "--window", min=5, help="Previous values the robust z-score is taken over."),
-    threshold: float = typer.Option(6.0, "--threshold", help="Robust z-score above which a value is a spike."),
+    threshold: float = typer.Option(6.0, "--threshold", min=1.0,
+                                    help="Robust z-score above which a value is a spike (>= 1)."),
     json_output: JsonOutput = False,
 ) -> None:
     """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
