@@ -315,3 +315,13 @@ def test_a_garbled_iteration_time_is_no_eta(tmp_path):
     done = opskit_cli("logs", "show", "t.log", cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert "ETA" not in done.stdout and "progress: iteration 2 of 10 (20.0%), 8 left" in done.stdout
+
+
+def test_ckpt_commands_take_a_spec_file_as_a_spec_not_as_a_checkpoint_folder(tmp_path):
+    raw = tiny()
+    raw["paths"]["output"] = "run"
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(raw))
+    line = one_error_line(opskit_cli("ckpt", "list", "mine.yaml", cwd=tmp_path), 1)
+    assert line == f"error: {tmp_path / 'run' / 'checkpoints'}: no global_stepN folders (not a checkpoint dir)", line
+    (tmp_path / "binary.yaml").write_bytes(b"\x00\x01\xff")
+    assert one_error_line(opskit_cli("ckpt", "list", "binary.yaml", cwd=tmp_path), 1).startswith("error: binary.yaml")

@@ -14,9 +14,10 @@ app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, co
 
 
 def _checkpoint_dir(run_or_dir: str) -> tuple[Path, Path | None]:
-    """(checkpoint dir, run root or None): an existing path is taken as is, anything else as a spec name."""
+    """(checkpoint dir, run root or None): an existing folder is taken as is, anything else (a spec name, prefix or
+    YAML path) as a spec."""
     path = Path(run_or_dir)
-    if path.exists():
+    if path.is_dir():
         return path, None
     from opskit.runs import RunPaths
     from opskit.spec import load_spec
