@@ -212,14 +212,21 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "--lazy", str(point)], capture_output=True, timeout=30)
 
 
-def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, reference, small_fs, tmp_path):
-    """A file system with room for one step and half of the next one's first file: the first task saves
-    global_step2; the next one fails to save global_step4 with one error line and exit 2, ``latest`` and every
-    earlier file are untouched, the cut-short step is not complete, and the watchdog alerts on the line."""
+@pytest.mark.parametrize("full_in", ["layer file", "optimizer shard"])
+def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, reference, small_fs, tmp_path, full_in):
+    """A file system with room for one step and part of the next: it fills inside the next step's first layer file,
+    or inside its ZeRO optimizer shard (written after every model file: the likeliest case, 3/4 of the bytes). The
+    first task saves global_step2; the next one fails to save global_step4 with one error line and exit 2,
+    ``latest`` and every earlier file are untouched, the cut-short step is not complete, and the watchdog alerts on
+    the line."""
     one_step = reference.save / "global_step1"
     room = sum(pages(f) for f in one_step.iterdir()) + sum(pages(f) for f in reference.save.iterdir() if f.is_file())
-    first_file = one_step / "layer_01-model_00-model_states.pt"  # DeepSpeed writes the layer files first
-    fs = small_fs(room + pages(first_file) // 2)
+    if full_in == "layer file":  # DeepSpeed writes the layer files first
+        room += pages(one_step / "layer_01-model_00-model_states.pt") // 2
+    else:
+        shard = one_step / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        room += sum(pages(f) for f in one_step.glob("*model_states.pt")) + pages(shard) // 2
+    fs = small_fs(room)
     save = fs / "checkpoints"
     args = tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, save_interval=2, exit_interval=2, save=save,
                              load=save, tensorboard_dir=None)
