@@ -49,6 +49,7 @@ from opskit.fsutil import (
     OutputRefusedError,
     atomic_write_text,
     claim_dir,
+    folder_entries,
     has_marker,
     replace_dir,
     staging_path,
@@ -531,8 +532,11 @@ def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
 
     Args:
         tokenizer: a tokenizer from `_train_tokenizer`.
-        folder: destination folder; an existing one is replaced when it carries opskit's marker
-            (:func:`opskit.fsutil.replace_dir`).
+        folder: destination folder; an existing one is replaced when its marker says `data prepare` wrote it and
+            it holds nothing else (:func:`opskit.fsutil.claim_dir`).
+
+    Raises:
+        OutputRefusedError: `folder` holds files the preparation did not write (named), or is not opskit's.
     """
     special = dict(zip(("unk_token", "bos_token", "eos_token", "pad_token"), SPECIAL_TOKENS, strict=True))
     config = {
@@ -547,7 +551,8 @@ def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
         tokenizer.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-        write_marker(staging, "data prepare")
+        write_marker(staging, "data prepare", folder_entries(staging))
+        claim_dir(folder, force=True, flag="data.dir", command="data prepare")  # only files it wrote are replaced
         replace_dir(staging, folder)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

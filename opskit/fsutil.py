@@ -2,9 +2,10 @@
 and nothing opskit did not write itself is deleted, replaced or re-moded.
 
 Ownership: a folder opskit writes as a command's output carries :data:`MARKER` (``.opskit``, one JSON line naming the
-command); a file output carries its own marker where its format allows (a PNG text chunk, a YAML comment), checked by
+command; for a folder a command writes whole, also the entries it wrote and what it was made from); a file output carries its own marker where its format allows (a PNG text chunk, a YAML comment), checked by
 the writer's ``ours`` test. An existing non-empty target is refused in one line unless ``force`` is given *and* the
-marker says opskit wrote it (:func:`claim_dir`, :func:`claim_file`).
+marker says opskit wrote it (:func:`claim_dir`, :func:`claim_file`); a folder is replaced only by the command that
+wrote it, and only while it holds nothing beyond the entries its marker lists.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from opskit.errors import OpskitError
@@ -31,9 +32,12 @@ def staging_path(path: Path) -> Path:
 
 
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``."""
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``; ``mode`` default: an existing
+    file's mode is kept (a new file gets the umask's)."""
     path = Path(path)
     staging = staging_path(path)
+    if mode is None and path.is_file():
+        mode = path.stat().st_mode & 0o7777
     try:
         staging.write_text(text, encoding="utf-8")
         if mode is not None:
@@ -43,28 +47,72 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
         staging.unlink(missing_ok=True)
 
 
-def write_marker(folder: Path, what: str) -> None:
-    """Mark ``folder`` as written by opskit's ``what`` (e.g. ``"ckpt convert"``): ``<folder>/.opskit``."""
-    atomic_write_text(Path(folder) / MARKER, json.dumps({"written_by": "opskit", "command": what,
-                                                         "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, source: dict | None = None) -> None:
+    """Mark ``folder`` as written by opskit's ``what`` (e.g. ``"ckpt convert"``): ``<folder>/.opskit``.
+
+    Args:
+        entries: for a folder the command writes whole, the relative paths of the files it wrote (``--force`` may
+            replace the folder only while it holds nothing else); None for a folder whose contents grow (a run
+            directory), which is never replaced.
+        source: what the folder was made from (JSON-able), for the command's own up-to-date test.
+    """
+    marker = {"written_by": "opskit", "command": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if entries is not None:
+        marker["entries"] = sorted(entries)
+    if source is not None:
+        marker["source"] = source
+    atomic_write_text(Path(folder) / MARKER, json.dumps(marker) + "\n")
 
 
-def has_marker(folder: Path) -> bool:
-    """True when ``folder/.opskit`` is a marker opskit wrote (a readable JSON object with ``written_by: opskit``)."""
+def folder_entries(folder: Path) -> list[str]:
+    """Relative paths of the files below ``folder`` (the marker excluded): what :func:`write_marker` lists."""
+    folder = Path(folder)
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if not p.is_dir() and p.relative_to(folder) != Path(MARKER))
+
+
+def read_marker(folder: Path) -> dict | None:
+    """The marker opskit wrote in ``folder`` (a JSON object with ``written_by: opskit``), else None."""
     try:
-        return json.loads((Path(folder) / MARKER).read_bytes()).get("written_by") == "opskit"
-    except (OSError, ValueError, AttributeError):
-        return False
+        marker = json.loads((Path(folder) / MARKER).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("written_by") == "opskit" else None
 
 
-def claim_dir(target: Path, force: bool, flag: str = "--out") -> None:
-    """Check that ``target`` may become (or be replaced by) an output folder of opskit.
+def has_marker(folder: Path, command: str | None = None) -> bool:
+    """True when ``folder/.opskit`` is a marker opskit wrote (and, given ``command``, that command wrote it)."""
+    marker = read_marker(folder)
+    return marker is not None and (command is None or marker.get("command") == command)
 
-    Allowed: a missing path, an empty folder, or -- with ``force`` -- a folder carrying opskit's :data:`MARKER`.
+
+def unlisted_entries(folder: Path, marker: dict) -> list[str]:
+    """Paths below ``folder`` that ``marker`` does not list (folders named once, not their contents); every path
+    when the marker lists none (a growing folder, or a marker of an older opskit)."""
+    folder = Path(folder)
+    listed = set(marker.get("entries") or ())
+    listed_dirs = {str(parent) for entry in listed for parent in Path(entry).parents}
+    extra: list[str] = []
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder)
+        if relative == Path(MARKER) or any(str(p) in extra for p in relative.parents):
+            continue
+        if str(relative) not in (listed_dirs if path.is_dir() and not path.is_symlink() else listed):
+            extra.append(str(relative))
+    return extra
+
+
+def claim_dir(target: Path, force: bool, flag: str = "--out", command: str | None = None) -> None:
+    """Check that ``target`` may become (or be replaced by) an output folder of opskit's ``command``.
+
+    Allowed: a missing path, an empty folder, or -- with ``force`` -- a folder whose :data:`MARKER` says ``command``
+    wrote it and which holds nothing beyond the entries the marker lists (``command`` None: any marker, for callers
+    that only add files).
 
     Raises:
         OutputRefusedError: ``target`` is a file or another non-folder, a non-empty folder without the marker (even
-            with ``force``: opskit did not write it), or a marked folder without ``force``; a target named ``.``,
+            with ``force``: opskit did not write it), a marked folder without ``force``, one another command wrote,
+            or one holding entries its marker does not list (named: they would be lost); a target named ``.``,
             ``..`` or ``/``, or below a file. ``flag`` names the option the user can change in the message.
     """
     target = Path(target)
@@ -75,11 +123,19 @@ def claim_dir(target: Path, force: bool, flag: str = "--out") -> None:
         raise OutputRefusedError(f"{target}: exists and is not a folder; {flag} must name a new or empty folder")
     if not any(target.iterdir()):
         return
-    if not has_marker(target):
+    marker = read_marker(target)
+    if marker is None:
         raise OutputRefusedError(f"{target}: exists and holds files opskit did not write; choose another {flag} "
                                  "(opskit never deletes what it did not write)")
+    if command is not None and marker.get("command") != command:
+        raise OutputRefusedError(f"{target}: written by `opskit {marker.get('command')}`, not `opskit {command}`; "
+                                 f"choose another {flag} (opskit never replaces another command's folder)")
     if not force:
         raise OutputRefusedError(f"{target}: exists (written by opskit earlier); --force replaces it")
+    if command is not None and (extra := unlisted_entries(target, marker)):
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise OutputRefusedError(f"{target}: holds entries opskit did not write ({shown}); --force would delete "
+                                 f"them: move them away or choose another {flag}")
 
 
 def _refuse_unnamed(target: Path, flag: str) -> None:
@@ -116,7 +172,7 @@ def claim_file(target: Path, force: bool, ours: Callable[[Path], bool], flag: st
 
 def replace_dir(staging: Path, target: Path) -> None:
     """Rename the finished folder ``staging`` to ``target``, which :func:`claim_dir` allowed: missing, empty (its
-    mode is kept), or opskit's own (moved aside, then removed). ``staging`` gets the usual mode for a new folder
+    mode is kept), or opskit's own folder holding only the entries its marker lists (moved aside, then removed). ``staging`` gets the usual mode for a new folder
     (0777 less the umask; ``tempfile.mkdtemp`` makes it 0700).
     """
     staging, target = Path(staging), Path(target)
@@ -130,7 +186,8 @@ def replace_dir(staging: Path, target: Path) -> None:
     if not target.exists():
         os.replace(staging, target)
         return
-    if not has_marker(target):  # claim_dir refused this already; never remove what opskit did not write
+    marker = read_marker(target)  # claim_dir refused anything else already; never remove what opskit did not write
+    if marker is None or "entries" not in marker or unlisted_entries(target, marker):
         raise OutputRefusedError(f"{target}: exists and holds files opskit did not write; not replaced")
     old = target.with_name(f".{target.name}-old-{os.getpid()}")
     os.replace(target, old)

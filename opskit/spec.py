@@ -409,6 +409,15 @@ class PathsSpec(_Section):
     hub_repos: dict[str, str] = Field(default_factory=dict)
     """Hugging Face Hub repositories the run publishes to, by kind (``logs: bigscience/tr11-176B-ml-logs``)."""
 
+    @field_validator("output")
+    @classmethod
+    def _output_is_a_folder_of_its_own(cls, value: str) -> str:
+        # "" and "." are the base directory itself, "/" the root: opskit writes its run files (kill-switch, slurm/,
+        # checkpoints/) into the folder, so it must be one that holds nothing else.
+        if not value.strip() or os.path.normpath(value) in (".", "/", "//"):
+            raise ValueError(f"{value!r} is not a run directory of its own; name one, e.g. runs/<name>")
+        return value
+
 
 class SyncSpec(_Section):
     """Where ``opskit sync`` (and the hourly cron job) publishes logs, TensorBoard events and CodeCarbon CSVs."""
@@ -1155,6 +1164,7 @@ class CreatedSpec:
     """Other string fields that still mention the source's name: to check by hand."""
 
 
+MAX_SPEC_NAME = 200  # trainings/NAME.yaml must fit a file name (255 bytes on Linux file systems)
 _CREATED_MARK = "# Created by `opskit specs new "
 
 
@@ -1181,8 +1191,9 @@ def create_user_spec(name: str, source: str, force: bool = False) -> CreatedSpec
         SpecError: invalid name, or an invalid source spec. OutputRefusedError: the file exists and (without
             ``force``, or not written by ``opskit specs new``) is not replaced.
     """
-    if not _SPEC_NAME.fullmatch(name):
-        raise SpecError(f"spec name {name!r}: use letters, digits and _ . - (it becomes trainings/{name}.yaml)")
+    if not _SPEC_NAME.fullmatch(name) or len(name) > MAX_SPEC_NAME:
+        raise SpecError(f"spec name {name[:40]!r}{'...' if len(name) > 40 else ''}: use at most {MAX_SPEC_NAME} "
+                        "letters, digits and _ . - (it becomes trainings/NAME.yaml)")
     resolved = resolve_spec(source)
     validate_spec(resolved.raw, resolved.path, resolved.variant)
     old = resolved.path.stem
@@ -1194,7 +1205,8 @@ def create_user_spec(name: str, source: str, force: bool = False) -> CreatedSpec
             raw["variants"] = whole["variants"]
     renamed: list[str] = []
     raw = _renamed(raw, old, name, "", renamed)
-    still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description"))
+    # a renamed field mentions the old name only inside the new one (tiny -> mytiny): not one to check by hand
+    still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description") and not any(m == r or m.startswith(f"{r}.") for r in renamed))
     target = USER_SPEC_DIR / f"{name}.yaml"
     header = (f"{_CREATED_MARK}{name} --from {source}` from {resolved.path}; see that file for the source of each "
               "value.\n")

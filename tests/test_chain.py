@@ -123,6 +123,37 @@ def test_ledger_counts_failures_since_the_last_success(tmp_path):
         chain.add_bad_nodes(run, {"n1 $(reboot)": "why"})
 
 
+def test_kill_switch_and_nodes_leave_a_folder_opskit_did_not_create_alone(tmp_path):
+    data = SimpleNamespace(data_prefix=str(tmp_path / "kjv_text_document"))
+    root = tmp_path / "mine"
+    root.mkdir()
+    (root / "notes").write_text("my notes\n")
+    (root / "kill-switch").write_text("my own file\n")
+    (root / "bad-nodes.txt").write_text("# mine\nn1\tbroken fan\n")
+    (root / "bad-nodes.txt").chmod(0o600)
+    spec = str(write_spec(tmp_path / "s.yaml", data, root))
+    before = {p.name: (p.stat().st_mode, p.read_bytes()) for p in root.iterdir()}
+    for args in (("kill-switch", spec, "off"), ("kill-switch", spec, "on"), ("nodes", "add", spec, "n2"),
+                 ("nodes", "clear", spec)):
+        done = cli(*args)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1, (args, done.stdout, done.stderr)
+        assert done.stderr.startswith(f"error: {root}: paths.output exists and holds files opskit did not write")
+    assert {p.name: (p.stat().st_mode, p.read_bytes()) for p in root.iterdir()} == before
+
+
+@pytest.mark.parametrize("output", ["/", "", ".", "//"])
+def test_paths_output_must_name_a_folder_of_its_own(tmp_path, output):
+    data = SimpleNamespace(data_prefix=str(tmp_path / "kjv_text_document"))
+    path = write_spec(tmp_path / "s.yaml", data, tmp_path)
+    path.write_text(path.read_text().replace(f"output: {tmp_path}", f"output: '{output}'"))
+    with pytest.raises(SpecError, match=rf"^{re.escape(str(path))}: paths.output: .* is not a run directory of its "
+                                        "own; name one, e.g. runs/<name>$"):
+        load_spec(str(path))
+    done = cli("kill-switch", str(path), "on")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert not Path("/kill-switch").exists() and not (tmp_path / "kill-switch").exists()
+
+
 def test_chain_fields_of_the_spec_are_checked(tmp_path):
     data = SimpleNamespace(data_prefix=str(tmp_path / "kjv_text_document"))
     path = write_spec(tmp_path / "s.yaml", data, tmp_path / "run", slurm={"group": "six $(id)", "max_failures": 0})

@@ -128,6 +128,58 @@ def test_convert_all_refuses_a_users_step_folder_before_converting_anything(chec
     assert snapshot(tmp_path) == before  # global_step10 was not converted either
 
 
+def marked_by(folder: Path, command: str) -> Path:
+    """A folder another opskit command wrote (a run directory, a dataset): its marker and files of its own."""
+    (folder / "checkpoints" / "global_step5").mkdir(parents=True)
+    (folder / "checkpoints" / "global_step5" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (folder / "ledger.jsonl").write_text('{"task": "1_1"}\n')
+    (folder / MARKER).write_text(json.dumps({"written_by": "opskit", "command": command}) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("command", ["submit", "data prepare"])
+def test_convert_force_refuses_a_folder_another_command_wrote(checkpoints, tmp_path, command):
+    out = marked_by(tmp_path / "run", command)
+    before = snapshot(tmp_path)
+    refused_in_one_line(convert(checkpoints, out, "--force"), f"{out}: written by `opskit {command}`, not `opskit "
+                                                              "ckpt convert`")
+    assert snapshot(tmp_path) == before
+
+
+def test_convert_force_keeps_files_the_user_added_to_a_conversion(checkpoints, tmp_path):
+    out = tmp_path / "o1"
+    assert convert(checkpoints, out).returncode == 0
+    (out / "mynotes.txt").write_text("mine\n")
+    (out / "sub").mkdir()
+    (out / "sub" / "y").write_text("mine too\n")
+    before = snapshot(tmp_path)
+    refused_in_one_line(convert(checkpoints, out, "--force"),
+                        f"{out}: holds entries opskit did not write (mynotes.txt, sub); --force would delete them")
+    assert snapshot(tmp_path) == before
+
+
+def test_convert_all_skips_only_an_intact_conversion_of_the_same_save(small_checkpoints, tmp_path):
+    root = tmp_path / "hf"
+    step = root / "global_step10"
+    convert_all = ("ckpt", "convert", small_checkpoints, "--all", "--out", root, "--no-verify")
+    assert opskit(*convert_all).returncode == 0
+    assert "already converted" in opskit(*convert_all).stdout  # intact: skipped
+    shard = next(step.glob("model*.safetensors"))
+    shard.unlink()
+    done = opskit(*convert_all)
+    assert "already converted" not in done.stdout and f"{step}: damaged conversion (missing {shard.name})" in done.stderr
+    assert not shard.exists()  # reported; only --force converts it again
+    assert opskit(*convert_all, "--force").returncode == 0 and shard.is_file()
+
+    states = small_checkpoints / "global_step10" / "mp_rank_00_model_states.pt"
+    os.utime(states, ns=(states.stat().st_atime_ns, states.stat().st_mtime_ns + 10**9))  # saved again (rollback)
+    done = opskit(*convert_all)
+    assert "already converted" not in done.stdout and "(stale); --force converts it again" in done.stderr, done.stderr
+    marker_before = (step / MARKER).read_text()
+    assert opskit(*convert_all, "--force").returncode == 0
+    assert "already converted" in opskit(*convert_all).stdout and (step / MARKER).read_text() != marker_before
+
+
 # --------------------------------------------------------------------------- ckpt backup to file://
 
 
@@ -256,6 +308,21 @@ def test_data_prepare_reuses_and_repairs_its_output_and_needs_force_for_other_se
     assert prepare_data(corpus, out, 320, name="c", force=True).vocab_size == 320
 
 
+def test_data_prepare_keeps_a_users_file_in_its_tokenizer_folder(corpus, tmp_path):
+    from opskit.data import prepare_data
+
+    out = tmp_path / "data"
+    first = prepare_data(corpus, out, 300, name="c")
+    (first.tokenizer_dir / "my-vocab-notes.txt").write_text("mine\n")
+    bin_path = Path(f"{first.data_prefix}.bin")
+    bin_path.write_bytes(bin_path.read_bytes()[:-2])  # a repair (no --force) rewrites the tokenizer folder
+    for size, force in ((300, False), (320, True)):
+        with pytest.raises(OutputRefusedError, match=f"^{first.tokenizer_dir}: holds entries opskit did not write "
+                                                     r"\(my-vocab-notes.txt\)"):
+            prepare_data(corpus, out, size, name="c", force=force)
+        assert (first.tokenizer_dir / "my-vocab-notes.txt").read_text() == "mine\n"
+
+
 def test_data_prepare_cli_refuses_in_one_line(corpus, kjv_data, tmp_path):
     out = users_folder(tmp_path / "data")
     before = snapshot(tmp_path / "data")
@@ -306,6 +373,20 @@ def test_plot_refuses_a_users_image_an_unknown_suffix_a_folder_and_dot(tmp_path)
 
 
 # --------------------------------------------------------------------------- specs new
+
+
+def test_specs_new_refuses_a_long_name_and_does_not_warn_about_a_renamed_field(tmp_path):
+    refused_in_one_line(opskit("specs", "new", "n" * 300, "--from", "tiny", cwd=tmp_path), "use at most 200")
+    done = opskit("specs", "new", "mytiny", "--from", "tiny", cwd=tmp_path)
+    assert done.returncode == 0 and "still mentions" not in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_set_latest_keeps_the_mode_of_latest(small_checkpoints):
+    latest = small_checkpoints / "latest"
+    latest.chmod(0o600)
+    done = opskit("ckpt", "set-latest", small_checkpoints, "10")
+    assert done.returncode == 0, done.stderr
+    assert latest.stat().st_mode & 0o7777 == 0o600 and latest.read_text().strip() == "global_step10"
 
 
 def test_specs_new_force_replaces_only_a_spec_it_created(tmp_path):

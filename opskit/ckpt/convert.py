@@ -27,6 +27,7 @@ model and never replaces a good one.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import tempfile
@@ -49,7 +50,7 @@ from opskit.ckpt.layout import (
 )
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
 from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
-from opskit.fsutil import claim_dir, replace_dir, write_marker
+from opskit.fsutil import claim_dir, folder_entries, has_marker, read_marker, replace_dir, write_marker
 
 # What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -57,6 +58,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 DEFAULT_WORKERS = 2
+CONVERT_COMMAND = "ckpt convert"  # the marker's command for a conversion folder
 CHUNK_BYTES = 64 * 1024**2  # row chunks (one write each): memory per writer thread, whatever the tensor
 VERIFY_ATOL = 1e-4
 VERIFY_RTOL = 1e-5
@@ -351,7 +353,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
-    claim_dir(out_dir, force)
+    claim_dir(out_dir, force, command=CONVERT_COMMAND)
     step_path = resolve_step_dir(path, step)
     info = describe_step(step_path)
     if info.problems:
@@ -383,8 +385,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
         except ConvertError as e:
             raise ConvertError(f"{e}; nothing was written to {out_dir}") from None
-        write_marker(staging, "ckpt convert")
-        claim_dir(out_dir, force)  # again: something may have been written there during the conversion
+        write_marker(staging, CONVERT_COMMAND, folder_entries(staging), conversion_source(step_path, info.iteration))
+        claim_dir(out_dir, force, command=CONVERT_COMMAND)  # again: something may have been written there during the conversion
         replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -485,33 +487,54 @@ def _write_side_files(folder: Path, config: dict, tokenizer: RunTokenizer) -> No
 
 def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = False,
                 **options) -> list[Converted | str]:
-    """Convert every complete step of a run into ``out_root/global_stepN``; a step whose folder already has a
-    ``config.json`` and index is skipped (``Converted.skipped``), an incomplete step gives its first problem (str).
-    ``force`` and ``options`` as :func:`convert_step`.
+    """Convert every complete step of a run into ``out_root/global_stepN``; a step whose folder holds an intact
+    conversion of that same step (:func:`conversion_problem`) is skipped (``Converted.skipped``), an incomplete step
+    gives its first problem (str), and so does a damaged or stale conversion without ``force`` (with it, the step is
+    converted again). ``force`` and ``options`` as :func:`convert_step`.
 
     Raises:
         OutputRefusedError: before anything is converted, for the first step folder :func:`convert_step` would
-            refuse (a user's folder, or an earlier conversion without ``force``).
+            refuse (a user's folder, another command's, or one holding files the conversion did not write).
     """
     _latest, steps = list_steps(checkpoint_dir)
     plan = [(info, Path(out_root) / info.path.name) for info in steps]
+    problems = {out: conversion_problem(out, info.path, info.iteration) for info, out in plan if info.complete}
     for info, out in plan:  # every refusal before the first (long) conversion
-        if info.complete and not _converted(out):
-            claim_dir(out, force)
+        if info.complete and problems[out] and (force or not has_marker(out, CONVERT_COMMAND)):
+            claim_dir(out, force, command=CONVERT_COMMAND)
     results: list[Converted | str] = []
     for info, out in plan:
         if not info.complete:
-            results.append(info.problems[0])
-        elif _converted(out):
+            results.append(f"incomplete step: {info.problems[0]}")
+        elif problems[out] is None:
             results.append(Converted(out, info.path, info.iteration, "", 0, skipped=True))
+        elif not force and has_marker(out, CONVERT_COMMAND):
+            results.append(f"{out}: {problems[out]}; --force converts it again")
         else:
             results.append(convert_step(info.path, out, force=force, **options))
     return results
 
 
-def _converted(out: Path) -> bool:
-    """A converted folder is there (``--all`` skips it; older conversions carry no marker, and are left alone)."""
-    return (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+def conversion_source(step_path: Path, iteration: int | None) -> dict:
+    """What a conversion was made from, as its marker records it: the step folder's resolved path, its iteration,
+    and a digest of its files' names, sizes and modification times (a step saved again after a rollback differs)."""
+    files = sorted(p for p in Path(step_path).iterdir() if p.is_file())
+    stamp = hashlib.sha256(json.dumps([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode())
+    return {"step": str(Path(step_path).resolve()), "iteration": iteration, "files": stamp.hexdigest()}
+
+
+def conversion_problem(out: Path, step_path: Path, iteration: int | None) -> str | None:
+    """Why ``out`` is not an intact conversion of the step at ``step_path`` (None when it is): no conversion marker,
+    one made from another step or an earlier save of it, or a file the marker lists missing."""
+    marker = read_marker(out)
+    if marker is None or marker.get("command") != CONVERT_COMMAND:
+        return "no conversion by opskit"
+    if marker.get("source") != conversion_source(step_path, iteration):
+        return f"converted from another checkpoint than {step_path} as saved now (stale)"
+    missing = [name for name in marker.get("entries") or () if not (out / name).is_file()]
+    if missing or "entries" not in marker:
+        return f"damaged conversion (missing {', '.join(missing) or 'its file list'})"
+    return None
 
 
 # --------------------------------------------------------------------------- verification

@@ -157,7 +157,7 @@ def check(
 def convert(
     run_or_dir: str = typer.Argument(..., help="Spec name, checkpoint dir (with 'latest') or global_stepN folder."),
     step: int = typer.Option(None, "--step", help="Convert global_stepN instead of 'latest'."),
-    all_steps: bool = typer.Option(False, "--all", help="Every complete step; already converted ones are skipped."),
+    all_steps: bool = typer.Option(False, "--all", help="Every complete step; steps already converted intact from the same save are skipped."),
     to: str = typer.Option("hf", "--to", help="Output format: hf (GPT2LMHeadModel or BloomForCausalLM)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default <run>/hf/global_stepN; with --all the "
                                                  "parent folder)."),
@@ -202,7 +202,7 @@ def convert(
                                     progress=progress, **options)]
     for result in results:
         if isinstance(result, str):
-            err_console.print(f"skipped (incomplete): {result}", markup=False)
+            err_console.print(f"skipped: {result}", markup=False)
         elif result.skipped:
             console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}", markup=False)
         else:

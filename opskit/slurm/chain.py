@@ -228,12 +228,15 @@ def claim_run_dir(run: RunPaths, what: str, write: bool = True) -> str | None:
 
 
 def set_kill_switch(run: RunPaths, on: bool) -> bool:
-    """Turn the kill switch on (create the file) or off (remove it); returns whether anything changed."""
+    """Turn the kill switch on (create the file) or off (remove it); returns whether anything changed.
+
+    Raises:
+        OutputRefusedError: ``paths.output`` is not opskit's run directory (:func:`claim_run_dir`).
+    """
+    claim_run_dir(run, "kill-switch", write=on)
     if on == run.kill_switch.exists():
         return False
     if on:
-        if not run.root.exists():
-            claim_run_dir(run, "kill-switch")
         atomic_write_text(run.kill_switch, f"{datetime.now():%Y-%m-%d %H:%M:%S} opskit kill-switch on\n")
     else:
         run.kill_switch.unlink(missing_ok=True)
@@ -337,12 +340,15 @@ def read_bad_nodes(run: RunPaths) -> dict[str, str]:
 
 
 def write_bad_nodes(run: RunPaths, nodes: dict[str, str]) -> None:
-    """Replace the bad-node list (atomically); an empty mapping removes the file."""
+    """Replace the bad-node list (atomically, its mode kept); an empty mapping removes the file.
+
+    Raises:
+        OutputRefusedError: ``paths.output`` is not opskit's run directory (:func:`claim_run_dir`).
+    """
+    claim_run_dir(run, "nodes add", write=bool(nodes))
     if not nodes:
         run.bad_nodes.unlink(missing_ok=True)
         return
-    if not run.root.exists():
-        claim_run_dir(run, "nodes add")
     lines = ["# Nodes `opskit submit` excludes (--exclude); edit with `opskit nodes add|clear`."]
     lines += [f"{node}\t{why}" for node, why in sorted(nodes.items())]
     atomic_write_text(run.bad_nodes, "\n".join(lines) + "\n")
