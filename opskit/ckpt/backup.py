@@ -1,8 +1,8 @@
 """``opskit ckpt backup`` and ``opskit ckpt verify``: copy checkpoint steps to a target with a CRC32C manifest.
 
 Layout at the target (any :mod:`opskit.targets` target): ``global_stepN/<files>`` as in the checkpoint dir,
-``manifests/global_stepN.json`` = ``{"step", "weights_only", "complete", "files": [{"path", "size", "crc32c"}]}``,
-and ``latest`` when the step it names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``) stay
+``manifests/global_stepN.json`` = ``{"step", "source": {"dir", "host"}, "weights_only", "complete", "files":
+[{"path", "size", "crc32c"}]}``, and ``latest`` when the step it names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``) stay
 behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args and RNG are enough to convert or to
 restart with a fresh optimizer); ``weights_only=False`` copies them too.
 
@@ -159,14 +159,18 @@ def _our_manifest(target: Target, tag: str) -> dict | None:
 
 
 def _is_manifest(manifest, tag: str) -> bool:
+    """The shape opskit writes (module docstring); ``source`` may be absent (an older opskit), not malformed."""
     def entry_ok(e) -> bool:
         return isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int \
             and isinstance(e.get("crc32c"), str)
 
-    source = manifest.get("source", {"dir": ""}) if isinstance(manifest, dict) else None
-    return isinstance(manifest, dict) and manifest.get("step") == tag and isinstance(manifest.get("complete"), bool) \
+    if not isinstance(manifest, dict):
+        return False
+    source = manifest.get("source")
+    return manifest.get("step") == tag and isinstance(manifest.get("complete"), bool) \
         and isinstance(manifest.get("files"), list) and all(entry_ok(e) for e in manifest["files"]) \
-        and isinstance(source, dict) and isinstance(source.get("dir"), str)
+        and (source is None and "source" not in manifest or isinstance(source, dict)
+             and isinstance(source.get("dir"), str))
 
 
 def _same_bytes(target: Target, key: str, path: Path) -> bool:
@@ -329,7 +333,7 @@ def _held_problem(target: Target, folder: Path) -> str | None:
     if source != source_of(folder.parent)["dir"]:
         return f"{manifest_key} names {f'another checkpoint dir ({source})' if source else 'no source (older opskit)'}"
     listed = {entry["path"]: entry["size"] for entry in manifest["files"]}
-    for path in backup_files(folder, manifest.get("weights_only", True) is not False):
+    for path in backup_files(folder, manifest.get("weights_only") is not False):
         if listed.get(f"{folder.name}/{path.name}") != path.stat().st_size:
             return f"{folder.name}/{path.name} not in the backup as it is here"
     for key, size in listed.items():
