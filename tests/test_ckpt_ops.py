@@ -186,3 +186,135 @@ def test_unsupported_targets_are_refused_in_one_line(run):
                                                  "gs://bucket/prefix or hf://[datasets/]org/repo[/path]\n")
     published = cli("publish", str(run), "--to", "hf://org/repo")
     assert published.returncode == 1 and "no converted global_stepN folders" in published.stderr
+
+
+# --------------------------------------------------------------------------- a backup is never trusted wrongly
+
+
+@pytest.fixture
+def other_run(run, tmp_path) -> Path:
+    """Another run's checkpoint dir with the same steps; its global_step100 differs in one layer file."""
+    import shutil
+
+    root = tmp_path / "runB" / "checkpoints"
+    shutil.copytree(run, root)
+    layer = root / "global_step100" / "layer_03-model_00-model_states.pt"
+    state = torch.load(layer, weights_only=False)
+    for tensor in state.values():
+        if torch.is_tensor(tensor) and tensor.is_floating_point():
+            tensor.add_(1)
+    torch.save(state, layer)
+    return root
+
+
+def test_backup_refuses_another_runs_step_at_the_same_key(run, other_run, tmp_path):
+    target = tmp_path / "backup"
+    assert backup(run, f"file://{target}", steps=[100])[0].verified
+    before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    done = cli("backup", str(other_run), "--to", f"file://{target}", "--steps", "100")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: file://{target}/manifests/global_step100.json: holds global_step100 of "
+                                  f"another checkpoint dir ({run.resolve()})")
+    assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before  # nothing copied
+    assert cli("verify", f"file://{target}").returncode == 0
+    assert cli("prune", str(run), "--keep", "steps:300").stdout.count("deleted global_step100") == 1
+
+
+def test_backup_over_an_old_manifest_without_a_source_refuses_other_bytes(run, other_run, tmp_path):
+    target = tmp_path / "backup"
+    backup(run, f"file://{target}", steps=[100])
+    manifest_path = target / "manifests" / "global_step100.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["source"]  # as opskit before sources wrote it
+    manifest_path.write_text(json.dumps(manifest))
+    done = cli("backup", str(other_run), "--to", f"file://{target}", "--steps", "100")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "global_step100/layer_03-model_00-model_states.pt: differs from" in done.stderr
+    assert "global_step100.json names no source" in done.stderr
+    same = cli("backup", str(run), "--to", f"file://{target}", "--steps", "100")  # same bytes: adopted
+    assert same.returncode == 0, same.stderr
+    assert json.loads(manifest_path.read_text())["source"]["dir"] == str(run.resolve())
+
+
+@pytest.mark.parametrize("damage", ["target removed", "object removed", "object truncated", "manifest incomplete",
+                                    "other source"])
+def test_prune_checks_the_backup_is_still_there(run, tmp_path, damage):
+    import shutil
+
+    target = tmp_path / "backup"
+    backup(run, f"file://{target}", steps=[100])
+    manifest_path = target / "manifests" / "global_step100.json"
+    manifest = json.loads(manifest_path.read_text())
+    if damage == "target removed":
+        shutil.rmtree(target)
+    elif damage == "object removed":
+        (target / "global_step100" / "mp_rank_01_model_states.pt").unlink()
+    elif damage == "object truncated":
+        (target / "global_step100" / "mp_rank_01_model_states.pt").write_bytes(b"x")
+    else:
+        manifest.update(complete=False) if damage == "manifest incomplete" else \
+            manifest.update(source={"dir": "/elsewhere/checkpoints"})
+        manifest_path.write_text(json.dumps(manifest))
+    done = cli("prune", str(run), "--keep", "steps:300")
+    assert done.returncode == 0, done.stderr
+    assert "deleted" not in done.stdout
+    assert f"keep    global_step100  (backup file://{target}: " in done.stdout
+    assert steps_in(run) == ["global_step100", "global_step200", "global_step300"]
+
+
+@pytest.mark.parametrize("text", [b"{garbage", b"", b"\xff\xfe\x00binary", b"[]", b"{}", b'{"files":5}',
+                                  b'{"step": "global_step100", "complete": true, "files": [{"path": 3}]}'])
+def test_verify_reports_a_corrupt_manifest_as_a_problem_of_its_step(run, tmp_path, text):
+    target = tmp_path / "backup"
+    backup(run, f"file://{target}", steps=[100, 200])
+    (target / "manifests" / "global_step100.json").write_bytes(text)
+    done = cli("verify", f"file://{target}")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.startswith("global_step100: FAILED\n  manifests/global_step100.json: not a manifest of opskit "
+                                  "ckpt backup (expected JSON {step, complete, files: [{path, size, crc32c}]})\n")
+    assert "global_step200: OK" in done.stdout
+
+
+@pytest.mark.parametrize("text", [b"{garbage", b"[]", b'{"file:///x": 5}', b'{"file:///x": {"global_step1": 3}}',
+                                  b"\xff\xfe\x00binary", None])
+@pytest.mark.parametrize("command", ["prune", "backup"])
+def test_a_corrupt_backup_record_is_one_line(run, tmp_path, text, command):
+    record = run / ".opskit-backups.json"
+    if text is None:
+        record.mkdir()
+    else:
+        record.write_bytes(text)
+    target = tmp_path / "backup"
+    args = ["--keep", "steps:300"] if command == "prune" else ["--to", f"file://{target}"]
+    done = cli(command, str(run), *args)
+    assert (done.returncode, done.stderr.count("\n")) == (1, 1), done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: {record}: expected ")
+    assert not target.exists()  # refused before copying
+    assert steps_in(run) == ["global_step100", "global_step200", "global_step300"]
+
+
+def test_prune_refuses_a_symlinked_step_before_renaming_anything(run, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "global_step100").rename(elsewhere / "global_step100")
+    (run / "global_step100").symlink_to(elsewhere / "global_step100")
+    done = cli("prune", str(run), "--keep", "steps:300", "--force")
+    assert (done.returncode, done.stderr.count("\n")) == (1, 1), done.stderr
+    assert done.stderr.startswith(f"error: {run / 'global_step100'}: a symbolic link")
+    assert sorted(p.name for p in run.iterdir()) == ["global_step100", "global_step200", "global_step300", "latest"]
+    assert (elsewhere / "global_step100" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_a_missing_checkpoint_dir_is_refused_by_prune_and_backup(tmp_path):
+    from opskit.ckpt.layout import CheckpointFormatError
+
+    missing = tmp_path / "run" / "checkpoints"  # a spec's run that never saved (the CLI resolves a spec to this)
+    for command in (lambda: prune(missing, [parse_keep("last:1")]), lambda: backup(missing, f"file://{tmp_path}/b")):
+        with pytest.raises(CheckpointFormatError, match=rf"^{missing}: no such checkpoint dir \(expected a folder"):
+            command()
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_backwards_schedule_range_is_refused():
+    with pytest.raises(PruneError, match=r"^--keep 'schedule:100-1/10': .*100-1 ends before it starts"):
+        parse_keep("schedule:100-1/10")

@@ -1,8 +1,8 @@
 """``opskit ckpt backup`` and ``opskit ckpt verify``: copy checkpoint steps to a target with a CRC32C manifest.
 
 Layout at the target (any :mod:`opskit.targets` target): ``global_stepN/<files>`` as in the checkpoint dir,
-``manifests/global_stepN.json`` = ``{"step", "weights_only", "complete", "files": [{"path", "size", "crc32c"}]}``,
-and ``latest`` when the step it names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``) stay
+``manifests/global_stepN.json`` = ``{"step", "source": {"dir", "host"}, "weights_only", "complete", "files":
+[{"path", "size", "crc32c"}]}``, and ``latest`` when the step it names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``) stay
 behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args and RNG are enough to convert or to
 restart with a fresh optimizer); ``weights_only=False`` copies them too.
 
@@ -15,27 +15,38 @@ The target may be shared (a folder holding other people's files): a backup write
 only objects that its manifests list (or that already hold the same bytes). Before anything is copied, an object at
 one of its keys that differs and that no manifest of opskit lists, a ``manifests/global_stepN.json`` opskit did not
 write, or a ``latest`` naming no step opskit backed up there, refuses the whole backup in one line
-(:class:`opskit.fsutil.OutputRefusedError`). The manifest is written with
+(:class:`opskit.fsutil.OutputRefusedError`). Each manifest names its ``source`` (the resolved checkpoint dir and the
+host that backed it up): a step at the same key whose manifest names another checkpoint dir is refused the same way,
+whatever its bytes (two runs' ``global_step40`` are different checkpoints); a manifest of an older opskit, naming no
+source, is adopted only when every object it would replace holds the same bytes. The manifest is written with
 ``complete: false`` first; every object is then re-read from the target and checked against it, and only then is
 the manifest marked complete and the step recorded locally in ``<checkpoint dir>/.opskit-backups.json`` (which
-``opskit ckpt prune`` reads to know what is safe to delete).
+``opskit ckpt prune`` reads to know where to look: :func:`backup_problem` then checks at the target that the step's
+manifest is still there, complete, names this checkpoint dir, and that every object it lists exists with its size).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import CheckpointFormatError, latest_state, step_dirs
+from opskit.ckpt.layout import CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
+from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import Target, TargetError, crc32c_of_file, open_target
 
 OPTIMIZER_SUFFIX = "_optim_states.pt"
 RECORD = ".opskit-backups.json"
+MANIFEST_SHAPE = "expected JSON {step, complete, files: [{path, size, crc32c}]}"
+
+
+class BackupError(OpskitError):
+    """Backup metadata opskit cannot read (a corrupt ``.opskit-backups.json``); one line naming the file."""
 
 
 @dataclass
@@ -71,24 +82,27 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
         One :class:`StepBackup` per step; an incomplete step's has ``problems`` (not verified) and copied nothing.
 
     Raises:
-        CheckpointFormatError: an asked step that does not exist. TargetError: an unusable URL.
-        OutputRefusedError: an object at the target that this backup would replace and opskit did not write (see
-            the module's docstring); nothing is copied then.
+        CheckpointFormatError: no such checkpoint dir, or an asked step that does not exist. TargetError: an
+            unusable URL. BackupError: a corrupt ``.opskit-backups.json``.
+        OutputRefusedError: an object at the target that this backup would replace and opskit did not write, or
+            another checkpoint dir's step at the same key (see the module's docstring); nothing is copied then.
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = existing_checkpoint_dir(checkpoint_dir)
     target = open_target(url)
+    read_record(checkpoint_dir)  # a corrupt record is refused before anything is copied, not after
     available = step_dirs(checkpoint_dir)
     chosen = list(available) if steps is None else steps
     missing = [s for s in chosen if s not in available]
     if missing:
         raise CheckpointFormatError(f"{checkpoint_dir / f'global_step{missing[0]}'}: no such checkpoint step")
     latest, _unusable = latest_state(checkpoint_dir)  # an unusable latest is not copied; the steps still are
-    _refuse_foreign_objects(target, [available[s] for s in chosen], weights_only,
+    source = source_of(checkpoint_dir)
+    _refuse_foreign_objects(target, [available[s] for s in chosen], weights_only, source,
                             latest if latest in {available[s].name for s in chosen} else None)
     results = []
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for step in chosen:
-            result = _backup_step(available[step], target, weights_only, pool, progress)
+            result = _backup_step(available[step], target, weights_only, source, pool, progress)
             results.append(result)
             if result.verified:
                 _record(checkpoint_dir, url, result)
@@ -97,20 +111,37 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
     return results
 
 
-def _refuse_foreign_objects(target: Target, steps: list[Path], weights_only: bool, latest: str | None) -> None:
-    """Refuse (before any copy) to replace what opskit did not write: per step, its manifest key when it holds no
-    manifest of opskit, and each of its object keys that exists with other bytes and is not in the step's manifest;
+def source_of(checkpoint_dir: Path) -> dict:
+    """What a manifest records as its source: the resolved checkpoint dir (what identifies the run's steps) and the
+    host that backed it up (informational: the same shared dir is backed up from any node)."""
+    return {"dir": str(Path(checkpoint_dir).resolve()), "host": socket.gethostname()}
+
+
+def _refuse_foreign_objects(target: Target, steps: list[Path], weights_only: bool, source: dict,
+                            latest: str | None) -> None:
+    """Refuse (before any copy) to replace what opskit did not write, or another run's step: per step, its manifest
+    key when it holds no manifest of opskit or one naming another source, and each of its object keys that exists
+    with other bytes and is not in the step's manifest (in no manifest at all when that one names no source);
     ``latest`` (when this backup would write it) unless it names a step opskit backed up there."""
     for folder in steps:
         manifest_key = f"manifests/{folder.name}.json"
         manifest = _our_manifest(target, folder.name)
         if manifest is None and target.size(manifest_key) is not None:
             _refuse(target, manifest_key)
-        listed = {entry["path"] for entry in manifest["files"]} if manifest else set()
+        legacy = manifest is not None and "source" not in manifest
+        if manifest is not None and not legacy and manifest["source"]["dir"] != source["dir"]:
+            raise OutputRefusedError(f"{target.url.rstrip('/')}/{manifest_key}: holds {folder.name} of another "
+                                     f"checkpoint dir ({manifest['source']['dir']}); back up to another --to "
+                                     "(a backup replaces only its own checkpoint dir's steps)")
+        listed = {entry["path"] for entry in manifest["files"]} if manifest and not legacy else set()
         present = set(target.keys(f"{folder.name}/"))
         for path in backup_files(folder, weights_only):
             key = f"{folder.name}/{path.name}"
             if key in present and key not in listed and not _same_bytes(target, key, path):
+                if legacy:
+                    raise OutputRefusedError(
+                        f"{target.url.rstrip('/')}/{key}: differs from {path}, and {manifest_key} names no source "
+                        "(written by an older opskit, maybe from another run); back up to another --to")
                 _refuse(target, key)
     current = target.read_text("latest")
     if latest and current is not None and current != latest and _our_manifest(target, current.strip()) is None:
@@ -118,15 +149,28 @@ def _refuse_foreign_objects(target: Target, steps: list[Path], weights_only: boo
 
 
 def _our_manifest(target: Target, tag: str) -> dict | None:
-    """The step's ``manifests/<tag>.json`` when opskit wrote it (its JSON shape says so), else None."""
+    """The step's ``manifests/<tag>.json`` when opskit wrote it (its JSON shape says so), else None (also when it is
+    unreadable: not JSON, not text)."""
     try:
         manifest = json.loads(target.read_text(f"manifests/{tag}.json") or "null")
-    except ValueError:
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
         return None
-    ours = isinstance(manifest, dict) and manifest.get("step") == tag and "complete" in manifest \
-        and isinstance(manifest.get("files"), list) and all(isinstance(e, dict) and "path" in e
-                                                            for e in manifest["files"])
-    return manifest if ours else None
+    return manifest if _is_manifest(manifest, tag) else None
+
+
+def _is_manifest(manifest, tag: str) -> bool:
+    """The shape opskit writes (module docstring); ``source`` may be absent (an older opskit), not malformed."""
+    def entry_ok(e) -> bool:
+        return isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int \
+            and isinstance(e.get("crc32c"), str)
+
+    if not isinstance(manifest, dict):
+        return False
+    source = manifest.get("source")
+    return manifest.get("step") == tag and isinstance(manifest.get("complete"), bool) \
+        and isinstance(manifest.get("files"), list) and all(entry_ok(e) for e in manifest["files"]) \
+        and (source is None and "source" not in manifest or isinstance(source, dict)
+             and isinstance(source.get("dir"), str))
 
 
 def _same_bytes(target: Target, key: str, path: Path) -> bool:
@@ -153,7 +197,7 @@ def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool
     return key, size, crc, True
 
 
-def _backup_step(folder: Path, target: Target, weights_only: bool, pool: ThreadPoolExecutor,
+def _backup_step(folder: Path, target: Target, weights_only: bool, source: dict, pool: ThreadPoolExecutor,
                  progress: Callable[[str, int], None] | None) -> StepBackup:
     from opskit.ckpt.info import describe_step
 
@@ -175,7 +219,8 @@ def _backup_step(folder: Path, target: Target, weights_only: bool, pool: ThreadP
     finally:
         for future in futures:  # an interruption stops the queue; copies in flight finish atomically
             future.cancel()
-    manifest = {"step": folder.name, "weights_only": weights_only, "complete": False, "files": entries}
+    manifest = {"step": folder.name, "source": source, "weights_only": weights_only, "complete": False,
+                "files": entries}
     manifest_key = f"manifests/{folder.name}.json"
     target.write_text(manifest_key, json.dumps(manifest, indent=1))
     result.problems = verify_manifest(target, manifest)
@@ -211,26 +256,88 @@ def verify(url: str) -> dict[str, list[str]]:
         raise CheckpointFormatError(f"{url}: no manifests/*.json (not a backup made by opskit ckpt backup)")
     report = {}
     for key in keys:
-        manifest = json.loads(target.read_text(key))
+        tag = Path(key).stem
+        manifest = _our_manifest(target, tag)
+        if manifest is None:
+            report[tag] = [f"{key}: not a manifest of opskit ckpt backup ({MANIFEST_SHAPE})"]
+            continue
         problems = verify_manifest(target, manifest)
         if not manifest.get("complete"):
             problems.insert(0, f"{key}: backup never completed (interrupted before verification)")
-        report[manifest["step"]] = problems
+        report[tag] = problems
     return report
+
+
+def read_record(checkpoint_dir: str | Path) -> dict[str, dict[str, dict]]:
+    """``<checkpoint dir>/.opskit-backups.json``: URL -> step tag -> ``{files, bytes, verified_at}`` ({} when absent).
+
+    Raises:
+        BackupError: the file is not that (not JSON, not text, another shape, a folder).
+    """
+    path = Path(checkpoint_dir) / RECORD
+    if not path.exists():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = None
+    if not (isinstance(record, dict) and all(isinstance(steps, dict) and all(isinstance(s, dict) for s in
+                                                                               steps.values())
+                                             for steps in record.values())):
+        raise BackupError(f"{path}: expected a JSON object {{url: {{global_stepN: {{files, bytes, verified_at}}}}}} "
+                          "as opskit ckpt backup writes it; move it away and back up again")
+    return record
 
 
 def _record(checkpoint_dir: Path, url: str, result: StepBackup) -> None:
     path = checkpoint_dir / RECORD
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = read_record(checkpoint_dir)
     record.setdefault(url, {})[result.tag] = {"files": len(result.copied) + len(result.skipped),
                                               "bytes": result.bytes_total,
                                               "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True))
 
 
-def backed_up_steps(checkpoint_dir: str | Path) -> set[str]:
-    """Step tags that some verified backup of this checkpoint dir holds (from ``.opskit-backups.json``)."""
-    path = Path(checkpoint_dir) / RECORD
-    if not path.is_file():
-        return set()
-    return {tag for steps in json.loads(path.read_text()).values() for tag in steps}
+def backup_problem(folder: Path) -> str | None:
+    """Why the step ``folder`` may not be deleted for want of a backup (one line), or None when a backup recorded in
+    its checkpoint dir's ``.opskit-backups.json`` still holds it: at the target, its manifest is there, complete,
+    names this checkpoint dir, lists every file of the step, and every object it lists exists with the listed size
+    (sizes only, no read: ``opskit ckpt verify`` is the full CRC32C check). An unreachable target holds nothing.
+
+    Raises:
+        BackupError: a corrupt ``.opskit-backups.json``.
+    """
+    urls = [url for url, steps in read_record(folder.parent).items() if folder.name in steps]
+    if not urls:
+        return "not backed up (use --force to delete anyway)"
+    problems = []
+    for url in urls:
+        try:
+            problem = _held_problem(open_target(url, option="backup"), folder)
+        except TargetError as e:
+            problem = f"unreachable ({e})"
+        if problem is None:
+            return None
+        problems.append(f"backup {url}: {problem}")
+    return "; ".join(problems) + " (use --force to delete anyway)"
+
+
+def _held_problem(target: Target, folder: Path) -> str | None:
+    manifest_key = f"manifests/{folder.name}.json"
+    manifest = _our_manifest(target, folder.name)
+    if manifest is None:
+        return f"{manifest_key} missing or not a manifest of opskit ckpt backup"
+    if not manifest["complete"]:
+        return f"{manifest_key}: backup never completed"
+    source = manifest.get("source", {}).get("dir")
+    if source != source_of(folder.parent)["dir"]:
+        return f"{manifest_key} names {f'another checkpoint dir ({source})' if source else 'no source (older opskit)'}"
+    listed = {entry["path"]: entry["size"] for entry in manifest["files"]}
+    for path in backup_files(folder, manifest.get("weights_only") is not False):
+        if listed.get(f"{folder.name}/{path.name}") != path.stat().st_size:
+            return f"{folder.name}/{path.name} not in the backup as it is here"
+    for key, size in listed.items():
+        found = target.size(key)
+        if found != size:
+            return f"{key}: missing" if found is None else f"{key}: {found} bytes, manifest says {size}"
+    return None

@@ -114,6 +114,18 @@ class CheckpointFormatError(ValueError):
     """A folder that is not a (complete) Megatron-DeepSpeed checkpoint; one line naming the folder and what is wrong."""
 
 
+def existing_checkpoint_dir(directory: str | Path) -> Path:
+    """``directory`` as a Path, for commands that act on a run's checkpoints (a missing one is not "no steps").
+
+    Raises:
+        CheckpointFormatError: it is not an existing folder.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointFormatError(f"{directory}: no such checkpoint dir (expected a folder of global_stepN folders)")
+    return directory
+
+
 @dataclass(frozen=True)
 class StepDir:
     """One ``global_stepN`` folder.

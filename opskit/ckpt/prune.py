@@ -13,8 +13,9 @@ Keep-rules (a step is kept if any rule keeps it):
 Rules count complete steps only (:func:`opskit.ckpt.info.describe_step`): ``last:2`` keeps the two newest steps a
 resume can read, however many broken ones lie between. Never deleted (even with ``force``): the step ``latest``
 points to, the newest complete step, and an incomplete step newer than every complete one (a save in progress?);
-unless ``force``, a step that no verified backup holds (:func:`opskit.ckpt.backup.backed_up_steps`). A deleted step
-is first renamed to a hidden name, then removed, so no reader ever sees a half-deleted ``global_stepN``.
+unless ``force``, a step that no backup still holds, checked at the target (:func:`opskit.ckpt.backup.backup_problem`).
+A deleted step is first renamed to a hidden name, then removed, so no reader ever sees a half-deleted
+``global_stepN``; a step that is a symbolic link (opskit's trainer never writes one) refuses the whole prune.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import latest_state, read_latest, step_dirs, write_latest
+from opskit.ckpt.layout import existing_checkpoint_dir, latest_state, read_latest, step_dirs, write_latest
 
 NAMED_SCHEDULES = {"tr1-13B": "1-100/10,101-1000/18,1001-/1500"}
 
@@ -78,7 +79,11 @@ def parse_keep(text: str) -> KeepRule:
                 ranges.append((int(start), int(end) if end else None, int(every)))
                 if int(every) < 1:
                     raise ValueError
+                if end and int(end) < int(start):
+                    raise PruneError(f"--keep {text!r}: the range {span} ends before it starts")
             return KeepRule(text, kind, ranges=tuple(ranges))
+    except PruneError:  # already names what is wrong
+        raise
     except ValueError:
         raise bad from None
     raise bad
@@ -102,12 +107,13 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
     """Which steps of a run's checkpoint dir the rules keep, and which would be deleted (module docstring).
 
     Raises:
-        CheckpointFormatError: ``latest`` is unusable (the step it protects cannot be known).
+        CheckpointFormatError: no such checkpoint dir; ``latest`` is unusable (the step it protects cannot be known).
+        PruneError: a step to delete is a symbolic link. BackupError: a corrupt ``.opskit-backups.json``.
     """
-    from opskit.ckpt.backup import backed_up_steps
+    from opskit.ckpt.backup import backup_problem
     from opskit.ckpt.info import describe_step
 
-    directory = Path(directory)
+    directory = existing_checkpoint_dir(directory)
     latest = read_latest(directory)
     steps = step_dirs(directory)
     complete = [step for step, folder in steps.items() if describe_step(folder).complete]
@@ -118,7 +124,6 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
     newest_complete = max(complete, default=-1)
     if complete and newest_complete not in plan.keep:
         plan.keep[newest_complete] = ["newest complete step"]
-    backed_up = backed_up_steps(directory)
     for step in steps:
         tag = f"global_step{step}"
         if tag == latest:
@@ -127,12 +132,22 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
             continue
         elif step > newest_complete:
             plan.protected[step] = "incomplete, and newer than every complete step (a save in progress?)"
-        elif not force and tag not in backed_up:
-            plan.protected[step] = "not backed up (use --force to delete anyway)"
+        elif not force and (problem := backup_problem(steps[step])):
+            plan.protected[step] = problem
         else:
             plan.delete.append(step)
     plan.keep = dict(sorted(plan.keep.items()))
+    _refuse_symlinked_steps(plan)
     return plan
+
+
+def _refuse_symlinked_steps(plan: PrunePlan) -> None:
+    """Deleting through a link would delete a folder opskit did not write (or, renamed, hide the link)."""
+    for step in plan.delete:
+        folder = plan.directory / f"global_step{step}"
+        if folder.is_symlink():
+            raise PruneError(f"{folder}: a symbolic link (to {os.readlink(folder)}), not a step opskit's trainer "
+                             "wrote; nothing deleted (remove the link yourself)")
 
 
 def prune(directory: str | Path, rules: list[KeepRule], dry_run: bool = False, force: bool = False) -> PrunePlan:

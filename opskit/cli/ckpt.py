@@ -224,7 +224,7 @@ def prune(
     keep: list[str] = typer.Option(..., "--keep", help="Keep-rule, repeatable: last:K, every:N, steps:N[,N...], "
                                                        "schedule:1-100/10,101-1000/18,1001-/1500 or schedule:tr1-13B."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
-    force: bool = typer.Option(False, "--force", help="Also delete steps no verified backup holds (never latest)."),
+    force: bool = typer.Option(False, "--force", help="Also delete steps no backup still holds (never latest)."),
     json_output: JsonOutput = False,
 ) -> None:
     """Delete the steps no keep-rule keeps; never the step 'latest' names, nor (without --force) unbacked-up steps."""
