@@ -390,8 +390,11 @@ def test_absent_finished_and_appended_to_main_log(slurm, tmp_path):
 
     (run.root / "finished").write_text("2026-11-21 08:29:28 consumed 8000 samples\n")
     done = status_cli(spec, "--json")
-    assert done.returncode == 0 and json.loads(done.stdout)["lines"] == []
+    assert json.loads(done.stdout)["lines"] == []
     assert findings_of(done)["scheduler.finished"]["severity"] == "ok"
+    # Its only alert: a finished run whose log passed saves has no checkpoint to show for it.
+    assert done.returncode == 1 and [k for k, f in findings_of(done).items() if f["severity"] == "alert"] == \
+        ["checkpoint.missing"]
 
 
 def controller_config(tmp_path: Path, port: int) -> Path:
