@@ -69,6 +69,8 @@ class Report:
     main_log: Path | None = None
     run_missing: bool = False
     """The run directory does not exist here: nothing of the run could be seen (finding ``run.missing``)."""
+    state_error: str | None = None
+    """Why the watchdog state could not be saved (the next run reads the log again from where it last could)."""
 
     @property
     def severity(self) -> str:
@@ -93,18 +95,26 @@ class Report:
 
 
 def load_state(run: RunPaths) -> dict:
-    """The watchdog's memory of the last run ({} the first time, or when the file is unreadable: start over)."""
+    """The watchdog's memory of the last run ({} the first time, or when the file is unreadable or not a JSON
+    object: start over)."""
     try:
-        return json.loads((run.watchdog_dir / "state.json").read_text())
+        state = json.loads((run.watchdog_dir / "state.json").read_text())
     except (OSError, ValueError):
         return {}
+    return state if isinstance(state, dict) else {}
 
 
-def save_state(run: RunPaths, state: dict) -> None:
-    """Write the state atomically; nothing when the run directory does not exist yet."""
-    if run.root.is_dir():
+def save_state(run: RunPaths, state: dict) -> str | None:
+    """Write the state atomically; nothing when the run directory does not exist yet. Returns why it could not be
+    written (``<file>: <strerror>``: a teammate without write access to the run), else None: the checks stand."""
+    if not run.root.is_dir():
+        return None
+    try:
         run.watchdog_dir.mkdir(exist_ok=True)
         atomic_write_text(run.watchdog_dir / "state.json", json.dumps(state, separators=(",", ":")))
+    except OSError as e:
+        return f"{e.filename or run.watchdog_dir}: {e.strerror or e}"
+    return None
 
 
 # --------------------------------------------------------------------------- the scheduler
@@ -456,13 +466,23 @@ def _save_failures(text: str) -> list[Finding]:
 
 
 def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
-                     wd: WatchdogSpec, now: datetime) -> list[Finding]:
+                     wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None,
+                     state: dict | None = None) -> list[Finding]:
     """The step the next job resumes from (:func:`opskit.ckpt.info.resume_point`, headers only): an ALERT when
     ``latest`` is unusable or names a missing or incomplete step (the next job falls back to the newest complete
     step, or fails when there is none); then that step's age against ``save_interval`` iterations at the logged
-    speed."""
+    speed.
+
+    Args:
+        saved_by_now: why a complete step must exist by now (:func:`_save_due`); then none is an ALERT
+            (``checkpoint.missing``), as is a checkpoint path that is a file. None: no complete step is still ok.
+        state: the watchdog state; ``checkpoint`` (the newest complete step seen) is updated here.
+    """
     from opskit.ckpt.info import resume_point
 
+    if run.checkpoints.exists() and not run.checkpoints.is_dir():
+        return [Finding("checkpoint.missing", "alert", f"{run.checkpoints} is a file, not a folder: the next job "
+                        "cannot save nor resume", {"path": str(run.checkpoints)})]
     point = resume_point(run.checkpoints)
     findings = []
     if point.problem:
@@ -475,10 +495,17 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
         saved = point.step.path.stat().st_mtime if point.step else None
     except OSError:
         saved = None
+    if saved is None and saved_by_now:
+        what = "no checkpoint folder" if not run.checkpoints.exists() else "no complete checkpoint"
+        return [*findings, Finding("checkpoint.missing", "alert", f"{what} at {run.checkpoints} although {saved_by_now}"
+                                   ": deleted or moved? The next job starts from scratch (restore from a backup)",
+                                   {"path": str(run.checkpoints), "evidence": saved_by_now})]
     if saved is None:
         return findings or [Finding("checkpoint.none", "ok",
                                     f"no complete checkpoint yet ({run.checkpoints / 'latest'})")]
     tag = point.step.path.name
+    if state is not None:
+        state["checkpoint"] = tag
     age = now.timestamp() - saved
     data = {"tag": tag, "age_s": round(age)}
     if not running or seconds_per_iteration is None:
@@ -562,20 +589,59 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     if run_missing:  # never "no log yet, ok" about a run this machine cannot see
         findings.append(_run_missing(spec, run))
     elif log is None:
-        findings.append(Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet"))
+        findings.append(_no_log(run, _started(run, ledger, state)))
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
     if not run_missing:
-        findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now)
+        findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
+                                     _save_due(run, ledger, state, records, spec.checkpoint.save_interval), state)
     findings += check_disk(run, spec.watchdog)
-    save_state(run, state)
+    state_error = save_state(run, state)
     report = Report(spec.name, spec.job_name, now, pulse, scheduler + findings, unreachable=error is not None,
                     unknown=("scheduler", "log.hang", "checkpoint.age") if error is not None else (),
-                    main_log=run.main_log, run_missing=run_missing)
+                    main_log=run.main_log, run_missing=run_missing, state_error=state_error)
     if spec.watchdog.append_to_main_log and run.main_log.parent.is_dir():
         _append(run.main_log, pulse)
     return report
+
+
+def _started(run: RunPaths, ledger: list[chain.TaskOutcome], state: dict) -> str | None:
+    """Why the run must have a log by now (a ledger entry, the finished flag, iterations or a step the watchdog
+    saw before), or None: it never started, so no log is no news."""
+    if run.finished_flag.exists():
+        return f"{run.finished_flag} is set"
+    if ledger:
+        return f"the ledger records {len(ledger)} task(s)"
+    seen = state.get("history") or []
+    if seen and isinstance(seen[-1], dict) and "iteration" in seen[-1]:
+        return f"the watchdog saw iteration {seen[-1]['iteration']}"
+    if state.get("events_iteration") is not None:
+        return f"the watchdog saw iteration {state['events_iteration']}"
+    if state.get("checkpoint"):
+        return f"the watchdog saw {state['checkpoint']}"
+    return None
+
+
+def _save_due(run: RunPaths, ledger: list[chain.TaskOutcome], state: dict, records: list[dict],
+              save_interval: int) -> str | None:
+    """Why a complete step must exist by now, or None. A visible log decides (its newest iteration reached
+    ``save_interval``); without one, any sign that the run started (:func:`_started`) does."""
+    if records:
+        last = records[-1]["iteration"]
+        return f"the log reached iteration {last} (one save every {save_interval})" if last >= save_interval else None
+    return _started(run, ledger, state)
+
+
+def _no_log(run: RunPaths, started: str | None) -> Finding:
+    if run.logs.exists() and not run.logs.is_dir():
+        return Finding("log.missing", "alert", f"{run.logs} is a file, not a folder: no job can write its log",
+                       {"path": str(run.logs)})
+    if started:
+        return Finding("log.missing", "alert", f"no {run.main_log} (nor TensorBoard events) although {started}: "
+                       "deleted or moved? Nothing of the log can be checked", {"path": str(run.main_log),
+                                                                               "evidence": started})
+    return Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet")
 
 
 def _run_missing(spec: Spec, run: RunPaths) -> Finding:

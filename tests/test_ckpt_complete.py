@@ -245,3 +245,28 @@ def test_status_reports_a_binary_latest_in_one_alert(bloom_run, tmp_path):
     assert [(f.key, f.severity) for f in findings] == [("checkpoint.incomplete", "alert"), ("checkpoint.age", "ok")]
     assert findings[0].data["resume_from"] == "global_step20"
     assert os.fspath(run / "checkpoints" / "latest") in findings[0].message
+
+
+# --------------------------------------------------------------------------- the right keys in the right place
+
+
+def test_a_layer_file_in_the_wrong_position_or_an_extra_shard_is_incomplete(bloom_run, tmp_path):
+    checkpoints = copy_run(bloom_run, tmp_path) / "checkpoints"
+    step = checkpoints / "global_step20"
+    num_layers = describe_step(step).num_layers
+    final = step / f"layer_{num_layers + 4:02d}-model_00-model_states.pt"
+    shutil.copy(step / "layer_03-model_00-model_states.pt", final)  # a block where the final LayerNorm belongs
+    info = describe_step(step)
+    assert not info.complete and info.problems[0].startswith(f"{final}: keys ")
+    assert "expected only 'weight' and 'bias' (the final LayerNorm)" in info.problems[0]
+    assert cli("ckpt", "check", str(step)).returncode == 1
+    refused = cli("ckpt", "set-latest", str(checkpoints), "20")
+    assert refused.returncode == 1 and str(final) in refused.stderr
+    with pytest.raises(Exception, match="keys"):  # convert agrees
+        convert_step(step, tmp_path / "hf", verify=False)
+
+    # An optimizer shard of a DP rank the step does not have is flagged as an extra layer file is.
+    step10 = checkpoints / "global_step10"
+    shutil.copy(step10 / SHARD, step10 / SHARD.replace("rank_0_", "rank_1_"))
+    assert describe_step(step10).problems == [f"{step10 / SHARD.replace('rank_0_', 'rank_1_')}: not expected for "
+                                              f"TP=1, PP=1, {num_layers} layers"]

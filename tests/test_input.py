@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +327,55 @@ def test_ckpt_commands_take_a_spec_file_as_a_spec_not_as_a_checkpoint_folder(tmp
     assert line == f"error: {tmp_path / 'run' / 'checkpoints'}: no global_stepN folders (not a checkpoint dir)", line
     (tmp_path / "binary.yaml").write_bytes(b"\x00\x01\xff")
     assert one_error_line(opskit_cli("ckpt", "list", "binary.yaml", cwd=tmp_path), 1).startswith("error: binary.yaml")
+
+
+# --------------------------------------------------------------------------- OS errors: one line, any command
+
+
+@pytest.fixture
+def immutable(tmp_path):
+    """``immutable(folder)`` makes a folder immutable (chattr +i: even root cannot write in it); undone at the end."""
+    if shutil.which("chattr") is None:
+        pytest.skip("no chattr")
+    frozen: list[Path] = []
+
+    def freeze(folder: Path) -> Path:
+        if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i not supported on this file system")
+        frozen.append(folder)
+        return folder
+
+    yield freeze
+    for folder in frozen:
+        subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+
+
+def test_an_immutable_folder_is_one_line_in_every_command(bloom_run, tmp_path, immutable):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(bloom_run / "checkpoints", checkpoints)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    immutable(ro)
+    immutable(checkpoints)
+    runs = {
+        "logs plot": opskit_cli("logs", "plot", str(FIXTURES / "hang.txt"), "--out", str(ro / "p.png"), cwd=tmp_path),
+        "set-latest": opskit_cli("ckpt", "set-latest", str(checkpoints), "10", cwd=tmp_path),
+        "convert": opskit_cli("ckpt", "convert", str(checkpoints), "--out", str(ro / "out"), "--no-verify",
+                              cwd=tmp_path),
+    }
+    for command, done in runs.items():
+        line = one_error_line(done, 1)
+        assert re.fullmatch(r"error: /\S+: Operation not permitted", line), (command, line)
+    assert (checkpoints / "latest").read_text() == "global_step20" and not list(ro.iterdir())
+
+    # OPSKIT_DEBUG=1 keeps the traceback for a developer.
+    debug = opskit_cli("ckpt", "set-latest", str(checkpoints), "10", cwd=tmp_path, env={"OPSKIT_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "PermissionError" in debug.stderr
+
+
+def test_generate_on_a_corrupt_config_is_one_line(tmp_path):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "bloom", "n_layer": ')
+    line = one_error_line(opskit_cli("ckpt", "generate", str(model), cwd=tmp_path), 1)
+    assert str(model / "config.json") in line or str(model) in line, line

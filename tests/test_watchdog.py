@@ -390,8 +390,11 @@ def test_absent_finished_and_appended_to_main_log(slurm, tmp_path):
 
     (run.root / "finished").write_text("2026-11-21 08:29:28 consumed 8000 samples\n")
     done = status_cli(spec, "--json")
-    assert done.returncode == 0 and json.loads(done.stdout)["lines"] == []
+    assert json.loads(done.stdout)["lines"] == []
     assert findings_of(done)["scheduler.finished"]["severity"] == "ok"
+    # Its only alert: a finished run whose log passed saves has no checkpoint to show for it.
+    assert done.returncode == 1 and [k for k, f in findings_of(done).items() if f["severity"] == "alert"] == \
+        ["checkpoint.missing"]
 
 
 def controller_config(tmp_path: Path, port: int) -> Path:
@@ -734,3 +737,77 @@ def test_status_imports_nothing_heavy(tmp_path):
                           text=True, timeout=60)
     assert "HEAVY=\n" in done.stderr, done.stderr[-2000:]
     assert "log.lm_loss_spike" in done.stdout  # the log was read
+
+
+# --------------------------------------------------------------------------- what status cannot see
+
+
+@pytest.mark.slurm
+def test_status_never_says_ok_about_a_log_or_checkpoints_it_cannot_see(slurm, bloom_run, tmp_path):
+    spec = spec_file(tmp_path, unique("opskit-wd-unseen"))
+    run = RunPaths(tmp_path / "run")
+    never_started = findings_of(status_cli(spec, "--json"))  # an empty run folder: nothing is due yet
+    assert never_started["log.none"]["severity"] == never_started["checkpoint.none"]["severity"] == "ok"
+
+    run.logs.mkdir()
+    shutil.copy(FIXTURES / "hang.txt", run.main_log)
+    shutil.copytree(bloom_run / "checkpoints", run.checkpoints)
+    (run.root / "finished").write_text("2026-11-21 08:29:28 consumed 8000 samples\n")
+    seen = status_cli(spec, "--json")
+    assert "checkpoint.age" in findings_of(seen) and "log.missing" not in findings_of(seen), seen.stdout
+
+    # Logs and checkpoints deleted: the watchdog saw iterations and global_step20, and the run is finished.
+    shutil.rmtree(run.logs)
+    shutil.rmtree(run.checkpoints)
+    done = status_cli(spec, "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = findings_of(done)
+    assert found["scheduler.finished"]["severity"] == "ok"
+    assert found["log.missing"]["severity"] == "alert" and str(run.main_log) in found["log.missing"]["message"]
+    missing = found["checkpoint.missing"]
+    assert missing["severity"] == "alert" and missing["message"].startswith(f"no checkpoint folder at {run.checkpoints}")
+    assert "checkpoint.none" not in found
+
+    # A file where the checkpoint folder (or the log folder) should be, even for a run that never started.
+    run.checkpoints.write_text("not a folder")
+    run.logs.write_text("not a folder")
+    (run.root / "finished").unlink()
+    shutil.rmtree(run.watchdog_dir)
+    done = status_cli(spec, "--json")
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = findings_of(done)
+    assert found["checkpoint.missing"]["message"] == (f"{run.checkpoints} is a file, not a folder: the next job "
+                                                     "cannot save nor resume")
+    assert found["log.missing"]["message"].startswith(f"{run.logs} is a file, not a folder")
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("content", ["[1, 2]", '"str"', "null"])
+def test_state_that_is_not_an_object_starts_over(slurm, tmp_path, content):
+    spec = spec_file(tmp_path, unique("opskit-wd-state"))
+    run = run_with_log(tmp_path, "hang.txt")
+    run.watchdog_dir.mkdir()
+    (run.watchdog_dir / "state.json").write_text(content)
+    done = status_cli(spec, "--json")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr  # scheduler.absent
+    assert "log.hang" not in findings_of(done) and isinstance(load_state(run), dict) and load_state(run)["offset"] > 0
+
+
+@pytest.mark.slurm
+def test_status_without_write_access_still_reports(slurm, tmp_path):
+    if shutil.which("chattr") is None:
+        pytest.skip("no chattr")
+    spec = spec_file(tmp_path, unique("opskit-wd-ro"))
+    run = run_with_log(tmp_path, "hang.txt")
+    status_cli(spec)
+    if subprocess.run(["chattr", "+i", str(run.watchdog_dir)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i not supported here")
+    try:
+        done = status_cli(spec)
+    finally:
+        subprocess.run(["chattr", "-i", str(run.watchdog_dir)], capture_output=True)
+    assert done.returncode == 1, done.stdout + done.stderr  # the alert of an absent job, not a crash
+    assert "scheduler.absent" in done.stdout and "progress" in done.stdout
+    [line] = done.stderr.strip().splitlines()
+    assert re.fullmatch(rf"warning: watchdog state not saved: {re.escape(str(run.watchdog_dir))}/\S+: "
+                        "Operation not permitted", line), line

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.layout import (
+    EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
     LAYER_FILE,
     MP_RANK_FILE,
@@ -27,6 +28,7 @@ from opskit.ckpt.layout import (
     STEP_DIR,
     CheckpointFormatError,
     expected_layers,
+    final_norm_layer,
     latest_state,
     layer_file_name,
     load_state,
@@ -143,6 +145,7 @@ def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
     info.files = [path / layer_file_name(i, t) for i in expected_layers(info.num_layers) for t in range(info.tp)]
     info.files += [path / f"mp_rank_{m:02d}_model_states.pt" for m in range(info.tp * info.pp)]
     info.files += [path / name for name in shards]
+    block_keys: dict[int, set] = {}  # TP rank -> the first block's keys: every block of that rank has the same ones
     for f in info.files:
         if f == client_file:
             continue
@@ -158,9 +161,31 @@ def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
             info.problems.append(f"{f}: no 'optimizer_state_dict' (not a DeepSpeed optimizer shard)")
         if info.dtype is None and f.name.startswith(f"layer_{FIRST_BLOCK_LAYER:02d}-"):  # the blocks' weights
             info.dtype = next((dtype_name(v) for v in loaded.values() if isinstance(v, TensorRef)), None)
-    unexpected = [f for f in files if (LAYER_FILE.match(f.name) or MP_RANK_FILE.match(f.name)) and f not in info.files]
+        if (layer := LAYER_FILE.match(f.name)) and (wrong := _misplaced_keys(f, layer, loaded, info.num_layers,
+                                                                             block_keys)):
+            info.problems.append(wrong)
+    unexpected = [f for f in files if (LAYER_FILE.match(f.name) or MP_RANK_FILE.match(f.name)
+                                       or OPTIMIZER_FILE.match(f.name)) and f not in info.files]
     info.problems += [f"{f}: not expected for TP={info.tp}, PP={info.pp}, {info.num_layers} layers" for f in unexpected]
     return info
+
+
+def _misplaced_keys(path: Path, match: re.Match, state, num_layers: int, block_keys: dict[int, set]) -> str | None:
+    """Why a layer file's keys do not fit its position (a block file where the final LayerNorm belongs, ...), or
+    None: the embedding holds ``word_embeddings.weight``, the final LayerNorm exactly ``weight`` and ``bias``, every
+    block of a TP rank the keys of the first one (``block_keys``, filled here). What convert refuses, from the
+    pickle already read."""
+    keys = set(state) if isinstance(state, dict) else set()
+    index, tp_rank = int(match.group(1)), int(match.group(2))
+    if index == final_norm_layer(num_layers):
+        expected, ok = "only 'weight' and 'bias' (the final LayerNorm)", keys == {"weight", "bias"}
+    elif index == EMBEDDING_LAYER:
+        expected, ok = "'word_embeddings.weight' (the embedding)", "word_embeddings.weight" in keys
+    else:
+        first = block_keys.setdefault(tp_rank, keys)
+        expected, ok = f"the keys of layer_{FIRST_BLOCK_LAYER:02d} (a transformer block)", keys == first and \
+            keys != {"weight", "bias"}
+    return None if ok else f"{path}: keys {sorted(keys)[:6]} do not fit its position: expected {expected}"
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,13 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
     return (SpecError, DataError, SubmitError, SlurmError, ChainError, CronError, CheckpointFormatError,
             ConvertError, PruneError, SyncError, TargetError, LogFormatError, AlertConfigError, OpskitError,
-            FileNotFoundError)
+            OSError)
 
 
 def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:
-    """Turn the library's typed errors into ``error: <one line>`` and exit 1 (or ``exit_code``: ``opskit status``
-    keeps 1 for its ALERT); ``OPSKIT_DEBUG=1`` shows tracebacks. Use as ``@friendly_errors`` or
-    ``@friendly_errors(exit_code=2)``."""
+    """Turn the library's typed errors, and any OSError (an unwritable or immutable folder, a full disk), into
+    ``error: <one line>`` and exit 1 (or ``exit_code``: ``opskit status`` keeps 1 for its ALERT); ``OPSKIT_DEBUG=1``
+    shows tracebacks. Use as ``@friendly_errors`` or ``@friendly_errors(exit_code=2)``."""
     if command is None:
         return lambda function: friendly_errors(function, exit_code=exit_code)
 
@@ -59,10 +59,18 @@ def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> C
         except _known_errors() as e:
             if os.environ.get("OPSKIT_DEBUG") == "1":
                 raise
-            err_console.print(f"error: {e}", markup=False, soft_wrap=True)
+            err_console.print(f"error: {_one_line(e)}", markup=False, soft_wrap=True)
             raise typer.Exit(exit_code) from None
 
     return wrapper
+
+
+def _one_line(error: BaseException) -> str:
+    """``<file>: <strerror>`` for an OSError that names its file (``[Errno 13] ...`` otherwise), the message of
+    any other error."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
 
 
 def print_json(data) -> None:

@@ -46,6 +46,8 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
     """Notify when asked, print, and return the exit code."""
     code = report.exit_code
     outcome = None
+    if report.state_error:  # the checks stand; only the next run rereads what this one read
+        err_console.print(f"warning: watchdog state not saved: {report.state_error}", markup=False)
     if alert or ack:
         from opskit.alerts import notify
         from opskit.runs import RunPaths
