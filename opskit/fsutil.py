@@ -2,8 +2,9 @@
 and nothing opskit did not write itself is deleted, replaced or re-moded.
 
 Ownership: a folder opskit writes as a command's output carries :data:`MARKER` (``.opskit``, one JSON line naming the
-command; for a folder a command writes whole, also the entries it wrote and what it was made from); a file output carries its own marker where its format allows (a PNG text chunk, a YAML comment), checked by
-the writer's ``ours`` test. An existing non-empty target is refused in one line unless ``force`` is given *and* the
+command; for a folder a command writes whole, also the entries it wrote and what it was made from); a file output
+carries its own marker where its format allows (a PNG text chunk, a YAML comment), checked by the writer's ``ours``
+test. An existing non-empty target is refused in one line unless ``force`` is given *and* the
 marker says opskit wrote it (:func:`claim_dir`, :func:`claim_file`); a folder is replaced only by the command that
 wrote it, and only while it holds nothing beyond the entries its marker lists.
 """
@@ -172,8 +173,8 @@ def claim_file(target: Path, force: bool, ours: Callable[[Path], bool], flag: st
 
 def replace_dir(staging: Path, target: Path) -> None:
     """Rename the finished folder ``staging`` to ``target``, which :func:`claim_dir` allowed: missing, empty (its
-    mode is kept), or opskit's own folder holding only the entries its marker lists (moved aside, then removed). ``staging`` gets the usual mode for a new folder
-    (0777 less the umask; ``tempfile.mkdtemp`` makes it 0700).
+    mode is kept), or opskit's own folder holding only the entries its marker lists (moved aside, then removed).
+    ``staging`` gets the usual mode for a new folder (0777 less the umask; ``tempfile.mkdtemp`` makes it 0700).
     """
     staging, target = Path(staging), Path(target)
     umask = os.umask(0)

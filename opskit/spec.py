@@ -1206,7 +1206,8 @@ def create_user_spec(name: str, source: str, force: bool = False) -> CreatedSpec
     renamed: list[str] = []
     raw = _renamed(raw, old, name, "", renamed)
     # a renamed field mentions the old name only inside the new one (tiny -> mytiny): not one to check by hand
-    still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description") and not any(m == r or m.startswith(f"{r}.") for r in renamed))
+    still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description")
+                   and not any(m == r or m.startswith(f"{r}.") for r in renamed))
     target = USER_SPEC_DIR / f"{name}.yaml"
     header = (f"{_CREATED_MARK}{name} --from {source}` from {resolved.path}; see that file for the source of each "
               "value.\n")

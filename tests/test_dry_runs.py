@@ -134,11 +134,12 @@ def test_sync_dry_run_writes_nothing(tmp_path):
 
 
 def test_ckpt_prune_dry_run_changes_nothing(tmp_path):
+    import torch
+    from megatron_ckpt import build_checkpoint
+
     checkpoints = tmp_path / "checkpoints"
-    for step in (100, 200, 300):
-        (checkpoints / f"global_step{step}").mkdir(parents=True)
-        (checkpoints / f"global_step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
-    (checkpoints / "latest").write_text("global_step300")
+    for step in (100, 200, 300):  # complete steps: prune never deletes an incomplete one newer than them
+        build_checkpoint(checkpoints, arch="gpt2", tp=1, layers=1, hidden=32, iteration=step, dtype=torch.float16)
     before = tree(checkpoints)
     done = cli("ckpt", "prune", str(checkpoints), "--keep", "last:1", "--force", "--dry-run")
     assert done.returncode == 0, done.stdout + done.stderr

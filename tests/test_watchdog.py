@@ -765,7 +765,8 @@ def test_status_never_says_ok_about_a_log_or_checkpoints_it_cannot_see(slurm, bl
     assert found["scheduler.finished"]["severity"] == "ok"
     assert found["log.missing"]["severity"] == "alert" and str(run.main_log) in found["log.missing"]["message"]
     missing = found["checkpoint.missing"]
-    assert missing["severity"] == "alert" and missing["message"].startswith(f"no checkpoint folder at {run.checkpoints}")
+    assert missing["severity"] == "alert"
+    assert missing["message"].startswith(f"no checkpoint folder at {run.checkpoints}")
     assert "checkpoint.none" not in found
 
     # A file where the checkpoint folder (or the log folder) should be, even for a run that never started.

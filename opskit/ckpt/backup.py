@@ -2,9 +2,9 @@
 
 Layout at the target (any :mod:`opskit.targets` target): ``global_stepN/<files>`` as in the checkpoint dir,
 ``manifests/global_stepN.json`` = ``{"step", "source": {"dir", "host"}, "weights_only", "complete", "files":
-[{"path", "size", "crc32c"}]}``, and ``latest`` when the step it names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``) stay
-behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args and RNG are enough to convert or to
-restart with a fresh optimizer); ``weights_only=False`` copies them too.
+[{"path", "size", "crc32c"}]}``, and ``latest`` when the step it names is backed up. By default the ZeRO optimizer
+shards (``*_optim_states.pt``) stay behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args
+and RNG are enough to convert or to restart with a fresh optimizer); ``weights_only=False`` copies them too.
 
 Only complete steps (:func:`opskit.ckpt.info.describe_step`, optimizer shards included) are copied: an incomplete
 one is reported with its first problem, copies nothing and is not recorded as backed up. Per step: files are hashed

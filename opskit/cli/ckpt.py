@@ -157,7 +157,8 @@ def check(
 def convert(
     run_or_dir: str = typer.Argument(..., help="Spec name, checkpoint dir (with 'latest') or global_stepN folder."),
     step: int = typer.Option(None, "--step", help="Convert global_stepN instead of 'latest'."),
-    all_steps: bool = typer.Option(False, "--all", help="Every complete step; steps already converted intact from the same save are skipped."),
+    all_steps: bool = typer.Option(False, "--all", help="Every complete step; steps already converted intact from "
+                                                          "the same save are skipped."),
     to: str = typer.Option("hf", "--to", help="Output format: hf (GPT2LMHeadModel or BloomForCausalLM)."),
     out: Path = typer.Option(None, "--out", help="Output folder (default <run>/hf/global_stepN; with --all the "
                                                  "parent folder)."),
