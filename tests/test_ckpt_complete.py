@@ -73,6 +73,14 @@ def test_truncated_optimizer_shard_is_incomplete_for_every_command(bloom_run, tm
     assert checked.returncode == 1
     assert f"incomplete: {victim}: " in checked.stdout and "FAILED" in checked.stdout
 
+    # inspect: shows what it can, names the shard, exit 1 (and complete: false in --json).
+    inspected = cli("ckpt", "inspect", str(checkpoints / "global_step20"))
+    assert inspected.returncode == 1 and f"incomplete: {victim}: " in inspected.stderr, inspected.stderr
+    inspected = cli("ckpt", "inspect", str(checkpoints / "global_step20"), "--json")
+    report = json.loads(inspected.stdout)
+    assert inspected.returncode == 1 and not report["complete"] and report["problems"][0].startswith(f"{victim}: ")
+    assert cli("ckpt", "inspect", str(checkpoints / "global_step10")).returncode == 0
+
     # set-latest: refused, latest unchanged; the complete step is accepted.
     set_latest(checkpoints, 10)
     refused = cli("ckpt", "set-latest", str(checkpoints), "20")

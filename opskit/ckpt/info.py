@@ -284,8 +284,9 @@ def inspect_step(path: str | Path) -> dict:
     """Architecture (from the saved ``args``) and, per file, every tensor's name, shape and dtype.
 
     Returns:
-        ``{"step": N, "path": str, "args": {...}, "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``;
-        the optimizer files are listed by size only (their tensors are flat fp32 partitions).
+        ``{"step": N, "path": str, "args": {...}, "complete": bool, "problems": [...], "files": {name: {key:
+        {"shape": [...], "dtype": "bf16"}}}}``; the optimizer files are listed by size only (their tensors are flat
+        fp32 partitions); ``complete`` and ``problems`` as :func:`describe_step` says.
 
     Raises:
         CheckpointFormatError: no readable ``mp_rank_00_model_states.pt``.
@@ -302,15 +303,20 @@ def inspect_step(path: str | Path) -> dict:
                  "layernorm_epsilon", "tokenizer_name_or_path")
     files: dict[str, dict] = {}
     for f in sorted(path.iterdir()):
-        if f.name.endswith(ZERO_FILE_SUFFIX) or not f.name.endswith(".pt"):
+        if f.name.endswith(ZERO_FILE_SUFFIX) or not f.name.endswith(".pt") or not f.is_file():
             files[f.name] = {"size_bytes": f.stat().st_size}
             continue
-        loaded = load_state(f, light=True)
+        try:
+            loaded = load_state(f, light=True)
+        except CheckpointFormatError:  # named in problems
+            files[f.name] = {}
+            continue
         tensors = loaded.items() if LAYER_FILE.match(f.name) else \
             ((k, v) for k, v in loaded.items() if isinstance(v, TensorRef))
         files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v)} for k, v in tensors
                          if isinstance(v, TensorRef)}
+    problems = describe_step(path).problems
     return {"step": state.get("iteration"), "path": str(path),
             "architecture": {k: args[k] for k in arch_keys if k in args},
             "consumed_samples": args.get("consumed_train_samples"), "consumed_tokens": state.get("tokens"),
-            "files": files}
+            "complete": not problems, "problems": problems, "files": files}

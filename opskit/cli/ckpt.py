@@ -91,14 +91,15 @@ def inspect(
     step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
     json_output: JsonOutput = False,
 ) -> None:
-    """Architecture from the saved args, and every file's tensor names, shapes and dtypes."""
+    """Architecture from the saved args, and every file's tensor names, shapes and dtypes; exit 1 when the step is
+    incomplete (its problems listed)."""
     from opskit.ckpt.info import inspect_step
     from opskit.ckpt.layout import resolve_step_dir
 
     report = inspect_step(resolve_step_dir(step_dir))
     if json_output:
         print_json(report)
-        return
+        raise typer.Exit(0 if report["complete"] else 1)
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
                   f"consumed tokens {report['consumed_tokens']}", markup=False)
     for key, value in report["architecture"].items():
@@ -110,6 +111,10 @@ def inspect(
         console.print(name, markup=False)
         for key, t in tensors.items():
             console.print(f"  {key:48s} {str(t['shape']):>16s} {t['dtype']}", markup=False)
+    for problem in report["problems"]:
+        err_console.print(f"incomplete: {problem}", markup=False)
+    if report["problems"]:
+        raise typer.Exit(1)
 
 
 @app.command("check")
