@@ -18,6 +18,7 @@ from conftest import run_trainer, tiny_trainer_args
 from opskit.ckpt.convert import ConvertError, convert_step
 from opskit.ckpt.layout import CheckpointFormatError
 from opskit.data import EOS_ID, read_documents
+from opskit.fsutil import folder_entries, write_marker
 from opskit.train.inference import GPTModel
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
@@ -211,8 +212,10 @@ def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
     parent = tmp_path / "share"
     out = parent / "bloom"
     convert_step(run / "checkpoints", out, verify=False)  # an earlier conversion: opskit's own, --force replaces it
-    (out / "stale-shard.safetensors").write_text("from an older conversion")
+    (out / "stale-shard.safetensors").write_text("from an older conversion")  # one with another shard layout
     (out / "config.json").write_text("{}")
+    marker = json.loads((out / ".opskit").read_text())
+    write_marker(out, marker["command"], folder_entries(out), marker["source"])
 
     convert_step(run / "checkpoints", out, step=10, force=True)
     assert sorted(os.listdir(parent)) == ["bloom"]  # no staging folder, no moved-aside old folder left
