@@ -208,6 +208,9 @@ class ParallelSpec(_Section):
 
 # Batch sizes beyond this are typos (BLOOM-176B: 2048): the node-count search and the ramp-up table grow with them.
 MAX_BATCH = 1 << 20
+# Iterations a ramp-up or a curriculum may span, beyond which a value is a typo (tr1-13B's ramp-up: 312,500 at most;
+# tr8b-104B's curriculum: 36,000): `opskit plan` replays both iteration by iteration.
+MAX_ITERATIONS = 1 << 22
 
 
 class BatchSpec(_Section):
@@ -233,6 +236,10 @@ class BatchSpec(_Section):
             if start <= 0 or samples <= 0:
                 raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: the start batch size and the "
                                  "ramp-up samples must be > 0 (Megatron divides the samples by the increments)")
+            if samples // start > MAX_ITERATIONS:
+                raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: {samples} ramp-up samples at a "
+                                 f"start batch of {start} is up to {samples // start:,} iterations of ramp-up (more "
+                                 f"than {MAX_ITERATIONS:,}: a typo?)")
             if self.train_iters is not None:
                 raise ValueError("rampup_batch_size needs train_samples: Megatron refuses --rampup-batch-size with "
                                  "--train-iters (the ramp is counted in samples); replace train_iters with "
@@ -518,7 +525,7 @@ class CurriculumSpec(_Section):
     max_difficulty: int | None = Field(default=None, gt=0)
     """Final sequence length; defaults to model.seq_length ("always", DeepSpeed's guide)."""
     schedule_type: Literal["fixed_linear", "fixed_root"] = "fixed_linear"
-    total_curriculum_step: int = Field(gt=0)
+    total_curriculum_step: int = Field(gt=0, le=MAX_ITERATIONS)
     """Steps from min to max difficulty; ~ train_tokens / GBS / seq_length / 2 (DeepSpeed's recommendation)."""
     difficulty_step: int = Field(default=8, gt=0)
     root_degree: int | None = Field(default=None, gt=0)

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from conftest import REPO
 
+from opskit.plan import make_plan
 from opskit.spec import SpecError, list_specs, load_spec
 
 PRESET = REPO / "opskit" / "presets" / "tiny.yaml"
@@ -309,6 +310,20 @@ def test_an_absurd_batch_size_is_refused_not_searched(in_tmp):
     (in_tmp / "huge.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(SpecError, match=r"batch\.global_batch_size: Input should be less than or equal to 1048576"):
         load_spec("huge.yaml")
+
+
+def test_an_absurd_ramp_up_or_curriculum_length_is_refused_not_replayed(in_tmp):
+    # A curriculum of 2**63 steps (found by the fuzzer) made `opskit plan` replay iterations for ever.
+    cl = yaml.safe_load((REPO / "opskit" / "presets" / "tr8b-104B.yaml").read_text())
+    cl["variants"]["cl"]["curriculum_learning"]["total_curriculum_step"] = 2**63
+    (in_tmp / "cl.yaml").write_text(yaml.safe_dump(cl))
+    with pytest.raises(SpecError, match=r"total_curriculum_step: Input should be less than or equal to 4194304"):
+        make_plan(load_spec("cl.yaml:cl"))
+    raw = tiny()
+    raw["batch"]["rampup_batch_size"] = [8, 8, 2**40]
+    (in_tmp / "ramp.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(SpecError, match=r"up to 137,438,953,472 iterations of ramp-up \(more than 4,194,304"):
+        load_spec("ramp.yaml")
 
 
 def test_a_garbled_iteration_time_is_no_eta(tmp_path):
