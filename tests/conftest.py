@@ -10,8 +10,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from opskit.slurm import client
+
+# CI replays the same bounded fuzz cases every run (a failure there is reproducible, never a new draw); a developer's
+# run explores new ones: `CI=true pytest` replays CI's.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parents[1]
 
