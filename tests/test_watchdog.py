@@ -505,6 +505,7 @@ def test_email_once_then_resolved(jobs, tmp_path, mailbox):
     run = RunPaths(tmp_path / "run")
     run.logs.mkdir(parents=True)
     shutil.copy(FIXTURES / "hang.txt", run.main_log)
+    saved_checkpoint(run, 12500)  # the log is past its saves: without one, checkpoint.missing would alert too
     env = {"OPSKIT_SMTP_HOST": "127.0.0.1", "OPSKIT_SMTP_PORT": str(mailbox.port),
            "OPSKIT_ALERT_EMAIL_TO": "oncall@example.org, eng@example.org"}
 
@@ -600,6 +601,15 @@ def test_email_over_tls_with_a_password(slurm, tmp_path, certificate, security):
         box.controller.stop()
 
 
+def saved_checkpoint(run: RunPaths, iteration: int) -> None:
+    """A complete tiny checkpoint step ``iteration`` in the run, ``latest`` naming it."""
+    import torch
+    from megatron_ckpt import build_checkpoint
+
+    build_checkpoint(run.checkpoints, arch="gpt2", tp=1, layers=1, hidden=32, iteration=iteration,
+                     dtype=torch.float16)
+
+
 @pytest.mark.slurm
 def test_ack_silences_until_something_changes(slurm, tmp_path, webhook):
     name = unique("opskit-wd-ack")
@@ -620,6 +630,7 @@ def test_ack_silences_until_something_changes(slurm, tmp_path, webhook):
     # Something changes (a crash line arrives): the silence ends, and the message lists both alerts.
     run.logs.mkdir(parents=True)
     shutil.copy(FIXTURES / "crash.txt", run.main_log)
+    saved_checkpoint(run, 31000)  # the log is past its saves: without one, checkpoint.missing would alert too
     done = status_cli(spec, "--alert")
     assert len(webhook.posts) == 2, done.stdout
     assert "(+1 more)" in webhook.posts[1]["text"] and "CUDA error: unknown error on jean-zay-iam52" in \
