@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,29 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The lint every rendered job script passes: every note counts, down to style.
+SHELLCHECK = ("shellcheck", "--shell=bash", "--severity=style")
+
+
+@pytest.fixture(scope="session")
+def shellcheck():
+    """``shellcheck(*scripts, exclude=())`` asserts the scripts pass :data:`SHELLCHECK` (``exclude``: codes like
+    ``SC2016`` a test expects). ShellCheck is required under CI and as root, where `make test` installs it
+    (scripts/system-deps.sh): missing there, the test fails; elsewhere it is skipped, saying how to install it."""
+    if shutil.which("shellcheck") is None:
+        reason = "shellcheck is missing: apt-get install -y shellcheck (`make test` does, as root)"
+        if os.environ.get("CI") or os.geteuid() == 0:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+
+    def check(*scripts: Path, exclude: tuple[str, ...] = ()) -> None:
+        args = [*SHELLCHECK, *(f"--exclude={code}" for code in exclude), *map(str, scripts)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            pytest.fail(done.stdout + done.stderr, pytrace=False)
+
+    return check
 
 
 @pytest.fixture(scope="session")
