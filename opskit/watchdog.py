@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from opskit import status
 from opskit.fsutil import atomic_write_text
+from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
 from opskit.slurm import chain
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
@@ -577,11 +577,11 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     records = log.records if log else []
     findings, seconds_left, per_it = check_progress(spec, records)
     if error is not None:
-        pulse = [status.unreachable_line(spec.job_name, error, now)]
+        pulse = [unreachable_line(spec.job_name, error, now)]
         scheduler = [Finding("scheduler.unreachable", "warn", f"SLURM did not answer ({error}): job state unknown")]
     else:
         finished = not entries and run.finished_flag.exists()  # a finished run is neither running nor an alert
-        pulse = [] if finished else status.pulse_lines(spec.job_name, entries, now)
+        pulse = [] if finished else pulse_lines(spec.job_name, entries, now)
         scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
     scheduler += check_chain(run, ledger)
     started = [t for e in running if (t := _slurm_time(e.start_time))]

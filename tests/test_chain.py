@@ -17,8 +17,8 @@ import pytest
 from conftest import write_spec
 from test_submit import OPSKIT, chain_spec, iterations_logged, one, tasks_of
 
-from opskit import status
 from opskit.crash import find_crashes
+from opskit.pulse import wait_until_gone
 from opskit.runs import RunPaths
 from opskit.slurm import chain
 from opskit.slurm.client import QueueEntry
@@ -52,7 +52,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 def wait_gone(name: str, *job_ids: str, timeout: float = 180) -> None:
     for job_id in job_ids:
-        assert status.wait_until_gone(name, job_id, lambda p: None, interval_s=1, timeout_s=timeout), job_id
+        assert wait_until_gone(name, job_id, lambda p: None, interval_s=1, timeout_s=timeout), job_id
 
 
 def ledger(run: RunPaths) -> list[tuple[str, str]]:
