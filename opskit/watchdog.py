@@ -98,7 +98,7 @@ def load_state(run: RunPaths) -> dict:
     """The watchdog's memory of the last run ({} the first time, or when the file is unreadable or not a JSON
     object: start over)."""
     try:
-        state = json.loads((run.watchdog_dir / "state.json").read_text())
+        state = json.loads(run.watchdog_state.read_text())
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
@@ -111,7 +111,7 @@ def save_state(run: RunPaths, state: dict) -> str | None:
         return None
     try:
         run.watchdog_dir.mkdir(exist_ok=True)
-        atomic_write_text(run.watchdog_dir / "state.json", json.dumps(state, separators=(",", ":")))
+        atomic_write_text(run.watchdog_state, json.dumps(state, separators=(",", ":")))
     except OSError as e:
         return f"{e.filename or run.watchdog_dir}: {e.strerror or e}"
     return None

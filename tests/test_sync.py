@@ -12,7 +12,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from opskit.runs import RunPaths
-from opskit.sync import SyncBusy, SyncError, state_path, sync
+from opskit.sync import SyncBusy, SyncError, sync
 from opskit.targets import TargetError
 
 KINDS = ["logs", "tensorboard", "codecarbon"]
@@ -54,7 +54,7 @@ def test_unchanged_files_are_not_copied_again_and_grown_log_is(run, tmp_path):
     grown = sync(run, KINDS, url)
     assert grown.copied == ["logs/main_log.txt"]
     assert (tmp_path / "share" / "logs" / "main_log.txt").read_text().count("iteration") == 2
-    manifest = json.loads(state_path(run, url, "manifest").with_suffix(".json").read_text())
+    manifest = json.loads(run.sync_manifest(url).read_text())
     assert manifest["logs/main_log.txt"]["size"] == run.main_log.stat().st_size
     assert set(manifest["logs/main_log.txt"]) == {"size", "mtime_ns", "crc32c"}
 
@@ -109,7 +109,7 @@ def test_unknown_kind_is_refused(run, tmp_path):
 
 def test_a_live_lock_makes_the_next_sync_skip_and_a_dead_ones_is_taken_over(run, tmp_path):
     url = f"file://{tmp_path / 'share'}"
-    lock = state_path(run, url, "lock")
+    lock = run.sync_lock(url)
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import fcntl, os, sys, time
 fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
@@ -140,7 +140,7 @@ def test_without_flock_a_pid_file_locks_and_a_dead_pid_is_taken_over(run, tmp_pa
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     url = f"file://{tmp_path / 'share'}"
-    pid_file = state_path(run, url, "lock").with_name(state_path(run, url, "lock").name + ".pid")
+    pid_file = run.sync_lock(url).with_name(run.sync_lock(url).name + ".pid")
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         pid_file.write_text(f"{socket.gethostname()} {sleeper.pid}\n")

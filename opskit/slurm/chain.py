@@ -210,7 +210,7 @@ def claim_run_dir(run: RunPaths, what: str, write: bool = True) -> str | None:
         return None
     if root.exists() and not root.is_dir():
         raise OutputRefusedError(f"{root}: paths.output exists and is not a folder; choose another paths.output")
-    earlier = any(rendered_by_opskit(script) for script in (run.script, run.cron_dir / "cron.slurm"))
+    earlier = any(rendered_by_opskit(script) for script in (run.script, run.cron_script))
     if root.is_dir() and not earlier and any(root.iterdir()):
         raise OutputRefusedError(f"{root}: paths.output exists and holds files opskit did not write (no .opskit "
                                  "marker, no job script rendered by opskit); choose another paths.output (opskit "
