@@ -34,10 +34,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.runs import RunPaths
 from opskit.targets import Target, TargetOptions, check_url, crc32c_of_file, open_target
+
+if TYPE_CHECKING:
+    from opskit.spec import Spec
 
 # What each kind of sync publishes: (the run's folder, glob under it). Keys at the target are paths under the run.
 KINDS: dict[str, tuple[Callable[[RunPaths], Path], str]] = {
@@ -161,6 +165,29 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
         if delete:
             result.deleted = _delete_extraneous(run, kinds, target, manifest, manifest_path)
     return result
+
+
+def sync_spec(spec: Spec, kinds: list[str], to: str | None = None, dry_run: bool = False, delete: bool = False,
+              workers: int | None = None, on_busy: Callable[[SyncBusy], None] = lambda busy: None
+              ) -> Iterator[SyncResult]:
+    """:func:`sync` of a spec's run to ``to``, or else to each of the spec's ``sync.targets`` in turn, with the spec's
+    transfer options (``workers`` overrides ``sync.workers``); yields each target's result as it is done. A target
+    that another sync holds is skipped: ``on_busy`` gets its :class:`SyncBusy`, the other targets go on.
+
+    Raises:
+        SyncError: no ``to`` and no ``sync.targets``; else as :func:`sync` (raised when the target's turn comes).
+        SpecError: ``paths.output`` names an unset ``$VAR`` or a file.
+    """
+    urls = [to] if to else spec.sync.targets
+    if not urls:
+        raise SyncError(f"{spec.cli_name}: no sync target: give --to URL or set sync.targets in the spec")
+    options = TargetOptions(workers=workers or spec.sync.workers, create_repo=spec.sync.create_repo,
+                            private=spec.sync.private)
+    for url in urls:
+        try:
+            yield sync(RunPaths.of(spec), kinds, url, dry_run=dry_run, delete=delete, options=options)
+        except SyncBusy as busy:
+            on_busy(busy)
 
 
 def _refuse_foreign(changed: dict[str, Path], manifest: dict[str, dict], target: Target, manifest_path: Path) -> None:

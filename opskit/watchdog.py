@@ -17,6 +17,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -661,8 +662,19 @@ def _append(path: Path, lines: list[str]) -> None:
         os.close(fd)
 
 
-def watch(spec: Spec, interval_s: float, on_report, sleep=time.sleep) -> None:
-    """Run the checks every ``interval_s`` seconds, handing each report to ``on_report``, until interrupted."""
-    while True:
-        on_report(run_checks(spec))
-        sleep(interval_s)
+def watch(spec: Spec, interval_s: float, on_report: Callable[[Report], int], sleep=time.sleep) -> int:
+    """Run the checks once, or with ``interval_s`` > 0 again every ``interval_s`` seconds until Ctrl-C
+    (KeyboardInterrupt), handing each :class:`Report` to ``on_report``.
+
+    Returns:
+        what ``on_report`` returned last (``opskit status`` returns its exit code), 0 when interrupted before it.
+    """
+    code = 0
+    try:
+        while True:
+            code = on_report(run_checks(spec))
+            if not interval_s:
+                return code
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        return code

@@ -195,3 +195,31 @@ def test_cli_syncs_to_the_spec_targets_and_reports_json(run, tmp_path, kjv_data)
                              text=True, env=env)
     assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1
     assert "sync.targets" in refused.stderr and "target s3://x/y: expected file:///absolute/path" in refused.stderr
+
+
+def test_a_specs_targets_sync_in_turn_and_a_busy_one_is_skipped(run, tmp_path, kjv_data):
+    import fcntl
+
+    from conftest import write_spec
+
+    from opskit.spec import load_spec
+    from opskit.sync import sync_spec
+
+    busy_url, free_url = f"file://{tmp_path / 'busy'}", f"file://{tmp_path / 'free'}"
+    spec = load_spec(str(write_spec(tmp_path / "trainings" / "t.yaml", kjv_data, run.root,
+                                    sync={"targets": [busy_url, free_url]})))
+    fd = os.open(run.sync_lock(busy_url), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another sync to the first target is running
+    try:
+        skipped: list[SyncBusy] = []
+        results = list(sync_spec(spec, KINDS, on_busy=skipped.append))
+    finally:
+        os.close(fd)
+    assert [r.target for r in results] == [free_url] and len(results[0].copied) == 3  # the next target went on
+    assert len(skipped) == 1 and f"another sync to {busy_url} is still running" in str(skipped[0])
+    assert not (tmp_path / "busy").exists()
+    [only] = sync_spec(spec, ["logs"], to=busy_url, dry_run=True)  # --to replaces the spec's targets
+    assert only.target == busy_url and only.copied == ["logs/main_log.txt"]
+    nowhere = load_spec(str(write_spec(tmp_path / "trainings" / "n.yaml", kjv_data, run.root)))
+    with pytest.raises(SyncError, match=r": no sync target: give --to URL or set sync.targets in the spec$"):
+        list(sync_spec(nowhere, KINDS))
