@@ -46,10 +46,18 @@ class LogSource:
         Raises:
             LogFormatError: no iteration records.
         """
-        records = timeline(self.records(fields)[0])
-        if not records:
+        return self.timeline_of(self.records(fields)[0])
+
+    def timeline_of(self, records: list[dict]) -> list[dict]:
+        """:meth:`timeline` of records already read from this source.
+
+        Raises:
+            LogFormatError: no iteration records.
+        """
+        iterations = timeline(records)
+        if not iterations:
             raise LogFormatError(f"{self.path}: no iteration lines")
-        return records
+        return iterations
 
 
 _LOG_SUFFIXES = (".txt", ".log", ".out", ".err", ".gz", ".jsonl")
