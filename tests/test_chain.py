@@ -123,6 +123,14 @@ def test_ledger_counts_failures_since_the_last_success(tmp_path):
         chain.add_bad_nodes(run, {"n1 $(reboot)": "why"})
 
 
+def test_clearing_bad_nodes_takes_only_the_named_ones_off(tmp_path):
+    run = RunPaths(tmp_path)
+    chain.add_bad_nodes(run, {"n1": "fan", "n2": "ECC errors", "n3": "NCCL timeout"})
+    assert chain.clear_bad_nodes(run, ["n2", "n9"]) == ["n2"]  # n9 was never on the list
+    assert chain.read_bad_nodes(run) == {"n1": "fan", "n3": "NCCL timeout"}
+    assert chain.clear_bad_nodes(run) == ["n1", "n3"] and not run.bad_nodes.exists()
+
+
 def test_kill_switch_and_nodes_leave_a_folder_opskit_did_not_create_alone(tmp_path):
     data = SimpleNamespace(data_prefix=str(tmp_path / "kjv_text_document"))
     root = tmp_path / "mine"

@@ -363,6 +363,18 @@ def add_bad_nodes(run: RunPaths, nodes: dict[str, str]) -> list[str]:
     return new
 
 
+def clear_bad_nodes(run: RunPaths, nodes: list[str] | None = None) -> list[str]:
+    """Take ``nodes`` (None or empty: all) off the list; returns those that were on it.
+
+    Raises:
+        OutputRefusedError: ``paths.output`` is not opskit's run directory (:func:`claim_run_dir`).
+    """
+    known = read_bad_nodes(run)
+    gone = [n for n in known if not nodes or n in nodes]
+    write_bad_nodes(run, {n: why for n, why in known.items() if n not in gone})
+    return gone
+
+
 # --------------------------------------------------------------------------- the job script's hooks
 
 
