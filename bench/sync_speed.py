@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from remote_services import FaultProxy, start_gcs_emulator  # noqa: E402
 
 from opskit.runs import RunPaths  # noqa: E402
-from opskit.sync import candidates, changed_files, load_manifest, state_path, sync  # noqa: E402
+from opskit.sync import candidates, changed_files, load_manifest, sync  # noqa: E402
 from opskit.targets import TargetOptions, crc32c_of_file, open_target  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def no_change(root: Path, files: int) -> None:
     first = sync(run, ["logs", "tensorboard"], url)
     assert len(first.copied) == files, len(first.copied)
     ours = median_time(lambda: sync(run, ["logs", "tensorboard"], url))
-    manifest = load_manifest(state_path(run, url, "manifest").with_suffix(".json"))
+    manifest = load_manifest(run.sync_manifest(url))
 
     def by_hashing() -> None:  # what deciding costs without size/mtime: read and checksum every file
         for key, path in candidates(run, ["logs", "tensorboard"]).items():

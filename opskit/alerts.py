@@ -270,13 +270,9 @@ class Outcome:
                 "silenced": self.silenced, "acked": self.acked}
 
 
-def _state_path(run: RunPaths) -> Path:
-    return run.watchdog_dir / "alerts.json"
-
-
 def _load(run: RunPaths) -> dict:
     try:
-        return json.loads(_state_path(run).read_text())
+        return json.loads(run.alerts_state.read_text())
     except (OSError, ValueError):
         return {}
 
@@ -329,7 +325,7 @@ def notify(report: Report, config: AlertsSpec, run: RunPaths, cli_name: str, ack
             outcome.sent.append((channel.name, kind))
     state.update(active=active, acked=acked)
     run.watchdog_dir.mkdir(parents=True, exist_ok=True)  # even before the first submission: an absent job alerts
-    atomic_write_text(_state_path(run), json.dumps(state, indent=1))
+    atomic_write_text(run.alerts_state, json.dumps(state, indent=1))
     return outcome
 
 

@@ -1,4 +1,5 @@
-"""Every path of a run, in one place (the spec's ``paths.output`` is the run directory)."""
+"""Every path of a run, in one place (the spec's ``paths.output`` is the run directory): no other module joins a
+name onto a run directory. Importing it is cheap (no pydantic, no yaml: the spec is imported where a spec is read)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opskit.fsutil import atomic_write_text
-from opskit.spec import Spec, SpecError
+
+if TYPE_CHECKING:
+    from opskit.spec import Spec
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,12 @@ class RunPaths:
             SpecError: when ``paths.output`` uses an environment variable that is not set here.
         """
         return cls(folder_path(spec, spec.paths.output, "paths.output"))
+
+    @classmethod
+    def above(cls, checkpoints: Path) -> RunPaths:
+        """The run a checkpoint folder belongs to (the folder above it, as ``--save <run>/checkpoints``): where a
+        command given a bare checkpoint folder finds the run's log and converted steps."""
+        return cls(checkpoints.parent)
 
     @property
     def checkpoints(self) -> Path:
@@ -59,6 +69,11 @@ class RunPaths:
     @property
     def script(self) -> Path:
         return self.slurm_dir / "train.slurm"
+
+    @property
+    def job_output(self) -> Path:
+        """SLURM's ``--output`` of the training jobs (``%x`` job name, ``%j`` job id)."""
+        return self.slurm_dir / "%x-%j.out"
 
     @property
     def ds_config(self) -> Path:
@@ -104,13 +119,59 @@ class RunPaths:
         return self.root / "cron"
 
     @property
+    def cron_record(self) -> Path:
+        """What ``opskit cron install`` added (crontab line or SLURM job), read back by status and uninstall."""
+        return self.cron_dir / "cron.json"
+
+    @property
+    def cron_script(self) -> Path:
+        """The self-resubmitting hourly SLURM job (``--via slurm``)."""
+        return self.cron_dir / "cron.slurm"
+
+    @property
+    def cron_output(self) -> Path:
+        """SLURM's ``--output`` of the hourly job (``%x`` job name, ``%j`` job id)."""
+        return self.cron_dir / "%x-%j.out"
+
+    @property
+    def cron_log(self) -> Path:
+        """Output of the hourly commands run from the crontab (``--via crontab``)."""
+        return self.cron_dir / "cron.log"
+
+    @property
     def watchdog_dir(self) -> Path:
         """``opskit status`` state: the log offset and recent records, and which alerts were sent when."""
         return self.root / "watchdog"
 
-    def hf_dir(self, tag: str) -> Path:
-        """Default output of ``opskit ckpt convert`` for one checkpoint step."""
-        return self.root / "hf" / tag
+    @property
+    def watchdog_state(self) -> Path:
+        """The watchdog's memory between runs: log offset, recent records, when things were last seen."""
+        return self.watchdog_dir / "state.json"
+
+    @property
+    def alerts_state(self) -> Path:
+        """Which alert went to which channel when (de-duplication, ``--ack``)."""
+        return self.watchdog_dir / "alerts.json"
+
+    def sync_manifest(self, url: str) -> Path:
+        """``<run>/.sync-manifest-<url slug>.json``: what ``opskit sync`` last published to ``url`` (size, mtime,
+        CRC32C per key)."""
+        return self._sync_file("manifest", url).with_suffix(".json")
+
+    def sync_lock(self, url: str) -> Path:
+        """``<run>/.sync-lock-<url slug>``: held by the one ``opskit sync`` of this run to ``url`` running now."""
+        return self._sync_file("lock", url)
+
+    def _sync_file(self, what: str, url: str) -> Path:
+        """The slug keeps the URL's last 80 letters and digits, ``_`` for the rest (no dot: a suffix can follow)."""
+        slug = "".join(c if c.isalnum() else "_" for c in url).strip("_")[-80:]
+        return self.root / f".sync-{what}-{slug}"
+
+    @property
+    def hf_dir(self) -> Path:
+        """Converted Hugging Face folders, one ``global_stepN`` each: ``opskit ckpt convert`` writes them (its default
+        output), ``opskit ckpt publish`` uploads them."""
+        return self.root / "hf"
 
 
 def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
@@ -120,6 +181,8 @@ def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] |
     Raises:
         SpecError: naming the file, the field and the path that is a file; an unset ``$VAR``.
     """
+    from opskit.spec import SpecError
+
     path = spec.local_path(value, field, environ)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
@@ -149,7 +212,7 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
         DataError: for a spec whose data was prepared elsewhere (no ``data.corpus``): nothing to prepare.
         SpecError: when ``data.dir`` uses an environment variable that is not set here.
     """
-    from opskit.data import DataError, output_paths  # numpy-free, but not needed by hourly commands
+    from opskit.corpus import DataError, output_paths  # numpy-free, but not needed by hourly commands
 
     if not spec.data.prepared_by_opskit:
         source = "data_path" if spec.data.data_path is not None else "train_weighted_split_paths_path"
@@ -160,14 +223,14 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
 
 
 def corpus_inputs(spec: Spec) -> tuple[str | list[str], Path]:
-    """(corpus, output folder) to pass to ``opskit.data.prepare_data`` for a spec: ``$VAR`` expanded, corpus files
+    """(corpus, output folder) to pass to ``opskit.corpus.prepare_data`` for a spec: ``$VAR`` expanded, corpus files
     taken from the spec's base directory (as ``data.dir``); the named corpus ``kjv`` as it is.
 
     Raises:
         DataError: for a spec whose data was prepared elsewhere (see :func:`data_paths`).
         SpecError: an unset ``$VAR``.
     """
-    from opskit.data import KJV
+    from opskit.corpus import KJV
 
     tokenizer_dir, _ = data_paths(spec)
     corpus = spec.data.corpus

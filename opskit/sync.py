@@ -29,20 +29,25 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.runs import RunPaths
 from opskit.targets import Target, TargetOptions, check_url, crc32c_of_file, open_target
 
-# What each kind of sync publishes: (folder of the run, glob under it).
-KINDS = {
-    "logs": ("logs", "**/*.txt"),
-    "tensorboard": ("tensorboard", "**/*tfevents*"),
-    "codecarbon": ("codecarbon", "**/*.csv"),
+if TYPE_CHECKING:
+    from opskit.spec import Spec
+
+# What each kind of sync publishes: (the run's folder, glob under it). Keys at the target are paths under the run.
+KINDS: dict[str, tuple[Callable[[RunPaths], Path], str]] = {
+    "logs": (attrgetter("logs"), "**/*.txt"),
+    "tensorboard": (attrgetter("tensorboard"), "**/*tfevents*"),
+    "codecarbon": (attrgetter("codecarbon"), "**/*.csv"),
 }
 
 
@@ -90,17 +95,16 @@ def candidates(run: RunPaths, kinds: list[str]) -> dict[str, Path]:
     files = {}
     for kind in kinds:
         folder, pattern = KINDS[kinds_of(kind)[0]]
-        base = run.root / folder
+        base = folder(run)
         for path in sorted(base.glob(pattern)) if base.is_dir() else []:
             if path.is_file():
                 files[str(path.relative_to(run.root))] = path
     return files
 
 
-def state_path(run: RunPaths, url: str, what: str) -> Path:
-    """``<run>/.sync-<what>-<url slug>.json``: the manifest, lock or delete plan of one target."""
-    slug = "".join(c if c.isalnum() else "_" for c in url).strip("_")[-80:]
-    return run.root / f".sync-{what}-{slug}"
+def _key_prefix(run: RunPaths, kind: str) -> str:
+    """The keys of one kind at the target start with this (its folder under the run, then ``/``)."""
+    return KINDS[kind][0](run).relative_to(run.root).as_posix() + "/"
 
 
 def load_manifest(path: Path) -> dict[str, dict]:
@@ -140,7 +144,7 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
     for kind in kinds:
         kinds_of(kind)
     check_url(url)
-    manifest_path = state_path(run, url, "manifest").with_suffix(".json")
+    manifest_path = run.sync_manifest(url)
     manifest = load_manifest(manifest_path)
     changed, unchanged = changed_files(candidates(run, kinds), manifest)
     result = SyncResult(url, unchanged=unchanged, dry_run=dry_run)
@@ -153,7 +157,7 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
         if delete:
             result.deleted = _extraneous(run, kinds, target, manifest)
         return result
-    with run_lock(state_path(run, url, "lock"), url):
+    with run_lock(run.sync_lock(url), url):
         target = target or open_target(url, options=options)
         if changed:
             _refuse_foreign(changed, manifest, target, manifest_path)
@@ -161,6 +165,29 @@ def sync(run: RunPaths, kinds: list[str], url: str, dry_run: bool = False, delet
         if delete:
             result.deleted = _delete_extraneous(run, kinds, target, manifest, manifest_path)
     return result
+
+
+def sync_spec(spec: Spec, kinds: list[str], to: str | None = None, dry_run: bool = False, delete: bool = False,
+              workers: int | None = None, on_busy: Callable[[SyncBusy], None] = lambda busy: None
+              ) -> Iterator[SyncResult]:
+    """:func:`sync` of a spec's run to ``to``, or else to each of the spec's ``sync.targets`` in turn, with the spec's
+    transfer options (``workers`` overrides ``sync.workers``); yields each target's result as it is done. A target
+    that another sync holds is skipped: ``on_busy`` gets its :class:`SyncBusy`, the other targets go on.
+
+    Raises:
+        SyncError: no ``to`` and no ``sync.targets``; else as :func:`sync` (raised when the target's turn comes).
+        SpecError: ``paths.output`` names an unset ``$VAR`` or a file.
+    """
+    urls = [to] if to else spec.sync.targets
+    if not urls:
+        raise SyncError(f"{spec.cli_name}: no sync target: give --to URL or set sync.targets in the spec")
+    options = TargetOptions(workers=workers or spec.sync.workers, create_repo=spec.sync.create_repo,
+                            private=spec.sync.private)
+    for url in urls:
+        try:
+            yield sync(RunPaths.of(spec), kinds, url, dry_run=dry_run, delete=delete, options=options)
+        except SyncBusy as busy:
+            on_busy(busy)
 
 
 def _refuse_foreign(changed: dict[str, Path], manifest: dict[str, dict], target: Target, manifest_path: Path) -> None:
@@ -219,8 +246,8 @@ def _extraneous(run: RunPaths, kinds: list[str], target: Target, manifest: dict[
     """Keys this run published (its manifest) under the kinds' folders that are no longer local but still at the
     target; nothing else at the target is ever a candidate."""
     local = candidates(run, kinds)
-    remote = {k for kind in kinds for k in target.keys(KINDS[kind][0] + "/")}
-    folders = tuple(KINDS[kind][0] + "/" for kind in kinds)
+    folders = tuple(_key_prefix(run, kind) for kind in kinds)
+    remote = {k for folder in folders for k in target.keys(folder)}
     return sorted(k for k in manifest if k.startswith(folders) and k not in local and k in remote)
 
 

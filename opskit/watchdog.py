@@ -17,12 +17,13 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from opskit import status
 from opskit.fsutil import atomic_write_text
+from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
 from opskit.slurm import chain
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
@@ -98,7 +99,7 @@ def load_state(run: RunPaths) -> dict:
     """The watchdog's memory of the last run ({} the first time, or when the file is unreadable or not a JSON
     object: start over)."""
     try:
-        state = json.loads((run.watchdog_dir / "state.json").read_text())
+        state = json.loads(run.watchdog_state.read_text())
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
@@ -111,7 +112,7 @@ def save_state(run: RunPaths, state: dict) -> str | None:
         return None
     try:
         run.watchdog_dir.mkdir(exist_ok=True)
-        atomic_write_text(run.watchdog_dir / "state.json", json.dumps(state, separators=(",", ":")))
+        atomic_write_text(run.watchdog_state, json.dumps(state, separators=(",", ":")))
     except OSError as e:
         return f"{e.filename or run.watchdog_dir}: {e.strerror or e}"
     return None
@@ -577,11 +578,11 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     records = log.records if log else []
     findings, seconds_left, per_it = check_progress(spec, records)
     if error is not None:
-        pulse = [status.unreachable_line(spec.job_name, error, now)]
+        pulse = [unreachable_line(spec.job_name, error, now)]
         scheduler = [Finding("scheduler.unreachable", "warn", f"SLURM did not answer ({error}): job state unknown")]
     else:
         finished = not entries and run.finished_flag.exists()  # a finished run is neither running nor an alert
-        pulse = [] if finished else status.pulse_lines(spec.job_name, entries, now)
+        pulse = [] if finished else pulse_lines(spec.job_name, entries, now)
         scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
     scheduler += check_chain(run, ledger)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
@@ -661,8 +662,19 @@ def _append(path: Path, lines: list[str]) -> None:
         os.close(fd)
 
 
-def watch(spec: Spec, interval_s: float, on_report, sleep=time.sleep) -> None:
-    """Run the checks every ``interval_s`` seconds, handing each report to ``on_report``, until interrupted."""
-    while True:
-        on_report(run_checks(spec))
-        sleep(interval_s)
+def watch(spec: Spec, interval_s: float, on_report: Callable[[Report], int], sleep=time.sleep) -> int:
+    """Run the checks once, or with ``interval_s`` > 0 again every ``interval_s`` seconds until Ctrl-C
+    (KeyboardInterrupt), handing each :class:`Report` to ``on_report``.
+
+    Returns:
+        what ``on_report`` returned last (``opskit status`` returns its exit code), 0 when interrupted before it.
+    """
+    code = 0
+    try:
+        while True:
+            code = on_report(run_checks(spec))
+            if not interval_s:
+                return code
+            sleep(interval_s)
+    except KeyboardInterrupt:
+        return code

@@ -1,4 +1,4 @@
-"""Shared fixtures: real data (the KJV Bible through opskit.data), a real local SLURM, a tiny trainer command line."""
+"""Shared fixtures: real data (the KJV Bible through opskit.corpus), a real local SLURM, a tiny trainer command line."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def shellcheck():
 @pytest.fixture(scope="session")
 def kjv_data(tmp_path_factory):
     """The KJV Bible as tokenizer + indexed dataset (vocab 2000 to keep the tiny models fast)."""
-    from opskit.data import prepare_data
+    from opskit.corpus import prepare_data
 
     return prepare_data("kjv", tmp_path_factory.mktemp("kjv"), vocab_size=2000, name="kjv")
 

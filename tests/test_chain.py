@@ -17,8 +17,8 @@ import pytest
 from conftest import write_spec
 from test_submit import OPSKIT, chain_spec, iterations_logged, one, tasks_of
 
-from opskit import status
 from opskit.crash import find_crashes
+from opskit.pulse import wait_until_gone
 from opskit.runs import RunPaths
 from opskit.slurm import chain
 from opskit.slurm.client import QueueEntry
@@ -52,7 +52,7 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 def wait_gone(name: str, *job_ids: str, timeout: float = 180) -> None:
     for job_id in job_ids:
-        assert status.wait_until_gone(name, job_id, lambda p: None, interval_s=1, timeout_s=timeout), job_id
+        assert wait_until_gone(name, job_id, lambda p: None, interval_s=1, timeout_s=timeout), job_id
 
 
 def ledger(run: RunPaths) -> list[tuple[str, str]]:
@@ -121,6 +121,14 @@ def test_ledger_counts_failures_since_the_last_success(tmp_path):
         chain.read_ledger(run)
     with pytest.raises(chain.ChainError, match="expected a host name"):
         chain.add_bad_nodes(run, {"n1 $(reboot)": "why"})
+
+
+def test_clearing_bad_nodes_takes_only_the_named_ones_off(tmp_path):
+    run = RunPaths(tmp_path)
+    chain.add_bad_nodes(run, {"n1": "fan", "n2": "ECC errors", "n3": "NCCL timeout"})
+    assert chain.clear_bad_nodes(run, ["n2", "n9"]) == ["n2"]  # n9 was never on the list
+    assert chain.read_bad_nodes(run) == {"n1": "fan", "n3": "NCCL timeout"}
+    assert chain.clear_bad_nodes(run) == ["n1", "n3"] and not run.bad_nodes.exists()
 
 
 def test_kill_switch_and_nodes_leave_a_folder_opskit_did_not_create_alone(tmp_path):

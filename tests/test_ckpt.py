@@ -52,7 +52,7 @@ def bloom_bf16(kjv_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokens(kjv_data) -> torch.Tensor:
-    from opskit.data import read_documents
+    from opskit.corpus import read_documents
 
     docs = read_documents(kjv_data.data_prefix)
     return torch.tensor([docs[3][:32].tolist(), docs[700][:32].tolist()], dtype=torch.long)

@@ -188,6 +188,19 @@ def test_unsupported_targets_are_refused_in_one_line(run):
     assert published.returncode == 1 and "no converted global_stepN folders" in published.stderr
 
 
+def test_the_model_cards_facts_come_from_the_checkpoint_and_the_log(run, tmp_path):
+    from opskit.ckpt.publish import card_facts
+    from opskit.train.log import validation_lines
+
+    log = tmp_path / "main_log.txt"
+    log.write_text("\n".join(validation_lines("iteration 200", 4.5)) + "\n")
+    facts = card_facts(run, log)
+    assert facts(200) == {"tokens": 200 * 16 * 32, "validation_loss": 4.5}  # the tokens the step's save recorded
+    assert facts(100) == {"tokens": 100 * 16 * 32, "validation_loss": None}  # no validation at that iteration
+    assert facts(400) == {"tokens": None, "validation_loss": None}  # a step no longer on disk (pruned)
+    assert card_facts(run, tmp_path / "no_log.txt")(200)["validation_loss"] is None
+
+
 # --------------------------------------------------------------------------- a backup is never trusted wrongly
 
 

@@ -127,7 +127,7 @@ def test_cron_via_crontab_round_trip(tmp_path, user_crontab, monkeypatch):
     # Run the line as cron would: /bin/sh, a bare environment, `\%` read as `%`.
     command = installed.crontab_line.split(" ", 5)[5].replace("\\%", "%")
     subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", "/bin/sh", "-c", command], timeout=120, cwd="/")
-    log = (RunPaths.of(spec).cron_dir / "cron.log").read_text()
+    log = RunPaths.of(spec).cron_log.read_text()
     assert f"PULSE: ***ALERT: {name} is not RUNNING or SCHEDULED!" in log
     assert re.search(r"^file://.*: published \d+ file\(s\), \d+ unchanged$", log, re.M), log
     assert not list(tmp_path.glob("PWNED")) and not Path("/PWNED").exists()
@@ -136,7 +136,7 @@ def test_cron_via_crontab_round_trip(tmp_path, user_crontab, monkeypatch):
     subprocess.run(["crontab", "-"], input="\n".join(before) + "\n", text=True, check=True)
     gone = cron.status(spec)
     assert not gone.ok and "cron: WARNING: the crontab cron of" in gone.lines[-1]
-    assert cron.uninstall(spec) == [f"record {cron.state_file(RunPaths.of(spec))}"]
+    assert cron.uninstall(spec) == [f"record {RunPaths.of(spec).cron_record}"]
     cron.install(spec, method="crontab")
     assert cron.uninstall(spec)[0].startswith("crontab line: ")
     assert crontab_lines() == before and foreign in before

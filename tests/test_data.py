@@ -1,4 +1,4 @@
-"""Tests for opskit.data on the real King James Bible text, tokenizers and megatron-core."""
+"""Tests for opskit.corpus on the real King James Bible text, tokenizers and megatron-core."""
 
 from __future__ import annotations
 
@@ -16,8 +16,17 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from opskit import data
-from opskit.data import DataError, load_corpus, prepare_data, read_documents
+from opskit.corpus import (
+    EOS_ID,
+    PAD_ID,
+    DataError,
+    PreparedData,
+    kjv_documents,
+    load_corpus,
+    prepare_data,
+    read_documents,
+)
+from opskit.errors import OpskitError
 
 # Not from the KJV: exercises the byte-level round trip on non-ASCII, CRLF, tabs, double spaces.
 UNICODE_DOC = "Genèse 1\r\n\t« Au commencement »  Dieu créa — 起初神创造天地 🙂\n"
@@ -28,7 +37,7 @@ def kjv() -> list[str]:
     """The real corpus; tests that use it skip where Debian's bible-kjv is not installed."""
     if shutil.which("bible") is None:
         pytest.skip("needs the `bible` command: apt-get install bible-kjv")
-    return data.kjv_documents()
+    return kjv_documents()
 
 
 @pytest.fixture(scope="session")
@@ -45,11 +54,11 @@ def small_inputs(kjv, tmp_path_factory) -> list[Path]:
 
 
 @pytest.fixture(scope="session")
-def small(small_inputs, tmp_path_factory) -> data.PreparedData:
+def small(small_inputs, tmp_path_factory) -> PreparedData:
     return prepare_data(small_inputs, tmp_path_factory.mktemp("small"), 1000, name="small")
 
 
-def _mtimes(prepared: data.PreparedData) -> dict[str, int]:
+def _mtimes(prepared: PreparedData) -> dict[str, int]:
     files = [
         prepared.tokenizer_dir / "tokenizer.json",
         Path(f"{prepared.data_prefix}.bin"),
@@ -69,7 +78,7 @@ def test_tokens_round_trip_through_megatron_indexed_dataset(small_inputs, small)
 
     documents = list(load_corpus(small_inputs))
     tokenizer = Tokenizer.from_file(str(small.tokenizer_dir / "tokenizer.json"))
-    expected = [tokenizer.encode(document).ids + [data.EOS_ID] for document in documents]
+    expected = [tokenizer.encode(document).ids + [EOS_ID] for document in documents]
     megatron = IndexedDataset(str(small.data_prefix))  # megatron's own reader, kept alive
 
     assert len(megatron) == small.num_documents == len(documents) == 8
@@ -93,7 +102,7 @@ def test_arrays_outlive_the_reader(small):
     first = read_documents(small.data_prefix)[0]
     lengths = read_documents(small.data_prefix).lengths
     gc.collect()
-    assert first[-1] == data.EOS_ID and len(first) == lengths[0] > 100
+    assert first[-1] == EOS_ID and len(first) == lengths[0] > 100
 
 
 def test_idx_file_is_mmidIdx_with_uint16_tokens(small):
@@ -136,8 +145,8 @@ def test_literal_special_token_text_is_not_an_end_of_document(tmp_path):
     corpus.write_text("Text that quotes </s> and <pad> markup. " * 20)
     prepared = prepare_data([corpus], tmp_path / "out", 300)
     tokens = read_documents(prepared.data_prefix)[0].tolist()
-    assert tokens[-1] == data.EOS_ID
-    assert not {data.EOS_ID, data.PAD_ID} & set(tokens[:-1])
+    assert tokens[-1] == EOS_ID
+    assert not {EOS_ID, PAD_ID} & set(tokens[:-1])
 
 
 def test_kjv_documents_are_unwrapped_chapters_without_verse_numbers(kjv):
@@ -259,10 +268,11 @@ def test_unusable_inputs(tmp_path, file_name, content, expected):
         prepare_data([path], tmp_path / "out", 1000)
 
 
-def test_errors_are_single_line_value_errors(tmp_path):
-    with pytest.raises(ValueError) as raised:
+def test_errors_are_single_line_opskit_errors(tmp_path):
+    with pytest.raises(OpskitError) as raised:  # the base the CLI prints as one line
         read_documents(tmp_path / "nothing_text_document")
-    assert isinstance(raised.value, DataError) and "\n" not in str(raised.value)
+    assert isinstance(raised.value, DataError) and isinstance(raised.value, ValueError)
+    assert "\n" not in str(raised.value)
     assert str(tmp_path / "nothing_text_document.bin") in str(raised.value)
     with pytest.raises(DataError, match="^name: "):
         prepare_data("kjv", tmp_path, 1000, name="../escape")
@@ -271,8 +281,8 @@ def test_errors_are_single_line_value_errors(tmp_path):
 
 
 def test_import_is_light():
-    """The CLI imports opskit.data on login nodes; the ML stack must load only when used."""
-    code = "import sys, opskit.data; print(' '.join(sorted(sys.modules)))"
+    """The CLI imports opskit.corpus on login nodes; the ML stack must load only when used."""
+    code = "import sys, opskit.corpus; print(' '.join(sorted(sys.modules)))"
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -353,6 +353,21 @@ def test_plot_series_smooths_ranges_and_reads_extra_fields():
         parse_range("5-9")
 
 
+def test_run_series_resolve_restarts_place_validation_and_mark_spikes():
+    from opskit.logs.plot import run_series
+
+    skipped = []
+    restart, spike, wrapped = run_series([str(FIXTURES / name) for name in ("restart.txt", "tr11-176B-spike.txt",
+                                                                            "tr8b-104B.txt")],
+                                         "iteration", "loss", on_skipped=lambda item, n: skipped.append((item, n)))
+    assert [restart.name, spike.name, wrapped.name] == ["restart", "tr11-176B-spike", "tr8b-104B"]
+    assert restart.x == list(range(10, 401, 10)) and restart.y[29] == 4.092682  # the resumed 210-300 replace the old
+    assert spike.markers == [(31219, 5.098124)]  # the chronicle's spike, at its peak
+    assert skipped == [(str(FIXTURES / "tr8b-104B.txt"), 1)]  # its wrapped line
+    [validation] = run_series([str(FIXTURES / "restart.txt")], "tokens", "val_loss")
+    assert validation.x[:2] == [819200, 1638400]  # validation lines carry no tokens: those of iterations 100, 200
+
+
 @pytest.mark.timeout(60)  # a tail that never prints would otherwise hang the suite
 def test_cli_tail_follows_the_published_copy(tmp_path):
     """`opskit logs tail RUN --remote file://...` as a user runs it: the last lines, then what sync adds."""

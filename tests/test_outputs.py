@@ -275,7 +275,7 @@ def corpus(tmp_path_factory) -> list[Path]:
 
 
 def test_data_prepare_refuses_a_users_folder_even_with_force(corpus, tmp_path):
-    from opskit.data import prepare_data
+    from opskit.corpus import prepare_data
 
     out = users_folder(tmp_path / "data")
     (tmp_path / "file").write_text("a file of mine\n")
@@ -289,7 +289,7 @@ def test_data_prepare_refuses_a_users_folder_even_with_force(corpus, tmp_path):
 
 
 def test_data_prepare_reuses_and_repairs_its_output_and_needs_force_for_other_settings(corpus, tmp_path):
-    from opskit.data import prepare_data
+    from opskit.corpus import prepare_data
 
     out = tmp_path / "data"
     out.mkdir()
@@ -310,7 +310,7 @@ def test_data_prepare_reuses_and_repairs_its_output_and_needs_force_for_other_se
 
 
 def test_data_prepare_keeps_a_users_file_in_its_tokenizer_folder(corpus, tmp_path):
-    from opskit.data import prepare_data
+    from opskit.corpus import prepare_data
 
     out = tmp_path / "data"
     first = prepare_data(corpus, out, 300, name="c")

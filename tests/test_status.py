@@ -1,4 +1,4 @@
-"""opskit.status against the real local SLURM: BigScience's PULSE / ALERT lines for running, array-throttled,
+"""opskit.pulse against the real local SLURM: BigScience's PULSE / ALERT lines for running, array-throttled,
 dependent and --begin jobs; exit codes of `opskit status` (2: SLURM unreachable or failing); a broken scheduler
 (fake squeue) is 'unreachable'."""
 
@@ -18,9 +18,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import as_run, queued, running, unique, write_spec
 
-from opskit import status
+from opskit.pulse import Pulse, check, wait_until_gone
 from opskit.slurm import client
-from opskit.status import Pulse, check
 
 pytestmark = pytest.mark.slurm
 
@@ -203,7 +202,7 @@ def test_wait_until_gone_keeps_waiting_while_unreachable(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", fake_squeue(tmp_path / "bin", 'echo "Connection refused" >&2; exit 1'))
     pulses = []
     started = time.monotonic()
-    assert status.wait_until_gone("opskit-any", "123", pulses.append, interval_s=0.1, timeout_s=1) is False
+    assert wait_until_gone("opskit-any", "123", pulses.append, interval_s=0.1, timeout_s=1) is False
     assert 1 <= time.monotonic() - started < 5
     assert pulses == []
 
@@ -212,7 +211,7 @@ def test_wait_until_gone_reports_changes_and_the_end(jobs):
     name = unique("opskit-gone")
     job_id = jobs(name, "--array=1-2%1", wrap="sleep 1")
     pulses: list[Pulse] = []
-    assert status.wait_until_gone(name, job_id, pulses.append, interval_s=0.2, timeout_s=60) is True
+    assert wait_until_gone(name, job_id, pulses.append, interval_s=0.2, timeout_s=60) is True
     assert not [e for e in client.squeue() if e.array_id == job_id]
     lines = [line for p in pulses for line in p.lines]
     assert any(f"({job_id}_2 on 'debug' partition)" in line and "previous Job Array job" in line for line in lines)

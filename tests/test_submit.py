@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import write_spec
 
-from opskit import status
+from opskit.pulse import wait_until_gone
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client
 from opskit.spec import load_spec
@@ -119,7 +119,7 @@ def usr1_run(kjv_data, tmp_path_factory, slurm):
             time.sleep(0.5)
         signalled = subprocess.run(["scancel", "--batch", "--signal=USR1", sub.job_id], capture_output=True,
                                    text=True)
-        ended = status.wait_until_gone(name, sub.job_id, lambda p: None, interval_s=0.5, timeout_s=60)
+        ended = wait_until_gone(name, sub.job_id, lambda p: None, interval_s=0.5, timeout_s=60)
     finally:
         subprocess.run(["scancel", sub.job_id], capture_output=True, timeout=30)
     return sub, signalled, ended
@@ -202,7 +202,7 @@ def test_slurm_chain_exit_duration_then_resume(kjv_data, tmp_path, cancel_after)
     assert re.fullmatch(r"\d+", sub.job_id)
 
     pulses: list[str] = []
-    ended = status.wait_until_gone(name, sub.job_id, lambda p: pulses.extend(p.lines), interval_s=1,
+    ended = wait_until_gone(name, sub.job_id, lambda p: pulses.extend(p.lines), interval_s=1,
                                    timeout_s=240)
     assert ended, f"job {sub.job_id} still queued after 4 min: {pulses[-3:]}"
 

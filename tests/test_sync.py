@@ -12,7 +12,7 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from opskit.runs import RunPaths
-from opskit.sync import SyncBusy, SyncError, state_path, sync
+from opskit.sync import SyncBusy, SyncError, sync
 from opskit.targets import TargetError
 
 KINDS = ["logs", "tensorboard", "codecarbon"]
@@ -54,7 +54,7 @@ def test_unchanged_files_are_not_copied_again_and_grown_log_is(run, tmp_path):
     grown = sync(run, KINDS, url)
     assert grown.copied == ["logs/main_log.txt"]
     assert (tmp_path / "share" / "logs" / "main_log.txt").read_text().count("iteration") == 2
-    manifest = json.loads(state_path(run, url, "manifest").with_suffix(".json").read_text())
+    manifest = json.loads(run.sync_manifest(url).read_text())
     assert manifest["logs/main_log.txt"]["size"] == run.main_log.stat().st_size
     assert set(manifest["logs/main_log.txt"]) == {"size", "mtime_ns", "crc32c"}
 
@@ -109,7 +109,7 @@ def test_unknown_kind_is_refused(run, tmp_path):
 
 def test_a_live_lock_makes_the_next_sync_skip_and_a_dead_ones_is_taken_over(run, tmp_path):
     url = f"file://{tmp_path / 'share'}"
-    lock = state_path(run, url, "lock")
+    lock = run.sync_lock(url)
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import fcntl, os, sys, time
 fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
@@ -140,7 +140,7 @@ def test_without_flock_a_pid_file_locks_and_a_dead_pid_is_taken_over(run, tmp_pa
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
     url = f"file://{tmp_path / 'share'}"
-    pid_file = state_path(run, url, "lock").with_name(state_path(run, url, "lock").name + ".pid")
+    pid_file = run.sync_lock(url).with_name(run.sync_lock(url).name + ".pid")
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         pid_file.write_text(f"{socket.gethostname()} {sleeper.pid}\n")
@@ -195,3 +195,31 @@ def test_cli_syncs_to_the_spec_targets_and_reports_json(run, tmp_path, kjv_data)
                              text=True, env=env)
     assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1
     assert "sync.targets" in refused.stderr and "target s3://x/y: expected file:///absolute/path" in refused.stderr
+
+
+def test_a_specs_targets_sync_in_turn_and_a_busy_one_is_skipped(run, tmp_path, kjv_data):
+    import fcntl
+
+    from conftest import write_spec
+
+    from opskit.spec import load_spec
+    from opskit.sync import sync_spec
+
+    busy_url, free_url = f"file://{tmp_path / 'busy'}", f"file://{tmp_path / 'free'}"
+    spec = load_spec(str(write_spec(tmp_path / "trainings" / "t.yaml", kjv_data, run.root,
+                                    sync={"targets": [busy_url, free_url]})))
+    fd = os.open(run.sync_lock(busy_url), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another sync to the first target is running
+    try:
+        skipped: list[SyncBusy] = []
+        results = list(sync_spec(spec, KINDS, on_busy=skipped.append))
+    finally:
+        os.close(fd)
+    assert [r.target for r in results] == [free_url] and len(results[0].copied) == 3  # the next target went on
+    assert len(skipped) == 1 and f"another sync to {busy_url} is still running" in str(skipped[0])
+    assert not (tmp_path / "busy").exists()
+    [only] = sync_spec(spec, ["logs"], to=busy_url, dry_run=True)  # --to replaces the spec's targets
+    assert only.target == busy_url and only.copied == ["logs/main_log.txt"]
+    nowhere = load_spec(str(write_spec(tmp_path / "trainings" / "n.yaml", kjv_data, run.root)))
+    with pytest.raises(SyncError, match=r": no sync target: give --to URL or set sync.targets in the spec$"):
+        list(sync_spec(nowhere, KINDS))

@@ -14,7 +14,7 @@ from remote_services import FaultProxy, olah_cli, start_gcs_emulator, start_olah
 
 from opskit.logs.follow import follow_published
 from opskit.runs import RunPaths
-from opskit.sync import state_path, sync
+from opskit.sync import sync
 from opskit.targets import TargetError, TargetOptions, open_target, scrub
 
 TOKEN = "hf_opskitTestToken0123456789abcdef"
@@ -358,4 +358,4 @@ def test_an_unreachable_server_fails_after_retries_with_the_reason_and_loses_not
     reason = str(failed.value)
     assert reason.startswith("gs://bucket/run: list logs/: ") and "Connection refused" in reason
     assert reason.endswith("after 3 attempts") and "\n" not in reason
-    assert run.main_log.is_file() and not state_path(run, url, "manifest").with_suffix(".json").exists()
+    assert run.main_log.is_file() and not run.sync_manifest(url).exists()

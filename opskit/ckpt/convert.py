@@ -550,7 +550,7 @@ def verification_tokens(args: argparse.Namespace, tokenizer_dir: Path, count: in
     # Megatron-DeepSpeed's --data-path is a list ("[weight] prefix" pairs); opskit's trainer saves one prefix.
     prefix = args.data_path[-1] if isinstance(args.data_path, list) else args.data_path
     try:
-        from opskit.data import read_documents
+        from opskit.corpus import read_documents
 
         docs = read_documents(prefix)
         chosen = [docs[i][:length] for i in range(len(docs)) if len(docs[i]) >= length][:count]

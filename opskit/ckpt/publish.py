@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.ckpt.info import describe_step
 from opskit.ckpt.layout import STEP_DIR, CheckpointFormatError
 from opskit.fsutil import atomic_write_text
 from opskit.targets import TargetError, TargetOptions, open_target
@@ -110,6 +111,20 @@ def publish(hf_root: str | Path, url: str, steps: list[int] | None, facts: Calla
         atomic_write_text(record_path, json.dumps(record, indent=1, sort_keys=True))
         results.append(Published(tag, commit, len(files)))
     return results
+
+
+def card_facts(checkpoint_dir: Path, main_log: Path) -> Callable[[int], dict]:
+    """The ``facts`` argument of :func:`publish` for a run: the tokens a step consumed, from its checkpoint folder in
+    ``checkpoint_dir`` (None when that step is gone), and the validation loss ``main_log`` logged at that iteration
+    (None when none was)."""
+    losses = validation_losses(main_log)
+
+    def facts(iteration: int) -> dict:
+        step_dir = checkpoint_dir / f"global_step{iteration}"
+        tokens = describe_step(step_dir).consumed_tokens if step_dir.is_dir() else None
+        return {"tokens": tokens, "validation_loss": losses.get(iteration)}
+
+    return facts
 
 
 def validation_losses(main_log: Path) -> dict[int, float]:

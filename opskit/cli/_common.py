@@ -27,7 +27,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from opskit.ckpt.convert import ConvertError
     from opskit.ckpt.layout import CheckpointFormatError
     from opskit.ckpt.prune import PruneError
-    from opskit.data import DataError
+    from opskit.corpus import DataError
     from opskit.errors import OpskitError
     from opskit.logs.parse import LogFormatError
     from opskit.slurm.chain import ChainError

@@ -120,11 +120,8 @@ def nodes_clear(
 ) -> None:
     """Take nodes off the bad-node list (all of them without names)."""
     from opskit.runs import RunPaths
-    from opskit.slurm.chain import read_bad_nodes, write_bad_nodes
+    from opskit.slurm.chain import clear_bad_nodes
     from opskit.spec import load_spec
 
-    run = RunPaths.of(load_spec(name))
-    bad = read_bad_nodes(run)
-    gone = [n for n in bad if not nodes or n in nodes]
-    write_bad_nodes(run, {n: why for n, why in bad.items() if n not in gone})
+    gone = clear_bad_nodes(RunPaths.of(load_spec(name)), nodes)
     console.print(f"cleared {', '.join(gone)}" if gone else "nothing to clear", markup=False)

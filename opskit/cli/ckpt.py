@@ -4,18 +4,22 @@ converted model. Nothing here imports torch at import time."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
 
+if TYPE_CHECKING:
+    from opskit.runs import RunPaths
+
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, prune, backup, generate.",
                   no_args_is_help=True)
 
 
-def _checkpoint_dir(run_or_dir: str) -> tuple[Path, Path | None]:
-    """(checkpoint dir, run root or None): an existing folder is taken as is, anything else (a spec name, prefix or
-    YAML path) as a spec."""
+def _checkpoint_dir(run_or_dir: str) -> tuple[Path, RunPaths | None]:
+    """(checkpoint dir, the spec's run or None): an existing folder is taken as is, anything else (a spec name, prefix
+    or YAML path) as a spec."""
     path = Path(run_or_dir)
     if path.is_dir():
         return path, None
@@ -23,7 +27,7 @@ def _checkpoint_dir(run_or_dir: str) -> tuple[Path, Path | None]:
     from opskit.spec import load_spec
 
     run = RunPaths.of(load_spec(run_or_dir))
-    return run.checkpoints, run.root
+    return run.checkpoints, run
 
 
 def _human(nbytes: int) -> str:
@@ -185,10 +189,11 @@ def convert(
     folder must be new or empty; the folder is built beside it and renamed into place."""
     from opskit.ckpt.convert import ConvertError, convert_all, convert_step
     from opskit.ckpt.layout import resolve_step_dir
+    from opskit.runs import RunPaths
 
     if to != "hf":
         raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
-    directory, run_root = _checkpoint_dir(run_or_dir)
+    directory, run = _checkpoint_dir(run_or_dir)
     options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
                    verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
                    workers=workers, force=force)
@@ -199,13 +204,13 @@ def convert(
             bar.update(task, completed=done, total=total)
 
         if all_steps:
-            results = convert_all(directory, out or (run_root or directory.parent) / "hf", progress=progress,
+            results = convert_all(directory, out or (run or RunPaths.above(directory)).hf_dir, progress=progress,
                                   **options)
         else:
             step_dir = resolve_step_dir(directory, step)
             bar.update(task, description=f"converting {step_dir.name}")
-            results = [convert_step(step_dir, out or (run_root or step_dir.parent.parent) / "hf" / step_dir.name,
-                                    progress=progress, **options)]
+            run = run or RunPaths.above(step_dir.parent)
+            results = [convert_step(step_dir, out or run.hf_dir / step_dir.name, progress=progress, **options)]
     for result in results:
         if isinstance(result, str):
             err_console.print(f"skipped: {result}", markup=False)
@@ -336,22 +341,15 @@ def publish(
     """Upload converted steps to the Hub: one commit per step tagged global_stepN (load with
     `from_pretrained(repo, revision="global_stepN")`), already published steps skipped, model card with steps, tokens
     and validation loss. Token from HF_TOKEN or `huggingface-cli login`."""
-    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.publish import card_facts
     from opskit.ckpt.publish import publish as publish_steps
-    from opskit.ckpt.publish import validation_losses
+    from opskit.runs import RunPaths
     from opskit.targets import TargetOptions
 
-    directory, run_root = _checkpoint_dir(run_or_dir)
-    root = run_root or directory.parent
-    losses = validation_losses(root / "logs" / "main_log.txt")
-
-    def facts(iteration: int) -> dict:
-        step_dir = directory / f"global_step{iteration}"
-        tokens = describe_step(step_dir).consumed_tokens if step_dir.is_dir() else None
-        return {"tokens": tokens, "validation_loss": losses.get(iteration)}
-
-    results = publish_steps(hf_dir or root / "hf", to, None if all_steps or step is None else [step], facts,
-                            TargetOptions(create_repo=True, private=not public),
+    directory, run = _checkpoint_dir(run_or_dir)
+    run = run or RunPaths.above(directory)
+    results = publish_steps(hf_dir or run.hf_dir, to, None if all_steps or step is None else [step],
+                            card_facts(directory, run.main_log), TargetOptions(create_repo=True, private=not public),
                             progress=lambda tag: console.print(f"publishing {tag} ...", markup=False))
     for result in results:
         if result.commit is None:

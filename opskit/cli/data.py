@@ -20,7 +20,7 @@ def prepare(
     be new, empty or opskit's own."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from opskit.data import prepare_data
+    from opskit.corpus import prepare_data
     from opskit.runs import corpus_inputs
     from opskit.spec import load_spec
 

@@ -20,9 +20,8 @@ COLUMNS = (("iteration", "iteration"), ("consumed_tokens", "tokens"), ("lm_loss"
 
 
 def _report_skipped(name: str, skipped: int) -> None:
-    if skipped:
-        err_console.print(f"{name}: {skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)",
-                          markup=False)
+    err_console.print(f"{name}: {skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)",
+                      markup=False)
 
 
 def _note(line: str | None) -> None:
@@ -155,9 +154,7 @@ def plot(
     """Plot a metric of one or more runs: an image with --out, else a terminal plot. One line per run, spikes marked
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
     from opskit.logs.parse import LogFormatError
-    from opskit.logs.plot import check_x, check_y, claim_image, draw_image, draw_text, make_series, parse_range, y_key
-    from opskit.logs.sources import resolve
-    from opskit.logs.spikes import find_spikes
+    from opskit.logs.plot import check_x, claim_image, draw_image, draw_text, parse_range, run_series, y_key
 
     key, bounds = y_key(y), parse_range(x_range)
     check_x(x)
@@ -165,52 +162,11 @@ def plot(
         raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
     if out is not None:
         claim_image(out, force)  # before reading any log
-    series = []
-    for item in inputs:
-        source = resolve(item)
-        records, skipped = source.records(_fields_for(key, x))
-        check_y(y, records)
-        _report_skipped(item, skipped)
-        iterations = _timeline_or_fail(source, records)
-        points = iterations if not key.startswith("validation_") else [r for r in records if r["kind"] ==
-                                                                       "validation" and r["iteration"] is not None]
-        spikes = find_spikes(iterations) if key in ("lm_loss", "grad_norm") else []
-        one = make_series(source.name, _with_x(points, iterations), x, key, bounds, smooth, spikes)
-        if not one.x:
-            raise LogFormatError(f"{item}: no '{key}' values with an x ({x}) in range")
-        series.append(one)
+    series = run_series(inputs, x, y, bounds, smooth, on_skipped=_report_skipped)
     if out is not None:
         console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}", markup=False)
     else:
         sys.stdout.write(draw_text(series, x, key, log_y) + "\n")
-
-
-def _fields_for(key: str, x: str) -> tuple[str, ...] | None:
-    """The iteration fields a plot needs (its axes, and what spike markers need), or None (all) for other keys."""
-    from opskit.logs.parse import iteration_fields
-    from opskit.logs.plot import X_AXES
-
-    wanted = {X_AXES.get(x, "iteration"), "lm_loss", "grad_norm"}
-    if not key.startswith("validation_"):  # validation records always come whole
-        wanted.add(key)
-    return tuple(sorted(wanted)) if wanted <= iteration_fields() else None
-
-
-def _timeline_or_fail(source, records: list[dict]) -> list[dict]:
-    from opskit.logs.parse import LogFormatError, timeline
-
-    iterations = timeline(records)
-    if not iterations:
-        raise LogFormatError(f"{source.path}: no iteration lines")
-    return iterations
-
-
-def _with_x(points: list[dict], iterations: list[dict]) -> list[dict]:
-    """Validation records get consumed samples/tokens from the iteration record of the same iteration."""
-    by_iteration = {r["iteration"]: r for r in iterations}
-    keys = ("consumed_samples", "consumed_tokens")
-    return [p if p["kind"] == "iteration" else {**{k: by_iteration.get(p["iteration"], {}).get(k) for k in keys}, **p}
-            for p in points]
 
 
 @app.command("spikes")

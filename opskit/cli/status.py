@@ -24,22 +24,10 @@ def status(
     """Is the training running or scheduled, and healthy? PULSE / ALERT lines, then every finding: scheduler, log
     health, checkpoints, disk, progress. Exit 0 ok, 1 alert, 2 SLURM unreachable or a configuration/channel error."""
     from opskit.spec import load_spec
-    from opskit.watchdog import run_checks
+    from opskit.watchdog import watch as watch_run
 
     spec = load_spec(name)
-    code = 0
-    try:
-        while True:
-            report = run_checks(spec)
-            code = _report(spec, report, alert, ack, json_output)
-            if not watch:
-                break
-            import time
-
-            time.sleep(watch)
-    except KeyboardInterrupt:
-        pass
-    raise typer.Exit(code)
+    raise typer.Exit(watch_run(spec, watch, lambda report: _report(spec, report, alert, ack, json_output)))
 
 
 def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:

@@ -24,7 +24,7 @@ def submit(
 ) -> None:
     """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1) after the
     run's running or pending jobs."""
-    from opskit import status
+    from opskit.pulse import wait_until_gone
     from opskit.spec import load_spec
     from opskit.submit import format_command
     from opskit.submit import submit as submit_run
@@ -57,6 +57,6 @@ def submit(
         return
     console.print(f"submitted {format_command(sub.command)} -> job {sub.job_id}")
     if wait:
-        status.wait_until_gone(spec.job_name, sub.job_id,
-                               lambda pulse: [console.print(line, markup=False) for line in pulse.lines])
+        wait_until_gone(spec.job_name, sub.job_id,
+                        lambda pulse: [console.print(line, markup=False) for line in pulse.lines])
         console.print(f"job {sub.job_id} has left the queue")

@@ -24,33 +24,19 @@ def sync(
 ) -> None:
     """Publish new and changed log / TensorBoard / CodeCarbon files of a run; unchanged files are never sent, a sync
     with nothing new makes no request. Exit 1 when an upload failed after its retries."""
-    from opskit.runs import RunPaths
     from opskit.spec import load_spec
-    from opskit.sync import SyncBusy, SyncError, kinds_of
-    from opskit.sync import sync as sync_run
-    from opskit.targets import TargetOptions
+    from opskit.sync import kinds_of, sync_spec
 
     kinds = kinds_of(kind)
-    spec = load_spec(name)
-    urls = [to] if to else spec.sync.targets
-    if not urls:
-        raise SyncError(f"{spec.cli_name}: no sync target: give --to URL or set sync.targets in the spec")
-    options = TargetOptions(workers=workers or spec.sync.workers, create_repo=spec.sync.create_repo,
-                            private=spec.sync.private)
-    results, failed = [], False
-    for url in urls:
-        try:
-            result = sync_run(RunPaths.of(spec), kinds, url, dry_run=dry_run, delete=delete, options=options)
-        except SyncBusy as e:
-            err_console.print(str(e), markup=False)
-            continue
+    results = []
+    for result in sync_spec(load_spec(name), kinds, to, dry_run=dry_run, delete=delete, workers=workers,
+                            on_busy=lambda busy: err_console.print(str(busy), markup=False)):
         results.append(result)
-        failed |= bool(result.failed)
         if not json_output:
             _render(result)
     if json_output:
         print_json([r.as_dict() for r in results])
-    if failed:
+    if any(r.failed for r in results):
         raise typer.Exit(1)
 
 

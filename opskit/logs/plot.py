@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.fsutil import claim_file
-from opskit.logs.parse import LogFormatError
-from opskit.logs.spikes import Spike
+from opskit.logs.parse import LogFormatError, iteration_fields
+from opskit.logs.sources import resolve
+from opskit.logs.spikes import Spike, find_spikes
 
 X_AXES = {"iteration": "iteration", "samples": "consumed_samples", "tokens": "consumed_tokens"}
 Y_ALIASES = {"lr": "learning_rate", "loss": "lm_loss", "time": "elapsed_time_per_iteration_s",
@@ -60,8 +62,6 @@ def check_y(y: str, records: list[dict]) -> None:
     Raises:
         LogFormatError: one line listing the valid names.
     """
-    from opskit.logs.parse import iteration_fields
-
     fields = sorted(iteration_fields() - {"train_iters"}) + ["validation_lm_loss", "validation_ppl"]
     extras = sorted({key for r in records for key in r.get("extra", {})})
     key = y_key(y)
@@ -113,6 +113,53 @@ def make_series(name: str, records: list[dict], x: str, y: str, x_range=(None, N
                if s.metric == y and s.peak_iteration in x_of and (low is None or x_of[s.peak_iteration] >= low)
                and (high is None or x_of[s.peak_iteration] <= high)]
     return Series(name, xs, _trailing_mean(ys, smooth), markers)
+
+
+def run_series(inputs: list[str], x: str, y: str, x_range=(None, None), smooth: int = 1,
+               on_skipped: Callable[[str, int], None] = lambda item, skipped: None) -> list[Series]:
+    """One :class:`Series` per input (spec name, run folder, log file or TensorBoard event folder, as
+    :func:`opskit.logs.sources.resolve` takes them), in order: metric ``y`` (a record key or alias, checked against
+    what each log holds) over ``x``, restarts resolved (what a resume re-ran replaces the old records), validation
+    metrics at the consumed samples/tokens of their iteration, lm-loss and grad-norm spikes marked; ``x_range`` and
+    ``smooth`` as :func:`make_series`. ``on_skipped(input, n)`` hears of an input's n cut or garbled lines.
+
+    Raises:
+        LogFormatError: an unknown ``y``; an input without iteration lines, or without ``y`` values with an x in
+            ``x_range``; a path that is neither a log, a run folder nor an event folder.
+        SpecError: an input that is no path and no spec's name.
+    """
+    key, series = y_key(y), []
+    for item in inputs:
+        source = resolve(item)
+        records, skipped = source.records(_fields_for(key, x))
+        check_y(y, records)
+        if skipped:
+            on_skipped(item, skipped)
+        iterations = source.timeline_of(records)
+        points = iterations if not key.startswith("validation_") else [r for r in records if r["kind"] ==
+                                                                       "validation" and r["iteration"] is not None]
+        spikes = find_spikes(iterations) if key in ("lm_loss", "grad_norm") else []
+        one = make_series(source.name, _with_x(points, iterations), x, key, x_range, smooth, spikes)
+        if not one.x:
+            raise LogFormatError(f"{item}: no '{key}' values with an x ({x}) in range")
+        series.append(one)
+    return series
+
+
+def _fields_for(key: str, x: str) -> tuple[str, ...] | None:
+    """The iteration fields a plot needs (its axes, and what spike markers need), or None (all) for other keys."""
+    wanted = {X_AXES.get(x, "iteration"), "lm_loss", "grad_norm"}
+    if not key.startswith("validation_"):  # validation records always come whole
+        wanted.add(key)
+    return tuple(sorted(wanted)) if wanted <= iteration_fields() else None
+
+
+def _with_x(points: list[dict], iterations: list[dict]) -> list[dict]:
+    """Validation records get consumed samples/tokens from the iteration record of the same iteration."""
+    by_iteration = {r["iteration"]: r for r in iterations}
+    keys = ("consumed_samples", "consumed_tokens")
+    return [p if p["kind"] == "iteration" else {**{k: by_iteration.get(p["iteration"], {}).get(k) for k in keys}, **p}
+            for p in points]
 
 
 def _value(record: dict, y: str) -> float | None:

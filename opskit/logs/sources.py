@@ -8,6 +8,7 @@ from pathlib import Path
 
 from opskit.logs.parse import LogFormatError, read_from, timeline
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
+from opskit.runs import RunPaths
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,18 @@ class LogSource:
         Raises:
             LogFormatError: no iteration records.
         """
-        records = timeline(self.records(fields)[0])
-        if not records:
+        return self.timeline_of(self.records(fields)[0])
+
+    def timeline_of(self, records: list[dict]) -> list[dict]:
+        """:meth:`timeline` of records already read from this source.
+
+        Raises:
+            LogFormatError: no iteration records.
+        """
+        iterations = timeline(records)
+        if not iterations:
             raise LogFormatError(f"{self.path}: no iteration lines")
-        return records
+        return iterations
 
 
 _LOG_SUFFIXES = (".txt", ".log", ".out", ".err", ".gz", ".jsonl")
@@ -69,8 +78,8 @@ def resolve(name_or_path: str) -> LogSource:
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
     if path.is_dir():
-        if (path / "logs" / "main_log.txt").is_file():
-            return LogSource(path.name, path / "logs" / "main_log.txt")
+        if (main_log := RunPaths(path).main_log).is_file():
+            return LogSource(path.name, main_log)
         if is_event_dir(path):
             return LogSource(path.name, path, events=True)
         try:
@@ -93,7 +102,6 @@ def from_spec(name: str) -> LogSource:
         SpecError: no such spec.
     """
     from opskit.ckpt.layout import STEP_DIR
-    from opskit.runs import RunPaths
     from opskit.spec import load_spec
 
     spec = load_spec(name)
@@ -105,5 +113,6 @@ def from_spec(name: str) -> LogSource:
 
 
 def _file_name(path: Path) -> str:
-    """``runs/tr11/logs/main_log.txt`` -> ``tr11``; other files by their stem."""
-    return path.parent.parent.name if path.name == "main_log.txt" and path.parent.name == "logs" else path.stem
+    """``runs/tr11/logs/main_log.txt`` -> ``tr11`` (the main log of a run names it); other files by their stem."""
+    run = RunPaths(path.parent.parent)
+    return run.root.name if path == run.main_log else path.stem

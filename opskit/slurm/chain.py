@@ -210,7 +210,7 @@ def claim_run_dir(run: RunPaths, what: str, write: bool = True) -> str | None:
         return None
     if root.exists() and not root.is_dir():
         raise OutputRefusedError(f"{root}: paths.output exists and is not a folder; choose another paths.output")
-    earlier = any(rendered_by_opskit(script) for script in (run.script, run.cron_dir / "cron.slurm"))
+    earlier = any(rendered_by_opskit(script) for script in (run.script, run.cron_script))
     if root.is_dir() and not earlier and any(root.iterdir()):
         raise OutputRefusedError(f"{root}: paths.output exists and holds files opskit did not write (no .opskit "
                                  "marker, no job script rendered by opskit); choose another paths.output (opskit "
@@ -361,6 +361,18 @@ def add_bad_nodes(run: RunPaths, nodes: dict[str, str]) -> list[str]:
     if new:
         write_bad_nodes(run, {**known, **{n: nodes[n] for n in new}})
     return new
+
+
+def clear_bad_nodes(run: RunPaths, nodes: list[str] | None = None) -> list[str]:
+    """Take ``nodes`` (None or empty: all) off the list; returns those that were on it.
+
+    Raises:
+        OutputRefusedError: ``paths.output`` is not opskit's run directory (:func:`claim_run_dir`).
+    """
+    known = read_bad_nodes(run)
+    gone = [n for n in known if not nodes or n in nodes]
+    write_bad_nodes(run, {n: why for n, why in known.items() if n not in gone})
+    return gone
 
 
 # --------------------------------------------------------------------------- the job script's hooks

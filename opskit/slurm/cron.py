@@ -72,18 +72,13 @@ class CronStatus:
     lines: list[str]
 
 
-def state_file(run: RunPaths) -> Path:
-    """Where ``install`` records what it added."""
-    return run.cron_dir / "cron.json"
-
-
 def read_installed(run: RunPaths) -> Installed | None:
     """The record of ``install``, or None when cron is not installed for the run.
 
     Raises:
         CronError: a record that is not opskit's.
     """
-    path = state_file(run)
+    path = run.cron_record
     if not path.is_file():
         return None
     try:
@@ -163,12 +158,12 @@ def plan_install(spec: Spec, sync_to: str | None = None, method: str | None = No
         tag = _crontab_tag(run)
         if any(line.endswith(tag) for line in _read_crontab()):
             raise CronError(f"the crontab already has a line of this run ('{tag}') but there is no record "
-                            f"{state_file(run)}: remove that line (crontab -e), then install again")
-        log = shlex.quote(str(run.cron_dir / "cron.log"))
+                            f"{run.cron_record}: remove that line (crontab -e), then install again")
+        log = shlex.quote(str(run.cron_log))
         body = _environment() + "; ".join(f"{c} >> {log} 2>&1" for c in commands)
         line = f"{now.minute} * * * * {body.replace('%', chr(92) + '%')} {tag}"
         return CronPlan(Installed("crontab", stamp, commands, crontab_line=line))
-    script = run.cron_dir / "cron.slurm"
+    script = run.cron_script
     claim_file(script, force=True, ours=chain.rendered_by_opskit, flag="paths.output")
     return CronPlan(Installed("slurm", stamp, commands, job_name=cron_job_name(spec), script=str(script)),
                     render_cron_script(spec, run, commands, script), client.sbatch_command(script))
@@ -193,7 +188,7 @@ def install(spec: Spec, sync_to: str | None = None, method: str | None = None,
         script = Path(installed.script)
         atomic_write_text(script, plan.script, mode=0o755)
         installed = replace(installed, job_ids=[client.sbatch(script)])
-    atomic_write_text(state_file(run), json.dumps(asdict(installed), indent=2) + "\n")
+    atomic_write_text(run.cron_record, json.dumps(asdict(installed), indent=2) + "\n")
     return installed
 
 
@@ -208,7 +203,7 @@ def render_cron_script(spec: Spec, run: RunPaths, commands: list[str], script: P
     s = spec.slurm
     sbatch = {"job-name": cron_job_name(spec), "comment": chain.job_comment(run, "cron"),
               "partition": s.cron_partition, "account": s.cron_account or s.account, "nodes": 1, "ntasks": 1,
-              "time": CRON_TIME, "output": run.cron_dir / "%x-%j.out"}
+              "time": CRON_TIME, "output": run.cron_output}
     return template_env().get_template("cron.slurm").render(
         sbatch={k: v for k, v in sbatch.items() if v is not None}, spec=spec, script=script,
         cd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH"), commands=commands)
@@ -227,7 +222,7 @@ def status(spec: Spec, now: datetime | None = None) -> CronStatus:
         return CronStatus(None, True, [f"cron: not installed for {spec.job_name} (`opskit cron install {name}`)"])
     now = now or datetime.now()
     lines = [f"cron: installed {installed.installed} via {installed.method}; hourly: {'; '.join(installed.commands)}",
-             f"cron: output in {run.cron_dir / 'cron.log' if installed.method == 'crontab' else run.cron_dir}"]
+             f"cron: output in {run.cron_log if installed.method == 'crontab' else run.cron_dir}"]
     if installed.method == "crontab":
         present = installed.crontab_line in _read_crontab()
         if present:
@@ -259,7 +254,7 @@ def uninstall(spec: Spec, dry_run: bool = False) -> list[str]:
     run = RunPaths.of(spec)
     installed = read_installed(run)
     if installed is None:
-        raise CronError(f"cron is not installed for {spec.job_name} (no {state_file(run)})")
+        raise CronError(f"cron is not installed for {spec.job_name} (no {run.cron_record})")
     removed = []
     if installed.method == "crontab":
         lines = _read_crontab()
@@ -281,8 +276,8 @@ def uninstall(spec: Spec, dry_run: bool = False) -> list[str]:
                 client.scancel(ids)
             removed.append(f"SLURM job(s) {', '.join(ids)} ({installed.job_name})")
     if not dry_run:
-        state_file(run).unlink()
-    removed.append(f"record {state_file(run)}")
+        run.cron_record.unlink()
+    removed.append(f"record {run.cron_record}")
     return removed
 
 

@@ -274,7 +274,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         "exclude": ",".join(exclude) or None,
         "time": s.time,
         "signal": f"B:USR1@{s.signal_margin_secs}",
-        "output": run.slurm_dir / "%x-%j.out",
+        "output": run.job_output,
     }
     ds_config = json.dumps(deepspeed_config(spec), indent=2) + "\n"  # no line of it can be the heredoc's delimiter
     script = env.get_template("train.slurm").render(

@@ -1,4 +1,4 @@
-"""Data preparation: text corpus -> byte-level BPE tokenizer + Megatron indexed dataset.
+"""Corpus preparation (``opskit data prepare``): text corpus -> byte-level BPE tokenizer + Megatron indexed dataset.
 
 `prepare_data` turns documents into the two things a Megatron-style trainer reads:
 
@@ -45,6 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from opskit.errors import OpskitError
 from opskit.fsutil import (
     OutputRefusedError,
     atomic_write_text,
@@ -84,8 +85,9 @@ Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``; see `prepare_data` for the stages."""
 
 
-class DataError(ValueError):
-    """Bad input or output for data preparation; the message is one line naming the culprit."""
+class DataError(OpskitError, ValueError):
+    """Bad input or output for data preparation; the message is one line naming the culprit (a ValueError too,
+    for callers older than :class:`OpskitError`)."""
 
 
 @dataclass(frozen=True)
