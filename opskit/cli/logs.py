@@ -187,7 +187,7 @@ def plot(
 
 def _fields_for(key: str, x: str) -> tuple[str, ...] | None:
     """The iteration fields a plot needs (its axes, and what spike markers need), or None (all) for other keys."""
-    from opskit.logs.parse import iteration_fields
+    from opskit.logs.grammar import iteration_fields
     from opskit.logs.plot import X_AXES
 
     wanted = {X_AXES.get(x, "iteration"), "lm_loss", "grad_norm"}

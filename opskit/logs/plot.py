@@ -60,7 +60,7 @@ def check_y(y: str, records: list[dict]) -> None:
     Raises:
         LogFormatError: one line listing the valid names.
     """
-    from opskit.logs.parse import iteration_fields
+    from opskit.logs.grammar import iteration_fields
 
     fields = sorted(iteration_fields() - {"train_iters"}) + ["validation_lm_loss", "validation_ppl"]
     extras = sorted({key for r in records for key in r.get("extra", {})})
