@@ -440,7 +440,8 @@ class SyncSpec(_Section):
     @field_validator("targets")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        from opskit.targets import TargetError, check_url
+        from opskit.targets import check_url
+        from opskit.targets.base import TargetError
 
         for url in urls:
             try:

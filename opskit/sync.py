@@ -36,7 +36,8 @@ from pathlib import Path
 
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.runs import RunPaths
-from opskit.targets import Target, TargetOptions, check_url, crc32c_of_file, open_target
+from opskit.targets import check_url, open_target
+from opskit.targets.base import Target, TargetOptions, crc32c_of_file
 
 # What each kind of sync publishes: (folder of the run, glob under it).
 KINDS = {

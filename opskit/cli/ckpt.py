@@ -339,7 +339,7 @@ def publish(
     from opskit.ckpt.info import describe_step
     from opskit.ckpt.publish import publish as publish_steps
     from opskit.ckpt.publish import validation_losses
-    from opskit.targets import TargetOptions
+    from opskit.targets.base import TargetOptions
 
     directory, run_root = _checkpoint_dir(run_or_dir)
     root = run_root or directory.parent

@@ -28,7 +28,7 @@ def sync(
     from opskit.spec import load_spec
     from opskit.sync import SyncBusy, SyncError, kinds_of
     from opskit.sync import sync as sync_run
-    from opskit.targets import TargetOptions
+    from opskit.targets.base import TargetOptions
 
     kinds = kinds_of(kind)
     spec = load_spec(name)
