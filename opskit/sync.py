@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.runs import RunPaths
 from opskit.targets import check_url, open_target
@@ -47,7 +48,7 @@ KINDS = {
 }
 
 
-class SyncError(ValueError):
+class SyncError(OpskitError, ValueError):
     """A bad target or kind, or uploads that failed after their retries; one line saying what to do."""
 
 

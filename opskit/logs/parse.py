@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from opskit.errors import OpskitError
 from opskit.logs.grammar import iteration_fields, scan_bytes, scan_lines
 
 T = TypeVar("T")
 
 
-class LogFormatError(ValueError):
+class LogFormatError(OpskitError, ValueError):
     """A log input that cannot be used as asked (no iteration lines where some are needed, a bad range); one line."""
 
 
