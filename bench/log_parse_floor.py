@@ -29,7 +29,8 @@ from pathlib import Path
 
 from log_parse import generate, per_line  # bench/ is sys.path[0] when run as a script
 
-from opskit.logs.parse import _BLOCK, _KNOWN
+from opskit.logs.grammar import FIELDS
+from opskit.logs.parse import _BLOCK
 
 
 def blocks(path: Path) -> list[bytes]:
@@ -46,7 +47,7 @@ def layout(path: Path) -> tuple[list[str], list]:
     """Names (leading space kept) and converters of the first iteration line's fields."""
     first = next(line for line in path.open() if "| consumed samples" in line)
     names = [part.partition(":")[0] for part in first.rstrip("\n").split("|")[1:-1]]
-    return names, [int, int, *(_KNOWN[name][1] for name in names)]  # iteration, train_iters, then the fields
+    return names, [int, int, *(FIELDS[name][1] for name in names)]  # iteration, train_iters, then the fields
 
 
 def cpu(repeat: int, run) -> tuple[float, object]:
@@ -98,7 +99,7 @@ def main() -> None:
     records = results["regex"][1]
     flat = [value for groups in records for value in groups]
     results["convert"] = converted = cpu(args.repeat, lambda: list(map(operator.call, cycle(converters), flat)))
-    keys = ("iteration", "train_iters", *(_KNOWN[name][0] for name in names))
+    keys = ("iteration", "train_iters", *(FIELDS[name][0] for name in names))
     template = dict.fromkeys(("kind", *keys), None) | {"kind": "iteration"}
 
     def dicts():

@@ -26,7 +26,8 @@ from remote_services import FaultProxy, start_gcs_emulator  # noqa: E402
 
 from opskit.runs import RunPaths  # noqa: E402
 from opskit.sync import candidates, changed_files, load_manifest, sync  # noqa: E402
-from opskit.targets import TargetOptions, crc32c_of_file, open_target  # noqa: E402
+from opskit.targets import open_target  # noqa: E402
+from opskit.targets.base import TargetOptions, crc32c_of_file  # noqa: E402
 
 
 def make_run(root: Path, files: int) -> RunPaths:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
 from opskit.spec import AlertsSpec
@@ -31,11 +32,11 @@ TIMEOUT_S = 30
 _DEFAULT_PORTS = {"none": 25, "starttls": 587, "ssl": 465}
 
 
-class AlertConfigError(ValueError):
+class AlertConfigError(OpskitError, ValueError):
     """Alert settings that cannot work (no channel, a bad port); one line naming the setting."""
 
 
-class ChannelError(RuntimeError):
+class ChannelError(OpskitError, RuntimeError):
     """A channel could not deliver; one line, without secrets."""
 
 

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, claim_file
 
 USER_SPEC_DIR = Path("trainings")
@@ -85,7 +86,7 @@ _SpecLoader.add_implicit_resolver(
 )
 
 
-class SpecError(ValueError):
+class SpecError(OpskitError, ValueError):
     """A spec that cannot be found, read or validated; the message is one line naming the file and field."""
 
 
@@ -440,7 +441,8 @@ class SyncSpec(_Section):
     @field_validator("targets")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        from opskit.targets import TargetError, check_url
+        from opskit.targets import check_url
+        from opskit.targets.base import TargetError
 
         for url in urls:
             try:

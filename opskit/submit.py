@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client, local
@@ -15,7 +16,7 @@ from opskit.slurm.render import RenderedJob, data_files, render_job, trainer_arg
 from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
 
 
-class SubmitError(RuntimeError):
+class SubmitError(OpskitError, RuntimeError):
     """The run cannot be submitted (missing data, bad executor); one line with the next step."""
 
 

@@ -36,9 +36,11 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.runs import RunPaths
-from opskit.targets import Target, TargetOptions, check_url, crc32c_of_file, open_target
+from opskit.targets import check_url, open_target
+from opskit.targets.base import Target, TargetOptions, crc32c_of_file
 
 if TYPE_CHECKING:
     from opskit.spec import Spec
@@ -51,7 +53,7 @@ KINDS: dict[str, tuple[Callable[[RunPaths], Path], str]] = {
 }
 
 
-class SyncError(ValueError):
+class SyncError(OpskitError, ValueError):
     """A bad target or kind, or uploads that failed after their retries; one line saying what to do."""
 
 

@@ -155,7 +155,8 @@ def test_verify_catches_a_corrupted_and_a_missing_object(run, tmp_path):
 
 
 def test_interrupted_backup_resumes_without_copying_again(run, tmp_path, monkeypatch):
-    from opskit.targets import FileTarget, TargetError
+    from opskit.targets.base import TargetError
+    from opskit.targets.file import FileTarget
 
     url = f"file://{tmp_path / 'backup'}"
     real_put, puts = FileTarget.put, []

@@ -13,15 +13,8 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.logs.eta import progress
 from opskit.logs.follow import follow, published_key
-from opskit.logs.parse import (
-    LogFormatError,
-    parse_iteration_line,
-    parse_line,
-    read_from,
-    read_tail,
-    split_segments,
-    timeline,
-)
+from opskit.logs.grammar import parse_iteration_line, parse_line
+from opskit.logs.parse import LogFormatError, read_from, read_tail, split_segments, timeline
 from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
 from opskit.train.log import iteration_line, validation_lines
 

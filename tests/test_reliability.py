@@ -24,7 +24,7 @@ from conftest import REPO, run_trainer, tiny_trainer_args
 
 from opskit.ckpt.info import describe_step, list_steps
 from opskit.ckpt.layout import read_latest, write_latest
-from opskit.logs.parse import parse_iteration_line
+from opskit.logs.grammar import parse_iteration_line
 from opskit.runs import RunPaths
 from opskit.spec import WatchdogSpec
 from opskit.watchdog import check_log, read_log

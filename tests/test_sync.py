@@ -13,7 +13,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from opskit.runs import RunPaths
 from opskit.sync import SyncBusy, SyncError, sync
-from opskit.targets import TargetError
+from opskit.targets.base import TargetError
 
 KINDS = ["logs", "tensorboard", "codecarbon"]
 

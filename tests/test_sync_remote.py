@@ -15,7 +15,8 @@ from remote_services import FaultProxy, olah_cli, start_gcs_emulator, start_olah
 from opskit.logs.follow import follow_published
 from opskit.runs import RunPaths
 from opskit.sync import sync
-from opskit.targets import TargetError, TargetOptions, open_target, scrub
+from opskit.targets import open_target
+from opskit.targets.base import TargetError, TargetOptions, scrub
 
 TOKEN = "hf_opskitTestToken0123456789abcdef"
 FAST = TargetOptions(workers=4, create_repo=True, retries=2, backoff_s=0.01)
@@ -80,7 +81,7 @@ def test_gcs_sync_is_incremental_checksummed_and_silent_when_nothing_changed(run
     first = sync(run, KINDS, url, options=FAST)
     assert len(first.copied) == 5 and not first.failed
     target = open_target(url, options=FAST)
-    from opskit.targets import crc32c_of_file
+    from opskit.targets.base import crc32c_of_file
 
     for key in first.copied:
         assert target.crc32c(key) == crc32c_of_file(run.root / key)
@@ -112,7 +113,7 @@ def test_gcs_upload_that_fails_on_the_second_file_resumes_next_run(run, gcs):
 def test_gcs_rate_limit_and_server_errors_are_retried_with_back_off(run, gcs):
     proxy, bucket = gcs
     sleeps = []
-    from opskit.targets import with_retries
+    from opskit.targets.base import with_retries
 
     target = open_target(f"gs://{bucket}/x", options=FAST)
     proxy.fail("/upload/", 429, times=1)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import REPO, run_trainer, tiny_trainer_args
 
-from opskit.megatron_log import parse_iteration_line
+from opskit.logs.grammar import parse_iteration_line
 
 TRAIN_SAMPLES = 640  # 80 iterations of GBS 8
 GBS = 8

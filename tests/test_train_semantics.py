@@ -18,7 +18,7 @@ import torch
 from conftest import REPO, run_trainer, tiny_trainer_args
 from test_train import one_line_error, records, succeeded
 
-from opskit.megatron_log import parse_iteration_line
+from opskit.logs.grammar import parse_iteration_line
 
 GBS = 8
 SEQ = 32

@@ -38,7 +38,8 @@ from pathlib import Path
 from opskit.ckpt.layout import CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
-from opskit.targets import Target, TargetError, crc32c_of_file, open_target
+from opskit.targets import open_target
+from opskit.targets.base import Target, TargetError, crc32c_of_file
 
 OPTIMIZER_SUFFIX = "_optim_states.pt"
 RECORD = ".opskit-backups.json"

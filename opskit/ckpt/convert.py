@@ -50,6 +50,7 @@ from opskit.ckpt.layout import (
 )
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
 from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
+from opskit.errors import OpskitError
 from opskit.fsutil import claim_dir, folder_entries, has_marker, read_marker, replace_dir, write_marker
 
 # What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
@@ -77,7 +78,7 @@ GPT2_BLOCK_KEYS = {
 BLOOM_BLOCK_KEYS = {k: k for k in GPT2_BLOCK_KEYS}
 
 
-class ConvertError(ValueError):
+class ConvertError(OpskitError, ValueError):
     """A checkpoint this converter cannot turn into the asked format, or a failed verification; one line."""
 
 

@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.errors import OpskitError
+
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -110,7 +112,7 @@ def step_dirs(directory: str | Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointFormatError(OpskitError, ValueError):
     """A folder that is not a (complete) Megatron-DeepSpeed checkpoint; one line naming the folder and what is wrong."""
 
 

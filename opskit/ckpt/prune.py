@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.layout import existing_checkpoint_dir, latest_state, read_latest, step_dirs, write_latest
+from opskit.errors import OpskitError
 
 NAMED_SCHEDULES = {"tr1-13B": "1-100/10,101-1000/18,1001-/1500"}
 
 
-class PruneError(ValueError):
+class PruneError(OpskitError, ValueError):
     """A bad keep-rule, or a step that cannot become ``latest``; one line."""
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from opskit.ckpt.info import describe_step
 from opskit.ckpt.layout import STEP_DIR, CheckpointFormatError
 from opskit.fsutil import atomic_write_text
-from opskit.targets import TargetError, TargetOptions, open_target
+from opskit.targets import open_target
+from opskit.targets.base import TargetError, TargetOptions
 
 RECORD = ".opskit-published.json"
 

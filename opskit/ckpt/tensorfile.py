@@ -26,8 +26,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.errors import OpskitError
 
-class TensorFileError(ValueError):
+
+class TensorFileError(OpskitError, ValueError):
     """A file that is not a readable ``torch.save`` zip (truncated, foreign, or a record outside the file)."""
 
 

@@ -11,6 +11,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from opskit.errors import OpskitError
+
 # soft_wrap: log-like lines (PULSE, iteration lines) stay one line each in pipes and files, so grep finds them.
 # emoji=False: rich would print ":b:" of "--range a:b:" or a "NAME:VARIANT:..." path as an emoji, even without markup.
 console = Console(highlight=False, soft_wrap=True, emoji=False)
@@ -21,32 +23,10 @@ SpecName = Annotated[str, typer.Argument(help="Spec name, unique prefix or YAML 
 JsonOutput = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    # Imported here so that `opskit --help` stays light; each of these modules is torch-free at import.
-    from opskit.alerts import AlertConfigError
-    from opskit.ckpt.convert import ConvertError
-    from opskit.ckpt.layout import CheckpointFormatError
-    from opskit.ckpt.prune import PruneError
-    from opskit.corpus import DataError
-    from opskit.errors import OpskitError
-    from opskit.logs.parse import LogFormatError
-    from opskit.slurm.chain import ChainError
-    from opskit.slurm.client import SlurmError
-    from opskit.slurm.cron import CronError
-    from opskit.spec import SpecError
-    from opskit.submit import SubmitError
-    from opskit.sync import SyncError
-    from opskit.targets import TargetError
-
-    return (SpecError, DataError, SubmitError, SlurmError, ChainError, CronError, CheckpointFormatError,
-            ConvertError, PruneError, SyncError, TargetError, LogFormatError, AlertConfigError, OpskitError,
-            OSError)
-
-
 def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:
-    """Turn the library's typed errors, and any OSError (an unwritable or immutable folder, a full disk), into
-    ``error: <one line>`` and exit 1 (or ``exit_code``: ``opskit status`` keeps 1 for its ALERT); ``OPSKIT_DEBUG=1``
-    shows tracebacks. Use as ``@friendly_errors`` or ``@friendly_errors(exit_code=2)``."""
+    """Turn the library's errors (:class:`~opskit.errors.OpskitError`), and any OSError (an unwritable or immutable
+    folder, a full disk), into ``error: <one line>`` and exit 1 (or ``exit_code``: ``opskit status`` keeps 1 for its
+    ALERT); ``OPSKIT_DEBUG=1`` shows tracebacks. Use as ``@friendly_errors`` or ``@friendly_errors(exit_code=2)``."""
     if command is None:
         return lambda function: friendly_errors(function, exit_code=exit_code)
 
@@ -55,8 +35,8 @@ def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> C
         try:
             return command(*args, **kwargs)
         except typer.Exit:
-            raise  # an exit code, not an error: and _known_errors() below would import every library module
-        except _known_errors() as e:
+            raise  # an exit code, not an error
+        except (OpskitError, OSError) as e:
             if os.environ.get("OPSKIT_DEBUG") == "1":
                 raise
             err_console.print(f"error: {_one_line(e)}", markup=False, soft_wrap=True)

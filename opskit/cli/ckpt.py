@@ -344,7 +344,7 @@ def publish(
     from opskit.ckpt.publish import card_facts
     from opskit.ckpt.publish import publish as publish_steps
     from opskit.runs import RunPaths
-    from opskit.targets import TargetOptions
+    from opskit.targets.base import TargetOptions
 
     directory, run = _checkpoint_dir(run_or_dir)
     run = run or RunPaths.above(directory)

@@ -1,12 +1,12 @@
 """The bulk path of :func:`opskit.logs.parse.read_from`: a large block of a log parsed column-wise by polars.
 
-The per-line parser (``parse._parse``) holds the rules; this path only builds the records that it can build exactly
-as that parser would, for the common iteration line: a header ``iteration N/ M`` (ASCII digits and spaces, one
-``iteration ``, no `` loss at ``) before the first ``|``, then `` name: value |`` fields of known names laid out as in
-one of the block's first few lines, values that polars reads as numbers (a subset of what ``int``/``float`` accept),
-nothing but blanks after the last ``|``. Every other candidate line (validation lines, cut, odd or unknown-field
-lines) goes through ``parse._parse`` and the records are merged back in file order. tests/test_logs_bulk.py checks
-that both paths give the same records, key order included.
+The line grammar (:mod:`opskit.logs.grammar`) holds the rules; this path only builds the records that it can build
+exactly as the grammar's per-line parser would, for the common iteration line: a header ``iteration N/ M`` (ASCII
+digits and spaces, one ``iteration ``, no `` loss at ``) before the first ``|``, then `` name: value |`` fields of
+known names laid out as in one of the block's first few lines, values that polars reads as numbers (a subset of what
+``int``/``float`` accept), nothing but blanks after the last ``|``. Every other candidate line (validation lines, cut,
+odd or unknown-field lines) goes through ``grammar.parse_record`` and the records are merged back in file order.
+tests/test_logs_bulk.py checks that both paths give the same records, key order included.
 
 Why: building every-field records line by line costs ~6.7 us per iteration line in CPython (docs/benchmarks.md,
 issue 6); polars cuts the fields out and converts them in compiled code, Python only builds the dicts.
@@ -22,28 +22,41 @@ from itertools import repeat
 
 import polars as pl
 
-from opskit.logs.parse import _CUT, _KNOWN, LogChunk, _milliseconds, _parse, _scan_bytes, _seconds, keep_only
+from opskit.logs.grammar import (
+    CUT,
+    FIELDS,
+    ITERATION_WORD,
+    VALIDATION_WORDS,
+    keep_only,
+    milliseconds,
+    parse_record,
+    scan_bytes,
+    seconds,
+)
 
-_HEADER = r"iteration +([0-9]+)/ *([0-9]+) *$"
+_HEADER = ITERATION_WORD + r" *([0-9]+)/ *([0-9]+) *$"  # ASCII digits: read as int() reads them
 _END = "~"  # every line gets "|~" appended: a whole line then has an empty field before it, a cut one does not
-_LAYOUTS = 4  # layouts tried per block; lines of further layouts go through _parse
-_WIDTH = 20  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to _parse
+_LAYOUTS = 4  # layouts tried per block; lines of further layouts go through parse_record
+_WIDTH = 20  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to parse_record
 _SPACES = " \t\r"  # what may follow the last "|" (a subset of str.isspace, which the per-line parser uses)
 
 
-def scan_blocks(blocks: Iterable[bytes], chunk: LogChunk, keep: frozenset[str] | None) -> None:
-    """Append the records of ``blocks`` (each complete lines, UTF-8 with any bad bytes) to ``chunk`` in file order,
-    as ``parse.parse_text`` would; ``keep`` as in ``parse.keep_only``. Polars works on the next block in a second
-    thread (it releases the GIL) while this one builds the records of the current block."""
+def scan_blocks(blocks: Iterable[bytes], records: list, keep: frozenset[str] | None) -> int:
+    """Append the records of ``blocks`` (each complete lines, UTF-8 with any bad bytes) to ``records`` in file order,
+    as ``grammar.scan_bytes`` would, and return how many record lines were cut; ``keep`` as in ``grammar.keep_only``.
+    Polars works on the next block in a second thread (it releases the GIL) while this one builds the records of the
+    current block."""
+    cut = 0
     with ThreadPoolExecutor(max_workers=1) as pool:
         ahead = None
         for data in blocks:
             future = pool.submit(_columns, data)
             if ahead is not None:
-                _finish(*ahead.result(), chunk, keep)
+                cut += _finish(*ahead.result(), records, keep)
             ahead = future
         if ahead is not None:
-            _finish(*ahead.result(), chunk, keep)
+            cut += _finish(*ahead.result(), records, keep)
+    return cut
 
 
 @dataclass
@@ -67,7 +80,8 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
         return data, None
     head = pl.col("c0")  # the text before the first "|": all that decides whether a line is a record line
     lines = (frame.lazy().with_row_index("line")
-             .filter(head.str.contains("iteration ", literal=True) | head.str.contains(" loss at ", literal=True))
+             .filter(head.str.contains(ITERATION_WORD, literal=True)
+                     | head.str.contains(VALIDATION_WORDS, literal=True))
              .with_row_index("slot").with_columns(*_header()).collect())
     pending = lines["iteration"].is_not_null() & lines["train_iters"].is_not_null()
     taken = pl.repeat(False, lines.height, eager=True)
@@ -88,18 +102,18 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
     return data, _Block(layouts, lines.filter(~taken))
 
 
-def _finish(data: bytes, block: _Block | None, chunk: LogChunk, keep: frozenset[str] | None) -> None:
-    """Build the records of a block that :func:`_columns` read, the odd lines through ``parse._parse``."""
+def _finish(data: bytes, block: _Block | None, records: list, keep: frozenset[str] | None) -> int:
+    """Append the records of a block that :func:`_columns` read, the odd lines through ``parse_record``; returns how
+    many were cut."""
     if block is None:
-        _scan_bytes(data, chunk, keep)
-        return
+        return scan_bytes(data, records, keep)
     slots: list = [None] * (block.rest.height + sum(table.height for _, table in block.layouts))
     for names, table in block.layouts:
         list(map(slots.__setitem__, *_records(table, names, keep)))
     for slot, line in zip(block.rest["slot"], _texts(block.rest, data), strict=True):
-        slots[slot] = keep_only(_parse(line), keep)
-    chunk.skipped += slots.count(_CUT)
-    chunk.records.extend(slot for slot in slots if slot is not None and slot is not _CUT)
+        slots[slot] = keep_only(parse_record(line), keep)
+    records.extend(slot for slot in slots if slot is not None and slot is not CUT)
+    return slots.count(CUT)
 
 
 def _texts(frame: pl.DataFrame, data: bytes) -> list[str]:
@@ -124,7 +138,8 @@ def _header() -> tuple[pl.Expr, pl.Expr]:
     otherwise."""
     head = pl.col("c0")
     numbers = head.str.extract_groups(_HEADER)
-    plain = (head.str.count_matches("iteration ", literal=True) == 1) & ~head.str.contains(" loss at ", literal=True)
+    plain = ((head.str.count_matches(ITERATION_WORD, literal=True) == 1)
+             & ~head.str.contains(VALIDATION_WORDS, literal=True))
     return tuple(pl.when(plain).then(numbers.struct.field(group).cast(pl.Int64, strict=False)).alias(key)
                  for group, key in (("1", "iteration"), ("2", "train_iters")))
 
@@ -137,10 +152,10 @@ def _layout(row: dict) -> list[str] | None:
         if cell is None:
             break
         name, sep, _ = cell.partition(":")
-        if not sep or name not in _KNOWN:
+        if not sep or name not in FIELDS:
             return None
         names.append(name)
-    keys = [_KNOWN[name][0] for name in names]
+    keys = [FIELDS[name][0] for name in names]
     return names if names and len(set(keys)) == len(keys) else None
 
 
@@ -158,16 +173,16 @@ def _matching(names: list[str]) -> pl.Expr:
 
 def _value(j: int, name: str) -> pl.Expr:
     """Column ``j``'s value as the per-line parser's converter gives it (null where polars cannot read it)."""
-    convert = _KNOWN[name][1]
+    convert = FIELDS[name][1]
     text = pl.col(f"c{j}").str.slice(len(name) + 1).str.strip_chars(" ")
     return text.cast(pl.Int64 if convert is int else pl.Float64, strict=False)
 
 
 def _records(frame: pl.DataFrame, names: list[str], keep: frozenset[str] | None) -> tuple[list[int], list[dict]]:
     """(slots, records) of rows that all have the layout ``names`` and its values in columns ``vJ``."""
-    fields = [(j, name) for j, name in enumerate(names, 1) if keep is None or _KNOWN[name][0] in keep]
-    keys = ("kind", "iteration", "train_iters", *(_KNOWN[name][0] for _, name in fields))
-    values = [pl.col(f"v{j}").map_elements(_seconds, return_dtype=pl.Float64) if _KNOWN[name][1] is _milliseconds
+    fields = [(j, name) for j, name in enumerate(names, 1) if keep is None or FIELDS[name][0] in keep]
+    keys = ("kind", "iteration", "train_iters", *(FIELDS[name][0] for _, name in fields))
+    values = [pl.col(f"v{j}").map_elements(seconds, return_dtype=pl.Float64) if FIELDS[name][1] is milliseconds
               else pl.col(f"v{j}") for j, name in fields]
     table = frame.select("iteration", "train_iters", *values)
     rows = zip(repeat("iteration"), *(series.to_list() for series in table))  # per column: cheaper than rows()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from opskit.logs.parse import LogFormatError, from_end, open_log
 
 if TYPE_CHECKING:
-    from opskit.targets import Target
+    from opskit.targets.base import Target
 
 TAIL_WINDOW = 64 * 1024  # first range read of a remote tail; doubled until it holds the asked lines
 

@@ -1,19 +1,11 @@
-"""Parse Megatron-family log lines (reference section 2.3) into records: from a byte offset, or from a file's end.
+"""Read Megatron-family training logs into records: from a byte offset, from a file's end, or only some fields.
 
-A record is a plain dict. An iteration line gives ``{"kind": "iteration", "iteration", "train_iters",
-"consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "learning_rate", "global_batch_size",
-"lm_loss", "loss_scale", "grad_norm", "num_zeros", "skipped_iterations", "nan_iterations", "samples_per_second",
-"tflops"}`` with the fields the line has (snake_case of the log's own names; times always in seconds), unknown
-``key: value |`` fields under ``"extra"``. A validation line gives ``{"kind": "validation", "iteration" (None at the
-end of training), "dataset", "where", "validation_lm_loss", "validation_ppl"}``.
+Records and the line grammar are those of :mod:`opskit.logs.grammar` (a plain dict per iteration or validation line;
+cut, wrapped or garbled record lines are counted in ``LogChunk.skipped``, never guessed at).
 
-Accepted: the 2021 ``(ms)`` format, the 2022 ``(s)`` format, ``[defaultN]:`` prefixes of ``torchrun --tee``,
-timestamps and logger prefixes (anything before ``iteration``). An iteration or validation line that was wrapped, cut
-mid-way or garbled by another rank's output is skipped and counted, never guessed at.
-
-Speed: per line, str methods only, no regex; a large read (>= 16 MiB) goes through :mod:`opskit.logs.bulk`, which
-builds the common iteration lines' records column-wise with polars and sends every other line here
-(bench/log_parse.py, docs/benchmarks.md).
+Speed: a read under 16 MiB goes line by line through :func:`opskit.logs.grammar.scan_lines`; a larger one through
+:mod:`opskit.logs.bulk`, which builds the common iteration lines' records column-wise with polars and sends every other
+line to the same per-line parser (bench/log_parse.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,47 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
+from opskit.errors import OpskitError
+from opskit.logs.grammar import iteration_fields, scan_bytes, scan_lines
+
 T = TypeVar("T")
 
 
-class LogFormatError(ValueError):
+class LogFormatError(OpskitError, ValueError):
     """A log input that cannot be used as asked (no iteration lines where some are needed, a bad range); one line."""
 
 
-def _seconds(milliseconds: float) -> float:
-    return round(milliseconds / 1000, 9)  # rounded so that "31074.1" gives 31.0741, not 31.074099999999998
-
-
-def _milliseconds(text: str) -> float:
-    return _seconds(float(text))
-
-
-# The log's own names, as split out of `` name: value |`` (leading space kept: no strip on the fast path) -> (record
-# key, converter). Integer fields printed with a decimal point fall back to int(float(text)) (_other, _read).
-_KNOWN = {
-    " consumed samples": ("consumed_samples", int),
-    " consumed tokens": ("consumed_tokens", int),
-    " elapsed time per iteration (s)": ("elapsed_time_per_iteration_s", float),
-    " elapsed time per iteration (ms)": ("elapsed_time_per_iteration_s", _milliseconds),
-    " learning rate": ("learning_rate", float),
-    " global batch size": ("global_batch_size", int),
-    " lm loss": ("lm_loss", float),
-    " loss scale": ("loss_scale", float),
-    " grad norm": ("grad_norm", float),
-    " num zeros": ("num_zeros", float),
-    " params norm": ("params_norm", float),
-    " curriculum seqlen": ("curriculum_seqlen", int),
-    " number of skipped iterations": ("skipped_iterations", int),
-    " number of nan iterations": ("nan_iterations", int),
-    " samples per second": ("samples_per_second", float),
-    " TFLOPs": ("tflops", float),
-    " lm loss value": ("validation_lm_loss", float),
-    " lm loss PPL": ("validation_ppl", float),
-}
 _BLOCK = 8 << 20  # bytes per read: per-read costs vanish, memory stays bounded
 _BULK_BLOCK = 16 << 20  # bytes per read on the bulk path: polars reads one block while Python builds the last
 _BULK_MIN = 16 << 20  # reads this large go through opskit.logs.bulk (smaller ones do not pay for importing polars)
-_CUT = object()  # parse result of a record line that is not whole
 
 
 @dataclass
@@ -99,91 +63,6 @@ class LogChunk:
         return None
 
 
-def snake_case(name: str) -> str:
-    """``"elapsed time per iteration (s)"`` -> ``"elapsed_time_per_iteration_s"``."""
-    out = "".join(c if c.isalnum() else "_" for c in name.lower())
-    return "_".join(part for part in out.split("_") if part)
-
-
-def _fields(record: dict, rest: str):
-    """Fill ``record`` from `` key: value | key: value |`` and return it; ``_CUT`` when the text is not whole."""
-    parts = rest.split("|")
-    if parts[-1] and not parts[-1].isspace():  # a whole line ends with "|": text after it means it was cut
-        return _CUT
-    del parts[-1]
-    known = _KNOWN
-    for part in parts:
-        name, sep, value = part.partition(":")
-        spec = known.get(name)
-        if spec is not None:
-            try:
-                record[spec[0]] = spec[1](value)
-                continue
-            except ValueError:
-                pass  # "0.0" for an integer field, or garbage: _other tells which
-        if not sep:
-            return _CUT
-        try:
-            _other(record, name, value)
-        except ValueError:
-            return _CUT
-    return record
-
-
-def _count(text: str) -> int:
-    """An integer field printed with a decimal point (``2048.0``).
-
-    Raises:
-        ValueError: not a finite number (``inf`` as well as ``nan`` or garbage).
-    """
-    try:
-        return int(float(text))
-    except OverflowError as e:
-        raise ValueError(f"{text!r} is not a count") from e
-
-
-def _other(record: dict, name: str, value: str) -> None:
-    """A field off the fast path: odd spacing, an integer printed as ``0.0``, or an unknown name (kept under
-    ``extra``: a number when it reads as one, else its text).
-
-    Raises:
-        ValueError: a known field whose value is not a number, or a name with no letters (garbage).
-    """
-    spec = _KNOWN.get(" " + name.strip())
-    if spec is not None:
-        key, convert = spec
-        record[key] = _count(value) if convert is int else convert(value)
-        return
-    key = snake_case(name)
-    if not key:
-        raise ValueError(name)
-    try:
-        number = float(value)
-    except ValueError:
-        number = value.strip()
-    record.setdefault("extra", {})[key] = number
-
-
-def _iteration(line: str, at: int, bar: int):
-    """Record of the line whose ``iteration `` word starts at ``at`` (``bar``: its first ``|``); None when it is not an
-    iteration line at all (``saving checkpoint at iteration 100 to ...``), ``_CUT`` when it is one but not whole."""
-    done, slash, total = line[at + 10:bar if bar >= 0 else len(line)].partition("/")
-    if bar < 0:  # cut inside the header ("iteration    127") or another line ("saving checkpoint at iteration 100 to",
-        # "successfully loaded checkpoint from /ckpt at iteration 346": a header is never preceded by "at")
-        cut = (done + total).strip().replace(" ", "").isdigit() and not line[:at].endswith("at ")
-        return _CUT if cut else None
-    try:
-        record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
-    except ValueError:
-        return None
-    return _fields(record, line[bar + 1:])
-
-
-def iteration_fields() -> set[str]:
-    """Record keys an iteration line can have outside ``extra`` (what ``fields=`` accepts)."""
-    return {"iteration", "train_iters", *(key for key, _ in _KNOWN.values() if not key.startswith("validation_"))}
-
-
 def _keep(fields: tuple[str, ...] | None) -> frozenset[str] | None:
     """``fields`` -> the keys an iteration record keeps (None: all of them).
 
@@ -200,57 +79,6 @@ def _keep(fields: tuple[str, ...] | None) -> frozenset[str] | None:
     return frozenset(("kind", "iteration", "train_iters", *fields))
 
 
-def keep_only(record, keep: frozenset[str] | None):
-    """An iteration record cut down to the ``keep`` keys (order kept; None keeps all); anything else unchanged."""
-    if keep is None or not isinstance(record, dict) or record["kind"] != "iteration":
-        return record
-    return {key: value for key, value in record.items() if key in keep}
-
-
-def _validation(line: str, head: str, at: int):
-    """`` {name} loss at {where} | lm loss value: X | lm loss PPL: Y | ``; ``at`` indexes `` loss at `` in ``head``."""
-    words = head[:at].rsplit("]:", 1)[-1].split()
-    where = head[at + 9:].strip()
-    iteration = None
-    if where.startswith("iteration "):
-        try:
-            iteration = int(where[10:])
-        except ValueError:
-            return _CUT
-    record = _fields({"kind": "validation", "iteration": iteration, "dataset": words[-1] if words else "",
-                      "where": where}, line[len(head) + 1:])
-    if record is _CUT or "validation_lm_loss" not in record:
-        return _CUT
-    record.setdefault("validation_ppl", None)
-    return record
-
-
-def _parse(line: str):
-    """One line -> record, None (not a record line) or ``_CUT``."""
-    bar = line.find("|")
-    head = line if bar < 0 else line[:bar]
-    loss_at = head.find(" loss at ")
-    if loss_at >= 0:
-        return _CUT if bar < 0 else _validation(line, head, loss_at)
-    at = head.find("iteration ")
-    if at < 0:
-        return None
-    return _iteration(line, at, bar)
-
-
-def parse_line(line: str) -> dict | None:
-    """One log line -> its iteration or validation record; None for any other line and for cut or garbled ones."""
-    record = _parse(line)
-    return None if record is _CUT else record
-
-
-def parse_iteration_line(line: str) -> dict | None:
-    """One iteration line -> ``{"kind": "iteration", "iteration": int, "train_iters": int, "lm_loss": float, ...}``;
-    None for any other line (validation lines included) and for cut or garbled ones."""
-    record = parse_line(line)
-    return record if record is not None and record["kind"] == "iteration" else None
-
-
 def parse_text(text: str, chunk: LogChunk | None = None, fields: tuple[str, ...] | None = None) -> LogChunk:
     """Records of every line in ``text`` appended to ``chunk`` (a new one when None); ``fields`` as in
     :func:`read_from`.
@@ -259,25 +87,8 @@ def parse_text(text: str, chunk: LogChunk | None = None, fields: tuple[str, ...]
         LogFormatError: an unknown name in ``fields``.
     """
     chunk = chunk or LogChunk()
-    _scan(text.split("\n"), chunk, _keep(fields))
+    chunk.skipped += scan_lines(text.split("\n"), chunk.records, _keep(fields))
     return chunk
-
-
-def _scan(lines: list[str], chunk: LogChunk, keep: frozenset[str] | None) -> None:
-    records, cut = chunk.records, 0
-    append = records.append
-    for line in lines:
-        # Prefilter with two substring tests: most lines of a real log are neither kind.
-        if "iteration " not in line and " loss at " not in line:
-            continue
-        record = _parse(line)
-        if record is None:
-            continue
-        if record is _CUT:
-            cut += 1
-        else:
-            append(record if keep is None else keep_only(record, keep))
-    chunk.skipped += cut
 
 
 def open_log(path: str | Path) -> BinaryIO:
@@ -313,11 +124,6 @@ def _blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[b
             yield block[:end]
 
 
-def _scan_bytes(data: bytes, chunk: LogChunk, keep: frozenset[str] | None) -> None:
-    """:func:`_scan` of complete lines as read from a file (bad UTF-8 bytes replaced)."""
-    _scan(data.decode("utf-8", errors="replace").split("\n"), chunk, keep)
-
-
 def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
     """Records of the complete lines after byte ``offset``; a partial last line is left for the next call.
 
@@ -344,10 +150,10 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
         if size - chunk.offset >= _BULK_MIN:
             from opskit.logs.bulk import scan_blocks
 
-            scan_blocks(_blocks(f, _BULK_BLOCK, chunk), chunk, keep)
+            chunk.skipped += scan_blocks(_blocks(f, _BULK_BLOCK, chunk), chunk.records, keep)
         else:
             for block in _blocks(f, _BLOCK, chunk):
-                _scan_bytes(block, chunk, keep)
+                chunk.skipped += scan_bytes(block, chunk.records, keep)
     return chunk
 
 
@@ -401,15 +207,10 @@ def first_iteration(path: str | Path) -> dict | None:
     with open_log(path) as f:
         for block in _blocks(f, 1 << 16):
             chunk = LogChunk()
-            _scan_bytes(block, chunk, None)
+            chunk.skipped += scan_bytes(block, chunk.records, None)
             if chunk.iterations:
                 return chunk.iterations[0]
     return None
-
-
-def read_iterations(path: str | Path) -> Iterator[dict]:
-    """Every iteration record of a log file, in file order."""
-    yield from read_from(path).iterations
 
 
 def split_segments(records: list[dict]) -> list[list[dict]]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.fsutil import claim_file
-from opskit.logs.parse import LogFormatError, iteration_fields
+from opskit.logs.grammar import iteration_fields
+from opskit.logs.parse import LogFormatError
 from opskit.logs.sources import resolve
 from opskit.logs.spikes import Spike, find_spikes
 

@@ -30,6 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.crash import Crash, find_crashes
+from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, write_marker
 from opskit.runs import RunPaths
 from opskit.slurm import client
@@ -41,7 +42,7 @@ _QUEUED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZ
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
-class ChainError(ValueError):
+class ChainError(OpskitError, ValueError):
     """Unreadable chain state (ledger line, bad-node list) or a bad node name; one line naming the file."""
 
 

@@ -11,6 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.errors import OpskitError
+
 TIMEOUT_S = 20
 # squeue fields: job id (with array task), partition, name, state, time used, nodes, start time, reason (pending) or
 # node list (running), as BigScience's slurm-status.py; then the submit time, the time limit, the comment (which run
@@ -26,7 +28,7 @@ _UNREACHABLE = ("Unable to contact slurm controller", "Connection refused", "Soc
                 "Zero Bytes were transmitted or received")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(OpskitError, RuntimeError):
     """A SLURM command failed; the message holds the command and its stderr in one line."""
 
 

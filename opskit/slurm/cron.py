@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text, claim_file
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client
@@ -33,7 +34,7 @@ METHODS = ("crontab", "slurm")
 CRON_TIME = "0:30:00"  # the SLURM cron job's time limit (BigScience's cron-hourly.slurm)
 
 
-class CronError(RuntimeError):
+class CronError(OpskitError, RuntimeError):
     """Cron cannot be installed or removed (no crontab, already installed, crontab refused); one line."""
 
 

@@ -13,7 +13,7 @@ import os
 import threading
 from pathlib import Path
 
-from opskit.targets import BatchResult, TargetError, TargetOptions, crc32c_of_file, put_parallel, with_retries
+from opskit.targets.base import BatchResult, TargetError, TargetOptions, crc32c_of_file, put_parallel, with_retries
 
 CHUNK_SIZE = 8 * 1024 * 1024  # resumable upload chunk (a multiple of 256 KiB, as the API requires)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from opskit.targets import BatchResult, TargetError, TargetOptions, with_retries
+from opskit.targets.base import BatchResult, TargetError, TargetOptions, with_retries
 
 REPO_TYPES = {"datasets": "dataset", "spaces": "space", "models": "model"}
 
