@@ -42,9 +42,12 @@ def trainer_args(spec: Spec, run: RunPaths, environ: Mapping[str, str] | None = 
         value = values.get(key) if flag.section in (None, "data") else getattr(getattr(spec, flag.section), key)
         if value is None or value is False:
             continue
-        args.append(flag.option)
-        if value is not True:
-            args.extend(str(v) for v in value) if isinstance(value, (tuple, list)) else args.append(str(value))
+        if value is True:
+            args.append(flag.option)
+        elif isinstance(value, (tuple, list)):
+            args += [flag.option, *(str(v) for v in value)]
+        else:  # `--adam-eps=-1e-05`: argparse would read a separate `-1e-05` as an unknown option
+            args += [f"{flag.option}={value}"] if str(value).startswith("-") else [flag.option, str(value)]
     return args
 
 
