@@ -76,31 +76,27 @@ class Flag:
         """The keyword arguments of ``ArgumentParser.add_argument`` for this flag."""
         if self.switch:
             return {"action": "store_true", "help": self.help}
-        kwargs = {"type": self.type, "default": self.default, "choices": self.choices, "nargs": self.nargs,
-                  "metavar": self.metavar, "required": self.required, "help": self.help}
-        return {key: value for key, value in kwargs.items() if value is not None and value is not False
-                or key == "default"}
-
-
-def _model(option: str, **kwargs) -> Flag:
-    return Flag(option, section="model", **kwargs)
+        kwargs = {"type": self.type, "default": self.default, "help": self.help}
+        kwargs.update({key: getattr(self, key) for key in ("choices", "nargs", "metavar", "required")
+                       if getattr(self, key) not in (None, False)})
+        return kwargs
 
 
 GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     ("model", (
-        _model("--num-layers", type=int, required=True),
-        _model("--hidden-size", type=int, required=True),
-        _model("--ffn-hidden-size", type=int, help="default 4 * hidden size"),
-        _model("--num-attention-heads", type=int, required=True),
-        _model("--seq-length", type=int, required=True),
-        _model("--max-position-embeddings", type=int, help="default: --seq-length"),
-        _model("--position-embedding-type", choices=("absolute", "alibi"), default="absolute"),
-        _model("--embed-layernorm", switch=True, help="LayerNorm after the word embedding (BLOOM)"),
-        _model("--init-method-std", type=float, default=0.02),
-        _model("--hidden-dropout", type=float, default=0.1),
-        _model("--attention-dropout", type=float, default=0.1),
-        _model("--make-vocab-size-divisible-by", type=int, default=128),
-        _model("--pad-vocab-size-to", type=int),
+        Flag("--num-layers", section="model", type=int, required=True),
+        Flag("--hidden-size", section="model", type=int, required=True),
+        Flag("--ffn-hidden-size", section="model", type=int, help="default 4 * hidden size"),
+        Flag("--num-attention-heads", section="model", type=int, required=True),
+        Flag("--seq-length", section="model", type=int, required=True),
+        Flag("--max-position-embeddings", section="model", type=int, help="default: --seq-length"),
+        Flag("--position-embedding-type", section="model", choices=("absolute", "alibi"), default="absolute"),
+        Flag("--embed-layernorm", section="model", switch=True, help="LayerNorm after the word embedding (BLOOM)"),
+        Flag("--init-method-std", section="model", type=float, default=0.02),
+        Flag("--hidden-dropout", section="model", type=float, default=0.1),
+        Flag("--attention-dropout", section="model", type=float, default=0.1),
+        Flag("--make-vocab-size-divisible-by", section="model", type=int, default=128),
+        Flag("--pad-vocab-size-to", section="model", type=int),
         Flag("--fp16", switch=True, derived="model.precision",
              help="fp16 with DeepSpeed's loss scaling (the DeepSpeed config's fp16 block; default dynamic, initial "
                   "scale 2^12)"),
@@ -120,7 +116,7 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--deepspeed_config", derived="opskit (the rendered ds_config.json)",
              help="DeepSpeed JSON; missing keys are filled from the flags"),
         Flag("--zero-stage", type=int, choices=(0, 1), default=1, section="parallel"),
-        _model("--checkpoint-activations", switch=True),
+        Flag("--checkpoint-activations", section="model", switch=True),
         Flag("--deepspeed-activation-checkpointing", switch=True,
              help="accepted, no effect: --checkpoint-activations always uses DeepSpeed's (pipeline) activation "
                   "checkpointing"),
