@@ -57,6 +57,10 @@ class Flag:
     section: str | None = None
     derived: str | None = None
 
+    def __post_init__(self):
+        if self.switch:  # a switch left out is off
+            object.__setattr__(self, "default", False)
+
     @property
     def dest(self) -> str:
         """The argparse attribute and ``megatron_args`` key: ``--num-layers`` -> ``num_layers``."""
