@@ -22,9 +22,7 @@ vendors and torch.cuda count it), seconds, days of 86 400 s, FLOPs (not FLOP/s) 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from opskit.spec import (
     CurriculumSpec,
@@ -55,22 +53,6 @@ z0! it implements its own zero stage 1 equivalent") partitions the same ones."""
 ACHIEVED_TFLOPS = {"V100": 45.0, "A100": 150.0}
 """TFLOPs per GPU BigScience planned with, by GPU model: tr1-13B README "Estimated run time" (V100, 45) and
 math/README.md's BLOOM-176B example (A100, 150; the training logged 149)."""
-
-
-class _AnyEnv(Mapping):
-    """An environment in which every ``$VAR`` is set (to itself): lets the plan render flags on a laptop."""
-
-    def __getitem__(self, key: str) -> str:
-        return f"${key}"
-
-    def __contains__(self, key: object) -> bool:
-        return True
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
 
 
 # --------------------------------------------------------------------------- parameters
@@ -683,9 +665,6 @@ def make_plan(spec: Spec, tflops: float | None = None, gpus: int | None = None) 
 
 def _warnings(spec: Spec, plan: Plan) -> list[str]:
     """What would not fail validation but deserves a look before the GPU-hours are spent."""
-    from opskit.runs import RunPaths
-    from opskit.slurm.render import trainer_args, trainer_rejections
-
     found = []
     if plan.batch.rampup_start is not None and plan.batch.train_samples < plan.batch.rampup_consumed_samples:
         found.append(f"batch.train_samples {plan.batch.train_samples:,} ends inside the batch ramp-up "
@@ -697,10 +676,6 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
         found.append(f"GPU memory: {mem.total_gib_per_gpu:.1f} GiB estimated on pipeline stage {mem.heaviest_stage} "
                      f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
                      f"{spec.parallel.gpu or 'GPU'}")
-    args = trainer_args(spec, RunPaths(Path("/run")), environ=_AnyEnv())
-    if problems := trainer_rejections(args):
-        found.append(f"opskit's trainer would refuse this job today ({'; '.join(problems)}): `opskit submit` "
-                     "refuses it")
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
     if version and (problem := deepspeed_resume_problem(spec, version)):
         found.append(problem)

@@ -3,8 +3,9 @@ checkpoints, SLURM header, paths), validated with pydantic.
 
 Keys are the snake_case of Megatron-DeepSpeed's flags (``global_batch_size`` <-> ``--global-batch-size``) and of
 sbatch's options (``cpus_per_task`` <-> ``--cpus-per-task``), so one name can be grepped from YAML to script to log
-to checkpoint. Flags that no section models go verbatim under ``megatron_args`` (``use_bnb_optimizer: true`` ->
-``--use-bnb-optimizer``), extra DeepSpeed JSON keys under ``deepspeed_config``.
+to checkpoint (the rule and its few exceptions: ``opskit.rules.flags``). The trainer's other flags go under
+``megatron_args`` (``log_timers_to_tensorboard: true`` -> ``--log-timers-to-tensorboard``), checked against the
+trainer's flag table when the spec is read; extra DeepSpeed JSON keys go under ``deepspeed_config``.
 
 A spec is found by path, by exact name, or by a unique name prefix (``tr11`` -> ``tr11-176B-ml``); the project's own
 ``trainings/`` folder is searched before the bundled presets in ``opskit/presets/``. A file may carry named
@@ -44,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, claim_file
+from opskit.rules import flags
 
 USER_SPEC_DIR = Path("trainings")
 # Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
@@ -259,7 +261,7 @@ class BatchSpec(_Section):
 class OptimizerSpec(_Section):
     lr: float = Field(gt=0)
     min_lr: float = Field(default=0.0, ge=0)
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "cosine"
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
     lr_warmup_samples: int = Field(default=0, ge=0)
     lr_decay_samples: int | None = Field(default=None, gt=0)
     lr_decay_tokens: int | None = Field(default=None, gt=0)
@@ -335,11 +337,11 @@ class CheckpointSpec(_Section):
     """Checkpoints, evaluation, logging and the seed."""
 
     save_interval: int = Field(gt=0)
-    log_interval: int = Field(default=1, gt=0)
+    log_interval: int = Field(default=100, gt=0)
     eval_interval: int | None = Field(default=None, gt=0)
     eval_iters: int | None = Field(default=None, ge=0)
     tensorboard_queue_size: int | None = Field(default=None, gt=0)
-    seed: int = 42
+    seed: int = 1234
 
 
 class SlurmSpec(_Section):
@@ -543,20 +545,8 @@ class CurriculumSpec(_Section):
 FlagScalar = bool | int | float | str
 FlagValue = FlagScalar | list[int | float | str] | None
 
-# Flags opskit derives from other keys (never from megatron_args): where each comes from.
-_DERIVED_FLAGS = {
-    "fp16": "model.precision", "bf16": "model.precision", "deepspeed": "opskit (always on)",
-    "deepspeed_config": "opskit (the rendered ds_config.json)", "save": "paths.output", "load": "paths.output",
-    "tensorboard_dir": "paths.output", "kill_switch_path": "paths.output",
-    "exit_duration_in_mins": "slurm.time and slurm.exit_margin_mins", "rampup_batch_size": "batch.rampup_batch_size",
-}
-# DeepSpeed JSON keys that other keys of the spec own.
-_DERIVED_DS_KEYS = {
-    ("train_micro_batch_size_per_gpu",): "batch.micro_batch_size", ("train_batch_size",): "batch.global_batch_size",
-    ("gradient_clipping",): "optimizer.clip_grad", ("zero_optimization", "stage"): "parallel.zero_stage",
-    ("fp16", "enabled"): "model.precision", ("bf16", "enabled"): "model.precision",
-    ("curriculum_learning",): "the curriculum_learning section",
-}
+# DeepSpeed JSON keys a spec section owns, besides those the flags fill (flags.DEEPSPEED_KEYS).
+_SECTION_DS_KEYS = {("curriculum_learning",): "the curriculum_learning section"}
 
 
 class Spec(_Section):
@@ -576,7 +566,8 @@ class Spec(_Section):
     curriculum_learning: CurriculumSpec | None = None
     watchdog: WatchdogSpec = WatchdogSpec()
     megatron_args: dict[str, FlagValue] = Field(default_factory=dict)
-    """Megatron-DeepSpeed flags no section models, passed verbatim in this order: ``key_name: value`` ->
+    """The trainer's flags no section models (``opskit.rules.flags``: a flag the trainer does not define, one a
+    section or opskit sets, or a value its type or choices refuse is an error here): ``key_name: value`` ->
     ``--key-name value``; ``true`` -> a bare switch, ``false``/``null`` -> left out, a list -> several values."""
     deepspeed_config: dict[str, Any] = Field(default_factory=dict)
     """Extra keys deep-merged into the rendered DeepSpeed JSON (e.g. ``zero_allow_untested_optimizer: true``)."""
@@ -589,19 +580,17 @@ class Spec(_Section):
     def _verbatim_flags(cls, value: dict[str, FlagValue]) -> dict[str, FlagValue]:
         for key, flag_value in value.items():
             if not _FLAG_KEY.fullmatch(key):
-                raise ValueError(f"{key!r} is not the snake_case of a flag (write use_bnb_optimizer for "
-                                 "--use-bnb-optimizer)")
-            owner = _DERIVED_FLAGS.get(key) or _structured_owner(key)
-            if owner:
-                raise ValueError(f"{key}: --{key.replace('_', '-')} comes from {owner}; set it there")
-            if isinstance(flag_value, list) and not flag_value:
-                raise ValueError(f"{key}: an empty list; use false or null to leave the flag out")
+                raise ValueError(f"{key!r} is not the snake_case of a flag (write log_timers_to_tensorboard "
+                                 "for --log-timers-to-tensorboard)")
+            if problem := flags.flag_problem(key, flag_value):
+                raise ValueError(f"{key}: {problem}")
         return value
 
     @field_validator("deepspeed_config")
     @classmethod
     def _extra_ds_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for path, owner in _DERIVED_DS_KEYS.items():
+        owners = {path: flags.FLAGS[dest].owner for path, dest in flags.DEEPSPEED_KEYS.items()} | _SECTION_DS_KEYS
+        for path, owner in owners.items():
             node: Any = value
             for part in path:
                 node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
@@ -784,15 +773,6 @@ class Spec(_Section):
 
 
 _MISSING = object()
-
-
-def _structured_owner(key: str) -> str | None:
-    """``section.key`` of the spec field named like a flag, if a section models it."""
-    for section in ("model", "parallel", "batch", "optimizer", "data", "checkpoint"):
-        annotation = Spec.model_fields[section].annotation
-        if key in annotation.model_fields:
-            return f"{section}.{key}"
-    return None
 
 
 def _gres_gpus(gres: str | None) -> int | None:

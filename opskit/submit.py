@@ -12,7 +12,7 @@ from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client, local
-from opskit.slurm.render import RenderedJob, data_files, render_job, trainer_args, trainer_rejections
+from opskit.slurm.render import RenderedJob, data_files, render_job
 from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
 
 
@@ -66,15 +66,12 @@ _MAKES = {
 
 
 def check_trainer(spec: Spec, run: RunPaths) -> None:
-    """Refuse a job that opskit's trainer or this DeepSpeed would reject or could not resume.
+    """Refuse a job this DeepSpeed could not resume (the spec's flags are the trainer's: validated when read).
 
     Raises:
-        SubmitError: the trainer's flag problems (unknown flags, refused combinations), or the DeepSpeed version's.
+        SubmitError: the DeepSpeed version's problem with the spec's precision, ZeRO stage and pipeline.
     """
     where = spec.file or spec.name
-    if problems := trainer_rejections(trainer_args(spec, run)):
-        raise SubmitError(f"{where}: opskit's trainer would exit at once on this job: {'; '.join(problems)}; "
-                          "remove those settings from the spec (megatron_args holds the verbatim flags)")
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
     if version and (problem := deepspeed_resume_problem(spec, version)):
         raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")

@@ -34,7 +34,7 @@ from opskit.plan import (
     training_days,
 )
 from opskit.runs import RunPaths
-from opskit.slurm.render import deepspeed_config, render_job, trainer_args, trainer_rejections
+from opskit.slurm.render import deepspeed_config, render_job, trainer_args
 from opskit.spec import (
     Spec,
     SpecError,
@@ -47,6 +47,7 @@ from opskit.spec import (
     validate_spec,
 )
 from opskit.submit import SubmitError, check_data, check_trainer
+from opskit.train.args import parse_args
 from opskit.train.schedules import AnnealingLR, BatchRampup, num_microbatches
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,13 +107,13 @@ def plan_of(name: str, **kwargs):
 
 # --------------------------------------------------------------------------- presets and variants
 
-ALL_SPECS = ["tiny", "tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb",
-             "tr11-176B-ml", "tr11-176B-ml:24n"]
+ALL_SPECS = ["tiny", "tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr11-176B-ml",
+             "tr11-176B-ml:24n"]
 
 
 def test_every_preset_and_variant_is_listed_and_valid(in_tmp):
     assert [e.name for e in list_specs()] == ["tiny", "tr1-13B", "tr11-176B-ml", "tr11-176B-ml:24n", "tr8-104B",
-                                              "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb"]
+                                              "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm"]
     for entry in list_specs():
         spec = load_spec(entry.name)
         assert spec.name == entry.name and entry.description and entry.origin == "preset"
@@ -210,12 +211,9 @@ def test_tr8b_variants_are_deep_merged_overlays(in_tmp):
     assert emb.exit_duration_in_mins == 1185 and emb.slurm.job_name == "tr8b-104B-emb-norm"
     assert emb.megatron_args["skip_train_iteration_range"] == ["13251-14000", "16651-19500"]
     assert emb.megatron_args["loss_scale"] == 12  # merged key by key, not replaced
-    bnb = load_spec("tr8b-104B:bnb")
-    assert bnb.megatron_args["use_bnb_optimizer"] is True and not bnb.model.embed_layernorm
-    assert deepspeed_config(bnb)["zero_allow_untested_optimizer"] is True
-    assert bnb.paths.output.endswith("/tr8b-104B/bnb")
+    assert deepspeed_config(emb)["zero_allow_untested_optimizer"] is True
 
-    with pytest.raises(SpecError, match=r"tr8b-104B\.yaml: no variant 'nope' \(known: cl, emb-norm, bnb\)$"):
+    with pytest.raises(SpecError, match=r"tr8b-104B\.yaml: no variant 'nope' \(known: cl, emb-norm\)$"):
         load_spec("tr8b-104B:nope")
 
 
@@ -354,7 +352,7 @@ def test_tr11_log_lines(in_tmp):
 def test_tr1_and_tr8b_log_lines(in_tmp):
     tr1 = BatchRampup(1024, (16, 16, 5_000_000))
     assert consumed_samples(tr1, 168_000) == 153_013_584  # "iteration 168000/ 311541 | consumed samples: 153013584"
-    spec = load_spec("tr8b-104B:bnb")
+    spec = load_spec("tr8b-104B")
     rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
     assert make_plan(spec).batch.train_iters == 159_576  # "iteration 6502/ 159576"
     for iteration, samples, gbs in [(6502, 216_960, 80), (6503, 217_040, 80), (8600, 464_560, 160),
@@ -629,7 +627,7 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     spec = load_spec("tiny")
     run = RunPaths.of(spec)
     assert run.root == in_tmp / "runs" / "tiny"
-    assert trainer_rejections(trainer_args(spec, run)) == []
+    assert parse_args(trainer_args(spec, run)).data_path == [str(in_tmp / "data" / "kjv" / "kjv_text_document")]
     check_trainer(spec, run)
     job = render_job(spec, run)
     assert "#SBATCH --job-name=tiny" in job.script and "--exit-duration-in-mins 2.0 " in job.script
@@ -667,13 +665,13 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
                      "--global-batch-size 2048 --rampup-batch-size 192 16 9765625 --train-samples 220000000",
                      "--lr 6e-05 --min-lr 6e-06 --lr-decay-style cosine --lr-warmup-samples 183105 "
                      "--lr-decay-samples 200000000", "--adam-beta2 0.95", "--clip-grad 1.0", "--seed 42",
-                     "--log-interval 1 --save-interval 100 --eval-interval 1000 --eval-iters 1",
+                     "--eval-interval 1000 --eval-iters 1", "--save-interval 100", "--log-interval 1",
                      "--exit-duration-in-mins 5990.0", "--tensorboard-queue-size 5",
                      f"--train-weighted-split-paths-path {work}/code/tr11-176B-ml/Megatron-DeepSpeed/data/"
                      "train-splits.txt",
                      "--data-impl mmap --tokenizer-type PretrainedFromHF --tokenizer-name-or-path bigscience-catalogue",
                      "--optimizer adam", "--num-workers 2 --valid-num-workers 0", "--distributed-backend nccl",
-                     "--embed-layernorm --checkpoint-activations --bf16", "--sync-tp-duplicated-parameters",
+                     "--embed-layernorm", "--checkpoint-activations", "--bf16", "--sync-tp-duplicated-parameters",
                      "--abort-on-unmet-fused-kernel-constraints", "--deepspeed-activation-checkpointing"]:
         assert expected in text, expected
     assert "--pp-partition-method 'type:transformer|embedding'" in job.script  # quoted for the shell
@@ -694,40 +692,26 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
 
 
 def assert_trainer_verdict(spec: Spec, run: RunPaths) -> None:
-    """`opskit submit` refuses exactly what opskit's trainer (its own argparse rules, growing with issue 4) rejects."""
-    problems = trainer_rejections(trainer_args(spec, run))
+    """The trainer's parser takes the job's flags (a valid spec holds only flags it accepts), and `opskit submit`
+    refuses exactly what this DeepSpeed cannot resume."""
+    parse_args(trainer_args(spec, run))
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
-    if not problems and version and (problem := deepspeed_resume_problem(spec, version)):
-        with pytest.raises(SubmitError) as info:  # the flags pass; the DeepSpeed version does not
+    if version and (problem := deepspeed_resume_problem(spec, version)):
+        with pytest.raises(SubmitError) as info:
             check_trainer(spec, run)
         assert str(info.value) == f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the cluster's)"
-        return
-    if not problems:
+        assert problem in make_plan(spec).warnings
+    else:
         check_trainer(spec, run)
-        return
-    with pytest.raises(SubmitError) as info:
-        check_trainer(spec, run)
-    assert str(info.value) == (f"{spec.file}: opskit's trainer would exit at once on this job: {'; '.join(problems)}; "
-                               "remove those settings from the spec (megatron_args holds the verbatim flags)")
-    plan = make_plan(spec)
-    assert any(w.startswith(f"opskit's trainer would refuse this job today ({'; '.join(problems)})")
-               for w in plan.warnings)
-
-
-def test_trainer_rejections_name_every_unknown_flag():
-    args = ["--num-layers", "2", "--no-such-flag", "1", "2", "--other-unknown", "--hidden-size", "64"]
-    problems = trainer_rejections(args)
-    assert problems[0] == "it does not accept --no-such-flag, --other-unknown"
-    assert "the following arguments are required" in problems[1]  # then the trainer's own first error
 
 
 def test_tr1_renders_gpt2_data_flags(jean_zay):
     spec = load_spec("tr1-13B")
     text = " ".join(trainer_args(spec, RunPaths.of(spec)))
     work = jean_zay / "six_ALL_CCFRWORK"
-    assert (f"--data-path {work}/datasets-custom/oscar-en/meg-gpt2_text_document --data-impl mmap --split 949,50,1 "
+    assert (f"--data-path {work}/datasets-custom/oscar-en/meg-gpt2_text_document --data-impl mmap "
             f"--tokenizer-type GPT2BPETokenizer --vocab-file {work}/code/tr1-13B/Megatron-DeepSpeed-tr1-13B/data/"
-            "gpt2-vocab.json") in text
+            "gpt2-vocab.json") in text and "--split 949,50,1" in text
     assert "--rampup-batch-size 16 16 5000000" in text and "--fp16" in text and "--loss-scale 12" in text
     assert f"--codecarbon-dir {jean_zay}/six_ALL_CCFRSCRATCH/checkpoints/tr1-13B/codecarbon" in text
     ds = deepspeed_config(spec)
@@ -738,7 +722,7 @@ def test_tr1_renders_gpt2_data_flags(jean_zay):
         check_data(spec)
     emb = load_spec("tr8b-104B:emb-norm")
     assert "--skip-train-iteration-range 13251-14000 16651-19500" in " ".join(trainer_args(emb, RunPaths.of(emb)))
-    for name in ("tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr8b-104B:bnb", "tr11-176B-ml:24n"):
+    for name in ("tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr11-176B-ml:24n"):
         spec = load_spec(name)
         assert_trainer_verdict(spec, RunPaths.of(spec))
 
@@ -764,7 +748,7 @@ def test_specs_commands(cli, in_tmp):
     shown = yaml.safe_load(done.stdout)
     assert "rampup_batch_size" not in shown["batch"] and shown["curriculum_learning"]["total_curriculum_step"] == 36000
     assert "variants" not in shown
-    assert "; variants: cl, emb-norm, bnb (NAME:VARIANT)" in cli("specs", "show", "tr8b-104B").stdout.splitlines()[0]
+    assert "; variants: cl, emb-norm (NAME:VARIANT)" in cli("specs", "show", "tr8b-104B").stdout.splitlines()[0]
     full = yaml.safe_load(cli("specs", "show", "tiny", "--defaults").stdout)
     assert full["model"]["make_vocab_size_divisible_by"] == 128 and full["slurm"]["master_port"] == 6000
 

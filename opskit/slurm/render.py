@@ -7,8 +7,6 @@ stay literal; the ``#SBATCH`` header too, since sbatch splits its lines on white
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import shlex
 import sys
@@ -18,21 +16,17 @@ from pathlib import Path
 
 import jinja2
 
+from opskit.rules import flags
 from opskit.runs import RunPaths, data_paths
 from opskit.slurm.chain import job_comment
 from opskit.spec import Spec, deep_merge
 
-# Megatron-DeepSpeed spells this one flag with an underscore.
-_UNDERSCORE_FLAGS = {"deepspeed_config"}
-
-
-def _flag(key: str) -> str:
-    return "--" + (key if key in _UNDERSCORE_FLAGS else key.replace("_", "-"))
-
 
 def trainer_args(spec: Spec, run: RunPaths, environ: Mapping[str, str] | None = None) -> list[str]:
-    """The ``python -m opskit.train`` flags for a spec, Megatron-DeepSpeed spelling (key ``a_b`` -> ``--a-b``): the
-    structured sections first, then the data flags, then ``megatron_args`` verbatim, then the switches.
+    """The ``python -m opskit.train`` flags for a spec, walking the trainer's flag table (``opskit.rules.flags``) in
+    its order: a flag with a spec field takes the field's value (``model.num_layers`` -> ``--num-layers``), the data
+    flags come from :func:`data_flags`, the derived ones from the run directory (``run``), the time limit and the
+    precision, every other flag from ``megatron_args``. A value None (or a switch that is off) leaves the flag out.
 
     Args:
         environ: where ``$VAR`` values come from (default ``os.environ``).
@@ -40,70 +34,31 @@ def trainer_args(spec: Spec, run: RunPaths, environ: Mapping[str, str] | None = 
     Raises:
         SpecError: a ``$VAR`` in a path or flag value that is not set in this environment.
     """
-    m, p, b, o, c = spec.model, spec.parallel, spec.batch, spec.optimizer, spec.checkpoint
-    values: dict[str, object] = {
-        "num_layers": m.num_layers,
-        "hidden_size": m.hidden_size,
-        "ffn_hidden_size": m.ffn_hidden_size,
-        "num_attention_heads": m.num_attention_heads,
-        "seq_length": m.seq_length,
-        "max_position_embeddings": m.max_position_embeddings,
-        "position_embedding_type": m.position_embedding_type,
-        "init_method_std": m.init_method_std,
-        "hidden_dropout": m.hidden_dropout,
-        "attention_dropout": m.attention_dropout,
-        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-        "pad_vocab_size_to": m.pad_vocab_size_to,
-        "tensor_model_parallel_size": p.tensor_model_parallel_size,
-        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-        "pp_partition_method": p.pp_partition_method,
-        "zero_stage": p.zero_stage,
-        "micro_batch_size": b.micro_batch_size,
-        "global_batch_size": b.global_batch_size,
-        "rampup_batch_size": b.rampup_batch_size,
-        "train_samples": b.train_samples,
-        "train_iters": b.train_iters,
-        "train_tokens": b.train_tokens,
-        "lr": o.lr,
-        "min_lr": o.min_lr,
-        "lr_decay_style": o.lr_decay_style,
-        "lr_warmup_samples": o.lr_warmup_samples,
-        "lr_decay_samples": o.lr_decay_samples,
-        "lr_decay_tokens": o.lr_decay_tokens,
-        "adam_beta1": o.adam_beta1,
-        "adam_beta2": o.adam_beta2,
-        "adam_eps": o.adam_eps,
-        "weight_decay": o.weight_decay,
-        "clip_grad": o.clip_grad,
-        "seed": c.seed,
-        "log_interval": c.log_interval,
-        "save_interval": c.save_interval,
-        "eval_interval": c.eval_interval,
-        "eval_iters": c.eval_iters,
-        "exit_duration_in_mins": spec.exit_duration_in_mins,
-        "save": run.checkpoints,
-        "load": run.checkpoints,
-        "tensorboard_dir": run.tensorboard,
-        "tensorboard_queue_size": c.tensorboard_queue_size,
-        "kill_switch_path": run.kill_switch,
-        **data_flags(spec, environ),
-        "deepspeed_config": run.ds_config,
-    }
-    switches = {"embed_layernorm": m.embed_layernorm, "checkpoint_activations": m.checkpoint_activations,
-                "fp16": m.precision == "fp16", "bf16": m.precision == "bf16", "deepspeed": True}
+    values = {**_derived_flags(spec, run), **data_flags(spec, environ)}
     for key, value in spec.megatron_args.items():
-        if value is True:
-            switches[key] = True
-        elif value is not False:
-            values[key] = _expanded(spec, value, f"megatron_args.{key}", environ)
+        values[key] = _expanded(spec, value, f"megatron_args.{key}", environ)
     args: list[str] = []
-    for key, value in values.items():
-        if value is None:
+    for key, flag in flags.FLAGS.items():
+        value = values.get(key) if flag.section in (None, "data") else getattr(getattr(spec, flag.section), key)
+        if value is None or value is False:
             continue
-        args.append(_flag(key))
-        args.extend(str(v) for v in value) if isinstance(value, (tuple, list)) else args.append(str(value))
-    args += [_flag(key) for key, on in switches.items() if on]
+        if value is True:
+            args.append(flag.option)
+        elif isinstance(value, (tuple, list)):
+            args += [flag.option, *(str(v) for v in value)]
+        else:  # `--adam-eps=-1e-05`: argparse would read a separate `-1e-05` as an unknown option
+            args += [f"{flag.option}={value}"] if str(value).startswith("-") else [flag.option, str(value)]
     return args
+
+
+def _derived_flags(spec: Spec, run: RunPaths) -> dict[str, object]:
+    """The flags opskit derives (``Flag.derived``): the run directory's paths, the exit duration, the precision."""
+    return {
+        "fp16": spec.model.precision == "fp16", "bf16": spec.model.precision == "bf16", "deepspeed": True,
+        "deepspeed_config": run.ds_config, "save": run.checkpoints, "load": run.checkpoints,
+        "exit_duration_in_mins": spec.exit_duration_in_mins, "kill_switch_path": run.kill_switch,
+        "finished_flag_path": run.finished_flag, "tensorboard_dir": run.tensorboard,
+    }
 
 
 def _expanded(spec: Spec, value, field: str, environ: Mapping[str, str] | None = None):
@@ -114,7 +69,8 @@ def _expanded(spec: Spec, value, field: str, environ: Mapping[str, str] | None =
 
 
 def data_flags(spec: Spec, environ: Mapping[str, str] | None = None) -> dict[str, object]:
-    """The data and tokenizer flags: what ``opskit data prepare`` wrote (a corpus), or the spec's own paths.
+    """The data and tokenizer flags: what ``opskit data prepare`` wrote (a corpus: the one exception to the field ->
+    flag rule of the data section), or the data section's fields by the rule, ``$VAR`` expanded.
 
     Raises:
         SpecError: a ``$VAR`` in a data path that is not set in this environment.
@@ -123,15 +79,8 @@ def data_flags(spec: Spec, environ: Mapping[str, str] | None = None) -> dict[str
     if d.prepared_by_opskit:
         tokenizer_dir, data_prefix = data_paths(spec, environ)
         return {"data_path": data_prefix, "tokenizer_type": "PretrainedFromHF", "tokenizer_name_or_path": tokenizer_dir}
-    flags: dict[str, object] = {}
-    for key in ("data_path", "train_weighted_split_paths_path", "valid_weighted_split_paths_path"):
-        if (value := getattr(d, key)) is not None:
-            flags[key] = _expanded(spec, value, f"data.{key}", environ)
-    flags.update(data_impl=d.data_impl, split=d.split, tokenizer_type=d.tokenizer_type)
-    for key in ("tokenizer_name_or_path", "vocab_file", "merge_file"):
-        if (value := getattr(d, key)) is not None:
-            flags[key] = spec.expand(value, f"data.{key}", environ)
-    return flags
+    return {key: _expanded(spec, value, f"data.{key}", environ) for key, flag in flags.FLAGS.items()
+            if flag.section == "data" and (value := getattr(d, key)) is not None}
 
 
 def data_files(spec: Spec) -> list[tuple[str, Path]]:
@@ -169,40 +118,6 @@ def _is_number(text) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def trainer_rejections(args: list[str]) -> list[str]:
-    """Why ``python -m opskit.train`` would exit at once on ``args`` (its own argparse rules), or [].
-
-    Lists every flag the trainer does not define, then the first error its parser and checks report for the rest
-    (an invalid choice, a missing required flag, a combination it refuses). Pure Python: the trainer's flag module
-    imports only argparse.
-    """
-    from opskit.train import args as trainer_flags
-
-    parser = trainer_flags.build_parser()
-    known = {option for action in parser._actions for option in action.option_strings}
-    unknown: list[str] = []
-    kept: list[str] = []
-    skipping = False
-    for arg in args:
-        if arg.startswith("--"):
-            skipping = arg not in known
-            if skipping:
-                unknown.append(arg)
-                continue
-        elif skipping:
-            continue
-        kept.append(arg)
-    problems = [f"it does not accept {', '.join(unknown)}"] if unknown else []
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            trainer_flags.parse_args(kept)
-    except SystemExit:
-        lines = [line for line in stderr.getvalue().splitlines() if "error: " in line]
-        problems.append(lines[-1].split("error: ", 1)[1] if lines else stderr.getvalue().strip())
-    return problems
 
 
 def deepspeed_config(spec: Spec) -> dict:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from opskit.rules import flags
+
 
 class _OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line and a hint: the usage of this trainer's ~70 flags is 60 lines, and the one
@@ -29,136 +31,17 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The trainer's parser, built from the flag table (:data:`opskit.rules.flags.GROUPS`), one argparse group per
+    table group."""
     p = _OneLineParser(
         prog="python -m opskit.train",
         description="Megatron-DeepSpeed-style GPT/BLOOM pretraining (DeepSpeed pipeline engine).",
         allow_abbrev=False,
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden size")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=["absolute", "alibi"], default="absolute")
-    g.add_argument("--embed-layernorm", action="store_true", help="LayerNorm after the word embedding (BLOOM)")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--pad-vocab-size-to", type=int, default=None)
-    g.add_argument("--fp16", action="store_true", help="fp16 with DeepSpeed's loss scaling (the DeepSpeed config's "
-                   "fp16 block; default dynamic, initial scale 2^12)")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="accepted, no effect: as in Megatron-DeepSpeed, the DeepSpeed config's fp16.loss_scale "
-                        "governs (0 = dynamic)")
-
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--sync-tp-duplicated-parameters", action="store_true",
-                   help="average the parameters every TP rank holds a copy of (LayerNorms, row-parallel biases, "
-                        "position embeddings) over the TP group after every step, so they stay bitwise equal")
-    g.add_argument("--deepspeed", action="store_true", help="accepted for compatibility; DeepSpeed is always used")
-    g.add_argument("--deepspeed_config", default=None, help="DeepSpeed JSON; missing keys are filled from the flags")
-    g.add_argument("--zero-stage", type=int, choices=[0, 1], default=1)
-    g.add_argument("--checkpoint-activations", action="store_true")
-    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                   help="accepted, no effect: --checkpoint-activations always uses DeepSpeed's (pipeline) activation "
-                        "checkpointing")
-    g.add_argument("--pp-partition-method", default=None,
-                   help="DeepSpeed PipelineModule partition_method: parameters, uniform or type:REGEX "
-                        "(default: type:transformer|embedding, BLOOM-176B's)")
-    g.add_argument("--abort-on-unmet-fused-kernel-constraints", action="store_true",
-                   help="accepted, no effect: this trainer has no fused softmax kernels whose constraints could fail")
-    g.add_argument("--torch-compile", action="store_true",
-                   help="opskit extension: torch.compile each transformer layer (GPUs)")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl with CUDA, gloo on CPU")
-
-    g = p.add_argument_group("batch and schedule")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"))
-    g.add_argument("--train-samples", type=int, required=True)
-    g.add_argument("--train-tokens", type=int, default=None,
-                   help="accepted, no effect, as in Megatron-DeepSpeed since its PR #177: --train-samples ends "
-                        "training")
-    g.add_argument("--lr", type=float, required=True)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="default: --train-samples")
-    g.add_argument("--lr-decay-tokens", type=int, default=None,
-                   help="decay the LR over this many consumed tokens instead of samples (curriculum learning: "
-                        "shorter sequences early); warmup stays in samples")
-    g.add_argument("--override-lr-scheduler", action="store_true")
-    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true")
-    g.add_argument("--optimizer", choices=["adam"], default="adam")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-
-    g = p.add_argument_group("data")
-    g.add_argument("--data-path", default=None, nargs="+",
-                   help="indexed dataset prefix (without .bin/.idx), or a blend: WEIGHT PREFIX WEIGHT PREFIX ... "
-                        "(weights are normalised; each prefix is split by --split on its own)")
-    g.add_argument("--train-weighted-split-paths-path", default=None,
-                   help="instead of --data-path: a file holding one group \"NAME: WEIGHT START:END PREFIX, ...\" "
-                        "(BigScience's catalogue blend; START:END are fractions of each dataset's documents)")
-    g.add_argument("--valid-weighted-split-paths-path", default=None,
-                   help="the validation groups, same format, one or more \"NAME: ...\" groups on one line; each is "
-                        "evaluated and printed under its NAME")
-    g.add_argument("--data-impl", choices=["mmap"], default="mmap")
-    g.add_argument("--tokenizer-type", choices=["PretrainedFromHF", "GPT2BPETokenizer"], default="PretrainedFromHF")
-    g.add_argument("--tokenizer-name-or-path", default=None,
-                   help="PretrainedFromHF: a folder with tokenizer.json")
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="accepted, no effect: samples are read from the mmap in the training process (no DataLoader)")
-    g.add_argument("--valid-num-workers", type=int, default=2,
-                   help="accepted, no effect: validation samples are read in the training process too")
-    g.add_argument("--split", default="969, 30, 1",
-                   help="train,valid,test weights: the documents, in index order, are cut proportionally "
-                        "(Megatron's rule; default 969, 30, 1)")
-
-    g = p.add_argument_group("validation")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="validate every N iterations and at the end of training (default: never)")
-    g.add_argument("--eval-iters", type=int, default=100,
-                   help="global batches of the valid split per validation (default 100)")
-
-    g = p.add_argument_group("checkpoints and exit")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=float, default=None)
-    g.add_argument("--kill-switch-path", default=None, help="if this file exists: save and exit")
-    g.add_argument("--skip-train-iteration-range", nargs="+", default=None, metavar="START-END",
-                   help="skip the global batches of data these iterations would have trained on (e.g. 101-200 "
-                        "251-300); iteration, LR and consumed samples do not advance")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
-                   help="accepted; batch-size/batch-size (+ vs samples) is always written")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="accepted, no effect: the trainer keeps no Megatron timers to write")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="also write 'lm-loss-validation/lm loss validation ppl'")
-    g.add_argument("--codecarbon-dir", default=None,
-                   help="CodeCarbon's offline emissions CSVs (emissions-RANK.csv) go here, when the codecarbon "
-                        "package is installed (pip install codecarbon); otherwise a warning and training goes on")
+    for title, group_flags in flags.GROUPS:
+        group = p.add_argument_group(title)
+        for flag in group_flags:
+            group.add_argument(flag.option, **flag.argparse_kwargs())
     return p
 
 
