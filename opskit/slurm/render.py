@@ -155,6 +155,17 @@ def template_env() -> jinja2.Environment:
     return env
 
 
+def _one_flag_per_line(args: list[str]) -> str:
+    """The trainer's arguments, quoted, one flag and its values per continued line: a changed flag is a one-line diff
+    (of the golden files, or of two runs' scripts)."""
+    lines: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append([])
+        lines[-1].append(shlex.quote(arg))
+    return " \\\n        ".join(" ".join(line) for line in lines)
+
+
 @dataclass(frozen=True)
 class RenderedJob:
     script: str
@@ -202,7 +213,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         time_limit_s=int(s.time_minutes * 60),
         max_failures=s.max_failures,
         env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},
-        trainer_args=" ".join(shlex.quote(a) for a in trainer_args(spec, run)),
+        trainer_args=_one_flag_per_line(trainer_args(spec, run)),
         ds_config=ds_config,
     )
     return RenderedJob(script=script, ds_config=ds_config)
