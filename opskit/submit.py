@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 import yaml
 
 from opskit.fsutil import atomic_write_text
+from opskit.rules.deepspeed import installed_deepspeed_version
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client, local
 from opskit.slurm.render import RenderedJob, data_files, render_job, trainer_args, trainer_rejections
-from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
+from opskit.spec import Spec, deepspeed_resume_problem
 
 
 class SubmitError(RuntimeError):
