@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from opskit.rules.checks import valid_node_counts
+from opskit.rules.checks import batch_sizes_of, valid_node_counts
 from opskit.rules.deepspeed import installed_deepspeed_version
 from opskit.rules.model import megatron_flops_per_iteration
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
@@ -310,7 +310,7 @@ class LayoutPlan:
 
 def _layout_plan(spec: Spec) -> LayoutPlan:
     p, b = spec.parallel, spec.batch
-    sizes = [b.global_batch_size, *(b.rampup_batch_size[:2] if b.rampup_batch_size else ())]
+    sizes = batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     return LayoutPlan(
         nodes=p.nodes, gpus_per_node=p.gpus_per_node, world_size=p.world_size, tensor_parallel=tp,

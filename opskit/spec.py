@@ -597,7 +597,7 @@ class Spec(_Section):
     def _cluster_rules(self) -> Spec:
         p, b = self.parallel, self.batch
         if p.world_size % p.model_parallel_size:
-            sizes = [b.global_batch_size, *(b.rampup_batch_size[:2] if b.rampup_batch_size else ())]
+            sizes = checks.batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
             nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size,
                                       p.pipeline_model_parallel_size, b.micro_batch_size, sizes)
             fix = f"valid parallel.nodes for this layout: {listed(nodes)}" if nodes else "change TP or PP"

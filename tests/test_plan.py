@@ -32,6 +32,8 @@ from opskit.plan import (
     seqlen_schedule,
     training_days,
 )
+from opskit.rules.deepspeed import installed_deepspeed_version
+from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
 from opskit.runs import RunPaths
 from opskit.slurm.render import deepspeed_config, render_job, trainer_args, trainer_rejections
 from opskit.spec import (
@@ -44,8 +46,6 @@ from opskit.spec import (
     parse_slurm_time,
     validate_spec,
 )
-from opskit.rules.deepspeed import installed_deepspeed_version
-from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
 from opskit.submit import SubmitError, check_data, check_trainer
 
 REPO = Path(__file__).resolve().parents[1]
