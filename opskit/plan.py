@@ -10,7 +10,7 @@ reproduces):
   Models"), with and without full activation checkpointing;
 - the layout and the node counts a batch ramp-up allows (Megatron's divisibility rule);
 - the ramp-up schedule, ``train_iters`` and the LR schedule in iterations, replayed with Megatron's own rules
-  (``opskit.train.schedules``: microbatches.py, training.py update_train_iters, learning_rates.py);
+  (``opskit.rules.schedule``: microbatches.py, training.py update_train_iters, learning_rates.py);
 - curriculum learning (DeepSpeed's seqlen curriculum: fixed_linear / fixed_root);
 - FLOPs per iteration (Megatron-DeepSpeed's log formula, Narayanan et al. 2021 eq. 3) and days at a TFLOPs figure,
   ``tokens * 8 * params / (gpus * TFLOPs)`` (math/README.md), with the ramp-up's pipeline-bubble slowdown.
@@ -21,19 +21,13 @@ vendors and torch.cuda count it), seconds, days of 86 400 s, FLOPs (not FLOP/s) 
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
-from opskit.spec import (
-    CurriculumSpec,
-    Spec,
-    deepspeed_resume_problem,
-    installed_deepspeed_version,
-    padded_vocab_size,
-    valid_node_counts,
-)
-from opskit.train.log import megatron_flops_per_iteration
-from opskit.train.schedules import BatchRampup
+from opskit.rules.checks import batch_sizes_of, valid_node_counts
+from opskit.rules.deepspeed import installed_deepspeed_version
+from opskit.rules.model import megatron_flops_per_iteration
+from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
+from opskit.spec import Spec, deepspeed_resume_problem, padded_vocab_size
 
 GIB = 2**30
 SECONDS_PER_DAY = 86_400
@@ -298,7 +292,7 @@ class LayoutPlan:
 
 def _layout_plan(spec: Spec) -> LayoutPlan:
     p, b = spec.parallel, spec.batch
-    sizes = [b.global_batch_size, *(b.rampup_batch_size[:2] if b.rampup_batch_size else ())]
+    sizes = batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     return LayoutPlan(
         nodes=p.nodes, gpus_per_node=p.gpus_per_node, world_size=p.world_size, tensor_parallel=tp,
@@ -344,59 +338,13 @@ class BatchPlan:
     """Tokens of the run: train_tokens where set, else train_samples * seq_length (no curriculum)."""
 
 
-def rampup_rows(rampup: BatchRampup, train_samples: int) -> tuple[list[RampupRow], int, int]:
-    """Per-GBS iterations and samples of Megatron's run, ramp-up then the rest at the full GBS.
-
-    Replays ``update_train_iters`` (Megatron training.py): iterate ``consumed += GBS(consumed)`` while consumed <=
-    ramp-up samples, then ``(train_samples - consumed) // GBS`` iterations at the full GBS.
-
-    Returns:
-        (rows, ramp-up iterations, samples consumed by the ramp-up).
-    """
-    counts: dict[int, list[int]] = {}
-    consumed = iterations = 0
-    if rampup.rampup is not None:
-        limit = rampup.rampup[2]
-        while consumed <= limit:
-            gbs = rampup.batch_size(consumed)
-            row = counts.setdefault(gbs, [0, 0])
-            row[0] += 1
-            row[1] += gbs
-            consumed += gbs
-            iterations += 1
-    nominal = None
-    if rampup.rampup is not None and (rampup.global_batch_size - rampup.rampup[0]) // rampup.rampup[1]:
-        start, incr, limit = rampup.rampup
-        nominal = limit / ((rampup.global_batch_size - start) // incr)
-    rows = [RampupRow(gbs, n, samples, int(nominal / gbs) if nominal else None)
-            for gbs, (n, samples) in counts.items()]
-    rest = max(train_samples - consumed, 0) // rampup.global_batch_size
-    rows.append(RampupRow(rampup.global_batch_size, rest, rest * rampup.global_batch_size, None))
-    return rows, iterations, consumed
-
-
-def consumed_samples(rampup: BatchRampup, iterations: int) -> int:
-    """Samples consumed after ``iterations`` iterations under Megatron's ramp-up: the ``consumed samples`` of the log
-    line of that iteration (tr11-176B-ml: 9_841_584 at iteration 12695)."""
-    consumed = done = 0
-    if rampup.rampup is not None:
-        while done < iterations and consumed <= rampup.rampup[2]:
-            consumed += rampup.batch_size(consumed)
-            done += 1
-    return consumed + (iterations - done) * rampup.global_batch_size
-
-
-def iterations_to_samples(rampup: BatchRampup, samples: int) -> int:
-    """The first iteration after which at least ``samples`` samples are consumed, under Megatron's ramp-up (an LR
-    warmup in samples ends there)."""
-    consumed = iterations = 0
-    if rampup.rampup is not None:
-        while consumed < samples and consumed <= rampup.rampup[2]:
-            consumed += rampup.batch_size(consumed)
-            iterations += 1
-    if consumed < samples:
-        iterations += math.ceil((samples - consumed) / rampup.global_batch_size)
-    return iterations
+def rampup_rows(rampup: BatchRampup, train_samples: int) -> list[RampupRow]:
+    """Per-GBS iterations and samples of Megatron's run (:meth:`BatchRampup.rows`), with the READMEs' nominal
+    iteration counts on the ramp-up rows."""
+    per_increment = rampup.samples_per_increment
+    *ramp, rest = rampup.rows(train_samples)
+    return [RampupRow(gbs, n, samples, int(per_increment / gbs) if per_increment else None)
+            for gbs, n, samples in ramp] + [RampupRow(*rest, None)]
 
 
 def rampup_samples_fixed_steps(steps: int, start: int, increment: int, steps_per_increment: int) -> int:
@@ -405,7 +353,7 @@ def rampup_samples_fixed_steps(steps: int, start: int, increment: int, steps_per
 
     This is the README's model, not Megatron's: Megatron's ramp-up holds each GBS for a fixed number of *samples*
     (samples_per_increment), so it runs many more iterations at the small batch sizes; see
-    :func:`iterations_to_samples` for the iteration at which the same sample count is really reached."""
+    :meth:`BatchRampup.iterations_to_samples` for the iteration at which the same sample count is really reached."""
     full, rest = divmod(steps, steps_per_increment)
     ramp = sum((start + k * increment) * steps_per_increment for k in range(full))
     return ramp + (start + full * increment) * rest
@@ -414,15 +362,13 @@ def rampup_samples_fixed_steps(steps: int, start: int, increment: int, steps_per
 # --------------------------------------------------------------------------- curriculum learning
 
 
-def curriculum_seqlen(cl: CurriculumSpec, max_difficulty: int, step: int) -> int:
-    """DeepSpeed's seqlen curriculum at global step ``step``: ``d = floor((step/total)^(1/root) * (max - min) + min)``,
-    ``d -= d % difficulty_step``, ``min(d, max)`` (root 1 for fixed_linear); DeepSpeed curriculum_scheduler.py.
-    Megatron-DeepSpeed uses ``update_difficulty(iteration + 1)`` for each iteration."""
-    root = cl.root_degree or 1
-    fraction = (step / cl.total_curriculum_step) ** (1.0 / root)
-    difficulty = math.floor(fraction * (max_difficulty - cl.min_difficulty) + cl.min_difficulty)
-    difficulty -= difficulty % cl.difficulty_step
-    return min(difficulty, max_difficulty)
+def seqlen_schedule(spec: Spec) -> SeqlenSchedule | None:
+    """The spec's sequence-length curriculum as :class:`opskit.rules.schedule.SeqlenSchedule`, or None."""
+    cl = spec.curriculum_learning
+    if cl is None:
+        return None
+    return SeqlenSchedule(cl.min_difficulty, spec.curriculum_max_difficulty, cl.total_curriculum_step,
+                          cl.difficulty_step, cl.root_degree)
 
 
 @dataclass(frozen=True)
@@ -444,30 +390,12 @@ class CurriculumPlan:
     """Iterations until train_tokens are consumed, with the curriculum's shorter sequences."""
 
 
-def _tokens_per_iteration(spec: Spec, rampup: BatchRampup):
-    """Yield (GBS, tokens) of iterations 1, 2, ... while the ramp-up or the curriculum still changes them."""
-    cl, consumed, iteration = spec.curriculum_learning, 0, 0
-    ramp_limit = rampup.rampup[2] if rampup.rampup is not None else -1
-    top = spec.curriculum_max_difficulty if cl else spec.model.seq_length
-    while consumed <= ramp_limit or (cl is not None and iteration < cl.total_curriculum_step):
-        iteration += 1
-        gbs = rampup.batch_size(consumed) if consumed <= ramp_limit else rampup.global_batch_size
-        seqlen = curriculum_seqlen(cl, top, iteration) if cl is not None else spec.model.seq_length
-        consumed += gbs
-        yield gbs, gbs * seqlen
+def _rampup(spec: Spec) -> BatchRampup:
+    return BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
 
 
-def iterations_to_tokens(spec: Spec, tokens: int) -> int:
-    """The first iteration after which ``tokens`` tokens are consumed (ramp-up and curriculum replayed)."""
-    rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
-    consumed = iterations = 0
-    for _, step_tokens in _tokens_per_iteration(spec, rampup):
-        if consumed >= tokens:
-            return iterations
-        consumed += step_tokens
-        iterations += 1
-    full = spec.batch.global_batch_size * spec.model.seq_length
-    return iterations + max(math.ceil((tokens - consumed) / full), 0)
+def _iterations_to_tokens(spec: Spec, tokens: int) -> int:
+    return iterations_to_tokens(_rampup(spec), spec.model.seq_length, tokens, seqlen_schedule(spec))
 
 
 def _curriculum_plan(spec: Spec, tokens: int) -> CurriculumPlan | None:
@@ -475,8 +403,7 @@ def _curriculum_plan(spec: Spec, tokens: int) -> CurriculumPlan | None:
     if cl is None:
         return None
     top, gbs, seq = spec.curriculum_max_difficulty, spec.batch.global_batch_size, spec.model.seq_length
-    rampup = BatchRampup(gbs, spec.batch.rampup_batch_size)
-    steps = _tokens_per_iteration(spec, rampup)  # yields at least total_curriculum_step iterations
+    steps = tokens_per_iteration(_rampup(spec), seq, seqlen_schedule(spec))  # >= total_curriculum_step iterations
     cl_tokens = sum(next(steps)[1] for _ in range(cl.total_curriculum_step))
     return CurriculumPlan(
         curriculum_type=cl.curriculum_type, schedule_type=cl.schedule_type, min_difficulty=cl.min_difficulty,
@@ -484,7 +411,7 @@ def _curriculum_plan(spec: Spec, tokens: int) -> CurriculumPlan | None:
         recommended_total_curriculum_step=tokens / gbs / seq / 2,
         iterations_per_difficulty_step=cl.total_curriculum_step / ((top - cl.min_difficulty) / cl.difficulty_step),
         curriculum_tokens=cl_tokens,
-        iterations_to_train_tokens=(iterations_to_tokens(spec, spec.batch.train_tokens)
+        iterations_to_train_tokens=(_iterations_to_tokens(spec, spec.batch.train_tokens)
                                     if spec.batch.train_tokens else None))
 
 
@@ -507,16 +434,16 @@ class LrPlan:
 
 def _lr_plan(spec: Spec, samples: int) -> LrPlan:
     o = spec.optimizer
-    rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
+    rampup = _rampup(spec)
     decay_samples = o.lr_decay_samples if o.lr_decay_samples is not None else (
         None if o.lr_decay_tokens is not None else samples)
     return LrPlan(
         lr=o.lr, min_lr=o.min_lr, decay_style=o.lr_decay_style, warmup_samples=o.lr_warmup_samples,
-        warmup_iterations=iterations_to_samples(rampup, o.lr_warmup_samples),
+        warmup_iterations=rampup.iterations_to_samples(o.lr_warmup_samples),
         decay_samples=decay_samples,
-        decay_iterations=iterations_to_samples(rampup, decay_samples) if decay_samples is not None else None,
+        decay_iterations=rampup.iterations_to_samples(decay_samples) if decay_samples is not None else None,
         decay_tokens=o.lr_decay_tokens,
-        decay_tokens_iterations=iterations_to_tokens(spec, o.lr_decay_tokens) if o.lr_decay_tokens else None)
+        decay_tokens_iterations=_iterations_to_tokens(spec, o.lr_decay_tokens) if o.lr_decay_tokens else None)
 
 
 # --------------------------------------------------------------------------- throughput and time
@@ -643,16 +570,17 @@ def make_plan(spec: Spec, tflops: float | None = None, gpus: int | None = None) 
     warnings: list[str] = []
     b, m = spec.batch, spec.model
     params = _parameter_plan(spec)
-    rampup = BatchRampup(b.global_batch_size, b.rampup_batch_size)
+    rampup = _rampup(spec)
     samples = b.samples
-    rows, ramp_iterations, ramp_consumed = rampup_rows(rampup, samples)
+    rows = rampup_rows(rampup, samples)
+    ramp_iterations, ramp_consumed = rampup.rampup_end()
     tokens = b.train_tokens or samples * m.seq_length
     start, incr, ramp_samples = b.rampup_batch_size or (None, None, None)
     increments = (b.global_batch_size - start) // incr if incr else None
     batch = BatchPlan(
         micro_batch_size=b.micro_batch_size, global_batch_size=b.global_batch_size, rampup_start=start,
         rampup_increment=incr, rampup_samples=ramp_samples, num_increments=increments,
-        samples_per_increment=ramp_samples / increments if increments else None, rows=rows,
+        samples_per_increment=rampup.samples_per_increment, rows=rows,
         rampup_iterations=ramp_iterations, rampup_consumed_samples=ramp_consumed, train_samples=samples,
         train_iters=rampup.train_iters(samples) if b.train_iters is None else b.train_iters, tokens=tokens)
     memory = _memory_plan(spec)

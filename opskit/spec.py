@@ -29,14 +29,13 @@ spec that Megatron or SLURM would reject.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,7 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, claim_file
-from opskit.rules import flags
+from opskit.rules import checks, flags
+from opskit.rules.checks import listed, valid_node_counts
+from opskit.rules.deepspeed import deepspeed_version_problem
+from opskit.rules.model import padded_vocab_size as _padded_vocab_size
 
 USER_SPEC_DIR = Path("trainings")
 # Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
@@ -90,14 +92,6 @@ _SpecLoader.add_implicit_resolver(
 
 class SpecError(OpskitError, ValueError):
     """A spec that cannot be found, read or validated; the message is one line naming the file and field."""
-
-
-def installed_deepspeed_version() -> str | None:
-    """The DeepSpeed version installed here (package metadata, without importing it), or None."""
-    try:
-        return metadata.version("deepspeed")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def parse_slurm_time(value: str) -> float:
@@ -162,14 +156,9 @@ class ModelSpec(_Section):
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must be divisible by num_attention_heads {self.num_attention_heads}"
-            )
-        if self.seq_length > self.max_position_embeddings:
-            raise ValueError(
-                f"seq_length {self.seq_length} exceeds max_position_embeddings {self.max_position_embeddings}"
-            )
+        if problems := checks.attention_problems(self.hidden_size, self.num_attention_heads, self.seq_length,
+                                                 self.max_position_embeddings, _key_name):
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -243,13 +232,9 @@ class BatchSpec(_Section):
                 raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: {samples} ramp-up samples at a "
                                  f"start batch of {start} is up to {samples // start:,} iterations of ramp-up (more "
                                  f"than {MAX_ITERATIONS:,}: a typo?)")
-            if self.train_iters is not None:
-                raise ValueError("rampup_batch_size needs train_samples: Megatron refuses --rampup-batch-size with "
-                                 "--train-iters (the ramp is counted in samples); replace train_iters with "
-                                 "train_samples")
-        if (self.train_samples is None) == (self.train_iters is None):
-            raise ValueError("set exactly one of train_samples and train_iters (Megatron's --train-samples / "
-                             "--train-iters)")
+        if problems := checks.train_length_problems(self.train_samples, self.train_iters, self.rampup_batch_size,
+                                                    _key_name):
+            raise ValueError("; ".join(problems))
         return self
 
     @property
@@ -602,10 +587,10 @@ class Spec(_Section):
     def _cluster_rules(self) -> Spec:
         p, b = self.parallel, self.batch
         if p.world_size % p.model_parallel_size:
-            sizes = [b.global_batch_size, *(b.rampup_batch_size[:2] if b.rampup_batch_size else ())]
+            sizes = checks.batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
             nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size,
                                       p.pipeline_model_parallel_size, b.micro_batch_size, sizes)
-            fix = f"valid parallel.nodes for this layout: {_listed(nodes)}" if nodes else "change TP or PP"
+            fix = f"valid parallel.nodes for this layout: {listed(nodes)}" if nodes else "change TP or PP"
             raise ValueError(f"parallel: {p.world_size} processes ({p.nodes} nodes x {p.gpus_per_node}) are not "
                              f"divisible by TP*PP = {p.model_parallel_size}; {fix}")
         problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems()]
@@ -621,78 +606,25 @@ class Spec(_Section):
 
     def _layout_problems(self) -> list[str]:
         m, p = self.model, self.parallel
-        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        problems = []
-        if m.num_attention_heads % tp:
-            problems.append(f"model.num_attention_heads {m.num_attention_heads} is not divisible by "
-                            f"parallel.tensor_model_parallel_size {tp} (Megatron splits heads over TP): use TP in "
-                            f"{_listed(_divisors(m.num_attention_heads))}")
-        elif m.ffn_size % tp:
-            problems.append(f"model.ffn_hidden_size {m.ffn_size} is not divisible by "
-                            f"parallel.tensor_model_parallel_size {tp}: use TP in {_listed(_divisors(m.ffn_size))}")
-        if p.pp_partition_method is None and m.num_layers % pp:
-            problems.append(f"model.num_layers {m.num_layers} is not divisible by "
-                            f"parallel.pipeline_model_parallel_size {pp}: use PP in "
-                            f"{_listed(_divisors(m.num_layers))}, or set parallel.pp_partition_method (e.g. "
-                            "'type:transformer|embedding') to balance uneven stages")
-        elif pp > m.num_layers + 2:
-            problems.append(f"parallel.pipeline_model_parallel_size {pp} exceeds the {m.num_layers} layers (+2 "
-                            "embeddings): some pipeline stages would be empty")
-        if m.pad_vocab_size_to is not None:
-            multiple = m.make_vocab_size_divisible_by * tp
-            if m.pad_vocab_size_to % multiple:
-                fix = math.ceil(m.pad_vocab_size_to / multiple) * multiple
-                problems.append(f"model.pad_vocab_size_to {m.pad_vocab_size_to} is not divisible by "
-                                f"make_vocab_size_divisible_by*TP = {m.make_vocab_size_divisible_by}*{tp} = "
-                                f"{multiple}: use {fix}")
-            elif m.pad_vocab_size_to < self.data.vocab_size:
-                problems.append(f"model.pad_vocab_size_to {m.pad_vocab_size_to} is below data.vocab_size "
-                                f"{self.data.vocab_size}: it must hold every token")
-        return problems
+        tp = p.tensor_model_parallel_size
+        return [*checks.tensor_parallel_problems(m.num_attention_heads, m.ffn_size, tp, _field_name),
+                *checks.pipeline_problems(m.num_layers, p.pipeline_model_parallel_size, p.pp_partition_method,
+                                          _field_name),
+                *checks.pad_vocab_problems(m.pad_vocab_size_to, m.make_vocab_size_divisible_by, tp,
+                                           self.data.vocab_size, _field_name)]
 
     def _batch_problems(self) -> list[str]:
         b, p = self.batch, self.parallel
-        mbs_dp = b.micro_batch_size * p.data_parallel_size
-        sizes = [("global_batch_size", b.global_batch_size)]
-        if b.rampup_batch_size is not None:
-            start, incr, _ = b.rampup_batch_size
-            if incr <= 0 or (b.global_batch_size - start) % incr or start > b.global_batch_size:
-                return [f"batch.rampup_batch_size: global_batch_size - start = {b.global_batch_size - start} must "
-                        f"be a positive multiple of the increment {incr}"]
-            sizes += [("rampup_batch_size start", start), ("rampup_batch_size increment", incr)]
-        bad = [(what, gbs) for what, gbs in sizes if gbs % mbs_dp]
-        if not bad:
-            return []
-        nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                  b.micro_batch_size, [gbs for _, gbs in sizes])
-        if nodes:
-            fix = f"valid parallel.nodes for this layout: {_listed(nodes)}"
-        else:
-            fix = (f"no node count works with micro_batch_size {b.micro_batch_size}: use a micro_batch_size that "
-                   f"divides {math.gcd(*[gbs for _, gbs in sizes])}")
-        return [f"batch.{what} {gbs} is not divisible by micro_batch_size*DP = {mbs_dp} "
-                f"({b.micro_batch_size}*{p.data_parallel_size} at {p.nodes} nodes); {fix}" for what, gbs in bad]
+        return checks.rampup_problems(b.global_batch_size, b.rampup_batch_size, _field_name) or checks.batch_problems(
+            b.global_batch_size, b.rampup_batch_size, b.micro_batch_size, p.nodes, p.gpus_per_node,
+            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, _field_name)
 
     def _curriculum_problems(self) -> list[str]:
         cl = self.curriculum_learning
         if cl is None:
             return []
-        problems = []
-        if cl.min_difficulty % 8:
-            problems.append(f"curriculum_learning.min_difficulty {cl.min_difficulty} is not a multiple of 8 (Tensor "
-                            f"Core alignment, DeepSpeed's curriculum guide): use {cl.min_difficulty // 8 * 8 or 8} "
-                            f"or {(cl.min_difficulty // 8 + 1) * 8}")
-        if cl.difficulty_step % 8:
-            problems.append(f"curriculum_learning.difficulty_step {cl.difficulty_step} is not a multiple of 8 "
-                            "(Tensor Core alignment): use 8")
-        top = self.curriculum_max_difficulty
-        if top > self.model.seq_length:
-            problems.append(f"curriculum_learning.max_difficulty {top} exceeds model.seq_length "
-                            f"{self.model.seq_length}: use {self.model.seq_length}")
-        elif cl.min_difficulty >= top:
-            problems.append(f"curriculum_learning.min_difficulty {cl.min_difficulty} must be below max_difficulty "
-                            f"{top}")
-        return problems
+        return checks.curriculum_problems(cl.min_difficulty, self.curriculum_max_difficulty, cl.difficulty_step,
+                                          self.model.seq_length, _field_name)
 
     @property
     def curriculum_max_difficulty(self) -> int:
@@ -783,85 +715,32 @@ def _gres_gpus(gres: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
+def _key_name(key: str, value: Any = None) -> str:
+    """The :data:`opskit.rules.checks.Namer` inside one section (pydantic prefixes the section): ``hidden_size 128``."""
+    return key if value is None else f"{key} {value}"
 
 
-def _listed(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values)
-
-
-def valid_node_counts(gpus_per_node: int, tp: int, pp: int, micro_batch_size: int, batch_sizes: list[int]) -> list[int]:
-    """Node counts whose data-parallel size lets every batch size in ``batch_sizes`` split into micro-batches.
-
-    A layout is valid when ``nodes * gpus_per_node = TP * PP * DP`` and ``MBS * DP`` divides every batch size (for a
-    ramp-up: the start, the increment and the final GBS, hence every GBS on the way). Source: Megatron's
-    ``RampupBatchsizeNumMicroBatches`` divisibility assert; tr1-13B README ("we can do only DP_SIZE=16, which means
-    that at most we can use 32 nodes").
-
-    Returns:
-        the valid node counts, ascending (empty when MBS divides no common batch size).
-    """
-    common = 0
-    for size in batch_sizes:
-        common = math.gcd(common, size)
-    if common == 0 or common % micro_batch_size:
-        return []
-    nodes = set()
-    for dp in _divisors(common // micro_batch_size):
-        world = dp * tp * pp
-        if world % gpus_per_node == 0:
-            nodes.add(world // gpus_per_node)
-    return sorted(nodes)
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+def _field_name(key: str, value: Any = None) -> str:
+    """The :data:`opskit.rules.checks.Namer` of a whole spec: the field's path, ``model.num_attention_heads 12``."""
+    sections = (("model", ModelSpec), ("parallel", ParallelSpec), ("batch", BatchSpec), ("optimizer", OptimizerSpec),
+                ("data", DataSpec), ("curriculum_learning", CurriculumSpec))
+    path = next((f"{section}.{key}" for section, model in sections if key in model.model_fields), key)
+    return _key_name(path, value)
 
 
 def deepspeed_resume_problem(spec: Spec, version: str) -> str | None:
     """Why this DeepSpeed version cannot resume (or clips wrongly) the spec's precision / ZeRO stage / PP, or None;
-    one line naming the spec fields. opskit's trainer, like Megatron-DeepSpeed, always runs DeepSpeed's pipeline
-    engine, so these hold at any PP unless said otherwise.
-
-    - bf16 + ZeRO-0, DeepSpeed 0.18.0-0.18.4: 0.18.0 (PR #7586) stopped loading ZeRO checkpoint files when ZeRO is
-      off, while bf16 still saved its optimizer states into them (BF16_Optimizer, which the pipeline engine uses for
-      bf16 + ZeRO-0, as BLOOM-176B did), so every resume silently restarted Adam. Read from deepspeedai/DeepSpeed's
-      engine.py at v0.17.6, v0.18.0, v0.18.4 and v0.18.5.
-    - bf16 + ZeRO-0, DeepSpeed 0.18.5-0.19.8: 0.18.5 (PR #7786) loads those states with the model states again, but
-      hands BF16_Optimizer.load_state_dict the saved dict where it expects one state per DP rank: every resume fails
-      with ``KeyError: 0`` (measured on 0.19.8; 0.18.5-0.19.7 read from the same code path, not run).
-    - fp32 / fp16 + ZeRO-0 + PP > 1 with gradient clipping, DeepSpeed 0.19.x: the clipping norm counts pipeline stage
-      0's gradients only, so every other stage clips with the wrong factor (measured on 0.19.8 in fp32, tests of
-      test_train.py; fp16 could not run on a CPU; bf16 clips right).
-    """
-    precision, zero_stage = spec.model.precision, spec.parallel.zero_stage
-    if zero_stage != 0:
-        return None
-    parsed = _version_tuple(version)
-    if precision == "bf16" and (0, 18, 0) <= parsed < (0, 18, 5):
-        return (f"model.precision bf16 with parallel.zero_stage 0 on DeepSpeed {version} saves the optimizer states "
-                "but never loads them back (DeepSpeed 0.18.0-0.18.4; deepspeedai/DeepSpeed#7786), so every resume "
-                "restarts Adam from zero: use parallel.zero_stage 1, or DeepSpeed <= 0.17.x")
-    if precision == "bf16" and (0, 18, 5) <= parsed <= (0, 19, 8):
-        return (f"model.precision bf16 with parallel.zero_stage 0 cannot resume on DeepSpeed {version}: its pipeline "
-                "engine fails loading the bf16 optimizer states (KeyError: 0; DeepSpeed 0.18.5-0.19.8): use "
-                "parallel.zero_stage 1, or DeepSpeed <= 0.17.x")
-    pp = spec.parallel.pipeline_model_parallel_size
-    if precision != "bf16" and pp > 1 and spec.optimizer.clip_grad > 0 and (0, 19, 0) <= parsed < (0, 20, 0):
-        return (f"model.precision {precision} with parallel.zero_stage 0 and pipeline_model_parallel_size {pp} "
-                f"clips gradients with pipeline stage 0's norm only on DeepSpeed {version} (0.19.x): use "
-                "parallel.zero_stage 1, or optimizer.clip_grad 0")
-    return None
+    one line naming the spec fields (:func:`opskit.rules.deepspeed.deepspeed_version_problem`)."""
+    problem = deepspeed_version_problem(spec.model.precision, spec.parallel.zero_stage,
+                                        spec.parallel.pipeline_model_parallel_size, spec.optimizer.clip_grad, version,
+                                        _field_name)
+    return problem.message if problem else None
 
 
 def padded_vocab_size(vocab_size: int, model: ModelSpec, tp: int) -> int:
-    """Megatron's vocab padding: ``--pad-vocab-size-to`` or the next multiple of make_vocab_size_divisible_by * TP."""
-    if model.pad_vocab_size_to is not None:
-        return model.pad_vocab_size_to
-    multiple = model.make_vocab_size_divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    """The model's padded vocabulary (:func:`opskit.rules.model.padded_vocab_size`; the spec checked
+    ``pad_vocab_size_to`` already)."""
+    return _padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp, model.pad_vocab_size_to)
 
 
 # --------------------------------------------------------------------------- finding and reading specs

@@ -10,10 +10,11 @@ import yaml
 
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
+from opskit.rules.deepspeed import installed_deepspeed_version
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client, local
 from opskit.slurm.render import RenderedJob, data_files, render_job
-from opskit.spec import Spec, deepspeed_resume_problem, installed_deepspeed_version
+from opskit.spec import Spec, deepspeed_resume_problem
 
 
 class SubmitError(OpskitError, RuntimeError):

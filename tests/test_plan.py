@@ -22,24 +22,23 @@ from opskit.plan import (
     ACHIEVED_TFLOPS,
     activation_bytes_per_layer,
     bloom_parameters,
-    consumed_samples,
-    curriculum_seqlen,
     gpt_parameters,
-    iterations_to_samples,
     make_plan,
     model_state_bytes,
     pipeline_bubble_factor,
     pipeline_stages,
     rampup_samples_fixed_steps,
+    seqlen_schedule,
     training_days,
 )
+from opskit.rules.deepspeed import installed_deepspeed_version
+from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
 from opskit.runs import RunPaths
 from opskit.slurm.render import deepspeed_config, render_job, trainer_args
 from opskit.spec import (
     Spec,
     SpecError,
     deepspeed_resume_problem,
-    installed_deepspeed_version,
     list_specs,
     load_spec,
     padded_vocab_size,
@@ -48,7 +47,6 @@ from opskit.spec import (
 )
 from opskit.submit import SubmitError, check_data, check_trainer
 from opskit.train.args import parse_args
-from opskit.train.schedules import AnnealingLR, BatchRampup, num_microbatches
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "opskit" / "presets"
@@ -301,7 +299,7 @@ def test_tr1_warmup_216320_samples(in_tmp):
     lr = plan_of("tr1-13B").lr
     assert (lr.warmup_samples, lr.warmup_iterations) == (216_320, 8641)
     rampup = BatchRampup(1024, (16, 16, 5_000_000))
-    assert consumed_samples(rampup, 8640) < 216_320 <= consumed_samples(rampup, 8641)
+    assert rampup.consumed_samples(8640) < 216_320 <= rampup.consumed_samples(8641)
 
 
 def test_31_35_days_and_the_math_readme_example():
@@ -338,11 +336,10 @@ def test_tr11_log_lines(in_tmp):
     for iteration, samples, lr, seconds, tflops in [(12695, 9_841_584, "5.969E-05", 105.22, "149.02"),
                                                     (31214, 47_768_496, "5.279E-05", 106.46, "147.29"),
                                                     (31251, 47_844_272, "5.277E-05", 106.09, "147.80")]:
-        assert consumed_samples(rampup, iteration) == samples
-        sched = AnnealingLR(type("Opt", (), {"param_groups": [{}]})(), 6e-5, 6e-6, 183_105, 200_000_000, "cosine",
-                            step_size=lambda: 0)
-        sched.step(samples)
-        assert f"{sched.get_lr():.3E}" == lr
+        assert rampup.consumed_samples(iteration) == samples
+        learning_rate = annealing_lr(max_lr=6e-5, min_lr=6e-6, warmup_steps=183_105, decay_steps=200_000_000,
+                                     decay_style="cosine", num_steps=samples)
+        assert f"{learning_rate:.3E}" == lr
         assert f"{plan.time.flops_per_iteration_recompute / (seconds * 384 * 1e12):.2f}" == tflops
     assert plan.batch.train_iters == 115_311  # "iteration 12695/  115311"
     assert plan.batch.tokens == 220_000_000 * 2048  # "450B tokens"
@@ -351,15 +348,15 @@ def test_tr11_log_lines(in_tmp):
 
 def test_tr1_and_tr8b_log_lines(in_tmp):
     tr1 = BatchRampup(1024, (16, 16, 5_000_000))
-    assert consumed_samples(tr1, 168_000) == 153_013_584  # "iteration 168000/ 311541 | consumed samples: 153013584"
+    assert tr1.consumed_samples(168_000) == 153_013_584  # "iteration 168000/ 311541 | consumed samples: 153013584"
     spec = load_spec("tr8b-104B")
     rampup = BatchRampup(spec.batch.global_batch_size, spec.batch.rampup_batch_size)
     assert make_plan(spec).batch.train_iters == 159_576  # "iteration 6502/ 159576"
     for iteration, samples, gbs in [(6502, 216_960, 80), (6503, 217_040, 80), (8600, 464_560, 160),
                                     (12000, 1_519_744, 528), (12001, 1_520_272, 528), (13251, 2_333_840, 800),
                                     (14000, 3_014_320, 1024)]:
-        assert consumed_samples(rampup, iteration) == samples
-        assert rampup.batch_size(consumed_samples(rampup, iteration - 1)) == gbs
+        assert rampup.consumed_samples(iteration) == samples
+        assert rampup.batch_size(rampup.consumed_samples(iteration - 1)) == gbs
 
 
 def test_tr11_layout(in_tmp):
@@ -408,7 +405,7 @@ def test_tr8b_curriculum_learning(in_tmp):
     assert cl.iterations_per_difficulty_step == pytest.approx(145.16, abs=0.01)
     assert cl.min_difficulty % 8 == 0 and cl.max_difficulty == 2048
     spec = load_spec("tr8b-104B:cl")
-    seqlens = [curriculum_seqlen(spec.curriculum_learning, 2048, step) for step in (1, 145, 146, 18000, 36000, 50000)]
+    seqlens = [seqlen_schedule(spec).seqlen(step) for step in (1, 145, 146, 18000, 36000, 50000)]
     assert seqlens == [64, 64, 72, 1056, 2048, 2048]
     assert cl.curriculum_tokens < 36_000 * 2048 * 2048
     assert plan.batch.rampup_start is None and plan.batch.train_iters == 600_000_000 // 2048
@@ -429,7 +426,7 @@ def test_formula_sources():
         34 + 5 * 32 * 2048 / 5120)
     assert activation_bytes_per_layer(2048, 1, 5120, 32) == 2048 * 5120 * 34  # fused attention keeps no scores
     assert pipeline_bubble_factor(12, 12) == pytest.approx(23 / 12)
-    assert iterations_to_samples(BatchRampup(64), 65) == 2
+    assert BatchRampup(64).iterations_to_samples(65) == 2
     assert parse_slurm_time("100:00:00") - 10 == 5990
 
 
@@ -485,8 +482,11 @@ def test_heads_ffn_layers_and_vocab_must_divide_the_layout(in_tmp):
 
     raw = raw_of("tr11-176B-ml")
     raw["model"]["pad_vocab_size_to"] = 250000
-    assert ("model.pad_vocab_size_to 250000 is not divisible by make_vocab_size_divisible_by*TP = 128*4 = 512: use "
-            "250368") in refused(write(in_tmp / "vocab.yaml", raw))
+    assert ("model.pad_vocab_size_to 250000 is not divisible by model.make_vocab_size_divisible_by 128 and "
+            "parallel.tensor_model_parallel_size 4 (Megatron-DeepSpeed's vocabulary padding rule): use 250112"
+            ) in refused(write(in_tmp / "vocab.yaml", raw))
+    raw["model"]["pad_vocab_size_to"] = 250112  # 128 * 1954, 4 * 62528: Megatron-DeepSpeed pads to it (not 512 * k)
+    assert make_plan(load_spec(str(write(in_tmp / "vocab.yaml", raw)))).parameters.padded_vocab_size == 250112
     raw["model"]["pad_vocab_size_to"] = 249856
     assert "is below data.vocab_size 250000" in refused(write(in_tmp / "small.yaml", raw))
 
@@ -533,7 +533,7 @@ def test_zero0_pipeline_clipping_on_deepspeed_0_19(in_tmp, jean_zay):
     raw["parallel"].update(zero_stage=0, deepspeed_version="0.19.8")
     message = refused(write(in_tmp / "z0.yaml", raw))
     assert ("parallel.deepspeed_version 0.19.8: model.precision fp16 with parallel.zero_stage 0 and "
-            "pipeline_model_parallel_size 32 clips gradients with pipeline stage 0's norm only") in message
+            "parallel.pipeline_model_parallel_size 32 clips gradients with pipeline stage 0's norm only") in message
     raw["optimizer"]["clip_grad"] = 0.0
     load_spec(str(write(in_tmp / "noclip.yaml", raw)))
     raw["optimizer"]["clip_grad"] = 1.0
@@ -560,7 +560,7 @@ def test_curriculum_rules(in_tmp):
     cl["curriculum_learning"]["root_degree"] = 2
     spec = load_spec(f"{write(in_tmp / 'cl.yaml', raw)}:cl")
     assert spec.curriculum_max_difficulty == 2048
-    assert curriculum_seqlen(spec.curriculum_learning, 2048, 9000) == 1056  # sqrt(1/4) of the way
+    assert seqlen_schedule(spec).seqlen(9000) == 1056  # sqrt(1/4) of the way
 
 
 def test_exit_duration_must_be_below_the_time_limit(in_tmp):
@@ -676,7 +676,7 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
         assert expected in text, expected
     assert "--pp-partition-method 'type:transformer|embedding'" in job.script  # quoted for the shell
     assert json.loads(job.ds_config) == {
-        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2048, "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 192, "gradient_clipping": 1.0,  # the ramp's start
         "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 2000,
         "wall_clock_breakdown": False}
     script = jean_zay / "train.slurm"
@@ -913,15 +913,10 @@ def test_planner_never_crashes_and_accepted_specs_divide(raw, tflops, gpus):
     assert 0 < spec.exit_duration_in_mins < spec.slurm.time_minutes
     if spec.curriculum_learning is not None:
         assert spec.curriculum_learning.min_difficulty % 8 == 0
-    # Every batch size Megatron will use splits into micro-batches (its own assert, replayed).
-    rampup = BatchRampup(b.global_batch_size, b.rampup_batch_size)
-    consumed = 0
-    for _ in range(20_000):
-        gbs = rampup.batch_size(consumed)
+    # Every batch size Megatron can use splits into micro-batches (its own assert): a ramp-up's are start + k * incr.
+    start, incr, _ = b.rampup_batch_size or (b.global_batch_size, 1, 0)
+    for gbs in range(start, b.global_batch_size + 1, incr):
         num_microbatches(gbs, b.micro_batch_size, dp)
-        if gbs == b.global_batch_size and (b.rampup_batch_size is None or consumed > b.rampup_batch_size[2]):
-            break
-        consumed += gbs
 
     plan = make_plan(spec, tflops=tflops, gpus=gpus)
     json.dumps(plan.as_dict())

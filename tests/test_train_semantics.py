@@ -261,11 +261,22 @@ def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path):
     embed = torch.load(tmp_path / "checkpoints" / "global_step1" / "layer_01-model_01-model_states.pt",
                        weights_only=False)
     assert embed["word_embeddings.weight"].shape == (1008, 64)
+    # Megatron-DeepSpeed's rule: --pad-vocab-size-to is a multiple of --make-vocab-size-divisible-by (and TP).
     done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "to", train_samples=GBS, save=None,
-                                                   load=None, pad_vocab_size_to=2100)))
+                                                   load=None, pad_vocab_size_to=2100, make_vocab_size_divisible_by=4)))
     assert " > padded vocab (size: 2000) with 100 dummy tokens (new size: 2100)" in done.stdout
-    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path / "small", pad_vocab_size_to=1900, save=None, load=None))
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path / "small", pad_vocab_size_to=1900, save=None, load=None,
+                                         make_vocab_size_divisible_by=4))
     one_line_error(done, "--pad-vocab-size-to 1900", "2000")
+
+
+def test_train_iters_trains_that_many_iterations(kjv_data, tmp_path):
+    """--train-iters (Megatron's iteration-based length; the spec's batch.train_iters) instead of --train-samples."""
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=None, train_iters=3, save=None,
+                                                   load=None)))
+    got = records(done.stdout)
+    assert sorted(got) == [1, 2, 3] and got[3]["consumed_samples"] == 3 * GBS
+    assert "setting training iterations to 3" in done.stdout
 
 
 def test_gpt2_tokenizer_needs_its_files(kjv_data, tmp_path):

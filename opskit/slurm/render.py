@@ -17,6 +17,8 @@ from pathlib import Path
 import jinja2
 
 from opskit.rules import flags
+from opskit.rules.deepspeed import deepspeed_config as rules_deepspeed_config
+from opskit.rules.schedule import BatchRampup
 from opskit.runs import RunPaths, data_paths
 from opskit.slurm.chain import job_comment
 from opskit.spec import Spec, deep_merge
@@ -121,28 +123,25 @@ def _is_number(text) -> bool:
 
 
 def deepspeed_config(spec: Spec) -> dict:
-    """The DeepSpeed JSON the job passes with ``--deepspeed_config`` (as BigScience's heredoc wrote it), with the
-    curriculum-learning block and the spec's extra ``deepspeed_config`` keys."""
-    config: dict = {
-        "train_micro_batch_size_per_gpu": spec.batch.micro_batch_size,
-        "train_batch_size": spec.batch.global_batch_size,
-        "gradient_clipping": spec.optimizer.clip_grad,
-        "zero_optimization": {"stage": spec.parallel.zero_stage},
-    }
-    if spec.model.precision == "fp16":
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
-                          "min_loss_scale": 1, "initial_scale_power": 12}
-    elif spec.model.precision == "bf16":
-        config["bf16"] = {"enabled": True}
+    """The DeepSpeed JSON the job passes with ``--deepspeed_config`` (as BigScience's heredoc wrote it; built by
+    :func:`opskit.rules.deepspeed.deepspeed_config`, the trainer's builder too), with the curriculum-learning block
+    and the spec's extra ``deepspeed_config`` keys. ``train_batch_size`` is the first iteration's GBS (a ramp-up's
+    start), so the trainer reads back exactly this config."""
+    b = spec.batch
+    curriculum = None
     if (cl := spec.curriculum_learning) is not None:
         schedule = {"total_curriculum_step": cl.total_curriculum_step, "difficulty_step": cl.difficulty_step}
         if cl.root_degree is not None:
             schedule["root_degree"] = cl.root_degree
-        config["curriculum_learning"] = {
+        curriculum = {
             "enabled": True, "curriculum_type": cl.curriculum_type, "min_difficulty": cl.min_difficulty,
             "max_difficulty": spec.curriculum_max_difficulty, "schedule_type": cl.schedule_type,
             "schedule_config": schedule}
-    config.update(steps_per_print=2000, wall_clock_breakdown=False)
+    config = rules_deepspeed_config(
+        micro_batch_size=b.micro_batch_size,
+        train_batch_size=BatchRampup(b.global_batch_size, b.rampup_batch_size).batch_size(0),
+        clip_grad=spec.optimizer.clip_grad, zero_stage=spec.parallel.zero_stage, precision=spec.model.precision,
+        curriculum=curriculum)
     return deep_merge(config, spec.deepspeed_config)
 
 

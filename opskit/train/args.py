@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from opskit.rules import flags
+from opskit.rules import checks, flags
+from opskit.rules.checks import flag_name
+from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -46,14 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and check the flags; a bad combination exits with argparse's one-line ``error:`` message."""
+    """Parse and check the flags; a bad combination exits with argparse's one-line ``error:`` message.
+
+    ``--train-iters`` N (Megatron's iteration-based length, which allows no ramp-up) becomes ``train_samples`` =
+    N * GBS, so the sample-based schedules (LR decay by default over train_samples) run as with ``--train-samples``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     _check(parser, args)
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.train_iters is not None:
+        args.train_samples = args.train_iters * args.global_batch_size
     args.lr_decay_samples = args.lr_decay_samples or args.train_samples
-    args.params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     if args.skip_train_iteration_range is not None:
         args.skip_train_iteration_range = parse_skip_ranges(args.skip_train_iteration_range)
     return args
@@ -62,25 +70,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 are mutually exclusive")
-    if args.hidden_size % args.num_attention_heads:
-        parser.error(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
-                     f"{args.num_attention_heads}")
-    if args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
-        parser.error(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                     f"{args.max_position_embeddings}")
-    tp = args.tensor_model_parallel_size
-    if args.num_attention_heads % tp:
-        parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                     f"--tensor-model-parallel-size {tp}")
-    if args.ffn_hidden_size and args.ffn_hidden_size % tp:
-        parser.error(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
-    if args.pad_vocab_size_to and args.pad_vocab_size_to % tp:
-        parser.error(f"--pad-vocab-size-to {args.pad_vocab_size_to} is not divisible by "
-                     f"--tensor-model-parallel-size {tp}")
-    if args.zero_stage == 0 and args.pipeline_model_parallel_size > 1 and args.clip_grad > 0 and not args.bf16:
-        # Measured (tests/test_train.py): the clipping norm then counts stage 0's gradients only, so PP>1 drifts.
-        parser.error("--zero-stage 0 with --pipeline-model-parallel-size > 1 clips gradients with stage 0's norm "
-                     "only (DeepSpeed 0.19.8); use --zero-stage 1, or --clip-grad 0")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    problems = [
+        *checks.attention_problems(args.hidden_size, args.num_attention_heads, args.seq_length,
+                                   args.max_position_embeddings, flag_name),
+        *checks.tensor_parallel_problems(args.num_attention_heads, args.ffn_hidden_size or 4 * args.hidden_size, tp,
+                                         flag_name),
+        *checks.pipeline_problems(args.num_layers, pp, args.pp_partition_method or checks.TRAINER_PARTITION_METHOD,
+                                  flag_name),
+        *checks.pad_vocab_problems(args.pad_vocab_size_to, args.make_vocab_size_divisible_by, tp, None, flag_name),
+        *checks.rampup_problems(args.global_batch_size, args.rampup_batch_size, flag_name),
+        *checks.train_length_problems(args.train_samples, args.train_iters, args.rampup_batch_size, flag_name),
+    ]
+    version = installed_deepspeed_version()
+    problem = version and deepspeed_version_problem(args.params_dtype, args.zero_stage, pp, args.clip_grad, version,
+                                                    flag_name)
+    if problem and not problem.resume_only:  # a resume is checked when the trainer finds a checkpoint
+        problems.append(problem.message)
+    if problems:
+        parser.error(problems[0])
     if args.save and not args.save_interval:
         parser.error("--save needs --save-interval")
     method = args.pp_partition_method

@@ -13,14 +13,6 @@ def print_datetime(message: str) -> None:
     print(f"[{message}] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ", flush=True)
 
 
-def megatron_flops_per_iteration(batch_size: int, seq: int, layers: int, hidden: int, vocab: int,
-                                 recompute: bool) -> float:
-    """Model FLOPs of one iteration: ``24 c B s l h^2 (1 + s/(6h) + V/(16 l h))``, c = 4 with activation recompute
-    else 3 (Narayanan et al. 2021, eq. 3; Megatron-DeepSpeed's TFLOPs estimate)."""
-    c = 4 if recompute else 3
-    return 24 * c * batch_size * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-
-
 def memory_line(rank: int, iteration: int) -> str:
     """Megatron's one-time GPU memory report: ``[Rank N] (after K iterations) memory (MB) | allocated: ... |``."""
     import torch

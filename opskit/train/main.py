@@ -24,6 +24,15 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from opskit.rules.checks import flag_name  # noqa: E402
+from opskit.rules.deepspeed import (  # noqa: E402
+    Contradiction,
+    deepspeed_config,
+    deepspeed_version_problem,
+    installed_deepspeed_version,
+    with_flags,
+)
+from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 from opskit.runs import mark_run_finished  # noqa: E402
 from opskit.train.args import parse_args, parse_data_path  # noqa: E402
 
@@ -93,14 +102,17 @@ def _init_distributed(args: argparse.Namespace) -> None:
 
 
 def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
-    """Megatron's padding: ``--pad-vocab-size-to`` or up to a multiple of make_vocab_size_divisible_by * TP."""
-    if args.pad_vocab_size_to is not None:
-        if args.pad_vocab_size_to < vocab_size:
-            raise TrainerError(f"--pad-vocab-size-to {args.pad_vocab_size_to} is smaller than the tokenizer's "
-                               f"vocabulary ({vocab_size})")
-        return args.pad_vocab_size_to
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
+    """Megatron's padding (:func:`opskit.rules.model.padded_vocab_size`): ``--pad-vocab-size-to`` or up to a
+    multiple of make_vocab_size_divisible_by * TP.
+
+    Raises:
+        TrainerError: ``--pad-vocab-size-to`` below the tokenizer's vocabulary.
+    """
+    try:
+        return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
+                                 args.pad_vocab_size_to)
+    except VocabPaddingError as e:
+        raise TrainerError(f"--pad-vocab-size-to {e}") from None
 
 
 def _check_data_files(args: argparse.Namespace) -> None:
@@ -184,10 +196,13 @@ def _curriculum(config: dict, args: argparse.Namespace):
 
 
 def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
-    """The DeepSpeed config: ``--deepspeed_config``'s JSON with the keys the flags imply filled in.
+    """The DeepSpeed config: ``--deepspeed_config``'s JSON completed with what the flags imply
+    (:func:`opskit.rules.deepspeed.with_flags`; the JSON the job script carries comes back unchanged), or only
+    those without the flag. ``global_batch_size`` is the first iteration's (the ramp-up changes it every few
+    iterations; DeepSpeed starts from it).
 
     Raises:
-        TrainerError: when the JSON contradicts a flag (it names both).
+        TrainerError: when the JSON is unreadable or contradicts a flag (it names both).
     """
     config: dict = {}
     if args.deepspeed_config:
@@ -195,26 +210,12 @@ def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
             config = json.loads(Path(args.deepspeed_config).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: not a readable JSON file ({e})") from None
-    implied = {
-        "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_clipping": args.clip_grad,
-    }
-    for key, value in implied.items():
-        if key in config and config[key] != value:
-            raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {key} is {config[key]} but the flags "
-                               f"say {value}")
-        config[key] = value
-    # The ramp-up changes the batch size every few iterations; DeepSpeed starts from the first value.
-    config["train_batch_size"] = global_batch_size
-    zero = config.setdefault("zero_optimization", {"stage": args.zero_stage})
-    if zero.get("stage", 0) != args.zero_stage:
-        raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: zero_optimization.stage is "
-                           f"{zero.get('stage')} but --zero-stage is {args.zero_stage}")
-    config.setdefault("fp16", {"enabled": args.fp16, "loss_scale": 0, "initial_scale_power": 12})
-    config.setdefault("bf16", {"enabled": args.bf16})
-    config.setdefault("steps_per_print", 10**9)  # our own log lines replace DeepSpeed's
-    config.setdefault("wall_clock_breakdown", False)
-    return config
+    implied = deepspeed_config(micro_batch_size=args.micro_batch_size, train_batch_size=global_batch_size,
+                               clip_grad=args.clip_grad, zero_stage=args.zero_stage, precision=args.params_dtype)
+    try:
+        return with_flags(config, implied)
+    except Contradiction as e:
+        raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
 
 
 def _check_precision(args: argparse.Namespace) -> None:
@@ -222,9 +223,8 @@ def _check_precision(args: argparse.Namespace) -> None:
 
     Raises:
         TrainerError: ``--fp16`` on an accelerator without fp16 (DeepSpeed's CPU accelerator has it only where oneDNN
-            does: CPUs with AVX512-FP16 / AMX-FP16); ``--bf16 --zero-stage 0`` resuming a checkpoint (measured on
-            DeepSpeed 0.19.8: the pipeline engine's BF16_Optimizer fails in ``_load_legacy_checkpoint`` with
-            ``KeyError: 0``; ZeRO-1 resumes exactly).
+            does: CPUs with AVX512-FP16 / AMX-FP16); resuming a checkpoint that this DeepSpeed version cannot resume
+            (:func:`opskit.rules.deepspeed.deepspeed_version_problem`: ``--bf16 --zero-stage 0`` on 0.18.0-0.19.8).
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -233,9 +233,11 @@ def _check_precision(args: argparse.Namespace) -> None:
     if args.fp16 and not accelerator.is_fp16_supported():
         raise TrainerError(f"--fp16: DeepSpeed {deepspeed.__version__} does not support fp16 on this "
                            f"{accelerator.device_name()} accelerator; use --bf16 (or a GPU)")
-    if args.bf16 and args.zero_stage == 0 and args.load and (Path(args.load) / "latest").exists():
-        raise TrainerError(f"--load {args.load} has a checkpoint, but DeepSpeed {deepspeed.__version__}'s pipeline "
-                           "engine cannot resume bf16 with --zero-stage 0; train bf16 with --zero-stage 1")
+    version = installed_deepspeed_version() or deepspeed.__version__
+    problem = deepspeed_version_problem(args.params_dtype, args.zero_stage, args.pipeline_model_parallel_size,
+                                        args.clip_grad, version, flag_name)
+    if problem and problem.resume_only and args.load and (Path(args.load) / "latest").exists():
+        raise TrainerError(f"--load {args.load} has a checkpoint: {problem.message}")
 
 
 def _set_random_seed(seed: int, pipeline_rank: int, pipeline_size: int) -> None:
@@ -281,7 +283,6 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         TensorBoard,
         current_loss_scale,
         iteration_line,
-        megatron_flops_per_iteration,
         memory_line,
         print_datetime,
         validation_lines,

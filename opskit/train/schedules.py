@@ -1,74 +1,15 @@
-"""Batch-size ramp-up and the sample-based learning-rate schedule, with Megatron's exact rules.
-
-Sources: Megatron-LM ``megatron/microbatches.py`` (RampupBatchsizeNumMicroBatches), ``megatron/learning_rates.py``
-(AnnealingLR) and ``megatron/training.py`` (update_train_iters); reference section 2.4. Pure Python: ``opskit plan``
-uses the same functions without torch.
+"""The trainer's side of the schedules: AnnealingLR driving an optimizer and DeepSpeed's curriculum scheduler. The
+rules themselves (ramp-up, learning rate as a function of samples and tokens) are ``opskit.rules.schedule``'s, shared
+with ``opskit plan``; ``BatchRampup`` and ``num_microbatches`` are re-exported for the training loop.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
 
-@dataclass(frozen=True)
-class BatchRampup:
-    """Global batch size as a function of consumed samples (``--rampup-batch-size start incr samples``).
-
-    ``rampup`` is None for a constant GBS.
-
-    Raises:
-        ValueError: (at construction) when ``GBS - start`` is not a multiple of the increment.
-    """
-
-    global_batch_size: int
-    rampup: tuple[int, int, int] | None = None
-
-    def __post_init__(self):
-        if self.rampup is not None:
-            start, incr, _ = self.rampup
-            if incr <= 0 or (self.global_batch_size - start) % incr:
-                raise ValueError(
-                    f"--rampup-batch-size: global batch size {self.global_batch_size} minus start {start} "
-                    f"is not a multiple of the increment {incr}"
-                )
-
-    def batch_size(self, consumed_samples: int) -> int:
-        """GBS for the next iteration: ``start + int(consumed / samples_per_increment) * incr`` until the ramp ends."""
-        if self.rampup is None:
-            return self.global_batch_size
-        start, incr, rampup_samples = self.rampup
-        num_increments = (self.global_batch_size - start) // incr
-        if consumed_samples > rampup_samples or num_increments == 0:
-            return self.global_batch_size
-        samples_per_increment = rampup_samples / num_increments
-        return min(start + int(consumed_samples / samples_per_increment) * incr, self.global_batch_size)
-
-    def train_iters(self, train_samples: int) -> int:
-        """Iterations of the run (the log line's ``/ train_iters``): Megatron's update_train_iters simulates the ramp,
-        then adds ``(train_samples - consumed) // GBS``; training stops after that many iterations."""
-        iterations, consumed = 0, 0
-        if self.rampup is not None:
-            while consumed <= self.rampup[2]:
-                consumed += self.batch_size(consumed)
-                iterations += 1
-        return iterations + (train_samples - consumed) // self.global_batch_size
-
-
-def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
-    """Gradient-accumulation steps for a GBS.
-
-    Raises:
-        ValueError: with Megatron's wording when GBS is not divisible by MBS * DP.
-    """
-    per_step = micro_batch_size * data_parallel_size
-    if global_batch_size % per_step:
-        raise ValueError(
-            f"current global batch size ({global_batch_size}) is not divisible by micro-batch-size "
-            f"({micro_batch_size}) times data parallel size ({data_parallel_size})"
-        )
-    return global_batch_size // per_step
+__all__ = ["AnnealingLR", "BatchRampup", "SeqlenCurriculum", "num_microbatches"]
 
 
 # Checkpointed AnnealingLR fields that must agree with the command line unless told otherwise.
@@ -113,28 +54,15 @@ class AnnealingLR:
         self.step(0)
 
     def get_lr(self) -> float:
-        """The learning rate after ``num_steps`` samples."""
-        if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
-            if self.num_steps == self.warmup_steps and self.decay_tokens is not None:
-                self.warmup_tokens = self.num_tokens
-            return self.max_lr * self.num_steps / self.warmup_steps
-        if self.decay_style == "constant":
-            return self.max_lr
-        if self.decay_tokens is not None:
-            if self.num_tokens > self.decay_tokens:
-                return self.min_lr
-            ratio = (self.num_tokens - self.warmup_tokens) / max(self.decay_tokens - self.warmup_tokens, 1)
-        elif self.num_steps > self.decay_steps:
-            return self.min_lr
-        else:
-            ratio = (self.num_steps - self.warmup_steps) / max(self.decay_steps - self.warmup_steps, 1)
-        if self.decay_style == "linear":
-            coeff = 1.0 - ratio
-        elif self.decay_style == "cosine":
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        else:
-            raise ValueError(f"{self.decay_style} decay style is not supported")
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        """The learning rate after ``num_steps`` samples (:func:`opskit.rules.schedule.annealing_lr`); records the
+        tokens consumed when the warmup ends, as Megatron-DeepSpeed does (when ``num_steps`` equals
+        ``warmup_steps``)."""
+        if self.decay_tokens is not None and self.warmup_steps > 0 and self.num_steps == self.warmup_steps:
+            self.warmup_tokens = self.num_tokens
+        return annealing_lr(max_lr=self.max_lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps,
+                            decay_steps=self.decay_steps, decay_style=self.decay_style, num_steps=self.num_steps,
+                            decay_tokens=self.decay_tokens, num_tokens=self.num_tokens,
+                            warmup_tokens=self.warmup_tokens)
 
     def step(self, increment: int | None = None) -> None:
         """Advance by ``increment`` samples (default: one global batch) and set the optimizer's lr."""

@@ -1,0 +1,156 @@
+"""The DeepSpeed config a training runs with, and the DeepSpeed versions that cannot run a layout: one builder for the
+JSON the job script carries (``opskit.slurm.render``) and the config the trainer hands to ``deepspeed.initialize``.
+
+Values are BigScience's (the tr1-13B / tr11-176B-ml job scripts' heredoc): the fp16 block with dynamic loss scaling
+from 2^12, ``steps_per_print`` 2000 (the trainer prints Megatron's own lines anyway), no wall-clock breakdown.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from opskit.rules.checks import Namer
+
+FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1,
+              "initial_scale_power": 12}
+"""BigScience's fp16 block: dynamic loss scaling (loss_scale 0) from 2^12, halved on an overflow, doubled after 500
+clean steps (tr1-13B, tr8-104B)."""
+
+FLAG_KEYS = (("train_micro_batch_size_per_gpu",), ("gradient_clipping",), ("zero_optimization", "stage"),
+             ("fp16", "enabled"), ("bf16", "enabled"))
+"""Keys of the JSON that trainer flags own (``--micro-batch-size``, ``--clip-grad``, ``--zero-stage``, ``--fp16``,
+``--bf16``): a JSON may repeat them, never contradict them."""
+
+
+def deepspeed_config(*, micro_batch_size: int, train_batch_size: int, clip_grad: float, zero_stage: int,
+                     precision: str, curriculum: dict | None = None) -> dict:
+    """The DeepSpeed config of a training.
+
+    Args:
+        train_batch_size: the first iteration's global batch size: a ramp-up's start (DeepSpeed must start there;
+            the trainer then sets the GBS of every iteration with ``engine.set_train_batch_size``), else the GBS.
+        precision: ``fp32``, ``fp16`` or ``bf16``; only the active precision's block is written.
+        curriculum: the top-level ``curriculum_learning`` block (BigScience's tr8b-104B-cl format), or None.
+    """
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "train_batch_size": train_batch_size,
+        "gradient_clipping": clip_grad,
+        "zero_optimization": {"stage": zero_stage},
+    }
+    if precision == "fp16":
+        config["fp16"] = dict(FP16_BLOCK)
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if curriculum is not None:
+        config["curriculum_learning"] = curriculum
+    config.update(steps_per_print=2000, wall_clock_breakdown=False)
+    return config
+
+
+class Contradiction(ValueError):
+    """A JSON key that contradicts a flag; the message is ``KEY is X but the flags say Y`` (KEY dotted)."""
+
+    def __init__(self, key: str, in_json: Any, from_flags: Any):
+        super().__init__(f"{key} is {in_json} but the flags say {from_flags}")
+
+
+def with_flags(config: dict, implied: dict) -> dict:
+    """A DeepSpeed JSON read from a file (``--deepspeed_config``) completed with what the flags imply
+    (:func:`deepspeed_config`): the flag-owned keys (:data:`FLAG_KEYS`) are added where missing, the other top-level
+    keys where absent, and ``train_batch_size`` is always the flags' (the ramp-up's start). A JSON written by
+    :func:`deepspeed_config` from the same settings comes back unchanged.
+
+    Raises:
+        Contradiction: the first flag-owned key whose JSON value differs from the flags'.
+    """
+    for path in FLAG_KEYS:
+        from_flags = _lookup(implied, path, False)  # an absent precision block means "not enabled"
+        in_json = _lookup(config, path, _MISSING)
+        if in_json is not _MISSING and in_json != from_flags:
+            raise Contradiction(".".join(path), in_json, from_flags)
+    merged = copy.deepcopy(config)
+    for key, value in implied.items():
+        if key == "train_batch_size" or key not in merged:
+            merged[key] = value
+        elif isinstance(value, dict) and isinstance(merged[key], dict):  # e.g. zero_optimization without its stage
+            owned = {sub: v for sub, v in value.items() if (key, sub) in FLAG_KEYS}
+            merged[key] = {**owned, **merged[key]}
+    return merged
+
+
+_MISSING = object()
+
+
+def _lookup(config: Any, path: tuple[str, ...], default: Any) -> Any:
+    for part in path:
+        if not isinstance(config, dict) or part not in config:
+            return default
+        config = config[part]
+    return config
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def installed_deepspeed_version() -> str | None:
+    """The DeepSpeed version installed here (package metadata, without importing it), or None."""
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``0.19.8+cpu`` -> ``(0, 19, 8)``."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+@dataclass(frozen=True)
+class VersionProblem:
+    """Why a DeepSpeed version cannot run a layout: ``message`` names the settings; ``resume_only`` when only
+    resuming a checkpoint fails (a fresh run trains and saves)."""
+
+    message: str
+    resume_only: bool
+
+
+def deepspeed_version_problem(precision: str, zero_stage: int, pp: int, clip_grad: float, version: str,
+                              name: Namer) -> VersionProblem | None:
+    """Why this DeepSpeed version cannot resume (or clips wrongly) a run of this precision / ZeRO stage / PP, or None.
+    opskit's trainer, like Megatron-DeepSpeed, always runs DeepSpeed's pipeline engine, so these hold at any PP unless
+    said otherwise.
+
+    - bf16 + ZeRO-0, DeepSpeed 0.18.0-0.18.4: 0.18.0 (PR #7586) stopped loading ZeRO checkpoint files when ZeRO is
+      off, while bf16 still saved its optimizer states into them (BF16_Optimizer, which the pipeline engine uses for
+      bf16 + ZeRO-0, as BLOOM-176B did), so every resume silently restarted Adam. Read from deepspeedai/DeepSpeed's
+      engine.py at v0.17.6, v0.18.0, v0.18.4 and v0.18.5.
+    - bf16 + ZeRO-0, DeepSpeed 0.18.5-0.19.8: 0.18.5 (PR #7786) loads those states with the model states again, but
+      hands BF16_Optimizer.load_state_dict the saved dict where it expects one state per DP rank: every resume fails
+      with ``KeyError: 0`` (measured on 0.19.8; 0.18.5-0.19.7 read from the same code path, not run).
+    - fp32 / fp16 + ZeRO-0 + PP > 1 with gradient clipping, DeepSpeed 0.19.x: the clipping norm counts pipeline stage
+      0's gradients only, so every other stage clips with the wrong factor (measured on 0.19.8 in fp32, tests of
+      test_train.py; fp16 could not run on a CPU; bf16 clips right).
+    """
+    if zero_stage != 0:
+        return None
+    parsed = version_tuple(version)
+    settings = f"{name('precision', precision)} with {name('zero_stage', 0)}"
+    fix = f"use {name('zero_stage', 1)}, or DeepSpeed <= 0.17.x"
+    if precision == "bf16" and (0, 18, 0) <= parsed < (0, 18, 5):
+        return VersionProblem(f"{settings} on DeepSpeed {version} saves the optimizer states but never loads them "
+                              "back (DeepSpeed 0.18.0-0.18.4; deepspeedai/DeepSpeed#7786), so every resume restarts "
+                              f"Adam from zero: {fix}", resume_only=True)
+    if precision == "bf16" and (0, 18, 5) <= parsed <= (0, 19, 8):
+        return VersionProblem(f"{settings} cannot resume on DeepSpeed {version}: its pipeline engine fails loading "
+                              f"the bf16 optimizer states (KeyError: 0; DeepSpeed 0.18.5-0.19.8): {fix}",
+                              resume_only=True)
+    if precision != "bf16" and pp > 1 and clip_grad > 0 and (0, 19, 0) <= parsed < (0, 20, 0):
+        return VersionProblem(f"{settings} and {name('pipeline_model_parallel_size', pp)} clips gradients with "
+                              f"pipeline stage 0's norm only on DeepSpeed {version} (0.19.x): use "
+                              f"{name('zero_stage', 1)}, or {name('clip_grad', 0)}", resume_only=False)
+    return None
