@@ -307,14 +307,13 @@ class DataSpec(_Section):
             if extra or self.tokenizer_type != "PretrainedFromHF":
                 raise ValueError(f"corpus brings its own tokenizer (opskit data prepare trains it): remove "
                                  f"{', '.join(extra) or 'tokenizer_type'}")
-        elif self.tokenizer_type == "GPT2BPETokenizer":
-            if not (self.vocab_file and self.merge_file):
-                raise ValueError("tokenizer_type GPT2BPETokenizer needs vocab_file and merge_file "
-                                 "(gpt2-vocab.json, gpt2-merges.txt)")
-        elif not self.tokenizer_name_or_path:
-            raise ValueError("tokenizer_type PretrainedFromHF needs tokenizer_name_or_path (a folder or a Hub name)")
-        if self.train_weighted_split_paths_path is not None and self.valid_weighted_split_paths_path is None:
-            raise ValueError("train_weighted_split_paths_path needs valid_weighted_split_paths_path")
+            return self
+        problems = [*checks.data_source_problems(self.data_path, self.train_weighted_split_paths_path,
+                                                 self.valid_weighted_split_paths_path, _key_name),
+                    *checks.tokenizer_problems(self.tokenizer_type, self.tokenizer_name_or_path, self.vocab_file,
+                                               self.merge_file, _key_name)]
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -593,7 +592,8 @@ class Spec(_Section):
             fix = f"valid parallel.nodes for this layout: {listed(nodes)}" if nodes else "change TP or PP"
             raise ValueError(f"parallel: {p.world_size} processes ({p.nodes} nodes x {p.gpus_per_node}) are not "
                              f"divisible by TP*PP = {p.model_parallel_size}; {fix}")
-        problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems()]
+        problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems(),
+                    *checks.training_flag_problems({**self.megatron_args, "split": self.data.split}, _field_name)]
         version = self.parallel.deepspeed_version
         if version and (problem := deepspeed_resume_problem(self, version)):
             problems.append(f"parallel.deepspeed_version {version}: {problem}")
@@ -608,6 +608,7 @@ class Spec(_Section):
         m, p = self.model, self.parallel
         tp = p.tensor_model_parallel_size
         return [*checks.tensor_parallel_problems(m.num_attention_heads, m.ffn_size, tp, _field_name),
+                *checks.partition_method_problems(p.pp_partition_method, _field_name),
                 *checks.pipeline_problems(m.num_layers, p.pipeline_model_parallel_size, p.pp_partition_method,
                                           _field_name),
                 *checks.pad_vocab_problems(m.pad_vocab_size_to, m.make_vocab_size_divisible_by, tp,
@@ -724,7 +725,8 @@ def _field_name(key: str, value: Any = None) -> str:
     """The :data:`opskit.rules.checks.Namer` of a whole spec: the field's path, ``model.num_attention_heads 12``."""
     sections = (("model", ModelSpec), ("parallel", ParallelSpec), ("batch", BatchSpec), ("optimizer", OptimizerSpec),
                 ("data", DataSpec), ("curriculum_learning", CurriculumSpec))
-    path = next((f"{section}.{key}" for section, model in sections if key in model.model_fields), key)
+    path = next((f"{section}.{key}" for section, model in sections if key in model.model_fields),
+                f"megatron_args.{key}")
     return _key_name(path, value)
 
 

@@ -182,6 +182,27 @@ def test_one_rule_names_the_spec_field_or_the_flag():
         "--rampup-batch-size: global_batch_size - start = 6 must be a positive multiple of the increment 4")
 
 
+@pytest.mark.parametrize(("overrides", "spec_says", "flags", "trainer_says"), [
+    ({"megatron_args": {"override_lr_scheduler": True, "use_checkpoint_lr_scheduler": True}},
+     "megatron_args.override_lr_scheduler and megatron_args.use_checkpoint_lr_scheduler are mutually exclusive",
+     ["--override-lr-scheduler", "--use-checkpoint-lr-scheduler"],
+     "--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive"),
+    ({"megatron_args": {"skip_train_iteration_range": ["9-3"]}},
+     "megatron_args.skip_train_iteration_range: '9-3': the end of a skip range cannot be smaller than its start",
+     ["--skip-train-iteration-range", "9-3"],
+     "--skip-train-iteration-range: '9-3': the end of a skip range cannot be smaller than its start"),
+    ({"parallel": {"pp_partition_method": "layers"}},
+     "parallel.pp_partition_method 'layers': use parameters, uniform or type:REGEX",
+     ["--pp-partition-method", "layers"], "--pp-partition-method 'layers': use parameters, uniform or type:REGEX"),
+])
+def test_the_trainers_flag_rules_are_the_specs(overrides, spec_says, flags, trainer_says):
+    # Before issue 15 these passed spec validation and `opskit plan`, and the job's trainer exited at start.
+    with pytest.raises(SpecError) as refused:
+        load_spec("tiny", overrides=overrides)
+    assert spec_says in str(refused.value)
+    assert trainer_error([*TINY, *flags]).startswith(trainer_says)
+
+
 def test_deepspeed_version_rule_for_spec_and_trainer():
     spec = deepspeed_version_problem("fp16", 0, 32, 1.0, "0.19.8", _field_name)
     assert not spec.resume_only and spec.message.startswith(

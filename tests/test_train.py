@@ -639,7 +639,7 @@ def test_no_validation_by_default(baseline):
 # ---------------------------------------------------------------------------------------------------------- 12. skip
 
 def test_skip_ranges_parse_like_megatron():
-    from opskit.train.args import parse_skip_ranges
+    from opskit.rules.formats import parse_skip_ranges
 
     assert parse_skip_ranges(["251-300", "101-200"]) == [[101, 200], [251, 300]]
     assert parse_skip_ranges(["1-5", "2-6", "8-8"]) == [[1, 6], [8, 8]]

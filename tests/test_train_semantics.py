@@ -306,7 +306,7 @@ def numbers_prefix(tmp_path_factory) -> str:
 
 
 def test_blend_follows_the_weights_and_each_datasets_split(kjv_data, numbers_prefix):
-    from opskit.train.args import parse_data_path
+    from opskit.rules.formats import parse_data_path
     from opskit.train.data import blend_samples
 
     blend = parse_data_path(["3", str(kjv_data.data_prefix), "7", numbers_prefix])
@@ -409,7 +409,7 @@ def test_codecarbon_missing_is_one_warning(kjv_data, tmp_path):
 # ---------------------------------------------------------------------------------------------------------- weighted
 
 def test_weighted_split_paths_parse_like_megatron_deepspeed():
-    from opskit.train.args import parse_weighted_split_paths
+    from opskit.rules.formats import parse_weighted_split_paths
 
     text = '"train: 0.3 0:0.95 /d/a_text_document, 0.7 0.1:0.9 /d/b_text_document"\n'
     assert parse_weighted_split_paths(text) == [

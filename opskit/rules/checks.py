@@ -11,8 +11,10 @@ need the data-parallel size (the batch sizes) are the spec's, and the trainer me
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from opskit.rules.formats import parse_data_path, parse_skip_ranges, parse_split
 
 Namer = Callable[..., str]
 """``name(key)`` or ``name(key, value)``: the setting as its user wrote it, e.g. ``model.num_attention_heads 12`` in a
@@ -199,4 +201,63 @@ def curriculum_problems(min_difficulty: int, max_difficulty: int, difficulty_ste
     elif min_difficulty >= max_difficulty:
         problems.append(f"{name('min_difficulty', min_difficulty)} must be below {name('max_difficulty')} "
                         f"{max_difficulty}")
+    return problems
+
+
+def data_source_problems(data_path: str | list[str] | None, train_weighted_split_paths_path: str | None,
+                         valid_weighted_split_paths_path: str | None, name: Namer) -> list[str]:
+    """Megatron-DeepSpeed's data sources: exactly one of ``--data-path`` (a prefix, or a ``WEIGHT PREFIX ...`` blend)
+    and ``--train-weighted-split-paths-path``, the latter with ``--valid-weighted-split-paths-path``."""
+    if (data_path is None) == (train_weighted_split_paths_path is None):
+        return [f"give either {name('data_path')} or {name('train_weighted_split_paths_path')} (with "
+                f"{name('valid_weighted_split_paths_path')})"]
+    if data_path is not None:
+        try:
+            parse_data_path([data_path] if isinstance(data_path, str) else list(data_path))
+        except ValueError as e:
+            return [f"{name('data_path')} {e}"]
+    elif valid_weighted_split_paths_path is None:
+        return [f"{name('train_weighted_split_paths_path')} needs {name('valid_weighted_split_paths_path')}"]
+    return []
+
+
+def tokenizer_problems(tokenizer_type: str, tokenizer_name_or_path: str | None, vocab_file: str | None,
+                       merge_file: str | None, name: Namer) -> list[str]:
+    """What each ``--tokenizer-type`` needs: PretrainedFromHF a folder or Hub name, GPT2BPETokenizer GPT-2's vocab and
+    merges files."""
+    if tokenizer_type == "PretrainedFromHF" and not tokenizer_name_or_path:
+        return [f"{name('tokenizer_type', tokenizer_type)} needs {name('tokenizer_name_or_path')} (a folder or a Hub "
+                "name)"]
+    if tokenizer_type == "GPT2BPETokenizer" and not (vocab_file and merge_file):
+        return [f"{name('tokenizer_type', tokenizer_type)} needs {name('vocab_file')} and {name('merge_file')} "
+                "(gpt2-vocab.json, gpt2-merges.txt)"]
+    return []
+
+
+def partition_method_problems(pp_partition_method: str | None, name: Namer) -> list[str]:
+    """DeepSpeed's ``PipelineModule(partition_method=...)``: ``parameters``, ``uniform`` or ``type:REGEX``."""
+    method = pp_partition_method
+    if method is None or method in ("parameters", "uniform") or method.startswith("type:"):
+        return []
+    return [f"{name('pp_partition_method', repr(method))}: use parameters, uniform or type:REGEX (e.g. "
+            f"{TRAINER_PARTITION_METHOD})"]
+
+
+def training_flag_problems(values: Mapping[str, Any], name: Namer) -> list[str]:
+    """The rules on Megatron's free-standing training flags, read from ``values`` (flag names in snake_case; a missing
+    key is the flag left out): ``--split`` weights, ``--skip-train-iteration-range`` ranges, and the two LR-scheduler
+    switches, which exclude each other (Megatron's ``AnnealingLR``)."""
+    problems = []
+    if (split := values.get("split")) is not None:
+        try:
+            parse_split(split)
+        except ValueError as e:
+            problems.append(f"{name('split')} {e}")
+    try:
+        parse_skip_ranges(values.get("skip_train_iteration_range") or [])
+    except ValueError as e:
+        problems.append(f"{name('skip_train_iteration_range')}: {e}")
+    if values.get("override_lr_scheduler") and values.get("use_checkpoint_lr_scheduler"):
+        problems.append(f"{name('override_lr_scheduler')} and {name('use_checkpoint_lr_scheduler')} are mutually "
+                        "exclusive")
     return problems

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from opskit.train.args import parse_split
+from opskit.rules.formats import parse_split
 
 
 def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:

@@ -32,9 +32,10 @@ from opskit.rules.deepspeed import (  # noqa: E402
     installed_deepspeed_version,
     with_flags,
 )
+from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 from opskit.runs import mark_run_finished  # noqa: E402
-from opskit.train.args import parse_args, parse_data_path  # noqa: E402
+from opskit.train.args import parse_args  # noqa: E402
 
 
 class TrainerError(RuntimeError):
@@ -495,7 +496,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
 
 def _weighted_split_groups(flag: str, path: str) -> list:
     """The groups of a ``--*-weighted-split-paths-path`` file (see args.parse_weighted_split_paths)."""
-    from opskit.train.args import parse_weighted_split_paths
+    from opskit.rules.formats import parse_weighted_split_paths
 
     try:
         return parse_weighted_split_paths(Path(path).read_text())
