@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--kill-switch-path", default=None, help="if this file exists: save and exit")
+    g.add_argument("--finished-flag-path", default=None,
+                   help="opskit extension: written (atomically, by rank 0) once --train-samples are consumed; a job "
+                        "chain's later tasks exit at start while it exists")
     g.add_argument("--skip-train-iteration-range", nargs="+", default=None, metavar="START-END",
                    help="skip the global batches of data these iterations would have trained on (e.g. 101-200 "
                         "251-300); iteration, LR and consumed samples do not advance")
