@@ -545,7 +545,7 @@ FlagValue = FlagScalar | list[int | float | str] | None
 _DERIVED_FLAGS = {
     "fp16": "model.precision", "bf16": "model.precision", "deepspeed": "opskit (always on)",
     "deepspeed_config": "opskit (the rendered ds_config.json)", "save": "paths.output", "load": "paths.output",
-    "tensorboard_dir": "paths.output", "kill_switch_path": "paths.output",
+    "tensorboard_dir": "paths.output", "kill_switch_path": "paths.output", "finished_flag_path": "paths.output",
     "exit_duration_in_mins": "slurm.time and slurm.exit_margin_mins", "rampup_batch_size": "batch.rampup_batch_size",
 }
 # DeepSpeed JSON keys that other keys of the spec own.

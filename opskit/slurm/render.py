@@ -86,6 +86,7 @@ def trainer_args(spec: Spec, run: RunPaths, environ: Mapping[str, str] | None = 
         "tensorboard_dir": run.tensorboard,
         "tensorboard_queue_size": c.tensorboard_queue_size,
         "kill_switch_path": run.kill_switch,
+        "finished_flag_path": run.finished_flag,
         **data_flags(spec, environ),
         "deepspeed_config": run.ds_config,
     }
