@@ -479,6 +479,8 @@ class Trainer:
         self.engine, self.optimizer = _build_engine(args, model, ds_config, self.rampup, self.state)
         # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
         self._resume(model)
+        if world.rank == 0:
+            print(f"setting training iterations to {self.train_iters}", flush=True)
         # 6. data: this DP rank's micro-batches from the consumed samples on, and the validation sets
         self._build_data()
         # 7. logging: TensorBoard on the last rank, CodeCarbon on each node's local rank 0
@@ -509,8 +511,6 @@ class Trainer:
             if world.rank == 0:
                 print(f"> syncing {len(self.tp_duplicated)} TP-duplicated parameters over the {world.tp} TP ranks "
                       "after every step", flush=True)
-        if world.rank == 0:
-            print(f"setting training iterations to {self.train_iters}", flush=True)
 
     def _build_data(self) -> None:
         """The train split's micro-batch iterator, the skip ranges still to apply, and the validation sets."""
