@@ -3,14 +3,10 @@ name onto a run directory. Importing it is cheap (no pydantic, no yaml: the spec
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from opskit.fsutil import atomic_write_text
 
 if TYPE_CHECKING:
     from opskit.spec import Spec
@@ -90,7 +86,8 @@ class RunPaths:
 
     @property
     def finished_flag(self) -> Path:
-        """Written by the trainer once ``--train-samples`` are consumed: every later task exits 0 at start."""
+        """Written by the trainer (``--finished-flag-path``) once ``--train-samples`` are consumed: every later task
+        exits 0 at start."""
         return self.root / "finished"
 
     @property
@@ -188,21 +185,6 @@ def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] |
     if existing is not None and not existing.is_dir():
         raise SpecError(f"{spec.file or spec.name}: {field}: {existing} is a file, not a folder")
     return path
-
-
-def mark_run_finished(detail: str, run_dir: str | None = None) -> Path | None:
-    """Write the finished flag of the run the job script named in ``$OPSKIT_RUN_DIR`` (the trainer calls this when
-    ``--train-samples`` are consumed); a trainer started outside a job script (no such variable) writes nothing.
-
-    Returns:
-        the flag's path, or None when there is no run directory.
-    """
-    run_dir = run_dir or os.environ.get("OPSKIT_RUN_DIR")
-    if not run_dir:
-        return None
-    flag = RunPaths(Path(run_dir)).finished_flag
-    atomic_write_text(flag, f"{datetime.now():%Y-%m-%d %H:%M:%S} {detail}\n")
-    return flag
 
 
 def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Path, Path]:

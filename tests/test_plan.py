@@ -632,6 +632,7 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     job = render_job(spec, run)
     assert "#SBATCH --job-name=tiny" in job.script and "--exit-duration-in-mins 2.0 " in job.script
     assert f"--data-path {in_tmp}/data/kjv/kjv_text_document" in job.script
+    assert f"--finished-flag-path {run.finished_flag} \\\n" in job.script
     assert "--hint" not in job.script and "--checkpoint-activations" not in job.script  # only where the spec says
     script = in_tmp / "train.slurm"
     script.write_text(job.script)

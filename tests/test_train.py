@@ -138,6 +138,31 @@ def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
     return errors[0]
 
 
+# ---------------------------------------------------------------------------------------------------------- imports
+
+CLI_SIDE = ("opskit.runs", "opskit.spec", "opskit.cli", "opskit.slurm", "pydantic", "yaml", "typer", "rich")
+
+
+def test_trainer_imports_nothing_of_the_cli_side():
+    """The trainer's entry point loads none of the CLI side's modules (the spec's pydantic and YAML, typer, rich);
+    its other modules, with torch and DeepSpeed (which bring pydantic themselves), none of opskit's CLI side."""
+    probe = (
+        "import sys\n"
+        f"cli_side = {CLI_SIDE!r}\n"
+        "def loaded(names):\n"
+        "    return sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names))\n"
+        "import opskit.train.main\n"
+        "print('entry point:', loaded(cli_side))\n"
+        "import opskit.train.checkpointing, opskit.train.data, opskit.train.emissions, opskit.train.inference\n"
+        "import opskit.train.pipe, opskit.train.schedules, opskit.train.tp_sync\n"
+        "print('all:', loaded([n for n in cli_side if n.startswith('opskit.')]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()  # DeepSpeed prints its accelerator to stdout too
+    assert "entry point: []" in lines and "all: []" in lines, done.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------- runs
 
 @pytest.fixture(scope="module")
@@ -188,17 +213,22 @@ def test_loss_falls_and_lines_have_megatron_format(baseline):
 
 def test_resume_is_exact(baseline, kjv_data, tmp_path):
     stop = 30  # not a multiple of --save-interval 20: the exit itself must save
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, exit_interval=stop)
+    flag = tmp_path / "finished"  # written only once training completes, not on an exit request
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, exit_interval=stop,
+                             finished_flag_path=flag)
     first = succeeded(run_trainer(args))
+    assert not flag.exists()
     save = tmp_path / "checkpoints"
     assert max(records(first.stdout)) == stop
     assert f"[exiting program at iteration {stop}]" in first.stdout
     assert latest(save) == f"global_step{stop}"
     assert (save / f"global_step{stop}" / "mp_rank_00_model_states.pt").is_file()
 
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES)
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, finished_flag_path=flag)
     second = succeeded(run_trainer(args))
     assert f"loading checkpoint from {save} at global_step{stop}" in second.stdout
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d training finished at iteration {TRAIN_SAMPLES // GBS}, "
+                        rf"consumed samples {TRAIN_SAMPLES}\n", flag.read_text())
     resumed, straight = printed(second.stdout), printed(baseline.stdout)
     assert sorted(resumed) == list(range(stop + 1, TRAIN_SAMPLES // GBS + 1))
     for iteration, f in resumed.items():
@@ -293,10 +323,67 @@ def test_sigusr1_saves_and_exits(kjv_data, tmp_path):
 def test_kill_switch_present_at_start_exits_at_once(kjv_data, tmp_path):
     switch = tmp_path / "kill-switch"
     switch.touch()
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, kill_switch_path=switch)))
+    flag = tmp_path / "finished"
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, kill_switch_path=switch,
+                                                   finished_flag_path=flag)))
     assert f"Detected kill switch at {switch}. Exiting" in done.stdout
     assert not iteration_lines(done.stdout)
-    assert not (tmp_path / "checkpoints" / "latest").exists()
+    assert not (tmp_path / "checkpoints" / "latest").exists() and not flag.exists()
+
+
+# The trainer in-process (one rank, no launcher) with a corrupt sample in its fourth global batch: main() raises,
+# then this process looks, before it exits, at what the trainer's `finally` left.
+FAILING_RUN = """\
+import sys
+import threading
+from pathlib import Path
+
+import torch.distributed as dist
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from opskit.train import data, main
+
+read_sample = data.GPTSamples.__getitem__
+
+
+def corrupt_from_the_fourth_batch(self, index):
+    if index >= 3 * 8:
+        raise ValueError(f"sample {index} is corrupt")
+    return read_sample(self, index)
+
+
+data.GPTSamples.__getitem__ = corrupt_from_the_fourth_batch
+tensorboard, codecarbon, *argv = sys.argv[1:]
+try:
+    main.main(argv)
+except ValueError as e:
+    print(f"raised: {e}")
+events = EventAccumulator(tensorboard, size_guidance={"scalars": 0})
+events.Reload()
+print("lm loss at", [e.step for e in events.Scalars("lm-loss-training/lm loss")])
+print("tensorboard writer threads:", sum(type(t).__name__ == "_AsyncWriterThread" for t in threading.enumerate()))
+print("process group initialized:", dist.is_initialized())
+print("emissions:", [p.name for p in sorted(Path(codecarbon).glob("*.csv"))])
+"""
+
+
+def test_failure_mid_run_flushes_tensorboard_stops_codecarbon_destroys_the_process_group(kjv_data, tmp_path):
+    """TensorBoard's writer is closed (its scalars in the file, its writer thread ended), CodeCarbon wrote its row,
+    and the process group is gone, although the run raised at iteration 4 (before the fix: the writer thread still
+    running, no CSV, the process group still up)."""
+    pytest.importorskip("codecarbon")
+    args = tiny_trainer_args(kjv_data, tmp_path, save=None, load=None, codecarbon_dir=tmp_path / "codecarbon")
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-c", FAILING_RUN, str(tmp_path / "tensorboard"),
+                           str(tmp_path / "codecarbon"), *args], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(records(done.stdout)) == [1, 2, 3]
+    assert "raised: sample 24 is corrupt\n" in done.stdout
+    assert "lm loss at [1, 2, 3]\n" in done.stdout
+    assert "tensorboard writer threads: 0\n" in done.stdout
+    assert "process group initialized: False\n" in done.stdout
+    assert "emissions: ['emissions-000.csv']\n" in done.stdout
 
 
 def test_kill_switch_created_while_running(kjv_data, tmp_path):

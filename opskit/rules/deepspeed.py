@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from opskit.errors import OpskitError
 from opskit.rules.checks import Namer
 
 FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1,
@@ -52,7 +53,7 @@ def deepspeed_config(*, micro_batch_size: int, train_batch_size: int, clip_grad:
     return config
 
 
-class Contradiction(ValueError):
+class Contradiction(OpskitError, ValueError):
     """A JSON key that contradicts a flag; the message is ``KEY is X but the flags say Y`` (KEY dotted)."""
 
     def __init__(self, key: str, in_json: Any, from_flags: Any):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from opskit.errors import OpskitError
 
-class VocabPaddingError(ValueError):
+
+class VocabPaddingError(OpskitError, ValueError):
     """``--pad-vocab-size-to`` below the tokenizer's vocabulary: Megatron-DeepSpeed refuses it."""
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from opskit.ckpt.info import ResumePoint, resume_point
 from opskit.ckpt.layout import save_failed_message, write_latest
+from opskit.train.state import TrainState
 
 CHECKPOINT_VERSION = 3.0
 
@@ -88,28 +89,31 @@ def _failure_reason(error: OSError, where: Path) -> str:
     return f"[Errno {error.errno}] {error.strerror} ({error.filename or where})"
 
 
-def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_samples: int,
-                    consumed_tokens: int) -> None:
-    """Save ``global_step{iteration}`` under ``--save`` from every rank, then move ``latest`` to it.
+def save_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None:
+    """Save ``global_step{state.iteration}`` under ``--save`` from every rank, then move ``latest`` to it. The
+    state's counters go into the saved ``args`` under Megatron's names, the consumed tokens into ``tokens``.
 
     Raises:
         CheckpointError: a file could not be written (disk full, quota, permissions): one line naming the step, the
             OS error and the file. ``latest`` still names the previous step, whose files are untouched; the files
             of this step written so far stay (an incomplete step for ``opskit ckpt list``).
     """
+    iteration = state.iteration
     tag = step_tag(iteration)
     if dist.get_rank() == 0:
         print(f"saving checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
     started = time.time()
     saved_args = argparse.Namespace(**vars(args))
-    saved_args.consumed_train_samples = consumed_samples
-    saved_args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)  # kept up to date by evaluation
+    saved_args.consumed_valid_samples = state.consumed_valid_samples
+    saved_args.skipped_train_samples = state.skipped_train_samples
+    saved_args.applied_skip_train_iteration_ranges = state.applied_skip_train_iteration_ranges
+    saved_args.consumed_train_samples = state.consumed_train_samples
     saved_args.iteration = iteration
     client_state = {
         "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
-        "tokens": consumed_tokens,
+        "tokens": state.consumed_train_tokens,
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size,
                             "original_vocab_size": args.original_vocab_size},
         **_rng_state(),
@@ -129,18 +133,15 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
         print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
 
 
-def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
-    """Resume from ``--load``: weights, optimizer, LR scheduler, RNG and counters (``args.consumed_valid_samples``,
-    ``args.skipped_train_samples`` and the skip ranges already applied are set from the saved args, as Megatron does
-    for its counters).
+def load_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None:
+    """Resume from ``--load``: weights, optimizer, LR scheduler, RNG, and the counters of ``state`` (set in place from
+    the checkpoint's ``iteration``, ``tokens`` and saved args, as Megatron does for its counters); ``state`` is left
+    as it is when there is nothing to load.
 
     The step is ``latest``'s when it is complete (:func:`opskit.ckpt.info.resume_point`); when ``latest`` names a
     missing or incomplete step, or is unusable, the newest complete step before it, with one WARNING line (a chain
     that crashed on the same broken step job after job would make no progress). ``latest`` itself is left as it is:
     the next save moves it. Rank 0 decides, every rank loads what it decided.
-
-    Returns:
-        ``(iteration, consumed_samples, consumed_tokens)``; zeros when there is nothing to load.
 
     Raises:
         CheckpointError: ``latest`` is there but no step is complete, or the saved architecture differs from the flags.
@@ -150,7 +151,7 @@ def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
         if dist.get_rank() == 0 and args.load:
             print(f"WARNING: could not find the metadata file {args.load}/latest", flush=True)
             print("    will not load any checkpoints and will start from random", flush=True)
-        return 0, 0, 0
+        return
     if point.error:
         raise CheckpointError(point.error)
     if point.fallback and dist.get_rank() == 0:
@@ -161,18 +162,20 @@ def load_checkpoint(engine, args: argparse.Namespace) -> tuple[int, int, int]:
                 args, str(step_dir))
     if dist.get_rank() == 0:
         print(f" loading checkpoint from {args.load} at {tag}", flush=True)
-    path, state = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
+    path, saved = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load it")
-    _set_rng_state(state)
-    args.consumed_valid_samples = getattr(state["args"], "consumed_valid_samples", 0)
-    args.skipped_train_samples = getattr(state["args"], "skipped_train_samples", 0)
-    args.applied_skip_train_iteration_ranges = getattr(state["args"], "applied_skip_train_iteration_ranges", [])
-    iteration = state["iteration"]
+    _set_rng_state(saved)
+    saved_args = saved["args"]
+    state.iteration = saved["iteration"]
+    state.consumed_train_samples = saved_args.consumed_train_samples
+    state.consumed_train_tokens = saved["tokens"]
+    state.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
+    state.skipped_train_samples = getattr(saved_args, "skipped_train_samples", 0)
+    state.applied_skip_train_iteration_ranges = getattr(saved_args, "applied_skip_train_iteration_ranges", [])
     if dist.get_rank() == 0:
-        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}", flush=True)
-    return iteration, state["args"].consumed_train_samples, state["tokens"]
+        print(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
 
 
 def _agreed_resume_point(directory: str) -> ResumePoint:

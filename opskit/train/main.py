@@ -1,7 +1,10 @@
-"""Entry point of ``python -m opskit.train``: parse, build, resume, train, save, exit.
+"""Entry point of ``python -m opskit.train``: parse, build, train, close.
 
-Build order (fixed): distributed -> tokenizer (vocab size) -> model on its pipeline stage -> optimizer -> LR schedule
--> DeepSpeed engine -> resume -> data. Every rank runs the same loop; the last rank prints Megatron's log lines.
+:func:`train` builds the run in a fixed order: 1. distributed (torchrun's world, megatron-core's TP/PP groups, seeds)
+-> 2. tokenizer (vocab size) -> 3. model on its pipeline stage -> 4. optimizer, LR schedule and DeepSpeed engine ->
+5. resume -> 6. data -> 7. logging; then :class:`Trainer` trains over its :class:`~opskit.train.state.TrainState`, and
+a ``finally`` closes TensorBoard and CodeCarbon and destroys the process groups, also when training raises. Every rank
+runs the same loop; the last rank prints Megatron's log lines.
 
 Run with ``torchrun --nproc_per_node N -m opskit.train ...``, or as one process without a launcher.
 """
@@ -22,9 +25,12 @@ import random  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from opskit.rules.checks import flag_name  # noqa: E402
+from opskit.fsutil import atomic_write_text  # noqa: E402
+from opskit.rules.checks import TRAINER_PARTITION_METHOD, flag_name  # noqa: E402
 from opskit.rules.deepspeed import (  # noqa: E402
     Contradiction,
     deepspeed_config,
@@ -34,8 +40,8 @@ from opskit.rules.deepspeed import (  # noqa: E402
 )
 from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
-from opskit.runs import mark_run_finished  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
+from opskit.train.state import TrainState  # noqa: E402
 
 
 class TrainerError(RuntimeError):
@@ -272,63 +278,125 @@ def _param_groups(model) -> list[dict]:
 
 
 def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
+    """Build the run, train it, and close it in a ``finally``: TensorBoard's writer closed (its queue flushed),
+    CodeCarbon stopped and the process groups destroyed, also when training raises.
+
+    Returns:
+        0: training finished, or saved and exited on request (kill switch, SIGUSR1, ``--exit-interval``,
+        ``--exit-duration-in-mins``).
+
+    Raises:
+        TrainerError, CheckpointError: bad input found at run time (:func:`main` prints them in one line).
+    """
     import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    trainer = None
+    try:
+        # 1. distributed: torchrun's world, megatron-core's TP/PP groups, the seeds, the agreed start time
+        _init_distributed(args)
+        _check_precision(args)
+        world = _init_model_parallel(args)
+        if _kill_switch_at_start(args):  # lets a drained job array's tasks end at once
+            return 0
+        # 2.-7. tokenizer and vocab, model, DeepSpeed engine, resume, data, logging
+        trainer = Trainer(args, world, exit_requests)
+        trainer.train()
+        return 0
+    finally:
+        if trainer is not None:
+            trainer.close()
+        _destroy_distributed()
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job: world size = TP * PP * DP."""
+
+    rank: int
+    size: int
+    tp: int
+    pp: int
+    dp: int
+    start_time: float
+    """The earliest trainer start over all ranks (seconds since the epoch): ``--exit-duration-in-mins`` counts from
+    it."""
+
+    @property
+    def is_last_rank(self) -> bool:
+        """The rank that prints Megatron's iteration and validation lines and writes TensorBoard (Megatron's)."""
+        return self.rank == self.size - 1
+
+
+def _init_model_parallel(args: argparse.Namespace) -> World:
+    """megatron-core's TP and PP groups for its layers (its rank order, TP fastest, then DP, then PP, is DeepSpeed's
+    topology's), the seeds, and the start time every rank agrees on.
+
+    Raises:
+        TrainerError: a world size that is not a multiple of TP * PP; a seed NumPy cannot take.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if size % (tp * pp):
+        raise TrainerError(f"{size} processes are not divisible by TP*PP = {tp * pp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    _set_random_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank(), pp)
+    return World(rank=rank, size=size, tp=tp, pp=pp, dp=size // (tp * pp), start_time=_agreed_start_time())
+
+
+def _agreed_start_time() -> float:
+    """Megatron takes the earliest start over all ranks, so every rank agrees on when to stop."""
     import torch
     import torch.distributed as dist
 
-    from opskit.train.checkpointing import load_checkpoint, save_checkpoint
-    from opskit.train.data import micro_batches
-    from opskit.train.emissions import Emissions
-    from opskit.train.log import (
-        IntervalStats,
-        TensorBoard,
-        current_loss_scale,
-        iteration_line,
-        memory_line,
-        print_datetime,
-        validation_lines,
-    )
-    from opskit.train.model import GPTConfig
-    from opskit.train.pipe import GPTModelPipe, compile_transformer_layers, make_topology
-    from opskit.train.schedules import AnnealingLR, BatchRampup, num_microbatches
-    from opskit.train.tp_sync import sync_tp_duplicated_parameters, tp_duplicated_parameters
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    _init_distributed(args)
-    _check_precision(args)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    is_last_rank = rank == world_size - 1
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise TrainerError(f"{world_size} processes are not divisible by TP*PP = {tp * pp}")
-    dp = world_size // (tp * pp)
-    # megatron-core's TP groups for its layers; its rank order (TP fastest, then DP, then PP) is DeepSpeed's topology's.
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    _set_random_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank(), pp)
-
-    # Megatron takes the earliest start over all ranks, so every rank agrees on when to stop.
     start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(start, op=dist.ReduceOp.MIN)
-    train_start_time = float(start.item())
+    return float(start.item())
 
-    if _on_any_rank(_kill_switch_on(args))[0]:  # lets a drained job array's tasks end at once
-        print_datetime(f"Detected kill switch at {args.kill_switch_path}. Exiting")
+
+def _kill_switch_at_start(args: argparse.Namespace) -> bool:
+    """True, after Megatron's line, when the kill switch is on (on any rank) before anything is built."""
+    from opskit.train.log import print_datetime
+
+    if not _on_any_rank(_kill_switch_on(args))[0]:
+        return False
+    print_datetime(f"Detected kill switch at {args.kill_switch_path}. Exiting")
+    return True
+
+
+def _destroy_distributed() -> None:
+    """megatron-core's groups and the process groups, where they exist (DeepSpeed 0.19.8 may SIGABRT at exit
+    without)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
         dist.destroy_process_group()
-        return 0
 
-    _check_data_files(args)  # from the flags alone: fail before minutes of model building, not after
-    rampup = BatchRampup(args.global_batch_size, tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
-    train_iters = rampup.train_iters(args.train_samples)
-    ds_config = _deepspeed_config(args, rampup.batch_size(0))
-    curriculum = _curriculum(ds_config, args)
+
+def _set_vocab_size(args: argparse.Namespace, rank: int) -> None:
+    """Megatron's ``args.original_vocab_size`` (the tokenizer's) and ``args.padded_vocab_size`` (the model's, saved in
+    every checkpoint), with Megatron's line about the padding."""
     args.original_vocab_size = _load_vocab_size(args)
     args.padded_vocab_size = _padded_vocab(args, args.original_vocab_size)
     if rank == 0:
         print(f" > padded vocab (size: {args.original_vocab_size}) with "
               f"{args.padded_vocab_size - args.original_vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
               flush=True)
+
+
+def _build_model(args: argparse.Namespace, world: World):
+    """This rank's pipeline stage of the GPT/BLOOM model (a DeepSpeed ``PipelineModule``), on the GPU if there is
+    one."""
+    import torch
+
+    from opskit.train.model import GPTConfig
+    from opskit.train.pipe import GPTModelPipe, compile_transformer_layers, make_topology
+
     cfg = GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
@@ -337,165 +405,309 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, tensor_parallel=True,
     )
-    model = GPTModelPipe(cfg, make_topology(tp, pp, dp), seed=args.seed,
+    model = GPTModelPipe(cfg, make_topology(world.tp, world.pp, world.dp), seed=args.seed,
                          activation_checkpoint_interval=1 if args.checkpoint_activations else 0,
-                         partition_method=args.pp_partition_method or "type:transformer|embedding")
-
+                         partition_method=args.pp_partition_method or TRAINER_PARTITION_METHOD)
     if args.torch_compile:
         compile_transformer_layers(model)
     if torch.cuda.is_available():
         model.cuda()  # before the optimizer: fused AdamW wants its parameters on the GPU already
+    return model
+
+
+def _build_engine(args: argparse.Namespace, model, ds_config: dict, rampup, state: TrainState):
+    """AdamW over Megatron's weight-decay groups, Megatron's LR schedule in samples (its step is the ramp-up's batch
+    at ``state``'s consumed samples; ``--lr-decay-tokens`` reads ``state``'s consumed tokens), and DeepSpeed's
+    pipeline engine over them.
+
+    Returns:
+        ``(engine, optimizer)``: the optimizer is the torch one, whose ``param_groups`` carry the current LR.
+    """
+    import deepspeed
+    import torch
+
+    from opskit.train.schedules import AnnealingLR
+
     optimizer = torch.optim.AdamW(_param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                   eps=args.adam_eps, weight_decay=args.weight_decay,
                                   fused=torch.cuda.is_available())  # one kernel per step on GPUs
-    consumed = {"samples": 0}
-    consumed_tokens = 0  # read by the LR schedule's --lr-decay-tokens
     scheduler = AnnealingLR(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
         decay_steps=args.lr_decay_samples, decay_style=args.lr_decay_style,
-        step_size=lambda: rampup.batch_size(consumed["samples"]),
+        step_size=lambda: rampup.batch_size(state.consumed_train_samples),
         override=args.override_lr_scheduler, use_checkpoint=args.use_checkpoint_lr_scheduler,
-        decay_tokens=args.lr_decay_tokens, consumed_tokens=lambda: consumed_tokens,
+        decay_tokens=args.lr_decay_tokens, consumed_tokens=lambda: state.consumed_train_tokens,
     )
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=ds_config,
-    )
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine, optimizer
 
-    args.consumed_valid_samples = 0  # Megatron's counter, saved in the checkpoint's args
-    args.skipped_train_samples = 0  # samples passed over by --skip-train-iteration-range (as newer Megatron-LM)
-    args.applied_skip_train_iteration_ranges = []  # ranges already skipped, so a resume does not skip them again
-    try:
-        iteration, consumed["samples"], consumed_tokens = load_checkpoint(engine, args)
-    except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
-        raise TrainerError(f"{args.load}: {e}") from None
-    tp_duplicated = tp_duplicated_parameters(model) if args.sync_tp_duplicated_parameters and tp > 1 else []
-    if tp_duplicated:  # also heals copies that drifted apart before this run (BLOOM-176B's checkpoints)
-        sync_tp_duplicated_parameters(tp_duplicated, parallel_state.get_tensor_model_parallel_group(), tp)
-        if rank == 0:
-            print(f"> syncing {len(tp_duplicated)} TP-duplicated parameters over the {tp} TP ranks after every step",
-                  flush=True)
-    if rank == 0:
-        print(f"setting training iterations to {train_iters}", flush=True)
-    tensorboard = TensorBoard(args.tensorboard_dir, args.tensorboard_queue_size, enabled=is_last_rank)
-    tensorboard.restart_marker(iteration, world_size)
 
-    dp_rank = engine.grid.data_parallel_id
-    ((_, samples),) = _split_samples(args, "train")
-    seqlen = {"now": args.seq_length}  # the curriculum's, read by the data iterator before each micro-batch
-    data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size, dp,
-                         dp_rank, seqlen=lambda: seqlen["now"])
-    skip_ranges = _pending_skip_ranges(args, iteration)
-    do_valid = args.eval_interval is not None and args.eval_iters > 0
-    valid_samples = _split_samples(args, "valid") if do_valid else []
-    # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
-    valid_sets = [(name, micro_batches(samples_of_set, args.consumed_valid_samples // len(valid_samples),
-                                       args.micro_batch_size, dp, dp_rank)) for name, samples_of_set in valid_samples]
+@dataclass(frozen=True)
+class StepResult:
+    """What one training iteration reports: its global batch, mean loss, and the optimizer's numbers after it."""
 
-    def evaluate_and_print_results(prefix: str) -> None:
-        if curriculum is not None:  # validation runs at the full --seq-length (Megatron-DeepSpeed's evaluate)
-            engine.reset_activation_shape()
-        for name, valid_data in valid_sets:
-            loss = _evaluate(engine, valid_data, args)
-            if is_last_rank:
-                for line in validation_lines(prefix, loss, name):  # one print per line: see main()
-                    print(line, flush=True)
-            tensorboard.validation(iteration, consumed["samples"], consumed_tokens, loss,
-                                   args.log_validation_ppl_to_tensorboard, name)
-        if curriculum is not None:
-            engine.reset_activation_shape()
+    global_batch_size: int
+    loss: float
+    learning_rate: float
+    grad_norm: float | None
+    loss_scale: float | None
+    """fp16 only (None otherwise)."""
 
-    flops_recompute = args.checkpoint_activations
-    emissions = Emissions.start(args.codecarbon_dir, rank)
-    stats = IntervalStats(started=time.time())
-    last_saved = iteration if args.load and iteration else None
-    exit_reason = None
-    memory_reported = False
-    if rank == 0:
-        print_datetime("before the start of training step")
-    while iteration < train_iters:
-        if skip_ranges and skip_ranges[0][0] <= iteration + 1 <= skip_ranges[0][1]:
-            first, last = skip_ranges.popleft()
-            if rank == 0:
-                print(f"Skipped iterations {first} to {last} due to --skip-train-iteration-range flag.", flush=True)
-            args.skipped_train_samples += rampup.batch_size(consumed["samples"]) * (last - iteration)
-            args.applied_skip_train_iteration_ranges.append([first, last])
-            data = micro_batches(samples, consumed["samples"] + args.skipped_train_samples, args.micro_batch_size,
-                                 dp, dp_rank, seqlen=lambda: seqlen["now"])
-            continue
-        global_batch_size = rampup.batch_size(consumed["samples"])
-        num_microbatches(global_batch_size, args.micro_batch_size, dp)  # Megatron's divisibility check
+
+class Trainer:
+    """One training run on this rank: built in a fixed order by ``__init__``, trained by :meth:`train`, released by
+    :meth:`close`. Its progress is :attr:`state` (a :class:`TrainState`)."""
+
+    def __init__(self, args: argparse.Namespace, world: World, exit_requests: _ExitRequests):
+        from opskit.rules.schedule import BatchRampup
+        from opskit.train.emissions import Emissions
+        from opskit.train.log import TensorBoard
+
+        self.args, self.world, self.exit_requests = args, world, exit_requests
+        self.state = TrainState(seqlen=args.seq_length)
+        self.memory_reported = False  # Megatron reports GPU memory once, at the first log line
+
+        # The flags checked against the files they name (before minutes of model building), and the schedules.
+        _check_data_files(args)
+        self.rampup = BatchRampup(args.global_batch_size,
+                                  tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
+        self.train_iters = self.rampup.train_iters(args.train_samples)
+        ds_config = _deepspeed_config(args, self.rampup.batch_size(0))
+        self.curriculum = _curriculum(ds_config, args)
+        # 2. tokenizer: the vocabulary size, padded
+        _set_vocab_size(args, world.rank)
+        # 3. model: this rank's pipeline stage
+        model = _build_model(args, world)
+        # 4. DeepSpeed engine: optimizer and LR schedule first (the schedule reads the state's counters)
+        self.engine, self.optimizer = _build_engine(args, model, ds_config, self.rampup, self.state)
+        # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
+        self._resume(model)
+        if world.rank == 0:
+            print(f"setting training iterations to {self.train_iters}", flush=True)
+        # 6. data: this DP rank's micro-batches from the consumed samples on, and the validation sets
+        self._build_data()
+        # 7. logging: TensorBoard on the last rank, CodeCarbon on each node's local rank 0
+        self.tensorboard = TensorBoard(args.tensorboard_dir, args.tensorboard_queue_size, enabled=world.is_last_rank)
+        self.tensorboard.restart_marker(self.state.iteration, world.size)
+        self.emissions = Emissions.start(args.codecarbon_dir, world.rank)
+
+    def _resume(self, model) -> None:
+        """Load ``--load`` (if it has a checkpoint) into the engine and the state; heal the TP-duplicated parameters
+        with ``--sync-tp-duplicated-parameters``.
+
+        Raises:
+            TrainerError: the LR schedule in the checkpoint contradicts the flags (AnnealingLR's check).
+        """
+        from opskit.train.checkpointing import load_checkpoint
+        from opskit.train.tp_sync import tp_duplicated_parameters
+
+        args, world, state = self.args, self.world, self.state
+        try:
+            load_checkpoint(self.engine, args, state)
+        except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
+            raise TrainerError(f"{args.load}: {e}") from None
+        state.last_saved = state.iteration or None
+        sync = args.sync_tp_duplicated_parameters and world.tp > 1
+        self.tp_duplicated = tp_duplicated_parameters(model) if sync else []
+        if self.tp_duplicated:  # also heals copies that drifted apart before this run (BLOOM-176B's checkpoints)
+            self._sync_tp_duplicated()
+            if world.rank == 0:
+                print(f"> syncing {len(self.tp_duplicated)} TP-duplicated parameters over the {world.tp} TP ranks "
+                      "after every step", flush=True)
+
+    def _build_data(self) -> None:
+        """The train split's micro-batch iterator, the skip ranges still to apply, and the validation sets."""
+        from opskit.train.data import micro_batches
+
+        args, state = self.args, self.state
+        self.dp_rank = self.engine.grid.data_parallel_id
+        ((_, self.train_samples),) = _split_samples(args, "train")
+        self.data = self._train_batches()
+        self.skip_ranges = _pending_skip_ranges(args, state)
+        self.do_valid = args.eval_interval is not None and args.eval_iters > 0
+        valid_samples = _split_samples(args, "valid") if self.do_valid else []
+        # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
+        self.valid_sets = [(name, micro_batches(samples, state.consumed_valid_samples // len(valid_samples),
+                                                args.micro_batch_size, self.world.dp, self.dp_rank))
+                           for name, samples in valid_samples]
+
+    def _train_batches(self):
+        """This DP rank's micro-batches from the data position on (consumed plus skipped samples), cut to the
+        curriculum's sequence length at each one."""
+        from opskit.train.data import micro_batches
+
+        state = self.state
+        return micro_batches(self.train_samples, state.consumed_train_samples + state.skipped_train_samples,
+                             self.args.micro_batch_size, self.world.dp, self.dp_rank, seqlen=lambda: state.seqlen)
+
+    def train(self) -> None:
+        """Megatron's loop: train to ``train_iters``, logging, validating and saving at their intervals, until an exit
+        request; then the end of training (final validation, last save, the finished flag)."""
+        from opskit.train.log import IntervalStats, print_datetime
+
+        args, state = self.args, self.state
+        state.interval = IntervalStats(started=time.time())
+        if self.world.rank == 0:
+            print_datetime("before the start of training step")
+        exit_reason = None
+        while state.iteration < self.train_iters:
+            if self._skip_range_at_next_iteration():
+                continue
+            step = self._train_step()
+            self._log(step)
+            if self.do_valid and state.iteration % args.eval_interval == 0:
+                self._evaluate_and_print(f"iteration {state.iteration}")
+            if args.save and state.iteration % args.save_interval == 0:
+                self._save()
+                self.emissions.flush()
+            exit_reason = _exit_reason(args, state.iteration, self.world.start_time, self.exit_requests)
+            if exit_reason:
+                break
+        self._finish(exit_reason)
+
+    def _skip_range_at_next_iteration(self) -> bool:
+        """Apply the next ``--skip-train-iteration-range`` when it starts at the next iteration: the data position
+        passes over its global batches; iteration, consumed samples and LR stay. True when one was applied."""
+        ranges, state = self.skip_ranges, self.state
+        if not (ranges and ranges[0][0] <= state.iteration + 1 <= ranges[0][1]):
+            return False
+        first, last = ranges.popleft()
+        if self.world.rank == 0:
+            print(f"Skipped iterations {first} to {last} due to --skip-train-iteration-range flag.", flush=True)
+        state.skipped_train_samples += self.rampup.batch_size(state.consumed_train_samples) * (last - state.iteration)
+        state.applied_skip_train_iteration_ranges.append([first, last])
+        self.data = self._train_batches()
+        return True
+
+    def _train_step(self) -> StepResult:
+        """One iteration: the ramp-up's global batch at the curriculum's sequence length through the pipeline, the
+        optimizer step, and the state advanced by it."""
+        from opskit.rules.schedule import num_microbatches
+        from opskit.train.log import current_loss_scale
+
+        args, engine, state = self.args, self.engine, self.state
+        global_batch_size = self.rampup.batch_size(state.consumed_train_samples)
+        num_microbatches(global_batch_size, args.micro_batch_size, self.world.dp)  # Megatron's divisibility check
         engine.set_train_batch_size(global_batch_size)
-        if curriculum is not None and (difficulty := curriculum.seqlen(iteration + 1)) != seqlen["now"]:
-            seqlen["now"] = difficulty
+        if self.curriculum is not None and (seqlen := self.curriculum.seqlen(state.iteration + 1)) != state.seqlen:
+            state.seqlen = seqlen
             engine.reset_activation_shape()  # the pipeline stages then exchange the new shapes
         skipped_before = engine.skipped_steps
-        loss = float(engine.train_batch(data_iter=data))
-        if tp_duplicated:
-            sync_tp_duplicated_parameters(tp_duplicated, parallel_state.get_tensor_model_parallel_group(), tp)
-        iteration += 1
-        consumed["samples"] += global_batch_size
-        consumed_tokens += global_batch_size * seqlen["now"]
-        stats.add(loss, skipped=engine.skipped_steps > skipped_before)
-        lr = optimizer.param_groups[0]["lr"]
+        loss = float(engine.train_batch(data_iter=self.data))
+        if self.tp_duplicated:
+            self._sync_tp_duplicated()
+        state.iteration += 1
+        state.consumed_train_samples += global_batch_size
+        state.consumed_train_tokens += global_batch_size * state.seqlen
+        state.interval.add(loss, skipped=engine.skipped_steps > skipped_before)
         grad_norm = engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else None
-        loss_scale = current_loss_scale(engine.optimizer) if args.fp16 else None
-        curriculum_seqlen = seqlen["now"] if curriculum is not None else None
-        tensorboard.iteration(iteration, consumed["samples"], consumed_tokens, lr, global_batch_size, loss,
-                              grad_norm, loss_scale, curriculum_seqlen)
+        return StepResult(global_batch_size=global_batch_size, loss=loss,
+                          learning_rate=self.optimizer.param_groups[0]["lr"],
+                          grad_norm=float(grad_norm) if grad_norm is not None else None,
+                          loss_scale=current_loss_scale(engine.optimizer) if args.fp16 else None)
 
-        if iteration % args.log_interval == 0:
-            seconds = (time.time() - stats.started) / stats.iterations
-            flops = megatron_flops_per_iteration(global_batch_size, seqlen["now"], args.num_layers,
-                                                 args.hidden_size, args.padded_vocab_size, flops_recompute)
-            tflops = flops / (seconds * world_size * 1e12)
-            if is_last_rank:
-                print(iteration_line(
-                    iteration=iteration, train_iters=train_iters, consumed_samples=consumed["samples"],
-                    consumed_tokens=consumed_tokens, seconds_per_iteration=seconds, learning_rate=lr,
-                    global_batch_size=global_batch_size, lm_loss=stats.mean_loss, loss_scale=loss_scale,
-                    grad_norm=grad_norm, skipped_iterations=stats.skipped_iterations,
-                    nan_iterations=stats.nan_iterations, tflops=tflops, curriculum_seqlen=curriculum_seqlen),
-                    flush=True)
-            tensorboard.interval(iteration, consumed["samples"], consumed_tokens, seconds, global_batch_size,
-                                 seqlen["now"], dp, tflops)
-            if not memory_reported and torch.cuda.is_available():
-                print(memory_line(rank, iteration), flush=True)
-                memory_reported = True
-            stats = IntervalStats(started=time.time())
+    def _sync_tp_duplicated(self) -> None:
+        from megatron.core import parallel_state
 
-        if do_valid and iteration % args.eval_interval == 0:
-            evaluate_and_print_results(f"iteration {iteration}")
-        if args.save and iteration % args.save_interval == 0:
-            save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
-            emissions.flush()
-            last_saved = iteration
-        exit_reason = _exit_reason(args, iteration, train_start_time, exit_requests)
-        if exit_reason:
-            break
+        from opskit.train.tp_sync import sync_tp_duplicated_parameters
 
-    if exit_reason is None:  # Megatron's exits leave from inside train(), before the end-of-training evaluation
-        if rank == 0:
-            print_datetime("after training is done")
-        if do_valid:
-            evaluate_and_print_results("the end of training for val data")
-    if args.save and last_saved != iteration:
-        save_checkpoint(engine, args, iteration, consumed["samples"], consumed_tokens)
-    if exit_reason and rank == 0:
-        print_datetime(exit_reason)
-    if exit_reason is None and rank == 0:  # the chain's later tasks exit at start (opskit.runs.RunPaths.finished_flag)
-        mark_run_finished(f"training finished at iteration {iteration}, consumed samples {consumed['samples']}")
-    tensorboard.close()
-    emissions.stop()
-    dist.barrier()
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()  # DeepSpeed 0.19.8 may SIGABRT at exit without it
-    return 0
+        sync_tp_duplicated_parameters(self.tp_duplicated, parallel_state.get_tensor_model_parallel_group(),
+                                      self.world.tp)
+
+    def _log(self, step: StepResult) -> None:
+        """TensorBoard's per-iteration scalars; every ``--log-interval`` iterations Megatron's iteration line (last
+        rank), the interval's scalars, and once the GPU memory line."""
+        import torch
+
+        from opskit.train.log import IntervalStats, iteration_line, memory_line
+
+        args, world, state = self.args, self.world, self.state
+        curriculum_seqlen = state.seqlen if self.curriculum is not None else None
+        self.tensorboard.iteration(state.iteration, state.consumed_train_samples, state.consumed_train_tokens,
+                                   step.learning_rate, step.global_batch_size, step.loss, step.grad_norm,
+                                   step.loss_scale, curriculum_seqlen)
+        if state.iteration % args.log_interval:
+            return
+        seconds = (time.time() - state.interval.started) / state.interval.iterations
+        flops = megatron_flops_per_iteration(step.global_batch_size, state.seqlen, args.num_layers, args.hidden_size,
+                                             args.padded_vocab_size, args.checkpoint_activations)
+        tflops = flops / (seconds * world.size * 1e12)
+        if world.is_last_rank:
+            print(iteration_line(
+                iteration=state.iteration, train_iters=self.train_iters, consumed_samples=state.consumed_train_samples,
+                consumed_tokens=state.consumed_train_tokens, seconds_per_iteration=seconds,
+                learning_rate=step.learning_rate, global_batch_size=step.global_batch_size,
+                lm_loss=state.interval.mean_loss, loss_scale=step.loss_scale, grad_norm=step.grad_norm,
+                skipped_iterations=state.interval.skipped_iterations, nan_iterations=state.interval.nan_iterations,
+                tflops=tflops, curriculum_seqlen=curriculum_seqlen), flush=True)
+        self.tensorboard.interval(state.iteration, state.consumed_train_samples, state.consumed_train_tokens, seconds,
+                                  step.global_batch_size, state.seqlen, world.dp, tflops)
+        if not self.memory_reported and torch.cuda.is_available():
+            print(memory_line(world.rank, state.iteration), flush=True)
+            self.memory_reported = True
+        state.interval = IntervalStats(started=time.time())
+
+    def _evaluate_and_print(self, prefix: str) -> None:
+        """Megatron's evaluate_and_print_results: each validation set's loss, printed (last rank) and written to
+        TensorBoard; at the full ``--seq-length`` (Megatron-DeepSpeed's evaluate), also under a curriculum."""
+        from opskit.train.log import validation_lines
+
+        args, state = self.args, self.state
+        if self.curriculum is not None:
+            self.engine.reset_activation_shape()
+        for name, valid_data in self.valid_sets:
+            loss = _evaluate(self.engine, valid_data, args.eval_iters)
+            state.consumed_valid_samples += args.eval_iters * self.engine.train_batch_size()
+            if self.world.is_last_rank:
+                for line in validation_lines(prefix, loss, name):  # one print per line: see main()
+                    print(line, flush=True)
+            self.tensorboard.validation(state.iteration, state.consumed_train_samples, state.consumed_train_tokens,
+                                        loss, args.log_validation_ppl_to_tensorboard, name)
+        if self.curriculum is not None:
+            self.engine.reset_activation_shape()
+
+    def _save(self) -> None:
+        from opskit.train.checkpointing import save_checkpoint
+
+        save_checkpoint(self.engine, self.args, self.state)
+        self.state.last_saved = self.state.iteration
+
+    def _finish(self, exit_reason: str | None) -> None:
+        """The end of the run: after training to the end, the final validation and the finished flag; in any case a
+        checkpoint of the last iteration (unless just saved) and Megatron's line on why it stopped."""
+        import torch.distributed as dist
+
+        from opskit.train.log import print_datetime
+
+        args, state, rank = self.args, self.state, self.world.rank
+        if exit_reason is None:  # Megatron's exits leave from inside train(), before the end-of-training evaluation
+            if rank == 0:
+                print_datetime("after training is done")
+            if self.do_valid:
+                self._evaluate_and_print("the end of training for val data")
+        if args.save and state.last_saved != state.iteration:
+            self._save()
+        if exit_reason and rank == 0:
+            print_datetime(exit_reason)
+        if exit_reason is None and rank == 0 and args.finished_flag_path:
+            _write_finished_flag(Path(args.finished_flag_path), state)
+        dist.barrier()  # every rank is done before the process groups go
+
+    def close(self) -> None:
+        """Close TensorBoard's writer (it flushes its queue) and stop CodeCarbon (it writes its last row)."""
+        self.tensorboard.close()
+        self.emissions.stop()
+
+
+def _write_finished_flag(path: Path, state: TrainState) -> None:
+    """``--finished-flag-path``: the job script's later tasks exit at start while it exists (opskit.runs.RunPaths
+    .finished_flag). Written atomically: a reader never sees half a line."""
+    atomic_write_text(path, f"{datetime.now():%Y-%m-%d %H:%M:%S} training finished at iteration {state.iteration}, "
+                            f"consumed samples {state.consumed_train_samples}\n")
 
 
 def _weighted_split_groups(flag: str, path: str) -> list:
-    """The groups of a ``--*-weighted-split-paths-path`` file (see args.parse_weighted_split_paths)."""
+    """The groups of a ``--*-weighted-split-paths-path`` file (see rules.formats.parse_weighted_split_paths)."""
     from opskit.rules.formats import parse_weighted_split_paths
 
     try:
@@ -528,29 +740,27 @@ def _split_samples(args: argparse.Namespace, split: str) -> list:
         raise TrainerError(f"{where}: {e}") from None
 
 
-def _pending_skip_ranges(args: argparse.Namespace, iteration: int):
-    """The ``--skip-train-iteration-range`` ranges still to apply after ``iteration``: Megatron drops those that end
-    before it; we also drop those the checkpoint says were applied already (their iteration numbers were trained
+def _pending_skip_ranges(args: argparse.Namespace, state: TrainState):
+    """The ``--skip-train-iteration-range`` ranges still to apply after ``state.iteration``: Megatron drops those that
+    end before it; we also drop those the checkpoint says were applied already (their iteration numbers were trained
     again, on later data, right after the skip)."""
     from collections import deque
 
-    applied = args.applied_skip_train_iteration_ranges
-    return deque(r for r in args.skip_train_iteration_range or [] if r[1] > iteration and r not in applied)
+    applied = state.applied_skip_train_iteration_ranges
+    return deque(r for r in args.skip_train_iteration_range or [] if r[1] > state.iteration and r not in applied)
 
 
-def _evaluate(engine, valid_data, args: argparse.Namespace) -> float:
-    """Megatron's evaluate() under DeepSpeed's pipeline: ``--eval-iters`` global batches of the valid split through
+def _evaluate(engine, valid_data, eval_iters: int) -> float:
+    """Megatron's evaluate() under DeepSpeed's pipeline: ``eval_iters`` global batches of the valid split through
     ``engine.eval_batch`` (eval mode, no gradients; it returns the mean of the batch's micro-batch losses, averaged
     over DP), then the mean of those: the average over ``eval_iters * num_microbatches`` micro-batches, in nats per
     token. The global batch is the last iteration's (Megatron's get_num_microbatches() during a ramp-up); each eval
-    iteration advances ``args.consumed_valid_samples`` by it."""
-    global_batch_size = engine.train_batch_size()
+    iteration consumes one of them from the valid split."""
     total = 0.0
-    for _ in range(args.eval_iters):
+    for _ in range(eval_iters):
         total += float(engine.eval_batch(data_iter=valid_data))
-        args.consumed_valid_samples += global_batch_size
     engine.module.train()  # train_batch does it too; done here so that nothing runs in eval mode by accident
-    return total / args.eval_iters
+    return total / eval_iters
 
 
 def _collective_device():

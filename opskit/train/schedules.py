@@ -1,16 +1,13 @@
 """The trainer's side of the schedules: AnnealingLR driving an optimizer and DeepSpeed's curriculum scheduler. The
 rules themselves (ramp-up, learning rate as a function of samples and tokens) are ``opskit.rules.schedule``'s, shared
-with ``opskit plan``; ``BatchRampup`` and ``num_microbatches`` are re-exported for the training loop.
+with ``opskit plan``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
-
-__all__ = ["AnnealingLR", "BatchRampup", "SeqlenCurriculum", "num_microbatches"]
-
+from opskit.rules.schedule import annealing_lr
 
 # Checkpointed AnnealingLR fields that must agree with the command line unless told otherwise.
 _CHECKED_FIELDS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
