@@ -154,3 +154,7 @@ def test_stop_leaves_nothing_behind(slurm_cluster):
 
     again = cluster.script("stop")
     assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stdout
+
+
+def test_script_passes_shellcheck(shellcheck):
+    shellcheck(Path(__file__).resolve().parents[1] / "scripts" / "local-slurm.sh")
