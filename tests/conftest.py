@@ -6,8 +6,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,111 @@ def slurm():
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return True
+
+
+LOCAL_SLURM = REPO / "scripts" / "local-slurm.sh"
+
+
+@dataclass
+class SlurmCluster:
+    """A multi-node SLURM started by ``scripts/local-slurm.sh start --nodes N`` in a state dir of its own.
+
+    ``env`` is ``os.environ`` plus ``SLURM_CONF``: pass it to every SLURM client (sbatch, sinfo, ...) meant for this
+    cluster; the test process's own environment keeps pointing at the shared single-node cluster."""
+
+    state_dir: Path
+    nodes: list[str]
+    env: dict[str, str] = field(repr=False)
+
+    @property
+    def conf(self) -> Path:
+        return self.state_dir / "slurm.conf"
+
+    def script(self, action: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """``local-slurm.sh ACTION --nodes N`` on this cluster's state dir."""
+        return subprocess.run([str(LOCAL_SLURM), action, "--nodes", str(len(self.nodes))], capture_output=True,
+                              text=True, timeout=timeout, env=self.env)
+
+    def run(self, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """A command (a SLURM client) against this cluster."""
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=self.env)
+
+    def sbatch(self, *args: str, wrap: str) -> str:
+        """``sbatch --parsable ARGS --wrap WRAP`` -> job id."""
+        done = self.run("sbatch", "--parsable", "--time=5", *args, "--wrap", wrap)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().split(";")[0]
+
+    def wait_job(self, job_id: str, timeout: float = 120) -> str:
+        """Poll squeue until the job has ended; its final state (COMPLETED, FAILED, ...)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.run("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T").stdout.strip()
+            if state and state not in {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING"}:
+                return state
+            time.sleep(0.3)
+        pytest.fail(f"job {job_id} did not end within {timeout}s", pytrace=False)
+
+    def node_states(self) -> dict[str, str]:
+        """``{node: sinfo state}``, e.g. ``{"node1": "idle", "node3": "down*"}``."""
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T").stdout
+        return dict(line.split() for line in out.splitlines() if line.strip())
+
+    def slurmd_pid(self, node: str) -> int | None:
+        """The pid in the node's slurmd pid file (the script names it slurmd-<node>.pid), or None."""
+        try:
+            return int((self.state_dir / f"slurmd-{node}.pid").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+
+def multinode_unavailable() -> str | None:
+    """Why this machine cannot run a multi-node local SLURM, or None."""
+    if os.geteuid() != 0:
+        return "a multi-node local SLURM needs root (network namespaces, daemons)"
+    for tool, package in (("ip", "iproute2"), ("nsenter", "util-linux"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing: apt-get install -y {package}"
+    if shutil.which("slurmctld", path="/usr/sbin:" + os.environ.get("PATH", "")) is None \
+            and shutil.which("apt-get") is None:
+        return "SLURM is missing and apt-get cannot install it: apt-get install -y slurm-wlm munge"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """``slurm_cluster(nodes=3, name="main")`` -> a running :class:`SlurmCluster` of ``nodes`` nodes (node1..nodeN).
+
+    One cluster per (nodes, name) a session, each in its own state dir under /tmp, beside the shared single-node
+    cluster (own ports, munged, ClusterName); each call re-runs the idempotent ``start``, so a node whose slurmd a
+    test killed is back. Every cluster is stopped (processes, namespaces, links) and its dir removed at session end,
+    whatever the tests did. Skips, saying why, without root/iproute2/util-linux/SLURM; fails instead under CI."""
+    reason = multinode_unavailable()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    clusters: dict[tuple[int, str], SlurmCluster] = {}
+
+    def start(nodes: int = 3, name: str = "main") -> SlurmCluster:
+        cluster = clusters.get((nodes, name))
+        if cluster is None:
+            state_dir = Path(tempfile.mkdtemp(prefix=f"opskit-slurm-{name}{nodes}-", dir="/tmp"))
+            env = dict(os.environ, OPSKIT_SLURM_DIR=str(state_dir), SLURM_CONF=str(state_dir / "slurm.conf"))
+            cluster = clusters[(nodes, name)] = SlurmCluster(state_dir, [f"node{i}" for i in range(1, nodes + 1)], env)
+        done = cluster.script("start", timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return cluster
+
+    yield start
+    failures = []
+    for cluster in clusters.values():  # every one, even after a failed stop
+        done = cluster.script("stop")
+        if done.returncode != 0:
+            failures.append(f"stop of {cluster.state_dir}: {done.stdout}{done.stderr}")
+        else:
+            shutil.rmtree(cluster.state_dir, ignore_errors=True)
+    assert not failures, failures
 
 
 @pytest.fixture
