@@ -103,8 +103,8 @@ def test_bnb_under_zero_needs_zero_allow_untested_optimizer(tmp_path, zero_stage
         validate_spec(raw, tmp_path / "z1.yaml")
     assert str(info.value) == (
         f"{tmp_path / 'z1.yaml'}: megatron_args.use_bnb_optimizer with parallel.zero_stage 1 needs "
-        "\"zero_allow_untested_optimizer\": true in the DeepSpeed config (DeepSpeed's ZeRO refuses optimizers it has not "
-        "tested; BigScience's tr8b-104B-bnb.slurm sets it), or parallel.zero_stage 0")
+        "\"zero_allow_untested_optimizer\": true in the DeepSpeed config (DeepSpeed's ZeRO refuses optimizers it has "
+        "not tested; BigScience's tr8b-104B-bnb.slurm sets it), or parallel.zero_stage 0")
 
 
 def test_megatron_args_the_trainer_takes(tmp_path):
