@@ -434,7 +434,9 @@ def _build_optimizer(args: argparse.Namespace, model):
     Megatron's weight-decay groups: torch's AdamW, or with ``--use-bnb-optimizer`` bitsandbytes' Adam8bit (its
     weight decay is decoupled too) with the same groups and hyperparameters. As in Megatron-DeepSpeed, the word
     embedding's states stay 32-bit under bitsandbytes (StableEmbedding); parameters below bitsandbytes'
-    ``min_8bit_size`` (4096 elements: LayerNorms, biases) keep 32-bit states as well."""
+    ``min_8bit_size`` (4096 elements: LayerNorms, biases) keep 32-bit states as well. That holds where DeepSpeed
+    hands the optimizer the model's own parameters (fp32 with ZeRO-0); under ZeRO-1, or fp16 / bf16, it steps flat
+    fp32 partitions instead, so every state is 8-bit there, as in Megatron-DeepSpeed's BigScience runs."""
     import torch
 
     hyper = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
