@@ -140,7 +140,7 @@ def init_xavier_uniform_unpartitioned(weight: torch.Tensor, vocab_rows: int) -> 
     """Xavier-uniform for the word embedding ``[V_pad (or a TP slice of it), h]`` with the bound of the whole,
     unpartitioned matrix: U(-a, a), ``a = sqrt(6 / (V_pad + h))`` whatever TP is. Megatron-DeepSpeed's
     ``xavier_uniform_tensor_parallel_`` under ``--use-bnb-optimizer`` (BigScience's PR 182: bitsandbytes'
-    StableEmbedding computed the bound on each TP slice, a sqrt(TP)-times too wide init)."""
+    StableEmbedding computed the bound on each TP slice, about sqrt(TP) times too wide for V >> h)."""
     bound = math.sqrt(6.0 / (vocab_rows + weight.shape[1]))
     nn.init.uniform_(weight, -bound, bound)
 
