@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from opskit.rules.checks import batch_sizes_of, valid_node_counts
 from opskit.rules.deepspeed import installed_deepspeed_version
-from opskit.rules.model import megatron_flops_per_iteration
+from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.spec import Spec, deepspeed_resume_problem, padded_vocab_size
 
@@ -79,8 +79,12 @@ def parameter_count(spec: Spec) -> int:
     m = spec.model
     vocab = padded_vocab_size(spec.data.vocab_size, m, spec.parallel.tensor_model_parallel_size)
     positions = m.max_position_embeddings if m.position_embedding_type == "absolute" else 0
-    embed_norm = 2 * m.hidden_size if m.embed_layernorm else 0
+    embed_norm = 2 * m.hidden_size if _embedding_norm(spec) else 0
     return gpt_parameters(m.num_layers, m.hidden_size, vocab, positions, m.ffn_size) + embed_norm
+
+
+def _embedding_norm(spec: Spec) -> bool:
+    return has_embedding_layernorm(spec.model.embed_layernorm, bool(spec.megatron_args.get("use_bnb_optimizer")))
 
 
 def readme_parameter_count(spec: Spec) -> int:
@@ -230,7 +234,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     vocab = padded_vocab_size(spec.data.vocab_size, m, tp)
     h = m.hidden_size
     embedding = vocab * h + (m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0) + (
-        2 * h if m.embed_layernorm else 0)
+        2 * h if _embedding_norm(spec) else 0)
     microbatches = max(b.global_batch_size // (b.micro_batch_size * dp), 1)
     scale = 2 if m.precision == "fp32" else 1  # the activation formulas count 16-bit activations
     full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp)

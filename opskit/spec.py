@@ -593,7 +593,11 @@ class Spec(_Section):
             raise ValueError(f"parallel: {p.world_size} processes ({p.nodes} nodes x {p.gpus_per_node}) are not "
                              f"divisible by TP*PP = {p.model_parallel_size}; {fix}")
         problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems(),
-                    *checks.training_flag_problems({**self.megatron_args, "split": self.data.split}, _field_name)]
+                    *checks.training_flag_problems({**self.megatron_args, "split": self.data.split}, _field_name),
+                    *checks.client_optimizer_problems(bool(self.megatron_args.get("use_bnb_optimizer")),
+                                                      p.zero_stage,
+                                                      self.deepspeed_config.get("zero_allow_untested_optimizer"),
+                                                      _field_name)]
         version = self.parallel.deepspeed_version
         if version and (problem := deepspeed_resume_problem(self, version)):
             problems.append(f"parallel.deepspeed_version {version}: {problem}")

@@ -64,8 +64,8 @@ def test_train_iters_renders_a_flag_the_trainer_parses(tmp_path):
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [
-    ("use_bnb_optimizer", True, "opskit's trainer has no --use-bnb-optimizer (python -m opskit.train --help lists "
-                                "its flags)"),
+    ("use_cpu_initialization", True, "opskit's trainer has no --use-cpu-initialization (python -m opskit.train "
+                                     "--help lists its flags)"),
     ("num_layers", 2, "--num-layers comes from model.num_layers; set it there"),
     ("seed", 1, "--seed comes from checkpoint.seed; set it there"),
     ("finished_flag_path", "/x", "--finished-flag-path comes from paths.output; set it there"),
@@ -89,14 +89,33 @@ def test_megatron_args_hold_only_what_the_trainer_takes(tmp_path, key, value, me
     assert str(info.value) == f"{tmp_path / 'flags.yaml'}: megatron_args: {key}: {message}"
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_bnb_under_zero_needs_zero_allow_untested_optimizer(tmp_path, zero_stage):
+    """DeepSpeed asserts (a traceback at engine start) on bitsandbytes' Adam8bit under ZeRO without the key: the
+    spec and the trainer say so in one line; ZeRO-0 needs no key."""
+    raw = _tiny(tmp_path)
+    raw["parallel"]["zero_stage"] = zero_stage
+    raw["megatron_args"] = {"use_bnb_optimizer": True}
+    if zero_stage == 0:
+        assert validate_spec(raw, tmp_path / "z0.yaml").megatron_args == {"use_bnb_optimizer": True}
+        return
+    with pytest.raises(SpecError) as info:
+        validate_spec(raw, tmp_path / "z1.yaml")
+    assert str(info.value) == (
+        f"{tmp_path / 'z1.yaml'}: megatron_args.use_bnb_optimizer with parallel.zero_stage 1 needs "
+        "\"zero_allow_untested_optimizer\": true in the DeepSpeed config (DeepSpeed's ZeRO refuses optimizers it has "
+        "not tested; BigScience's tr8b-104B-bnb.slurm sets it), or parallel.zero_stage 0")
+
+
 def test_megatron_args_the_trainer_takes(tmp_path):
     raw = _tiny(tmp_path)
     raw["megatron_args"] = {"loss_scale": 12, "num_workers": 0, "optimizer": "adam", "codecarbon_dir": "$HOME/cc",
                             "skip_train_iteration_range": ["1-2", "5-9"], "override_lr_scheduler": False,
-                            "log_timers_to_tensorboard": True, "exit_interval": None}
+                            "log_timers_to_tensorboard": True, "exit_interval": None, "use_bnb_optimizer": True}
+    raw["deepspeed_config"] = {"zero_allow_untested_optimizer": True}  # bnb under ZeRO-1 (client_optimizer_problems)
     spec = validate_spec(raw, tmp_path / "ok.yaml")
     args = parse_args(trainer_args(spec, RunPaths(tmp_path / "run"), environ={"HOME": "/h"}))
-    assert (args.loss_scale, args.num_workers, args.codecarbon_dir) == (12.0, 0, "/h/cc")
+    assert (args.loss_scale, args.num_workers, args.codecarbon_dir) == (12.0, 0, "/h/cc") and args.use_bnb_optimizer
     assert args.skip_train_iteration_range == [[1, 2], [5, 9]] and args.log_timers_to_tensorboard
     assert not args.override_lr_scheduler and args.exit_interval is None
 
@@ -195,6 +214,8 @@ def valid_raw_specs(draw):
         raw["data"] = {key: value for key, value in data.items() if value is not None}
     free = draw(st.lists(st.sampled_from(sorted(_FREE)), unique=True, max_size=6))
     raw["megatron_args"] = {key: draw(_free_value(_FREE[key])) for key in free}
+    if draw(st.booleans()):  # what --use-bnb-optimizer under ZeRO-1 needs (tr8b-104B:bnb's)
+        raw["deepspeed_config"] = {"zero_allow_untested_optimizer": True}
     return raw
 
 

@@ -105,13 +105,13 @@ def plan_of(name: str, **kwargs):
 
 # --------------------------------------------------------------------------- presets and variants
 
-ALL_SPECS = ["tiny", "tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr11-176B-ml",
-             "tr11-176B-ml:24n"]
+ALL_SPECS = ["tiny", "tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb",
+             "tr11-176B-ml", "tr11-176B-ml:24n"]
 
 
 def test_every_preset_and_variant_is_listed_and_valid(in_tmp):
     assert [e.name for e in list_specs()] == ["tiny", "tr1-13B", "tr11-176B-ml", "tr11-176B-ml:24n", "tr8-104B",
-                                              "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm"]
+                                              "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb"]
     for entry in list_specs():
         spec = load_spec(entry.name)
         assert spec.name == entry.name and entry.description and entry.origin == "preset"
@@ -210,8 +210,14 @@ def test_tr8b_variants_are_deep_merged_overlays(in_tmp):
     assert emb.megatron_args["skip_train_iteration_range"] == ["13251-14000", "16651-19500"]
     assert emb.megatron_args["loss_scale"] == 12  # merged key by key, not replaced
     assert deepspeed_config(emb)["zero_allow_untested_optimizer"] is True
+    bnb = load_spec("tr8b-104B:bnb")  # tr8b-104B-bnb.slurm: the base's flags plus --use-bnb-optimizer, still ZeRO-1
+    assert bnb.megatron_args["use_bnb_optimizer"] is True and not bnb.model.embed_layernorm
+    assert bnb.parallel.zero_stage == 1 and deepspeed_config(bnb)["zero_allow_untested_optimizer"] is True
+    assert bnb.paths.output.endswith("/tr8b-104B/bnb") and bnb.slurm.job_name == "tr8b-104B-bnb"
+    # StableEmbedding's LayerNorm counts: 2h parameters more than the base
+    assert make_plan(bnb).parameters.total == make_plan(base).parameters.total + 2 * 11600
 
-    with pytest.raises(SpecError, match=r"tr8b-104B\.yaml: no variant 'nope' \(known: cl, emb-norm\)$"):
+    with pytest.raises(SpecError, match=r"tr8b-104B\.yaml: no variant 'nope' \(known: cl, emb-norm, bnb\)$"):
         load_spec("tr8b-104B:nope")
 
 
@@ -723,7 +729,7 @@ def test_tr1_renders_gpt2_data_flags(jean_zay):
         check_data(spec)
     emb = load_spec("tr8b-104B:emb-norm")
     assert "--skip-train-iteration-range 13251-14000 16651-19500" in " ".join(trainer_args(emb, RunPaths.of(emb)))
-    for name in ("tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr11-176B-ml:24n"):
+    for name in ("tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr8b-104B:bnb", "tr11-176B-ml:24n"):
         spec = load_spec(name)
         assert_trainer_verdict(spec, RunPaths.of(spec))
 
@@ -749,7 +755,7 @@ def test_specs_commands(cli, in_tmp):
     shown = yaml.safe_load(done.stdout)
     assert "rampup_batch_size" not in shown["batch"] and shown["curriculum_learning"]["total_curriculum_step"] == 36000
     assert "variants" not in shown
-    assert "; variants: cl, emb-norm (NAME:VARIANT)" in cli("specs", "show", "tr8b-104B").stdout.splitlines()[0]
+    assert "; variants: cl, emb-norm, bnb (NAME:VARIANT)" in cli("specs", "show", "tr8b-104B").stdout.splitlines()[0]
     full = yaml.safe_load(cli("specs", "show", "tiny", "--defaults").stdout)
     assert full["model"]["make_vocab_size_divisible_by"] == 128 and full["slurm"]["master_port"] == 6000
 

@@ -52,6 +52,7 @@ from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_nam
 from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.errors import OpskitError
 from opskit.fsutil import claim_dir, folder_entries, has_marker, read_marker, replace_dir, write_marker
+from opskit.rules.model import has_embedding_layernorm
 
 # What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -112,7 +113,8 @@ def model_arch(args: argparse.Namespace, where: Path) -> str:
         that is neither model.
     """
     position = str(getattr(args, "position_embedding_type", "absolute"))  # flag added in 2021; absolute before
-    embed_ln = bool(getattr(args, "embed_layernorm", False))
+    embed_ln = has_embedding_layernorm(getattr(args, "embed_layernorm", False),
+                                       getattr(args, "use_bnb_optimizer", False))  # BLOOM's, or a StableEmbedding's
     if getattr(args, "glu_activation", None):
         raise ConvertError(f"{where}: --glu-activation {args.glu_activation}: neither GPT-2 nor BLOOM has a GLU MLP")
     if position == "alibi" and embed_ln:
@@ -121,8 +123,9 @@ def model_arch(args: argparse.Namespace, where: Path) -> str:
         if getattr(args, "apply_residual_connection_post_layernorm", False):
             raise ConvertError(f"{where}: --apply-residual-connection-post-layernorm: GPT-2 has no such option")
         return "gpt2"
-    raise ConvertError(f"{where}: position_embedding_type {position} with embed_layernorm {embed_ln}: neither GPT-2 "
-                       "(absolute, no embedding LayerNorm) nor BLOOM (alibi + embedding LayerNorm)")
+    raise ConvertError(f"{where}: position_embedding_type {position} with embedding LayerNorm {embed_ln} "
+                       "(--embed-layernorm or --use-bnb-optimizer): neither GPT-2 (absolute, no embedding LayerNorm) "
+                       "nor BLOOM (alibi + embedding LayerNorm)")
 
 
 def activation_function(args: argparse.Namespace) -> str:

@@ -297,10 +297,11 @@ def inspect_step(path: str | Path) -> dict:
         raise CheckpointFormatError(problem or f"{path / 'mp_rank_00_model_states.pt'}: no such file")
     args = vars(state["args"])
     arch_keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-                 "max_position_embeddings", "position_embedding_type", "embed_layernorm", "padded_vocab_size",
-                 "original_vocab_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "params_dtype", "fp16", "bf16", "bias_gelu_fusion", "openai_gelu", "glu_activation",
-                 "layernorm_epsilon", "tokenizer_name_or_path")
+                 "max_position_embeddings", "position_embedding_type", "embed_layernorm",
+                 "use_bnb_optimizer",  # gives the word embedding a LayerNorm too (rules.model.has_embedding_layernorm)
+                 "padded_vocab_size", "original_vocab_size", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "params_dtype", "fp16", "bf16", "bias_gelu_fusion", "openai_gelu",
+                 "glu_activation", "layernorm_epsilon", "tokenizer_name_or_path")
     files: dict[str, dict] = {}
     for f in sorted(path.iterdir()):
         if f.name.endswith(ZERO_FILE_SUFFIX) or not f.name.endswith(".pt") or not f.is_file():

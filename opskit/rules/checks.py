@@ -243,6 +243,20 @@ def partition_method_problems(pp_partition_method: str | None, name: Namer) -> l
             f"{TRAINER_PARTITION_METHOD})"]
 
 
+def client_optimizer_problems(use_bnb_optimizer: bool, zero_stage: int, zero_allow_untested_optimizer: Any,
+                              name: Namer) -> list[str]:
+    """``--use-bnb-optimizer`` hands DeepSpeed a client optimizer (bitsandbytes' Adam8bit) that its ZeRO optimizer
+    has not tested: with ZeRO > 0 DeepSpeed asserts unless the DeepSpeed JSON says
+    ``"zero_allow_untested_optimizer": true``, as BigScience's tr8b-104B-bnb.slurm did (ZeRO-1; BNB Exp 3 ran
+    ZeRO-0 with "no change, same trajectory"). Measured on DeepSpeed 0.19.8: with the key, ZeRO-1 trains and
+    resumes."""
+    if not use_bnb_optimizer or zero_stage == 0 or zero_allow_untested_optimizer is True:
+        return []
+    return [f"{name('use_bnb_optimizer')} with {name('zero_stage', zero_stage)} needs "
+            "\"zero_allow_untested_optimizer\": true in the DeepSpeed config (DeepSpeed's ZeRO refuses optimizers it "
+            f"has not tested; BigScience's tr8b-104B-bnb.slurm sets it), or {name('zero_stage', 0)}"]
+
+
 def training_flag_problems(values: Mapping[str, Any], name: Namer) -> list[str]:
     """The rules on Megatron's free-standing training flags, read from ``values`` (flag names in snake_case; a missing
     key is the flag left out): ``--split`` weights, ``--skip-train-iteration-range`` ranges, and the two LR-scheduler

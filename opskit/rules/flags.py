@@ -152,6 +152,10 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--override-lr-scheduler", switch=True),
         Flag("--use-checkpoint-lr-scheduler", switch=True),
         Flag("--optimizer", choices=("adam",), default="adam"),
+        Flag("--use-bnb-optimizer", switch=True,
+             help="bitsandbytes' 8-bit Adam (pip install bitsandbytes); the word embedding becomes bitsandbytes' "
+                  "StableEmbedding, as in Megatron-DeepSpeed: a LayerNorm after it, xavier-uniform init, 32-bit "
+                  "optimizer states"),
         Flag("--adam-beta1", type=float, default=0.9, section="optimizer"),
         Flag("--adam-beta2", type=float, default=0.999, section="optimizer"),
         Flag("--adam-eps", type=float, default=1e-8, section="optimizer"),

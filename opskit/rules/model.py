@@ -26,6 +26,14 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
     return -(-vocab_size // multiple) * multiple
 
 
+def has_embedding_layernorm(embed_layernorm: bool, use_bnb_optimizer: bool) -> bool:
+    """Whether a LayerNorm follows the word embedding (checkpoint keys ``word_embeddings.norm.weight`` / ``.bias`` in
+    the embedding's layer file): with ``--embed-layernorm`` (BLOOM), and with ``--use-bnb-optimizer``, under which
+    Megatron-DeepSpeed's VocabParallelEmbedding is bitsandbytes' StableEmbedding (megatron/mpu/layers.py: a norm
+    ``if args.use_bnb_optimizer or args.embed_layernorm``)."""
+    return bool(embed_layernorm or use_bnb_optimizer)
+
+
 def megatron_flops_per_iteration(batch_size: int, seq: int, layers: int, hidden: int, vocab: int,
                                  recompute: bool) -> float:
     """Model FLOPs of one iteration: ``24 c B s l h^2 (1 + s/(6h) + V/(16 l h))``, c = 4 with activation recompute

@@ -49,6 +49,7 @@ class GPTModel(nn.Module):
             max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
             position_embedding_type=getattr(args, "position_embedding_type", "absolute"),
             embed_layernorm=getattr(args, "embed_layernorm", False),
+            stable_embedding=getattr(args, "use_bnb_optimizer", False),
             init_method_std=args.init_method_std, hidden_dropout=0.0, attention_dropout=0.0,
             layernorm_epsilon=getattr(args, "layernorm_epsilon", 1e-5),
         )

@@ -30,7 +30,7 @@ from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from opskit.fsutil import atomic_write_text  # noqa: E402
-from opskit.rules.checks import TRAINER_PARTITION_METHOD, flag_name  # noqa: E402
+from opskit.rules.checks import TRAINER_PARTITION_METHOD, client_optimizer_problems, flag_name  # noqa: E402
 from opskit.rules.deepspeed import (  # noqa: E402
     Contradiction,
     deepspeed_config,
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):  # a real text stream (not a test's capture object)
         sys.stdout.reconfigure(write_through=False, line_buffering=True)
     args = parse_args(argv)
-    if missing := _missing_extra():
+    if missing := _missing_extra(args):
         print(f"error: {missing}", file=sys.stderr, flush=True)
         return 2
     exit_requests = _ExitRequests()
@@ -78,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _missing_extra() -> str | None:
-    """Why the trainer's own packages (the ``train`` extra) cannot be imported here, in one line; None when they can.
-    Flags are parsed first, so ``--help`` and flag errors need none of them (a login node without torch)."""
+def _missing_extra(args: argparse.Namespace) -> str | None:
+    """Why the trainer's own packages (the ``train`` extra), or those its flags ask for (``--use-bnb-optimizer``:
+    bitsandbytes, the ``bnb`` extra), cannot be imported here, in one line; None when they can. Flags are parsed
+    first, so ``--help`` and flag errors need none of them (a login node without torch)."""
     import importlib
 
     for module in ("torch", "deepspeed", "megatron.core", "tokenizers", "numpy"):
@@ -89,6 +90,13 @@ def _missing_extra() -> str | None:
         except ImportError as e:
             return (f"the trainer cannot import {module} ({' '.join(str(e).split())}): pip install 'opskit[train]' "
                     "(torch first: the README says which build)")
+    if args.use_bnb_optimizer:
+        # its CPU backend warns at import about a 4-bit matmul kernel package that 8-bit Adam does not use
+        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+        try:
+            importlib.import_module("bitsandbytes")
+        except ImportError:
+            return "--use-bnb-optimizer needs bitsandbytes: pip install bitsandbytes"
     return None
 
 
@@ -209,7 +217,8 @@ def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
     iterations; DeepSpeed starts from it).
 
     Raises:
-        TrainerError: when the JSON is unreadable or contradicts a flag (it names both).
+        TrainerError: when the JSON is unreadable or contradicts a flag (it names both); ``--use-bnb-optimizer``
+            under ZeRO without ``zero_allow_untested_optimizer`` (rules.checks.client_optimizer_problems).
     """
     config: dict = {}
     if args.deepspeed_config:
@@ -220,9 +229,13 @@ def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
     implied = deepspeed_config(micro_batch_size=args.micro_batch_size, train_batch_size=global_batch_size,
                                clip_grad=args.clip_grad, zero_stage=args.zero_stage, precision=args.params_dtype)
     try:
-        return with_flags(config, implied)
+        merged = with_flags(config, implied)
     except Contradiction as e:
         raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
+    if problems := client_optimizer_problems(args.use_bnb_optimizer, args.zero_stage,
+                                             merged.get("zero_allow_untested_optimizer"), flag_name):
+        raise TrainerError(problems[0])
+    return merged
 
 
 def _check_precision(args: argparse.Namespace) -> None:
@@ -402,6 +415,7 @@ def _build_model(args: argparse.Namespace, world: World):
         ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
         position_embedding_type=args.position_embedding_type, embed_layernorm=args.embed_layernorm,
+        stable_embedding=args.use_bnb_optimizer,
         init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, tensor_parallel=True,
     )
@@ -415,22 +429,45 @@ def _build_model(args: argparse.Namespace, world: World):
     return model
 
 
+def _build_optimizer(args: argparse.Namespace, model):
+    """Adam with decoupled weight decay (Megatron's ``--optimizer adam``: apex's FusedAdam in AdamW mode) over
+    Megatron's weight-decay groups: torch's AdamW, or with ``--use-bnb-optimizer`` bitsandbytes' Adam8bit (its
+    weight decay is decoupled too) with the same groups and hyperparameters. As in Megatron-DeepSpeed, the word
+    embedding's states stay 32-bit under bitsandbytes (StableEmbedding); parameters below bitsandbytes'
+    ``min_8bit_size`` (4096 elements: LayerNorms, biases) keep 32-bit states as well. That holds where DeepSpeed
+    hands the optimizer the model's own parameters (fp32 with ZeRO-0); under ZeRO-1, or fp16 / bf16, it steps flat
+    fp32 partitions instead, so every state is 8-bit there, as in Megatron-DeepSpeed's BigScience runs."""
+    import torch
+
+    hyper = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                 weight_decay=args.weight_decay)
+    if not args.use_bnb_optimizer:
+        return torch.optim.AdamW(_param_groups(model), **hyper,
+                                 fused=torch.cuda.is_available())  # one kernel per step on GPUs
+    import bitsandbytes as bnb
+
+    from opskit.train.pipe import word_embeddings
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    for embedding in word_embeddings(model):  # looked up by parameter identity at the first step
+        manager.register_module_override(embedding, "weight", {"optim_bits": 32})
+    return bnb.optim.Adam8bit(_param_groups(model), **hyper)
+
+
 def _build_engine(args: argparse.Namespace, model, ds_config: dict, rampup, state: TrainState):
-    """AdamW over Megatron's weight-decay groups, Megatron's LR schedule in samples (its step is the ramp-up's batch
+    """The optimizer (:func:`_build_optimizer`), Megatron's LR schedule in samples (its step is the ramp-up's batch
     at ``state``'s consumed samples; ``--lr-decay-tokens`` reads ``state``'s consumed tokens), and DeepSpeed's
-    pipeline engine over them.
+    pipeline engine over them. The optimizer is a client optimizer: DeepSpeed builds none of its own (the config
+    has no ``optimizer`` block).
 
     Returns:
         ``(engine, optimizer)``: the optimizer is the torch one, whose ``param_groups`` carry the current LR.
     """
     import deepspeed
-    import torch
 
     from opskit.train.schedules import AnnealingLR
 
-    optimizer = torch.optim.AdamW(_param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps, weight_decay=args.weight_decay,
-                                  fused=torch.cuda.is_available())  # one kernel per step on GPUs
+    optimizer = _build_optimizer(args, model)
     scheduler = AnnealingLR(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
         decay_steps=args.lr_decay_samples, decay_style=args.lr_decay_style,

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opskit.rules.model import has_embedding_layernorm
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -37,6 +39,10 @@ class GPTConfig:
     padded_vocab_size: int
     position_embedding_type: str = "absolute"  # "absolute" (GPT-2) or "alibi" (BLOOM)
     embed_layernorm: bool = False
+    stable_embedding: bool = False
+    """bitsandbytes' StableEmbedding, Megatron-DeepSpeed's word embedding under ``--use-bnb-optimizer``: a LayerNorm
+    after it (as ``embed_layernorm``) and :func:`init_xavier_uniform_unpartitioned` instead of N(0, std); the trainer
+    keeps its optimizer states in 32 bits (``main._build_optimizer``)."""
     init_method_std: float = 0.02
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -46,6 +52,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def embedding_norm(self) -> bool:
+        """Whether a LayerNorm follows the word embedding (:func:`opskit.rules.model.has_embedding_layernorm`)."""
+        return has_embedding_layernorm(self.embed_layernorm, self.stable_embedding)
 
 
 def tp_size_and_rank(cfg: GPTConfig) -> tuple[int, int]:
@@ -125,15 +136,36 @@ def init_normal(weight: torch.Tensor, std: float) -> None:
     nn.init.normal_(weight, mean=0.0, std=std)
 
 
+def init_xavier_uniform_unpartitioned(weight: torch.Tensor, vocab_rows: int) -> None:
+    """Xavier-uniform for the word embedding ``[V_pad (or a TP slice of it), h]`` with the bound of the whole,
+    unpartitioned matrix: U(-a, a), ``a = sqrt(6 / (V_pad + h))`` whatever TP is. Megatron-DeepSpeed's
+    ``xavier_uniform_tensor_parallel_`` under ``--use-bnb-optimizer`` (BigScience's PR 182: bitsandbytes'
+    StableEmbedding computed the bound on each TP slice, about sqrt(TP) times too wide for V >> h)."""
+    bound = math.sqrt(6.0 / (vocab_rows + weight.shape[1]))
+    nn.init.uniform_(weight, -bound, bound)
+
+
+def _init_word_embedding(cfg: GPTConfig):
+    """The word embedding's init: Xavier-uniform for a StableEmbedding, else Megatron's N(0, init_method_std). Always
+    applied to the full ``[V_pad, h]`` matrix (megatron-core's CPU initialisation splits it afterwards)."""
+    if cfg.stable_embedding:
+        return lambda w: init_xavier_uniform_unpartitioned(w, cfg.padded_vocab_size)
+    return lambda w: init_normal(w, cfg.init_method_std)
+
+
+def _embedding_norm(cfg: GPTConfig) -> nn.LayerNorm | None:
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embedding_norm else None
+
+
 class WordEmbedding(nn.Module):
-    """Token embedding ``weight [V_pad, h]``, with BLOOM's optional LayerNorm as ``.norm``
-    (keys ``word_embeddings.norm.*``)."""
+    """Token embedding ``weight [V_pad, h]``, with the optional LayerNorm (BLOOM's, or a StableEmbedding's) as
+    ``.norm`` (keys ``word_embeddings.norm.*``)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.padded_vocab_size, cfg.hidden_size))
-        init_normal(self.weight, cfg.init_method_std)
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
+        _init_word_embedding(cfg)(self.weight)
+        self.norm = _embedding_norm(cfg)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
         x = F.embedding(tokens, self.weight)
@@ -155,8 +187,8 @@ def _vocab_parallel_embedding() -> type:
     class VocabParallelWordEmbedding(_NoExtraState, VocabParallelEmbedding):
         def __init__(self, cfg: GPTConfig):
             super().__init__(cfg.padded_vocab_size, cfg.hidden_size, config=_mp_config(),
-                             init_method=lambda w: init_normal(w, cfg.init_method_std))
-            self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon) if cfg.embed_layernorm else None
+                             init_method=_init_word_embedding(cfg))
+            self.norm = _embedding_norm(cfg)
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             x = super().forward(tokens)

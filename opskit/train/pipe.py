@@ -67,6 +67,12 @@ class GPTModelPipe(PipelineModule):
         )
 
 
+def word_embeddings(model: GPTModelPipe) -> list[torch.nn.Module]:
+    """This stage's word-embedding modules (``weight [V_pad / TP, h]``): the first stage's, and the last stage's tied
+    copy for the LM head (one module when both are on this stage)."""
+    return [layer.word_embeddings for layer in model.modules() if isinstance(layer, EmbeddingPipe)]
+
+
 def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
     """Axes ``['pipe', 'data', 'model']``: TP fastest, then DP, then PP (the order megatron-core uses too)."""
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
