@@ -164,9 +164,7 @@ def test_dp2_second_task_resumes_on_the_two_nodes(dp2_chain):
 
 
 def test_dp2_main_log_labels_each_nodes_lines_in_node_order(dp2_chain):
-    by_task = assert_ranks_in_node_order(dp2_chain, "node1", "node2")
-    # Both nodes trained: each loaded the data and built its engine (DeepSpeed's CPU note is printed per process).
-    assert all(any("Setting accelerator to CPU" in line for line in by_task[t]) for t in ("0", "1"))
+    assert_ranks_in_node_order(dp2_chain, "node1", "node2")
 
 
 def test_dp2_checkpoints_have_the_single_node_layout(dp2_chain):
