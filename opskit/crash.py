@@ -8,6 +8,7 @@ fell off the bus).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -29,8 +30,40 @@ SOFTWARE_ERRORS: list[tuple[str, re.Pattern]] = [
     ("out of memory", re.compile(r"CUDA out of memory|OutOfMemoryError|\bout of memory\b")),
     ("Python traceback", re.compile(r"Traceback \(most recent call last\):")),
 ]
+# A node list's items: names, each with any number of [ranges] groups; commas inside a group do not split items.
+_NODELIST_ITEM = re.compile(r"(?:[^,\[\]]|\[[^\[\]]*\])+")
+_NODELIST = re.compile(rf"{_NODELIST_ITEM.pattern}(?:,{_NODELIST_ITEM.pattern})*")
 # srun --label's prefix: "3: ..." is task 3 (with one task per node, node 3 of the job's node list).
 _TASK_PREFIX = re.compile(r"^\s*(\d+): ")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed node list -> node names, in ``scontrol show hostnames``'s order (the order of srun's task
+    ids): ``r7i5n[2-3],r8i0n7`` -> r7i5n2 r7i5n3 r8i0n7; zero padding kept (``n[08-10]``: n08 n09 n10); several
+    bracket groups multiply (``r[1-2]n[1-2]``: r1n1 r1n2 r2n1 r2n2).
+
+    Raises:
+        ValueError: an unbalanced bracket, or a range that is not ``A`` or ``A-B`` of digits with A <= B.
+    """
+    if not _NODELIST.fullmatch(nodelist):
+        raise ValueError(f"{nodelist!r} is no SLURM node list")
+    names: list[str] = []
+    for item in _NODELIST_ITEM.findall(nodelist):
+        parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ranges, ..., text
+        choices = [[text] if i % 2 == 0 else _range_names(text, nodelist) for i, text in enumerate(parts)]
+        names += ["".join(chosen) for chosen in itertools.product(*choices)]
+    return names
+
+
+def _range_names(ranges: str, nodelist: str) -> list[str]:
+    """``08-10,12`` -> 08 09 10 12 (the width of the range's start kept)."""
+    numbers = []
+    for one in ranges.split(","):
+        first, _, last = one.partition("-")
+        if not (first.isdigit() and (last or first).isdigit()) or int(first) > int(last or first):
+            raise ValueError(f"{nodelist!r}: {one!r} is no range")
+        numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last or first) + 1)]
+    return numbers
 
 
 class Crash(NamedTuple):

@@ -38,7 +38,7 @@ HISTORY = 300  # iteration records kept in the state file (at least): the spike 
 NEW_RECORDS = 5000
 NEW_TEXT = 8 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
-_JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start")
+_JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start", re.M)
 
 
 @dataclass(frozen=True)
@@ -254,6 +254,9 @@ class LogRead:
     text: str
     skipped: int
     last_iteration_at: float | None
+    job_nodes: str = ""
+    """The node list (SLURM's form) of the job whose lines ``text`` starts with, from an earlier read's job header: it
+    names the node of a crash line before the next header."""
 
 
 def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
@@ -282,9 +285,12 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
     if new:
         # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
         state["last_iteration_at"] = info.st_mtime
+    job_nodes = state.get("job_nodes", "") if start else ""
+    for header in _JOB_HEADER.finditer(text):
+        state["job_nodes"] = header.group(2)
     state.update(offset=chunk.offset, inode=info.st_ino, history=records[-keep:],
                  skipped=state.get("skipped", 0) + chunk.skipped)
-    return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"))
+    return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"), job_nodes)
 
 
 def read_events(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
@@ -332,7 +338,7 @@ def check_log(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: date
         findings += _hang(log, wd, now, running_since)
     if log.new:
         findings += _spikes(log, wd, save_interval) + _nan(log.new) + _throughput(log.records, len(log.new), wd)
-    findings += _crashes(log.text) + _resume_fallbacks(log.text) + _save_failures(log.text)
+    findings += _crashes(log.text, log.job_nodes) + _resume_fallbacks(log.text) + _save_failures(log.text)
     return findings
 
 
@@ -413,16 +419,27 @@ def _throughput(records: list[dict], new: int, wd: WatchdogSpec) -> list[Finding
                     {"samples_per_second": recent, "baseline": baseline})]
 
 
-def _crashes(text: str) -> list[Finding]:
-    from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, find_crashes
+def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
+    """``log.crash`` for the crash lines of ``text``, each with its node where the log says it: the job's only node,
+    or for a multi-node job the node of the line's srun label. ``job_nodes``: the node list of the job running where
+    ``text`` starts (its header came in an earlier read)."""
+    from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes
 
-    crashes, node = [], None
+    def expanded(nodelist: str) -> list[str]:  # the job's nodes, in srun's task order
+        try:
+            return expand_nodelist(nodelist)
+        except ValueError:
+            return []
+
+    crashes, nodes = [], expanded(job_nodes) if job_nodes else []
     lines = text.splitlines()
     for line in lines:
-        if header := _JOB_HEADER.match(line):  # a single-node job names the node every line comes from
-            node = header.group(2) if re.fullmatch(r"[\w.-]+", header.group(2)) else None
+        if header := _JOB_HEADER.match(line):
+            nodes = expanded(header.group(2))
         elif "rror" in line or "memory" in line or "Traceback" in line or "Xid" in line or "bus" in line:
-            crashes += find_crashes([line], node=node, signatures=SIGNATURES + SOFTWARE_ERRORS)
+            # A single-node job names the node of every line; a multi-node job's line names it by srun's label.
+            crashes += find_crashes([line], node=nodes[0] if len(nodes) == 1 else None, nodes=nodes,
+                                    signatures=SIGNATURES + SOFTWARE_ERRORS)
     if not crashes:
         return []
     first = crashes[0]

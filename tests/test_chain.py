@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 import uuid
@@ -17,7 +18,7 @@ import pytest
 from conftest import write_spec
 from test_submit import OPSKIT, chain_spec, iterations_logged, one, tasks_of
 
-from opskit.crash import find_crashes
+from opskit.crash import expand_nodelist, find_crashes
 from opskit.pulse import wait_until_gone
 from opskit.runs import RunPaths
 from opskit.slurm import chain
@@ -72,6 +73,24 @@ def test_crash_signatures_and_their_nodes():
              "2: NVRM: Xid (PCI:0000:07:00): 79, GPU has fallen off the bus."]
     assert [(c.node, c.signature) for c in find_crashes(lines, nodes=["r7i5n2", "r7i5n6"])] == [
         ("r7i5n6", "NCCL error"), ("r7i5n6", "NCCL watchdog timeout"), (None, "GPU fell off the bus")]
+
+
+@pytest.mark.parametrize("nodelist, names", [
+    ("jean-zay-iam52", ["jean-zay-iam52"]), ("node[9-10]", ["node9", "node10"]),
+    ("r7i5n[2-3],r8i0n7", ["r7i5n2", "r7i5n3", "r8i0n7"]), ("n[08-10,12]", ["n08", "n09", "n10", "n12"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"])])
+def test_node_lists_expand_in_srun_task_order(nodelist, names):
+    """The order srun --label's task ids follow; SLURM's own expansion agrees where SLURM is installed."""
+    assert expand_nodelist(nodelist) == names
+    if shutil.which("scontrol"):
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+        assert done.stdout.split() == names, done.stderr
+
+
+@pytest.mark.parametrize("nodelist", ["", "n[1-2", "n]1", "n[10-8]", "n[a-b]", "a,,b"])
+def test_bad_node_lists_are_refused(nodelist):
+    with pytest.raises(ValueError, match=re.escape(repr(nodelist))):
+        expand_nodelist(nodelist)
 
 
 def test_queue_counts_array_tasks_and_finds_the_last_job():

@@ -118,6 +118,8 @@ def test_our_trainers_lines_parse_back_to_what_it_printed():
                           seconds_per_iteration=0.123, learning_rate=2.5e-4, global_batch_size=8, lm_loss=6.54321,
                           loss_scale=65536.0, grad_norm=1.25, skipped_iterations=1, nan_iterations=2, tflops=0.01)
     record = parse_iteration_line("[default0]:" + line)
+    # A multi-node job's main_log.txt: srun --label's task id before torchrun's prefix, the same record.
+    assert parse_iteration_line("1: [default0]:" + line) == record
     assert record == {"kind": "iteration", "iteration": 7, "train_iters": 40, "consumed_samples": 56,
                       "consumed_tokens": 1792, "elapsed_time_per_iteration_s": 0.12, "learning_rate": 2.5e-4,
                       "global_batch_size": 8, "lm_loss": 6.54321, "loss_scale": 65536.0, "grad_norm": 1.25,
@@ -125,9 +127,9 @@ def test_our_trainers_lines_parse_back_to_what_it_printed():
                       "samples_per_second": 65.041, "tflops": 0.01}  # 8 / 0.123
     dashes, text, _ = validation_lines("iteration 7", 3.0)
     assert parse_line(dashes) is None
-    assert parse_line(text) == {"kind": "validation", "iteration": 7, "dataset": "validation",
-                                "where": "iteration 7", "validation_lm_loss": 3.0,
-                                "validation_ppl": float(f"{math.exp(3.0):.6E}")}
+    assert parse_line(text) == parse_line("1: [default0]:" + text) == {
+        "kind": "validation", "iteration": 7, "dataset": "validation", "where": "iteration 7",
+        "validation_lm_loss": 3.0, "validation_ppl": float(f"{math.exp(3.0):.6E}")}
 
 
 def test_restart_segments_and_the_timeline_keeps_the_rerun():

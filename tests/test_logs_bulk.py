@@ -58,6 +58,8 @@ ODD = [
     "[default7]: validation loss at iteration 31000 | lm loss value: 2.342049E+00 | lm loss PPL: 1.040253E+01 | ",
     " validation loss at the end of training for val data | lm loss value: 2.400000E+00 | lm loss PPL: 11.02 | ",
     "[default7]: iteration    127",
+    "12: " + LINE_2022,  # srun --label's node prefix before torchrun's (a multi-node job's main_log.txt)
+    "1: [default7]: validation loss at iteration 31000 | lm loss value: 2.342049E+00 | lm loss PPL: 1.040253E+01 | ",
     "[default3]:NCCL WARN Call to ibv_reg_mr failed | iteration 5/10 |",
     LINE_2021,
     LINE_2021.replace("13248.2", "31074.1"),
