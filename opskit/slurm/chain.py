@@ -389,10 +389,36 @@ def node_crashes(run: RunPaths, job_id: str) -> list[Crash]:
     return crashes
 
 
+def exclude_in_queue(run: RunPaths, job_nodes: int, partition: str | None) -> str:
+    """Carry the bad-node list over to the run's pending tasks (``scontrol update JobId=... ExcNodeList=...``), so
+    the next array task starts on healthy nodes with no new submission. Left alone when the partition would keep
+    fewer than ``job_nodes`` nodes: those tasks would pend for ever, while running they fail and stop the chain at
+    ``slurm.max_failures``, which alerts.
+
+    Returns:
+        the main_log.txt line saying what was done.
+
+    Raises:
+        SlurmError: sinfo, squeue or scontrol failed.
+    """
+    bad = sorted(read_bad_nodes(run))
+    left = [n for n in client.partition_nodes(partition) if n not in bad]
+    if len(left) < job_nodes:
+        return (f"queued tasks keep their nodes: excluding {','.join(bad)} would leave {len(left)} node(s) of "
+                f"partition {partition or '(all)'} for {job_nodes}-node tasks")
+    ids = [re.sub(r"%\d+\]$", "]", e.job_id) for e in run_jobs(run, "", client.squeue()) if e.state == "PENDING"]
+    if not ids:
+        return f"no queued task to exclude {','.join(bad)} from"
+    client.exclude_nodes(ids, bad)
+    return f"queued task(s) {', '.join(ids)} now exclude {','.join(bad)} (ExcNodeList)"
+
+
 def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str, exit_code: int | None,
-               nodes: str, max_failures: int, now: datetime | None = None) -> list[str]:
+               nodes: str, max_failures: int, now: datetime | None = None, job_nodes: int | None = None,
+               partition: str | None = None) -> list[str]:
     """The job script's epilogue: record the task's outcome; on a failure, put crashed nodes on the bad-node list
-    and, at ``max_failures`` consecutive failures, stop the chain and raise the alert.
+    (and, under SLURM, ``job_nodes`` given, on the run's pending tasks: :func:`exclude_in_queue`) and, at
+    ``max_failures`` consecutive failures, stop the chain and raise the alert.
 
     Returns:
         lines for main_log.txt (the script prefixes them with its ``[opskit] ... job ...:`` header).
@@ -409,6 +435,11 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
                                       for n, c in first.items()})
             if new:
                 lines.append(f"bad node(s) {','.join(new)} ({reason}): the next `opskit submit` excludes them")
+            if new and job_nodes:
+                try:
+                    lines.append(exclude_in_queue(run, job_nodes, partition))
+                except client.SlurmError as e:
+                    lines.append(f"queued tasks not updated, they may start on {','.join(new)} ({e})")
     record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason))
     failed = consecutive_failures(read_ledger(run))
     if state in FAILURES and len(failed) >= max_failures and not run.stopped_flag.exists():
@@ -429,8 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args[:1] == ["ended"] and len(args) == 9:
             _, root, spec_name, job_id, task, state, code, nodes, max_failures = args
+            job_nodes = os.environ.get("SLURM_JOB_NUM_NODES", "")  # SLURM's (the local executor sets none)
             for line in task_ended(RunPaths(Path(root)), spec_name, job_id, task, state,
-                                   int(code) if code.lstrip("-").isdigit() else None, nodes, int(max_failures)):
+                                   int(code) if code.lstrip("-").isdigit() else None, nodes, int(max_failures),
+                                   job_nodes=int(job_nodes) if job_nodes.isdigit() else None,
+                                   partition=os.environ.get("SLURM_JOB_PARTITION")):
                 print(line)
             return 0
         if args[:1] == ["skipped"] and len(args) == 6:
