@@ -355,7 +355,8 @@ class SlurmSpec(_Section):
     group: str | None = Field(default=None, pattern=_GROUP_NAME)
     """Unix group sharing the training (BigScience: six): ``opskit submit`` and ``cron`` look at its members' jobs."""
     max_failures: int = Field(default=3, gt=0)
-    """Consecutive failed tasks (FAILED or TIMEOUT in the run's ledger) after which the chain stops with an alert."""
+    """Consecutive failed tasks (FAILED, NODE_FAIL or TIMEOUT in the run's ledger) after which the chain stops with an
+    alert."""
     cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
     """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
     cron_account: str | None = Field(default=None, pattern=_ONE_LINE)

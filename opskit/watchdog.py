@@ -178,10 +178,42 @@ def check_chain(run: RunPaths, ledger: list[chain.TaskOutcome]) -> list[Finding]
                                 f"({chain.flag_text(run.kill_switch)}): queued tasks exit at start"))
     failed = chain.consecutive_failures(ledger)
     if failed:
+        lost = {r.task: _lost_since_save(run, r) for r in failed[-3:]}
         findings.append(Finding("chain.failures", "warn", f"{len(failed)} consecutive failed task(s): " + ", ".join(
-            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") for r in failed[-3:]),
-            {"tasks": [asdict(r) for r in failed]}))
+            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") +
+            (f" at {r.time[11:]}, losing {lost[r.task][1]:.0f} s of training since {lost[r.task][0]}"
+             if lost[r.task] else "") for r in failed[-3:]),
+            {"tasks": [asdict(r) for r in failed], "lost_s": {t: round(x[1]) for t, x in lost.items() if x}}))
+    try:
+        bad = chain.read_bad_nodes(run)
+    except chain.ChainError as e:
+        bad, findings = {}, [*findings, Finding("chain.bad_nodes", "warn", str(e))]
+    if bad:
+        findings.append(Finding("chain.bad_nodes", "warn", f"{len(bad)} node(s) excluded from the chain: " + "; ".join(
+            f"{node} ({why[:160]})" for node, why in bad.items()) + "; `opskit nodes clear NAME NODE` once repaired",
+            {"nodes": bad}))
     return findings
+
+
+def _lost_since_save(run: RunPaths, row: chain.TaskOutcome) -> tuple[str, float] | None:
+    """(step, seconds): the training a failed task lost, from the last checkpoint it saved (the newest step folder
+    written before the failure, which the next task resumes from) to the failure; None without such a step."""
+    from opskit.ckpt.layout import step_dirs
+
+    failed_at = _ledger_time(row.time)
+    if failed_at is None:
+        return None
+    saved = []
+    for path in step_dirs(run.checkpoints).values() if run.checkpoints.is_dir() else ():
+        try:
+            saved.append((path.stat().st_mtime, path.name))
+        except OSError:
+            continue
+    before = [(mtime, name) for mtime, name in saved if mtime <= failed_at.timestamp() + 1]
+    if not before:
+        return None
+    mtime, name = max(before)
+    return name, max(0.0, failed_at.timestamp() - mtime)
 
 
 def _ledger(run: RunPaths) -> list[chain.TaskOutcome]:

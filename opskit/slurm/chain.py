@@ -9,8 +9,9 @@
   earlier opskit rendered a job script into;
 - flags: the kill switch (running task saves and exits, queued ones exit at start), the finished flag (the trainer
   wrote it: every later task exits 0 at start) and the stopped flag (``slurm.max_failures`` consecutive failures);
-- the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, CANCELLED,
-  SKIPPED) and ALERT lines, written by the job script through ``python -m opskit.slurm.chain`` (no torch);
+- the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, NODE_FAIL: a
+  node of the task went down, CANCELLED, SKIPPED) and ALERT lines, written by the job script through
+  ``python -m opskit.slurm.chain`` (no torch);
 - the bad-node list ``bad-nodes.txt``: nodes whose log showed a GPU/NCCL crash (:mod:`opskit.crash`), excluded by
   the next submission.
 
@@ -36,8 +37,8 @@ from opskit.runs import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry
 
-STATES = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "SKIPPED", "ALERT")
-FAILURES = ("FAILED", "TIMEOUT")
+STATES = ("COMPLETED", "TIMEOUT", "FAILED", "NODE_FAIL", "CANCELLED", "SKIPPED", "ALERT")
+FAILURES = ("FAILED", "NODE_FAIL", "TIMEOUT")
 _QUEUED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -299,8 +300,8 @@ def read_ledger(run: RunPaths) -> list[TaskOutcome]:
 
 
 def consecutive_failures(rows: list[TaskOutcome]) -> list[TaskOutcome]:
-    """The failed tasks (FAILED, TIMEOUT) since the last COMPLETED one; SKIPPED, CANCELLED and ALERT lines neither
-    count nor break the run of failures."""
+    """The failed tasks (FAILED, NODE_FAIL, TIMEOUT) since the last COMPLETED one; SKIPPED, CANCELLED and ALERT lines
+    neither count nor break the run of failures."""
     failed: list[TaskOutcome] = []
     for row in rows:
         if row.state == "COMPLETED":
@@ -413,10 +414,20 @@ def exclude_in_queue(run: RunPaths, job_nodes: int, partition: str | None) -> st
     return f"queued task(s) {', '.join(ids)} now exclude {','.join(bad)} (ExcNodeList)"
 
 
+def _down_nodes(nodelist: str, lines: list[str]) -> dict[str, str]:
+    """The job's nodes SLURM holds down (:func:`client.down_nodes`); {} with a line in ``lines`` when sinfo fails."""
+    try:
+        return client.down_nodes(nodelist)
+    except client.SlurmError as e:
+        lines.append(f"node states unknown ({e})")
+        return {}
+
+
 def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str, exit_code: int | None,
                nodes: str, max_failures: int, now: datetime | None = None, job_nodes: int | None = None,
                partition: str | None = None) -> list[str]:
-    """The job script's epilogue: record the task's outcome; on a failure, put crashed nodes on the bad-node list
+    """The job script's epilogue: record the task's outcome (under SLURM, a FAILED or CANCELLED task with a node
+    SLURM holds down is NODE_FAIL, the reason naming the node); on a failure, put crashed nodes on the bad-node list
     (and, under SLURM, ``job_nodes`` given, on the run's pending tasks: :func:`exclude_in_queue`) and, at
     ``max_failures`` consecutive failures, stop the chain and raise the alert.
 
@@ -426,6 +437,9 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
     stamp = f"{now or datetime.now():%Y-%m-%d %H:%M:%S}"
     lines = []
     reason = ""
+    if state in ("FAILED", "CANCELLED") and job_nodes and (down := _down_nodes(nodes, lines)):
+        # SLURM ended the task because a node died (it cancels the job, then requeues it): not the user's scancel.
+        state, reason = "NODE_FAIL", "; ".join(f"{node} {why}" for node, why in down.items())
     if state in FAILURES:
         crashes = [c for c in node_crashes(run, job_id) if c.node]
         if crashes:
