@@ -484,6 +484,8 @@ class WatchdogSpec(_Section):
     """Alert when no iteration line came for this many times the usual time between two of them, while running."""
     hang_min_minutes: float = Field(default=30, ge=0)
     """...and never before this many minutes (start-up, checkpoint loading, evaluation)."""
+    cancel_hung: bool = False
+    """``scancel`` the running task when its hang is found, so the chain moves on (it resumes from the last save)."""
     spike_window: int = Field(default=100, ge=5)
     spike_threshold: float = Field(default=6.0, gt=0)
     """Robust z-score above which an lm loss / grad norm value is a spike (opskit.logs.spikes)."""

@@ -384,6 +384,28 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
                     {"silent_s": round(silent), "interval_s": interval, "last_iteration": last})]
 
 
+def act_on_hang(hang: Finding, running: list[QueueEntry], cancel: bool) -> Finding:
+    """The ``log.hang`` finding with what ends the hung task (``scancel`` of the running task: the chain's next
+    task resumes from the last save); with ``cancel`` (``watchdog.cancel_hung``), done here.
+
+    A failed scancel is told in the finding, never raised: the hang is the news."""
+    from opskit.slurm import client
+
+    ids = [e.job_id for e in running]
+    if not ids:
+        return hang
+    if not cancel:
+        return Finding(hang.key, hang.severity, f"{hang.message}; `scancel {' '.join(ids)}` moves the chain on "
+                       "(watchdog.cancel_hung: true does it)", {**hang.data, "job_ids": ids})
+    try:
+        client.scancel(ids)
+        done = f"cancelled {', '.join(ids)} (watchdog.cancel_hung): the chain moves on from the last save"
+    except client.SlurmError as e:
+        done = f"scancel {' '.join(ids)} failed ({e})"
+    return Finding(hang.key, hang.severity, f"{hang.message}; {done}", {**hang.data, "job_ids": ids,
+                                                                        "cancelled": done.startswith("cancelled")})
+
+
 def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[Finding]:
     from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
 
@@ -626,6 +648,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
+        findings = [act_on_hang(f, running, spec.watchdog.cancel_hung) if f.key == "log.hang" else f
+                    for f in findings]
     if not run_missing:
         findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval), state)

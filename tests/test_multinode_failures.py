@@ -197,3 +197,40 @@ def test_a_dead_node_ends_the_task_and_the_chain_continues_on_the_others(cluster
     assert opskit(cluster, "kill-switch", spec_file, "on").returncode == 0
     wait_for(lambda: len(chain.read_ledger(run)) >= 2, 120, "task 2 never ended")
     assert [(r.task, r.state) for r in chain.read_ledger(run)][:2] == [(first, "NODE_FAIL"), (second, "COMPLETED")]
+
+
+def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_on(cluster, kjv_data, tmp_path):
+    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=20, fault="hang:node2:iteration=30:task=1",
+                     watchdog={"hang_factor": 2, "hang_min_minutes": 0.25})
+    spec_file = tmp_path / "spec.yaml"
+    sub = submit(spec)
+    cluster.jobs.append(sub.job_id)
+    run = sub.run
+    first, second = f"{sub.job_id}_1", f"{sub.job_id}_2"
+
+    def hang_finding() -> dict | None:
+        report = json.loads(opskit(cluster, "status", str(spec_file), "--json").stdout)
+        return next((f for f in report["findings"] if f["key"] == "log.hang"), None)
+
+    # Without the opt-in, opskit offers the scancel that moves the chain on, and does nothing.
+    hang = wait_for(hang_finding, 240, "no log.hang finding", interval=2)
+    hung_at = time.monotonic()
+    assert hang["severity"] == "alert" and hang["data"]["last_iteration"] in (29, 30), hang
+    assert hang["message"].endswith(f"; `scancel {first}` moves the chain on (watchdog.cancel_hung: true does it)")
+    print(f"\nlog.hang after {hang['data']['silent_s']} s without an iteration line (threshold: 15 s)")
+    assert [row[:2] for row in queue(cluster, sub.job_id) if row[0] == first] == [(first, "RUNNING")]
+
+    # watchdog.cancel_hung: true: the next check cancels the hung task; the next one resumes from the last save.
+    spec_file.write_text(spec_file.read_text().replace("hang_min_minutes: 0.25", "hang_min_minutes: 0.25\n"
+                                                                                 "  cancel_hung: true"))
+    hang = wait_for(hang_finding, 60, "no log.hang finding with cancel_hung", interval=2)
+    assert hang["message"].endswith(f"; cancelled {first} (watchdog.cancel_hung): the chain moves on from the last "
+                                    "save") and hang["data"]["cancelled"], hang
+    wait_for(lambda: [r for r in chain.read_ledger(run) if r.task == first], 60, "task 1 never ended")
+    assert [(r.task, r.state) for r in chain.read_ledger(run)] == [(first, "CANCELLED")]
+    wait_for(lambda: second in dict(tasks_of(run.main_log.read_text())) and any(
+        i > 30 for i, *_ in iterations_logged(dict(tasks_of(run.main_log.read_text()))[second])), 120,
+        "task 2 never trained past the hang")
+    print(f"hang found -> task 2 past iteration 30: {time.monotonic() - hung_at:.0f} s")
+    resumed = dict(tasks_of(run.main_log.read_text()))[second]
+    one(r"successfully loaded checkpoint from .* at iteration +20$", resumed)
