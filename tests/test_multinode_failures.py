@@ -234,3 +234,39 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
     print(f"hang found -> task 2 past iteration 30: {time.monotonic() - hung_at:.0f} s")
     resumed = dict(tasks_of(run.main_log.read_text()))[second]
     one(r"successfully loaded checkpoint from .* at iteration +20$", resumed)
+
+
+def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
+    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2})
+    spec_file = str(tmp_path / "spec.yaml")
+    first = submit(spec)
+    cluster.jobs.append(first.job_id)
+    second = submit(spec, array=1)  # chained after the first array: --dependency=afterany
+    cluster.jobs.append(second.job_id)
+    wait_for(lambda: (f"{first.job_id}_1", "RUNNING", "node[1-2]") in queue(cluster, first.job_id), 90,
+             "task 1 never started")
+    before = queue(cluster, f"{first.job_id},{second.job_id}")
+    assert cluster.run("squeue", "-h", "-j", second.job_id, "-o", "%E").stdout.strip() == \
+        f"afterany:{first.job_id}_*(unfulfilled)"
+
+    # Only the controller stops (SIGTERM: it saves its state), by its pid file; the nodes and the job go on.
+    ctld = int((cluster.state_dir / "slurmctld.pid").read_text())
+    os.kill(ctld, signal.SIGTERM)
+    wait_for(lambda: not Path(f"/proc/{ctld}").exists() or
+             Path(f"/proc/{ctld}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 30, "slurmctld still up")
+    try:
+        status = opskit(cluster, "status", spec_file)
+        assert status.returncode == 2, status.stdout + status.stderr
+        assert "scheduler unreachable, job state unknown" in status.stdout and "absent" not in status.stdout, \
+            status.stdout
+        report = json.loads(opskit(cluster, "status", spec_file, "--json").stdout)
+        assert report["unreachable"] and "scheduler.absent" not in {f["key"] for f in report["findings"]}
+    finally:
+        done = cluster.script("start")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # The queue survived: the same tasks, the running one still running, the dependency still there.
+    assert queue(cluster, f"{first.job_id},{second.job_id}") == before
+    assert cluster.run("squeue", "-h", "-j", second.job_id, "-o", "%E").stdout.strip() == \
+        f"afterany:{first.job_id}_*(unfulfilled)"
+    assert opskit(cluster, "status", spec_file).returncode in (0, 1)  # reachable again: no exit 2
