@@ -14,6 +14,7 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -270,3 +271,18 @@ def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachab
     assert cluster.run("squeue", "-h", "-j", second.job_id, "-o", "%E").stdout.strip() == \
         f"afterany:{first.job_id}_*(unfulfilled)"
     assert opskit(cluster, "status", spec_file).returncode in (0, 1)  # reachable again: no exit 2
+
+
+def test_fault_hook_fires_only_on_its_node_iteration_and_task():
+    from opskit.crash import find_crashes
+    from opskit.train.fault import inject_test_fault
+
+    here = {"SLURMD_NODENAME": "node2", "SLURM_ARRAY_TASK_ID": "1"}
+    for fault, iteration in (("crash:node1:iteration=5", 5), ("crash:node2:iteration=5", 4),
+                             ("crash:node2:iteration=5:task=2", 5), ("", 5), ("nonsense", 5)):
+        assert inject_test_fault(iteration, {**here, "OPSKIT_TEST_FAULT": fault}) is None  # nothing happened
+    code = "from opskit.train.fault import inject_test_fault as f; f(5); print('survived')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, **here, "OPSKIT_TEST_FAULT": "crash:node2:iteration=5:task=1"})
+    assert done.returncode == 1 and "survived" not in done.stdout
+    assert [c.signature for c in find_crashes(done.stderr.splitlines(), node="node2")] == ["CUDA launch failure"]
