@@ -444,11 +444,12 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
         crashes = [c for c in node_crashes(run, job_id) if c.node]
         if crashes:
             first = {c.node: c for c in reversed(crashes)}
-            reason = "; ".join(f"{c.signature} on {c.node}" for c in first.values())
+            crashed = "; ".join(f"{c.signature} on {c.node}" for c in first.values())
+            reason = f"{reason}; {crashed}" if reason else crashed
             new = add_bad_nodes(run, {n: f"{stamp} job {job_id}: {c.signature}: {c.line.strip()[:200]}"
                                       for n, c in first.items()})
             if new:
-                lines.append(f"bad node(s) {','.join(new)} ({reason}): the next `opskit submit` excludes them")
+                lines.append(f"bad node(s) {','.join(new)} ({crashed}): the next `opskit submit` excludes them")
             if new and job_nodes:
                 try:
                     lines.append(exclude_in_queue(run, job_nodes, partition))
