@@ -97,7 +97,8 @@ class RunPaths:
 
     @property
     def ledger(self) -> Path:
-        """One JSON line per task: outcome (COMPLETED, TIMEOUT, FAILED, CANCELLED, SKIPPED), exit code, nodes."""
+        """One JSON line per task: outcome (COMPLETED, TIMEOUT, FAILED, NODE_FAIL, CANCELLED, SKIPPED), exit code,
+        nodes."""
         return self.root / "ledger.jsonl"
 
     @property

@@ -355,7 +355,8 @@ class SlurmSpec(_Section):
     group: str | None = Field(default=None, pattern=_GROUP_NAME)
     """Unix group sharing the training (BigScience: six): ``opskit submit`` and ``cron`` look at its members' jobs."""
     max_failures: int = Field(default=3, gt=0)
-    """Consecutive failed tasks (FAILED or TIMEOUT in the run's ledger) after which the chain stops with an alert."""
+    """Consecutive failed tasks (FAILED, NODE_FAIL or TIMEOUT in the run's ledger) after which the chain stops with an
+    alert."""
     cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
     """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
     cron_account: str | None = Field(default=None, pattern=_ONE_LINE)
@@ -483,6 +484,8 @@ class WatchdogSpec(_Section):
     """Alert when no iteration line came for this many times the usual time between two of them, while running."""
     hang_min_minutes: float = Field(default=30, ge=0)
     """...and never before this many minutes (start-up, checkpoint loading, evaluation)."""
+    cancel_hung: bool = False
+    """``scancel`` the running task when its hang is found, so the chain moves on (it resumes from the last save)."""
     spike_window: int = Field(default=100, ge=5)
     spike_threshold: float = Field(default=6.0, gt=0)
     """Robust z-score above which an lm loss / grad norm value is a spike (opskit.logs.spikes)."""

@@ -178,10 +178,42 @@ def check_chain(run: RunPaths, ledger: list[chain.TaskOutcome]) -> list[Finding]
                                 f"({chain.flag_text(run.kill_switch)}): queued tasks exit at start"))
     failed = chain.consecutive_failures(ledger)
     if failed:
+        lost = {r.task: _lost_since_save(run, r) for r in failed[-3:]}
         findings.append(Finding("chain.failures", "warn", f"{len(failed)} consecutive failed task(s): " + ", ".join(
-            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") for r in failed[-3:]),
-            {"tasks": [asdict(r) for r in failed]}))
+            f"{r.task} {r.state}" + (f" ({r.reason})" if r.reason else "") +
+            (f" at {r.time[11:]}, losing {lost[r.task][1]:.0f} s of training since {lost[r.task][0]}"
+             if lost[r.task] else "") for r in failed[-3:]),
+            {"tasks": [asdict(r) for r in failed], "lost_s": {t: round(x[1]) for t, x in lost.items() if x}}))
+    try:
+        bad = chain.read_bad_nodes(run)
+    except chain.ChainError as e:
+        bad, findings = {}, [*findings, Finding("chain.bad_nodes", "warn", str(e))]
+    if bad:
+        findings.append(Finding("chain.bad_nodes", "warn", f"{len(bad)} node(s) excluded from the chain: " + "; ".join(
+            f"{node} ({why[:160]})" for node, why in bad.items()) + "; `opskit nodes clear NAME NODE` once repaired",
+            {"nodes": bad}))
     return findings
+
+
+def _lost_since_save(run: RunPaths, row: chain.TaskOutcome) -> tuple[str, float] | None:
+    """(step, seconds): the training a failed task lost, from the last checkpoint it saved (the newest step folder
+    written before the failure, which the next task resumes from) to the failure; None without such a step."""
+    from opskit.ckpt.layout import step_dirs
+
+    failed_at = _ledger_time(row.time)
+    if failed_at is None:
+        return None
+    saved = []
+    for path in step_dirs(run.checkpoints).values() if run.checkpoints.is_dir() else ():
+        try:
+            saved.append((path.stat().st_mtime, path.name))
+        except OSError:
+            continue
+    before = [(mtime, name) for mtime, name in saved if mtime <= failed_at.timestamp() + 1]
+    if not before:
+        return None
+    mtime, name = max(before)
+    return name, max(0.0, failed_at.timestamp() - mtime)
 
 
 def _ledger(run: RunPaths) -> list[chain.TaskOutcome]:
@@ -356,6 +388,28 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
                     f"one every {interval:.0f} s; last: iteration {last}): a hung collective or a dead rank? Look at "
                     "py-spy dump / the node logs, then scancel and resubmit",
                     {"silent_s": round(silent), "interval_s": interval, "last_iteration": last})]
+
+
+def act_on_hang(hang: Finding, running: list[QueueEntry], cancel: bool) -> Finding:
+    """The ``log.hang`` finding with what ends the hung task (``scancel`` of the running task: the chain's next
+    task resumes from the last save); with ``cancel`` (``watchdog.cancel_hung``), done here.
+
+    A failed scancel is told in the finding, never raised: the hang is the news."""
+    from opskit.slurm import client
+
+    ids = [e.job_id for e in running]
+    if not ids:
+        return hang
+    if not cancel:
+        return Finding(hang.key, hang.severity, f"{hang.message}; `scancel {' '.join(ids)}` moves the chain on "
+                       "(watchdog.cancel_hung: true does it)", {**hang.data, "job_ids": ids})
+    try:
+        client.scancel(ids)
+        done = f"cancelled {', '.join(ids)} (watchdog.cancel_hung): the chain moves on from the last save"
+    except client.SlurmError as e:
+        done = f"scancel {' '.join(ids)} failed ({e})"
+    return Finding(hang.key, hang.severity, f"{hang.message}; {done}", {**hang.data, "job_ids": ids,
+                                                                        "cancelled": done.startswith("cancelled")})
 
 
 def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[Finding]:
@@ -611,6 +665,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
+        findings = [act_on_hang(f, running, spec.watchdog.cancel_hung) if f.key == "log.hang" else f
+                    for f in findings]
     if not run_missing:
         findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval), state)

@@ -9,8 +9,9 @@
   earlier opskit rendered a job script into;
 - flags: the kill switch (running task saves and exits, queued ones exit at start), the finished flag (the trainer
   wrote it: every later task exits 0 at start) and the stopped flag (``slurm.max_failures`` consecutive failures);
-- the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, CANCELLED,
-  SKIPPED) and ALERT lines, written by the job script through ``python -m opskit.slurm.chain`` (no torch);
+- the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, NODE_FAIL: a
+  node of the task went down, CANCELLED, SKIPPED) and ALERT lines, written by the job script through
+  ``python -m opskit.slurm.chain`` (no torch);
 - the bad-node list ``bad-nodes.txt``: nodes whose log showed a GPU/NCCL crash (:mod:`opskit.crash`), excluded by
   the next submission.
 
@@ -36,8 +37,8 @@ from opskit.runs import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry
 
-STATES = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "SKIPPED", "ALERT")
-FAILURES = ("FAILED", "TIMEOUT")
+STATES = ("COMPLETED", "TIMEOUT", "FAILED", "NODE_FAIL", "CANCELLED", "SKIPPED", "ALERT")
+FAILURES = ("FAILED", "NODE_FAIL", "TIMEOUT")
 _QUEUED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -299,8 +300,8 @@ def read_ledger(run: RunPaths) -> list[TaskOutcome]:
 
 
 def consecutive_failures(rows: list[TaskOutcome]) -> list[TaskOutcome]:
-    """The failed tasks (FAILED, TIMEOUT) since the last COMPLETED one; SKIPPED, CANCELLED and ALERT lines neither
-    count nor break the run of failures."""
+    """The failed tasks (FAILED, NODE_FAIL, TIMEOUT) since the last COMPLETED one; SKIPPED, CANCELLED and ALERT lines
+    neither count nor break the run of failures."""
     failed: list[TaskOutcome] = []
     for row in rows:
         if row.state == "COMPLETED":
@@ -389,10 +390,46 @@ def node_crashes(run: RunPaths, job_id: str) -> list[Crash]:
     return crashes
 
 
+def exclude_in_queue(run: RunPaths, job_nodes: int, partition: str | None) -> str:
+    """Carry the bad-node list over to the run's pending tasks (``scontrol update JobId=... ExcNodeList=...``), so
+    the next array task starts on healthy nodes with no new submission. Left alone when the partition would keep
+    fewer than ``job_nodes`` nodes: those tasks would pend for ever, while running they fail and stop the chain at
+    ``slurm.max_failures``, which alerts.
+
+    Returns:
+        the main_log.txt line saying what was done.
+
+    Raises:
+        SlurmError: sinfo, squeue or scontrol failed.
+    """
+    bad = sorted(read_bad_nodes(run))
+    left = [n for n in client.partition_nodes(partition) if n not in bad]
+    if len(left) < job_nodes:
+        return (f"queued tasks keep their nodes: excluding {','.join(bad)} would leave {len(left)} node(s) of "
+                f"partition {partition or '(all)'} for {job_nodes}-node tasks")
+    ids = [re.sub(r"%\d+\]$", "]", e.job_id) for e in run_jobs(run, "", client.squeue()) if e.state == "PENDING"]
+    if not ids:
+        return f"no queued task to exclude {','.join(bad)} from"
+    client.exclude_nodes(ids, bad)
+    return f"queued task(s) {', '.join(ids)} now exclude {','.join(bad)} (ExcNodeList)"
+
+
+def _down_nodes(nodelist: str, lines: list[str]) -> dict[str, str]:
+    """The job's nodes SLURM holds down (:func:`client.down_nodes`); {} with a line in ``lines`` when sinfo fails."""
+    try:
+        return client.down_nodes(nodelist)
+    except client.SlurmError as e:
+        lines.append(f"node states unknown ({e})")
+        return {}
+
+
 def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str, exit_code: int | None,
-               nodes: str, max_failures: int, now: datetime | None = None) -> list[str]:
-    """The job script's epilogue: record the task's outcome; on a failure, put crashed nodes on the bad-node list
-    and, at ``max_failures`` consecutive failures, stop the chain and raise the alert.
+               nodes: str, max_failures: int, now: datetime | None = None, job_nodes: int | None = None,
+               partition: str | None = None) -> list[str]:
+    """The job script's epilogue: record the task's outcome (under SLURM, a FAILED or CANCELLED task with a node
+    SLURM holds down is NODE_FAIL, the reason naming the node); on a failure, put crashed nodes on the bad-node list
+    (and, under SLURM, ``job_nodes`` given, on the run's pending tasks: :func:`exclude_in_queue`) and, at
+    ``max_failures`` consecutive failures, stop the chain and raise the alert.
 
     Returns:
         lines for main_log.txt (the script prefixes them with its ``[opskit] ... job ...:`` header).
@@ -400,15 +437,24 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
     stamp = f"{now or datetime.now():%Y-%m-%d %H:%M:%S}"
     lines = []
     reason = ""
+    if state in ("FAILED", "CANCELLED") and job_nodes and (down := _down_nodes(nodes, lines)):
+        # SLURM ended the task because a node died (it cancels the job, then requeues it): not the user's scancel.
+        state, reason = "NODE_FAIL", "; ".join(f"{node} {why}" for node, why in down.items())
     if state in FAILURES:
         crashes = [c for c in node_crashes(run, job_id) if c.node]
         if crashes:
             first = {c.node: c for c in reversed(crashes)}
-            reason = "; ".join(f"{c.signature} on {c.node}" for c in first.values())
+            crashed = "; ".join(f"{c.signature} on {c.node}" for c in first.values())
+            reason = f"{reason}; {crashed}" if reason else crashed
             new = add_bad_nodes(run, {n: f"{stamp} job {job_id}: {c.signature}: {c.line.strip()[:200]}"
                                       for n, c in first.items()})
             if new:
-                lines.append(f"bad node(s) {','.join(new)} ({reason}): the next `opskit submit` excludes them")
+                lines.append(f"bad node(s) {','.join(new)} ({crashed}): the next `opskit submit` excludes them")
+            if new and job_nodes:
+                try:
+                    lines.append(exclude_in_queue(run, job_nodes, partition))
+                except client.SlurmError as e:
+                    lines.append(f"queued tasks not updated, they may start on {','.join(new)} ({e})")
     record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason))
     failed = consecutive_failures(read_ledger(run))
     if state in FAILURES and len(failed) >= max_failures and not run.stopped_flag.exists():
@@ -429,8 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args[:1] == ["ended"] and len(args) == 9:
             _, root, spec_name, job_id, task, state, code, nodes, max_failures = args
+            job_nodes = os.environ.get("SLURM_JOB_NUM_NODES", "")  # SLURM's (the local executor sets none)
             for line in task_ended(RunPaths(Path(root)), spec_name, job_id, task, state,
-                                   int(code) if code.lstrip("-").isdigit() else None, nodes, int(max_failures)):
+                                   int(code) if code.lstrip("-").isdigit() else None, nodes, int(max_failures),
+                                   job_nodes=int(job_nodes) if job_nodes.isdigit() else None,
+                                   partition=os.environ.get("SLURM_JOB_PARTITION")):
                 print(line)
             return 0
         if args[:1] == ["skipped"] and len(args) == 6:

@@ -130,3 +130,28 @@ def scontrol(action: str, job_ids: list[str]) -> None:
     if action not in ("hold", "release"):
         raise ValueError(f"scontrol {action}: expected hold or release")
     _run(["scontrol", action, ",".join(job_ids)])
+
+
+def partition_nodes(partition: str | None = None) -> list[str]:
+    """The node names of ``partition`` (default: every partition), from ``sinfo``."""
+    cmd = ["sinfo", "-h", "-N", "-o", "%N"] + ([f"--partition={partition}"] if partition else [])
+    return sorted(set(_run(cmd).split()))
+
+
+def exclude_nodes(job_ids: list[str], nodes: list[str]) -> None:
+    """``scontrol update JobId=ID ExcNodeList=NODES`` for pending jobs (``682842_[2-5]`` updates those array
+    tasks): the nodes they may start on from now on."""
+    for job_id in job_ids:
+        _run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"])
+
+
+def down_nodes(nodelist: str) -> dict[str, str]:
+    """Nodes of ``nodelist`` (SLURM's ``node[1-2]`` form) that SLURM holds down, drained, failed or not responding:
+    node -> ``STATE (reason)`` as ``sinfo`` prints them (``node2 -> down* (Not responding)``)."""
+    out = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", f"%N{SEPARATOR}%T{SEPARATOR}%E"])
+    down = {}
+    for line in out.splitlines():
+        node, state, reason = (line.split(SEPARATOR) + ["", ""])[:3]
+        if state.endswith("*") or state.startswith(("down", "drain", "fail")):
+            down[node] = f"{state} ({reason})" if reason and reason != "none" else state
+    return down

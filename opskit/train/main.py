@@ -41,6 +41,7 @@ from opskit.rules.deepspeed import (  # noqa: E402
 from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
+from opskit.train.fault import inject_test_fault  # noqa: E402
 from opskit.train.state import TrainState  # noqa: E402
 
 
@@ -591,6 +592,7 @@ class Trainer:
             if self._skip_range_at_next_iteration():
                 continue
             step = self._train_step()
+            inject_test_fault(state.iteration)  # tests only (OPSKIT_TEST_FAULT): a crash or hang on one node
             self._log(step)
             if self.do_valid and state.iteration % args.eval_interval == 0:
                 self._evaluate_and_print(f"iteration {state.iteration}")

@@ -1,0 +1,45 @@
+"""TEST ONLY: a fault injected on one node, so the node-failure story can be tested on a cluster without broken GPUs.
+
+``OPSKIT_TEST_FAULT="KIND:NODE:iteration=N[:task=T]"`` (set through the spec's ``slurm.env``, which the job script
+exports on every node) makes the trainer on node ``NODE`` (``$SLURMD_NODENAME``, else the host name), right after
+iteration ``N`` (and only in array task ``T`` when given):
+
+- ``crash``: print the lines a GPU that broke mid-training leaves (``CUDA error: an illegal memory access was
+  encountered`` raised from NCCL's watchdog, as :mod:`opskit.crash` recognises) and exit 1 at once, as a dead rank does;
+- ``hang``: sleep for an hour inside the iteration, as a rank stuck in a collective does.
+
+Never set it for a real training. Unset (always, outside tests) it costs one dictionary lookup per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+
+CRASH_LINES = (
+    "terminate called after throwing an instance of 'c10::DistBackendError'",
+    "  what():  [Rank 0] NCCL watchdog thread terminated with exception: CUDA error: an illegal memory access was "
+    "encountered",
+)
+HANG_S = 3600
+
+
+def inject_test_fault(iteration: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Crash or hang here when ``OPSKIT_TEST_FAULT`` asks for it on this node after ``iteration`` (see the module
+    docstring); a malformed value is ignored (it is a test's, never a user's)."""
+    kind, _, rest = environ.get("OPSKIT_TEST_FAULT", "").partition(":")
+    node, _, options = rest.partition(":")
+    wanted = dict(option.partition("=")[::2] for option in options.split(":") if option)
+    here = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if node != here or wanted.get("iteration") != str(iteration) or \
+            wanted.get("task", environ.get("SLURM_ARRAY_TASK_ID")) != environ.get("SLURM_ARRAY_TASK_ID"):
+        return
+    if kind == "crash":
+        print("\n".join(CRASH_LINES), file=sys.stderr, flush=True)
+        os._exit(1)
+    if kind == "hang":
+        print(f"OPSKIT_TEST_FAULT: hanging in iteration {iteration + 1} on {here}", flush=True)
+        time.sleep(HANG_S)

@@ -1,0 +1,288 @@
+"""The node-failure story on a real 3-node SLURM (scripts/local-slurm.sh start --nodes 3), 2-node chains of the real
+trainer (tiny model, CPU, gloo): a crash on one node (the test-only OPSKIT_TEST_FAULT hook), a node whose slurmd dies,
+a hung rank, slurmctld restarted mid-chain, and `opskit nodes list/clear`.
+
+The crash node is chosen by name (SLURMD_NODENAME), never by rank: ranks are not tied to nodes under c10d.
+Durations are printed (pytest -s shows them) and never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from conftest import REPO, write_spec
+from test_submit import OPSKIT, iterations_logged, one, tasks_of
+
+from opskit.slurm import chain
+from opskit.spec import load_spec
+from opskit.submit import submit
+
+pytestmark = pytest.mark.slurm
+
+GBS = 8
+MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "max_position_embeddings": 32}
+
+
+def node_spec(tmp_path: Path, data, iterations: int, save_interval: int, fault: str = "", **sections):
+    """A 2-node chain of the tiny model: one CPU and one OpenMP thread per node (the nodes have CPUs=1), the fault
+    hook in the job's environment, this worktree's opskit on every node."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if fault:
+        env["OPSKIT_TEST_FAULT"] = fault
+    slurm = {"job_name": f"mnf-{tmp_path.name[-12:]}", "cpus_per_task": 1, "array": 3, "max_failures": 3,
+             "time": "10", "master_port": random.randint(20000, 29000), "env": env, **sections.pop("slurm", {})}
+    path = write_spec(tmp_path / "spec.yaml", data, tmp_path / "run", model=MODEL, parallel={"nodes": 2},
+                      batch={"micro_batch_size": 4, "global_batch_size": GBS, "train_samples": iterations * GBS},
+                      optimizer={"lr_warmup_samples": 32},
+                      checkpoint={"save_interval": save_interval, "log_interval": 1}, slurm=slurm, **sections)
+    return load_spec(str(path))
+
+
+@pytest.fixture
+def cluster(slurm_cluster, monkeypatch):
+    """The 3-node cluster, made the SLURM of this test process (opskit's library calls sbatch/squeue here)."""
+    c = slurm_cluster(3)
+    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])
+    jobs: list[str] = []
+    c.jobs = jobs
+    yield c
+    if jobs:
+        c.run("scancel", *jobs)
+    done = c.script("start")  # a node a test took down serves again for the next test
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def opskit(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([OPSKIT, *args], capture_output=True, text=True, timeout=timeout, env=cluster.env)
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(interval)
+    return value
+
+
+def queue(cluster, job_id: str) -> list[tuple[str, str, str]]:
+    """(task id, state, node list or reason) of the job (array)'s queued and running tasks."""
+    out = cluster.run("squeue", "-h", "-j", job_id, "-o", "%i %T %R").stdout
+    return [tuple(line.split(None, 2)) for line in out.splitlines() if line.strip()]
+
+
+def starts(log: str) -> dict[str, list[datetime]]:
+    """Array task -> the times its job script started (a requeued task starts twice)."""
+    found: dict[str, list[datetime]] = {}
+    for m in re.finditer(r"^\[opskit\] (\S+ \S+) job \S+ \(array task (\S+)\) nodes \S+: start$", log, re.M):
+        found.setdefault(m[2], []).append(datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S"))
+    return found
+
+
+def ledger_time(row: chain.TaskOutcome) -> datetime:
+    return datetime.strptime(row.time, "%Y-%m-%d %H:%M:%S")
+
+
+def test_crash_on_one_node_excludes_it_and_the_chain_resumes_on_the_healthy_nodes(cluster, kjv_data, tmp_path):
+    alerts = tmp_path / "alerts.txt"
+    spec = node_spec(tmp_path, kjv_data, iterations=12, save_interval=4, fault="crash:node2:iteration=6",
+                     watchdog={"alerts": {"command": f'(cat; echo "KIND=$OPSKIT_ALERT_KIND") >> {alerts}'}})
+    spec_file = str(tmp_path / "spec.yaml")
+    sub = submit(spec)
+    cluster.jobs.append(sub.job_id)
+    run = sub.run
+    wait_for(lambda: not queue(cluster, sub.job_id), 300, "the chain never drained")
+
+    # The ledger: task 1 FAILED on node[1-2] with the crash node named, task 2 COMPLETED on the two healthy nodes,
+    # task 3 found the finished flag.
+    rows = chain.read_ledger(run)
+    assert [(r.task, r.state, r.nodes) for r in rows] == [
+        (f"{sub.job_id}_1", "FAILED", "node[1-2]"), (f"{sub.job_id}_2", "COMPLETED", "node[1,3]"),
+        (f"{sub.job_id}_3", "SKIPPED", "node[1,3]")], run.main_log.read_text()[-3000:]
+    assert rows[0].reason == "CUDA launch failure on node2" and rows[0].exit_code != 0
+    bad = chain.read_bad_nodes(run)
+    assert list(bad) == ["node2"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d job \d+: CUDA launch failure: .*CUDA error: an illegal "
+                        r"memory access was encountered", bad["node2"]), bad
+    assert "CUDA error: an illegal memory access" in next(run.node_logs.glob("*-node2.log")).read_text()
+
+    # No human action: the epilogue moved the exclusion onto the queued tasks; SLURM still shows it (MinJobAge).
+    log = run.main_log.read_text()
+    tasks = dict(tasks_of(log))
+    one(r"bad node\(s\) node2 \(CUDA launch failure on node2\): the next `opskit submit` excludes them$",
+        tasks[f"{sub.job_id}_1"])
+    one(rf"queued task\(s\) {sub.job_id}_\[2-3\] now exclude node2 \(ExcNodeList\)$", tasks[f"{sub.job_id}_1"])
+    shown = cluster.run("scontrol", "show", "job", f"{sub.job_id}_2").stdout
+    assert "ExcNodeList=node2" in shown and re.search(r"\bNodeList=node\[1,3\]", shown), shown
+
+    # Task 2 resumed from the last complete checkpoint (iteration 4, before the crash at 6) and trained to the end.
+    resumed = tasks[f"{sub.job_id}_2"]
+    one(r"successfully loaded checkpoint from .* at iteration 4$", resumed)
+    assert [i for i, *_ in iterations_logged(resumed)][:1] == [5]
+    assert (run.checkpoints / "latest").read_text() == "global_step12" and run.finished_flag.exists()
+    crash_to_next = (starts(log)[f"{sub.job_id}_2"][0] - ledger_time(rows[0])).total_seconds()
+    print(f"\ncrash -> next task running on node[1,3]: {crash_to_next:.0f} s (excluded: node2)")
+
+    # `opskit status` names the crash node; the alert goes out once, however often the watchdog runs.
+    status = opskit(cluster, "status", spec_file, "--json", "--alert")
+    report = json.loads(status.stdout)
+    found = {f["key"]: f for f in report["findings"]}
+    assert found["chain.bad_nodes"]["message"].startswith("1 node(s) excluded from the chain: node2 (")
+    assert "CUDA launch failure" in found["chain.bad_nodes"]["message"]
+    assert found["log.crash"]["severity"] == "alert" and report["alerts"]["sent"] == [
+        {"channel": "command", "kind": "alert"}]
+    for _ in range(2):
+        again = json.loads(opskit(cluster, "status", spec_file, "--json", "--alert").stdout)
+        assert {"channel": "command", "kind": "alert"} not in again["alerts"]["sent"]
+    sent = alerts.read_text()
+    assert sent.count("KIND=alert") == 1 and "node2" in sent, sent
+
+    # `opskit nodes list` says why; `opskit nodes clear NODE` puts it back.
+    listed = opskit(cluster, "nodes", "list", spec_file)
+    assert listed.stdout.split(None, 1) == ["node2", bad["node2"] + "\n"], listed.stderr  # node, time, job, signature
+    cleared = opskit(cluster, "nodes", "clear", spec_file, "node2")
+    assert cleared.stdout == "cleared node2\n" and chain.read_bad_nodes(run) == {}
+    assert opskit(cluster, "nodes", "list", spec_file).stdout == "no bad nodes\n"
+
+
+def test_a_dead_node_ends_the_task_and_the_chain_continues_on_the_others(cluster, kjv_data, tmp_path):
+    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=50)
+    spec_file = str(tmp_path / "spec.yaml")
+    sub = submit(spec)
+    cluster.jobs.append(sub.job_id)
+    run = sub.run
+    first = f"{sub.job_id}_1"
+    wait_for(lambda: (run.checkpoints / "latest").is_file(), 180, "task 1 never saved a checkpoint")
+    [(_, state, nodes)] = [row for row in queue(cluster, sub.job_id) if row[0] == first]
+    assert (state, nodes) == ("RUNNING", "node[1-2]")
+
+    # node2 (not the batch host, whose script records the outcome) stops answering: its slurmd dies.
+    os.kill(cluster.slurmd_pid("node2"), signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: cluster.node_states()["node2"].startswith("down"), 90, "node2 never marked down")
+    down = time.monotonic()
+    rows = wait_for(lambda: [r for r in chain.read_ledger(run) if r.task == first], 60, "task 1 never ended")
+    assert [(r.state, r.nodes) for r in rows] == [("NODE_FAIL", "node[1-2]")]
+    assert rows[0].reason.startswith("node2 down"), rows[0].reason
+
+    # The chain goes on without anyone: the next task runs on the two live nodes and resumes from the last save.
+    second = f"{sub.job_id}_2"
+    wait_for(lambda: (second, "RUNNING", "node[1,3]") in queue(cluster, sub.job_id), 90, "task 2 never started")
+    running = time.monotonic()
+    wait_for(lambda: second in dict(tasks_of(run.main_log.read_text())) and iterations_logged(
+        dict(tasks_of(run.main_log.read_text()))[second]), 120, "task 2 never trained")
+    resumed = dict(tasks_of(run.main_log.read_text()))[second]
+    step = int(one(r"successfully loaded checkpoint from .* at iteration +(\d+)$", resumed).group(1))
+    assert step > 0 and step % 50 == 0 and iterations_logged(resumed)[0][0] == step + 1
+    print(f"\nslurmd killed -> node2 down: {down - killed:.0f} s; node down -> task 2 running on node[1,3]: "
+          f"{running - down:.0f} s")
+
+    # `opskit status` reports the down node and the training lost since the last save.
+    report = json.loads(opskit(cluster, "status", spec_file, "--json").stdout)
+    failures = {f["key"]: f for f in report["findings"]}["chain.failures"]
+    assert re.search(rf"{first} NODE_FAIL \(node2 down\S* \(Not responding\)\) at \d\d:\d\d:\d\d, losing \d+ s of "
+                     rf"training since global_step{step}\b", failures["message"]), failures["message"]
+    assert failures["data"]["lost_s"][first] >= 0
+
+    # The kill switch ends the task (it saves and exits 0). SLURM requeued task 1 (a node failure), to start again
+    # after a delay of its own: it and task 3 would exit at start; the fixture cancels them.
+    assert opskit(cluster, "kill-switch", spec_file, "on").returncode == 0
+    wait_for(lambda: len(chain.read_ledger(run)) >= 2, 120, "task 2 never ended")
+    assert [(r.task, r.state) for r in chain.read_ledger(run)][:2] == [(first, "NODE_FAIL"), (second, "COMPLETED")]
+
+
+def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_on(cluster, kjv_data, tmp_path):
+    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=20, fault="hang:node2:iteration=30:task=1",
+                     watchdog={"hang_factor": 2, "hang_min_minutes": 0.25})
+    spec_file = tmp_path / "spec.yaml"
+    sub = submit(spec)
+    cluster.jobs.append(sub.job_id)
+    run = sub.run
+    first, second = f"{sub.job_id}_1", f"{sub.job_id}_2"
+
+    def hang_finding() -> dict | None:
+        report = json.loads(opskit(cluster, "status", str(spec_file), "--json").stdout)
+        return next((f for f in report["findings"] if f["key"] == "log.hang"), None)
+
+    # Without the opt-in, opskit offers the scancel that moves the chain on, and does nothing.
+    hang = wait_for(hang_finding, 240, "no log.hang finding", interval=2)
+    hung_at = time.monotonic()
+    assert hang["severity"] == "alert" and hang["data"]["last_iteration"] in (29, 30), hang
+    assert hang["message"].endswith(f"; `scancel {first}` moves the chain on (watchdog.cancel_hung: true does it)")
+    print(f"\nlog.hang after {hang['data']['silent_s']} s without an iteration line (threshold: 15 s)")
+    assert [row[:2] for row in queue(cluster, sub.job_id) if row[0] == first] == [(first, "RUNNING")]
+
+    # watchdog.cancel_hung: true: the next check cancels the hung task; the next one resumes from the last save.
+    spec_file.write_text(spec_file.read_text().replace("hang_min_minutes: 0.25", "hang_min_minutes: 0.25\n"
+                                                                                 "  cancel_hung: true"))
+    hang = wait_for(hang_finding, 60, "no log.hang finding with cancel_hung", interval=2)
+    assert hang["message"].endswith(f"; cancelled {first} (watchdog.cancel_hung): the chain moves on from the last "
+                                    "save") and hang["data"]["cancelled"], hang
+    wait_for(lambda: [r for r in chain.read_ledger(run) if r.task == first], 60, "task 1 never ended")
+    assert [(r.task, r.state) for r in chain.read_ledger(run)] == [(first, "CANCELLED")]
+    wait_for(lambda: second in dict(tasks_of(run.main_log.read_text())) and any(
+        i > 30 for i, *_ in iterations_logged(dict(tasks_of(run.main_log.read_text()))[second])), 120,
+        "task 2 never trained past the hang")
+    print(f"hang found -> task 2 past iteration 30: {time.monotonic() - hung_at:.0f} s")
+    resumed = dict(tasks_of(run.main_log.read_text()))[second]
+    one(r"successfully loaded checkpoint from .* at iteration +20$", resumed)
+
+
+def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
+    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2})
+    spec_file = str(tmp_path / "spec.yaml")
+    first = submit(spec)
+    cluster.jobs.append(first.job_id)
+    second = submit(spec, array=1)  # chained after the first array: --dependency=afterany
+    cluster.jobs.append(second.job_id)
+    wait_for(lambda: (f"{first.job_id}_1", "RUNNING", "node[1-2]") in queue(cluster, first.job_id), 90,
+             "task 1 never started")
+    before = queue(cluster, f"{first.job_id},{second.job_id}")
+    assert cluster.run("squeue", "-h", "-j", second.job_id, "-o", "%E").stdout.strip() == \
+        f"afterany:{first.job_id}_*(unfulfilled)"
+
+    # Only the controller stops (SIGTERM: it saves its state), by its pid file; the nodes and the job go on.
+    ctld = int((cluster.state_dir / "slurmctld.pid").read_text())
+    os.kill(ctld, signal.SIGTERM)
+    wait_for(lambda: not Path(f"/proc/{ctld}").exists() or
+             Path(f"/proc/{ctld}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", 30, "slurmctld still up")
+    try:
+        status = opskit(cluster, "status", spec_file)
+        assert status.returncode == 2, status.stdout + status.stderr
+        assert "scheduler unreachable, job state unknown" in status.stdout and "absent" not in status.stdout, \
+            status.stdout
+        report = json.loads(opskit(cluster, "status", spec_file, "--json").stdout)
+        assert report["unreachable"] and "scheduler.absent" not in {f["key"] for f in report["findings"]}
+    finally:
+        done = cluster.script("start")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # The queue survived: the same tasks, the running one still running, the dependency still there.
+    assert queue(cluster, f"{first.job_id},{second.job_id}") == before
+    assert cluster.run("squeue", "-h", "-j", second.job_id, "-o", "%E").stdout.strip() == \
+        f"afterany:{first.job_id}_*(unfulfilled)"
+    assert opskit(cluster, "status", spec_file).returncode in (0, 1)  # reachable again: no exit 2
+
+
+def test_fault_hook_fires_only_on_its_node_iteration_and_task():
+    from opskit.crash import find_crashes
+    from opskit.train.fault import inject_test_fault
+
+    here = {"SLURMD_NODENAME": "node2", "SLURM_ARRAY_TASK_ID": "1"}
+    for fault, iteration in (("crash:node1:iteration=5", 5), ("crash:node2:iteration=5", 4),
+                             ("crash:node2:iteration=5:task=2", 5), ("", 5), ("nonsense", 5)):
+        assert inject_test_fault(iteration, {**here, "OPSKIT_TEST_FAULT": fault}) is None  # nothing happened
+    code = "from opskit.train.fault import inject_test_fault as f; f(5); print('survived')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, **here, "OPSKIT_TEST_FAULT": "crash:node2:iteration=5:task=1"})
+    assert done.returncode == 1 and "survived" not in done.stdout
+    assert [c.signature for c in find_crashes(done.stderr.splitlines(), node="node2")] == ["CUDA launch failure"]
