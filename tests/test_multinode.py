@@ -156,5 +156,6 @@ def test_stop_leaves_nothing_behind(slurm_cluster):
     assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stdout
 
 
-def test_script_passes_shellcheck(shellcheck):
-    shellcheck(Path(__file__).resolve().parents[1] / "scripts" / "local-slurm.sh")
+def test_scripts_pass_shellcheck(shellcheck):
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    shellcheck(scripts / "local-slurm.sh", scripts / "demo-multinode.sh")
