@@ -445,8 +445,8 @@ def test_trainer_reads_weighted_split_paths_with_named_validation(kjv_data, numb
 # ---------------------------------------------------------------------------------------------------------- presets
 
 def test_every_bigscience_preset_command_line_is_accepted(monkeypatch, tmp_path):
-    """Every preset's rendered command line parses in the trainer's own parser (tr8b-104B's 8-bit Adam, which it
-    does not implement, is no variant any more: a spec refuses a flag the trainer lacks)."""
+    """Every preset's and variant's rendered command line parses in the trainer's own parser (tr8b-104B:bnb's
+    --use-bnb-optimizer included)."""
     import yaml
 
     from opskit.runs import RunPaths
@@ -463,4 +463,4 @@ def test_every_bigscience_preset_command_line_is_accepted(monkeypatch, tmp_path)
             spec = load_spec(names[-1])
             run = RunPaths.of(spec)
             assert parse_args(trainer_args(spec, run)).finished_flag_path == str(run.finished_flag)
-    assert len(names) == 8
+    assert len(names) == 9 and "tr8b-104B:bnb" in names
