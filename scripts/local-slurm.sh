@@ -210,6 +210,35 @@ install_packages() {
     fi
 }
 
+# slurm.conf lines both clusters share: no cgroups, CPUs as the consumable, fast scheduling, no accounting.
+scheduler_conf() {
+    cat <<'EOF'
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+# Measured here: with defaults a job starts 2-3 s after sbatch and each %1 array task 2 s after the
+# previous one ends; with these both take ~1 s (mostly launch cost). A few nodes: backfill passes are cheap.
+SchedulerParameters=batch_sched_delay=0,bf_interval=1
+# Debian has no /bin/mail (the default), which slurmctld logs as an error on every start.
+MailProg=/bin/true
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+EOF
+}
+
+accounting_conf() {
+    cat <<EOF
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$STATE_DIR/log/jobcomp.txt
+EOF
+}
+
 write_conf() {
     local cpus mem_mib tmp
     cpus=$(nproc)
@@ -224,30 +253,14 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-# Measured here: with defaults a job starts 2-3 s after sbatch and each %1 array task 2 s after the
-# previous one ends; with these both take ~1 s (mostly launch cost). One node: backfill passes are cheap.
-SchedulerParameters=batch_sched_delay=0,bf_interval=1
-# Debian has no /bin/mail (the default), which slurmctld logs as an error on every start.
-MailProg=/bin/true
-ReturnToService=2
-KillWait=5
-MinJobAge=300
+$(scheduler_conf)
 StateSaveLocation=$STATE_DIR/state
 SlurmdSpoolDir=$STATE_DIR/spool
 SlurmctldPidFile=$CTLD_PID
 SlurmdPidFile=$SLURMD_PID
 SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
 SlurmdLogFile=$STATE_DIR/log/slurmd.log
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$STATE_DIR/log/jobcomp.txt
+$(accounting_conf)
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mib State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -519,17 +532,7 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket=$MUNGE_SOCKET
 CredType=cred/munge
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,bf_interval=1
-MailProg=/bin/true
-ReturnToService=2
-KillWait=5
-MinJobAge=300
+$(scheduler_conf)
 # A node whose slurmd stops answering is marked down within ~SlurmdTimeout + a ping interval.
 SlurmdTimeout=10
 StateSaveLocation=$STATE_DIR/state
@@ -538,10 +541,7 @@ SlurmctldPidFile=$CTLD_PID
 SlurmdPidFile=$STATE_DIR/slurmd-%n.pid
 SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
 SlurmdLogFile=$STATE_DIR/log/slurmd-%n.log
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/filetxt
-JobCompLoc=$STATE_DIR/log/jobcomp.txt
+$(accounting_conf)
 EOF
         for ((i = 1; i <= NODES; i++)); do
             printf 'NodeName=node%d NodeAddr=%s CPUs=1 RealMemory=%d State=UNKNOWN\n' "$i" "$(node_ip "$i")" "$mem_mib"

@@ -309,3 +309,12 @@ def write_spec(path: Path, prepared, output: Path, /, **sections) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def alive(pid: int) -> bool:
+    """True while PID exists and is not a zombie: PID 1 here reaps slowly, so `kill -0` succeeds on zombies."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import alive
 
 pytestmark = [
     pytest.mark.slurm,
@@ -42,15 +43,6 @@ def clean(*cmd: str, timeout: float = 15) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         list(cmd), capture_output=True, text=True, timeout=timeout, env=CLEAN_ENV, check=False
     )
-
-
-def alive(pid: int) -> bool:
-    # PID 1 here reaps slowly and `kill -0` succeeds on zombies: read the state instead.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def daemon_pids() -> dict[str, int | None]:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import alive
 
 pytestmark = pytest.mark.slurm
 
@@ -27,15 +28,6 @@ dist.all_reduce(value)
 print(f"{socket.gethostname()} rank {dist.get_rank()} of {dist.get_world_size()} sum {value.item()}", flush=True)
 dist.destroy_process_group()
 """
-
-
-def alive(pid: int) -> bool:
-    """True while PID exists and is not a zombie (PID 1 here reaps slowly)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def cmdline(pid: int) -> bytes:
