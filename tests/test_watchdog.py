@@ -828,3 +828,16 @@ def test_status_without_write_access_still_reports(slurm, tmp_path):
     [line] = done.stderr.strip().splitlines()
     assert re.fullmatch(rf"warning: watchdog state not saved: {re.escape(str(run.watchdog_dir))}/\S+: "
                         "Operation not permitted", line), line
+
+
+@pytest.mark.slurm
+def test_the_table_quotes_log_lines_literally(slurm, tmp_path):
+    # rich read torchrun's "[default3]:" in a quoted crash line as a style tag and dropped it from the table.
+    spec = spec_file(tmp_path, unique("opskit-wd-literal"))
+    run = RunPaths(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    shutil.copy(FIXTURES / "crash.txt", run.main_log)
+    done = status_cli(spec, env={"COLUMNS": "400"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    crash_row = next(line for line in done.stdout.splitlines() if "log.crash" in line)
+    assert "jean-zay-iam52: [default3]:  what():  CUDA error: unknown error" in crash_row

@@ -50,12 +50,14 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
     for line in report.pulse_lines:
         console.print(line, markup=False)
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"{report.name} at {report.time:%Y-%m-%d %H:%M:%S}", title_justify="left")
     for column in ("severity", "check", "finding"):
         table.add_column(column, overflow="fold")
     for f in report.findings:
-        table.add_row(f"[{_STYLE[f.severity]}]{f.severity}[/]", f.key, f.message)
+        # Text, not markup: a finding quotes log lines, whose "[default0]:" rich would take for a style tag.
+        table.add_row(Text(f.severity, style=_STYLE[f.severity]), Text(f.key), Text(f.message))
     console.print(table, soft_wrap=False)
     if outcome:
         sent = ", ".join(f"{kind} via {channel}" for channel, kind in outcome.sent)
