@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from opskit.rules.checks import batch_sizes_of, valid_node_counts
-from opskit.rules.deepspeed import installed_deepspeed_version
 from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.spec import Spec, deepspeed_resume_problem, padded_vocab_size
@@ -608,8 +607,7 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
         found.append(f"GPU memory: {mem.total_gib_per_gpu:.1f} GiB estimated on pipeline stage {mem.heaviest_stage} "
                      f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
                      f"{spec.parallel.gpu or 'GPU'}")
-    version = spec.parallel.deepspeed_version or installed_deepspeed_version()
-    if version and (problem := deepspeed_resume_problem(spec, version)):
+    if problem := deepspeed_resume_problem(spec):
         found.append(problem)
     cl = plan.curriculum
     if cl is not None:

@@ -46,7 +46,7 @@ from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, claim_file
 from opskit.rules import checks, flags
 from opskit.rules.checks import listed, valid_node_counts
-from opskit.rules.deepspeed import deepspeed_version_problem
+from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
 from opskit.rules.model import padded_vocab_size as _padded_vocab_size
 
 USER_SPEC_DIR = Path("trainings")
@@ -737,9 +737,14 @@ def _field_name(key: str, value: Any = None) -> str:
     return _key_name(path, value)
 
 
-def deepspeed_resume_problem(spec: Spec, version: str) -> str | None:
+def deepspeed_resume_problem(spec: Spec, version: str | None = None) -> str | None:
     """Why this DeepSpeed version cannot resume (or clips wrongly) the spec's precision / ZeRO stage / PP, or None;
-    one line naming the spec fields (:func:`opskit.rules.deepspeed.deepspeed_version_problem`)."""
+    one line naming the spec fields (:func:`opskit.rules.deepspeed.deepspeed_version_problem`). ``version``
+    defaults to the one the job runs: ``parallel.deepspeed_version``, else the installed DeepSpeed (None when
+    neither is known)."""
+    version = version or spec.parallel.deepspeed_version or installed_deepspeed_version()
+    if not version:
+        return None
     problem = deepspeed_version_problem(spec.model.precision, spec.parallel.zero_stage,
                                         spec.parallel.pipeline_model_parallel_size, spec.optimizer.clip_grad, version,
                                         _field_name)

@@ -10,7 +10,6 @@ import yaml
 
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
-from opskit.rules.deepspeed import installed_deepspeed_version
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client, local
 from opskit.slurm.render import RenderedJob, data_files, render_job
@@ -66,15 +65,14 @@ _MAKES = {
 }
 
 
-def check_trainer(spec: Spec, run: RunPaths) -> None:
+def check_trainer(spec: Spec) -> None:
     """Refuse a job this DeepSpeed could not resume (the spec's flags are the trainer's: validated when read).
 
     Raises:
         SubmitError: the DeepSpeed version's problem with the spec's precision, ZeRO stage and pipeline.
     """
     where = spec.file or spec.name
-    version = spec.parallel.deepspeed_version or installed_deepspeed_version()
-    if version and (problem := deepspeed_resume_problem(spec, version)):
+    if problem := deepspeed_resume_problem(spec):
         raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
 
 
@@ -149,7 +147,7 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         raise SubmitError(f"--after {after}: expected a SLURM job id such as 1234 or 1234_2")
     check_data(spec)
     run = RunPaths.of(spec)
-    check_trainer(spec, run)
+    check_trainer(spec)
     notes = [note] if (note := chain.claim_run_dir(run, "submit", write=False)) else []
     notes += check_flags(spec, run, yes, dry_run)
     tasks = array or spec.slurm.array

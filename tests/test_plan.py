@@ -521,16 +521,16 @@ def test_bf16_zero0_on_deepspeed_versions_that_cannot_resume(in_tmp, jean_zay, m
     raw["parallel"]["zero_stage"] = 0
     raw["paths"]["output"] = str(in_tmp / "run")
     spec = load_spec(str(write(in_tmp / "bf16.yaml", raw)))
-    monkeypatch.setattr("opskit.submit.installed_deepspeed_version", lambda: "0.18.3")
+    monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.18.3")
     with pytest.raises(SubmitError, match=r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them"):
-        check_trainer(spec, RunPaths.of(spec))
-    monkeypatch.setattr("opskit.submit.installed_deepspeed_version", lambda: "0.19.8")
+        check_trainer(spec)
+    monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.19.8")
     with pytest.raises(SubmitError, match=r"model\.precision bf16 with parallel\.zero_stage 0 cannot resume on "
                                           r"DeepSpeed 0\.19\.8"):
-        check_trainer(spec, RunPaths.of(spec))
-    monkeypatch.setattr("opskit.submit.installed_deepspeed_version", lambda: "0.17.6")
-    check_trainer(spec, RunPaths.of(spec))
-    monkeypatch.setattr("opskit.plan.installed_deepspeed_version", lambda: "0.19.8")
+        check_trainer(spec)
+    monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.17.6")
+    check_trainer(spec)
+    monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.19.8")
     assert any("KeyError: 0" in w for w in make_plan(spec).warnings)
 
 
@@ -634,7 +634,7 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     run = RunPaths.of(spec)
     assert run.root == in_tmp / "runs" / "tiny"
     assert parse_args(trainer_args(spec, run)).data_path == [str(in_tmp / "data" / "kjv" / "kjv_text_document")]
-    check_trainer(spec, run)
+    check_trainer(spec)
     job = render_job(spec, run)
     assert "#SBATCH --job-name=tiny" in job.script and "--exit-duration-in-mins 2.0 " in job.script
     assert f"--data-path {in_tmp}/data/kjv/kjv_text_document" in job.script
@@ -705,11 +705,11 @@ def assert_trainer_verdict(spec: Spec, run: RunPaths) -> None:
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
     if version and (problem := deepspeed_resume_problem(spec, version)):
         with pytest.raises(SubmitError) as info:
-            check_trainer(spec, run)
+            check_trainer(spec)
         assert str(info.value) == f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the cluster's)"
         assert problem in make_plan(spec).warnings
     else:
-        check_trainer(spec, run)
+        check_trainer(spec)
 
 
 def test_tr1_renders_gpt2_data_flags(jean_zay):
