@@ -88,19 +88,17 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                                                     flag_name)
     if problem and not problem.resume_only:  # a resume is checked when the trainer finds a checkpoint
         problems.append(problem.message)
-    if problems:
-        parser.error(problems[0])
     if args.save and not args.save_interval:
-        parser.error("--save needs --save-interval")
-    problems = [*checks.partition_method_problems(args.pp_partition_method, flag_name),
-                *checks.data_source_problems(args.data_path, args.train_weighted_split_paths_path,
-                                             args.valid_weighted_split_paths_path, flag_name),
-                *checks.tokenizer_problems(args.tokenizer_type, args.tokenizer_name_or_path, args.vocab_file,
-                                           args.merge_file, flag_name),
-                *checks.training_flag_problems(vars(args), flag_name)]
+        problems.append("--save needs --save-interval")
+    problems += [*checks.partition_method_problems(args.pp_partition_method, flag_name),
+                 *checks.data_source_problems(args.data_path, args.train_weighted_split_paths_path,
+                                              args.valid_weighted_split_paths_path, flag_name),
+                 *checks.tokenizer_problems(args.tokenizer_type, args.tokenizer_name_or_path, args.vocab_file,
+                                            args.merge_file, flag_name),
+                 *checks.training_flag_problems(vars(args), flag_name)]
     if args.eval_interval is not None and args.eval_interval <= 0:
         problems.append(f"--eval-interval must be > 0, got {args.eval_interval}")
     if args.eval_iters < 0:
         problems.append(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if problems:
+    if problems:  # the first, as argparse reports one error
         parser.error(problems[0])
