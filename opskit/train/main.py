@@ -42,6 +42,16 @@ from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
 from opskit.train.fault import inject_test_fault  # noqa: E402
+from opskit.train.log import (  # noqa: E402  (torch-free: torch is imported where it is used)
+    IntervalStats,
+    TensorBoard,
+    current_loss_scale,
+    iteration_line,
+    memory_line,
+    print_datetime,
+    validation_lines,
+)
+from opskit.train.schedules import AnnealingLR, SeqlenCurriculum  # noqa: E402
 from opskit.train.state import TrainState  # noqa: E402
 
 
@@ -200,7 +210,6 @@ def _curriculum(config: dict, args: argparse.Namespace):
     Raises:
         TrainerError: a block DeepSpeed's scheduler cannot run (names the key).
     """
-    from opskit.train.schedules import SeqlenCurriculum
 
     block = config.pop("curriculum_learning", None)
     if not block or not block.get("enabled", False):
@@ -373,7 +382,6 @@ def _agreed_start_time() -> float:
 
 def _kill_switch_at_start(args: argparse.Namespace) -> bool:
     """True, after Megatron's line, when the kill switch is on (on any rank) before anything is built."""
-    from opskit.train.log import print_datetime
 
     if not _on_any_rank(_kill_switch_on(args))[0]:
         return False
@@ -466,8 +474,6 @@ def _build_engine(args: argparse.Namespace, model, ds_config: dict, rampup, stat
     """
     import deepspeed
 
-    from opskit.train.schedules import AnnealingLR
-
     optimizer = _build_optimizer(args, model)
     scheduler = AnnealingLR(
         optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
@@ -499,7 +505,6 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, world: World, exit_requests: _ExitRequests):
         from opskit.rules.schedule import BatchRampup
         from opskit.train.emissions import Emissions
-        from opskit.train.log import TensorBoard
 
         self.args, self.world, self.exit_requests = args, world, exit_requests
         self.state = TrainState(seqlen=args.seq_length)
@@ -581,7 +586,6 @@ class Trainer:
     def train(self) -> None:
         """Megatron's loop: train to ``train_iters``, logging, validating and saving at their intervals, until an exit
         request; then the end of training (final validation, last save, the finished flag)."""
-        from opskit.train.log import IntervalStats, print_datetime
 
         args, state = self.args, self.state
         state.interval = IntervalStats(started=time.time())
@@ -622,7 +626,6 @@ class Trainer:
         """One iteration: the ramp-up's global batch at the curriculum's sequence length through the pipeline, the
         optimizer step, and the state advanced by it."""
         from opskit.rules.schedule import num_microbatches
-        from opskit.train.log import current_loss_scale
 
         args, engine, state = self.args, self.engine, self.state
         global_batch_size = self.rampup.batch_size(state.consumed_train_samples)
@@ -658,8 +661,6 @@ class Trainer:
         rank), the interval's scalars, and once the GPU memory line."""
         import torch
 
-        from opskit.train.log import IntervalStats, iteration_line, memory_line
-
         args, world, state = self.args, self.world, self.state
         curriculum_seqlen = state.seqlen if self.curriculum is not None else None
         self.tensorboard.iteration(state.iteration, state.consumed_train_samples, state.consumed_train_tokens,
@@ -689,7 +690,6 @@ class Trainer:
     def _evaluate_and_print(self, prefix: str) -> None:
         """Megatron's evaluate_and_print_results: each validation set's loss, printed (last rank) and written to
         TensorBoard; at the full ``--seq-length`` (Megatron-DeepSpeed's evaluate), also under a curriculum."""
-        from opskit.train.log import validation_lines
 
         args, state = self.args, self.state
         if self.curriculum is not None:
@@ -715,8 +715,6 @@ class Trainer:
         """The end of the run: after training to the end, the final validation and the finished flag; in any case a
         checkpoint of the last iteration (unless just saved) and Megatron's line on why it stopped."""
         import torch.distributed as dist
-
-        from opskit.train.log import print_datetime
 
         args, state, rank = self.args, self.state, self.world.rank
         if exit_reason is None:  # Megatron's exits leave from inside train(), before the end-of-training evaluation
