@@ -18,6 +18,7 @@ import jinja2
 
 from opskit.rules import flags
 from opskit.rules.deepspeed import deepspeed_config as rules_deepspeed_config
+from opskit.rules.formats import parse_data_path
 from opskit.rules.schedule import BatchRampup
 from opskit.runs import RunPaths, data_paths
 from opskit.slurm.chain import job_comment
@@ -97,29 +98,19 @@ def data_files(spec: Spec) -> list[tuple[str, Path]]:
         tokenizer_dir, prefix = data_paths(spec)
         return [("data.dir", tokenizer_dir / "tokenizer.json"), ("data.dir", Path(f"{prefix}.bin")),
                 ("data.dir", Path(f"{prefix}.idx"))]
-    flags = data_flags(spec)
+    given = data_flags(spec)
     files: list[tuple[str, Path]] = []
-    if "data_path" in flags:
-        prefixes = flags["data_path"] if isinstance(flags["data_path"], list) else [flags["data_path"]]
-        for prefix in prefixes:
-            if _is_number(prefix):  # Megatron's blend: weight prefix weight prefix ...
-                continue
+    if "data_path" in given:
+        prefixes = given["data_path"] if isinstance(given["data_path"], list) else [given["data_path"]]
+        for _, prefix in parse_data_path([str(p) for p in prefixes]):  # one prefix, or Megatron's weighted blend
             files += [("data.data_path", Path(f"{prefix}.bin")), ("data.data_path", Path(f"{prefix}.idx"))]
     for key in ("train_weighted_split_paths_path", "valid_weighted_split_paths_path", "vocab_file", "merge_file"):
-        if key in flags:
-            files.append((f"data.{key}", Path(str(flags[key]))))
-    tokenizer = flags.get("tokenizer_name_or_path")
+        if key in given:
+            files.append((f"data.{key}", Path(str(given[key]))))
+    tokenizer = given.get("tokenizer_name_or_path")
     if tokenizer is not None and Path(str(tokenizer)).is_dir():
         files.append(("data.tokenizer_name_or_path", Path(str(tokenizer)) / "tokenizer.json"))
     return files
-
-
-def _is_number(text) -> bool:
-    try:
-        float(text)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def deepspeed_config(spec: Spec) -> dict:
