@@ -39,6 +39,34 @@ EMBEDDING_LAYER = 1
 FIRST_BLOCK_LAYER = 3
 
 
+def universal_checkpoint_info(padded_vocab_size: int, position_embeddings: bool, embedding_norm: bool) -> dict:
+    """DeepSpeed's ``universal_checkpoint_info`` for our layer list: how ``ds_to_universal`` merges each parameter's
+    TP slices, which the trainer saves with every step (Megatron-DeepSpeed's ``_universal_checkpoint_info``). The
+    patterns are the TP merge rules above over the engine's parameter names (``tied_modules.embed.*``,
+    ``<layer>.<key>``), only those the model has (``position_embeddings``: GPT-2's absolute ones; ``embedding_norm``:
+    a LayerNorm after the word embedding): ds_to_universal refuses a pattern that matches nothing.
+    ``original_vocab_size`` is the saved *padded* size: ds_to_universal then keeps the trained padding rows (it would
+    cut them off at the tokenizer's size), so a resume at the same padded size is exact, and DeepSpeed's loader adds
+    zero rows where the new layout pads further.
+
+    Source: DeepSpeed ``deepspeed/checkpoint/ds_to_universal.py`` (``merge_tp_slices``) and Megatron-DeepSpeed
+    ``megatron/model/gpt_model.py`` (``_universal_checkpoint_info``).
+    """
+    absent = (() if position_embeddings else ("position_embeddings.",)) + (() if embedding_norm else ("norm.",))
+    replicated = [name for name in REPLICATED_SUFFIXES if not name.startswith(absent)
+                  and not name.startswith(tuple("word_embeddings." + a for a in absent))]
+    escaped = lambda names: [rf".*\.{re.escape(name)}$" for name in names]  # noqa: E731
+    return {
+        "universal_checkpoint_version": 0.2,
+        "original_vocab_size": padded_vocab_size,
+        "padded_vocab_size": padded_vocab_size,
+        "vocabulary_parameter_patterns": [r"tied_modules\.embed\.word_embeddings\.weight$"],
+        "pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\."],
+        "tp_replicated_parameter_patterns": [*escaped(replicated), r"\d+\.(weight|bias)$"],
+        "parameter_with_row_parallelism_patterns": escaped(ROW_PARALLEL_WEIGHTS),
+    }
+
+
 def final_norm_layer(num_layers: int) -> int:
     """Index of the final LayerNorm's file: ``layer_{L+4}``."""
     return num_layers + 4

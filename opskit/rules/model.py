@@ -41,3 +41,11 @@ def megatron_flops_per_iteration(batch_size: int, seq: int, layers: int, hidden:
     padded vocabulary."""
     c = 4 if recompute else 3
     return 24 * c * batch_size * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def resumed_padded_vocab_size(saved_padded_vocab_size: int, tensor_parallel_size: int) -> int:
+    """The padded vocabulary of a resume on another TP degree: the checkpoint's when the new TP divides it (its
+    trained padding rows are kept, so the resume continues exactly), else the next multiple of TP (the rows added
+    start at zero: DeepSpeed's universal checkpoint loader pads the vocabulary tensor so). The vocab-parallel
+    embedding needs only TP to divide it; ``make_vocab_size_divisible_by`` is a speed rule for a fresh start."""
+    return -(-saved_padded_vocab_size // tensor_parallel_size) * tensor_parallel_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -19,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from opskit.ckpt.info import ResumePoint, resume_point
-from opskit.ckpt.layout import save_failed_message, write_latest
+from opskit.ckpt.layout import save_failed_message, universal_checkpoint_info, write_latest
+from opskit.ckpt.reshape import Layout, saved_layout
+from opskit.rules.model import has_embedding_layernorm, resumed_padded_vocab_size
 from opskit.train.state import TrainState
 
 CHECKPOINT_VERSION = 3.0
@@ -27,6 +30,7 @@ CHECKPOINT_VERSION = 3.0
 # Saved args that must match the command line on resume (Megatron's check_checkpoint_args).
 _MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type", "padded_vocab_size",
                "tensor_model_parallel_size", "pipeline_model_parallel_size")
+_MUST_MATCH_ON_ANY_LAYOUT = ("num_layers", "hidden_size", "num_attention_heads", "position_embedding_type")
 
 
 class CheckpointError(RuntimeError):
@@ -116,6 +120,10 @@ def save_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None
         "tokens": state.consumed_train_tokens,
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size,
                             "original_vocab_size": args.original_vocab_size},
+        "universal_checkpoint_info": universal_checkpoint_info(
+            args.padded_vocab_size, args.position_embedding_type == "absolute",
+            has_embedding_layernorm(args.embed_layernorm, args.use_bnb_optimizer)),
+        **({"reshaped_from": state.reshaped_from} if state.reshaped_from else {}),
         **_rng_state(),
     }
     _name_failed_writes(engine)
@@ -133,20 +141,82 @@ def save_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None
         print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
 
 
-def load_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None:
-    """Resume from ``--load``: weights, optimizer, LR scheduler, RNG, and the counters of ``state`` (set in place from
-    the checkpoint's ``iteration``, ``tokens`` and saved args, as Megatron does for its counters); ``state`` is left
-    as it is when there is nothing to load.
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a resume from ``--load`` reads, decided before the engine is built (:func:`plan_resume`).
+
+    Attributes:
+        point: the step :func:`opskit.ckpt.info.resume_point` chose, None without ``--load``.
+        saved: the layout that saved it; current: this run's.
+        universal: the step's universal form when the layouts differ and the optimizer state must be re-cut
+            (the engine then needs ``checkpoint.load_universal``); None otherwise.
+    """
+
+    point: ResumePoint | None = None
+    saved: Layout | None = None
+    current: Layout | None = None
+    universal: Path | None = None
+
+    @property
+    def reshaped(self) -> bool:
+        return self.saved is not None and self.saved != self.current
+
+
+def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
+    """Find the step to resume from and, when it was saved on another TP x PP x DP layout, make sure its universal
+    form exists (rank 0 converts it beside the step, once: :func:`opskit.ckpt.reshape.convert_to_universal`; the
+    other ranks wait for its answer). On a layout change, ``args.padded_vocab_size`` becomes the one the resume
+    keeps (:func:`opskit.rules.model.resumed_padded_vocab_size`).
+
+    Raises:
+        CheckpointError: a layout change DeepSpeed cannot load, or a failed conversion (one line, on every rank).
+    """
+    point = _agreed_resume_point(args.load) if args.load else None
+    if point is None or point.step is None:
+        return ResumePlan(point)
+    step = point.step
+    saved = saved_layout(step)
+    if saved == current:
+        return ResumePlan(point, saved, current)
+    decided = [_convert_on_rank_0(step.path, saved, current) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(decided, src=0)
+    universal, error = decided[0]
+    if error:
+        raise CheckpointError(error)
+    saved_args = torch.load(step.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"]
+    args.padded_vocab_size = resumed_padded_vocab_size(saved_args.padded_vocab_size, current.tp)
+    return ResumePlan(point, saved, current, Path(universal) if universal else None)
+
+
+def _convert_on_rank_0(step_dir: Path, saved: Layout, current: Layout) -> tuple[str | None, str | None]:
+    """(universal folder or None when none is needed, error line or None)."""
+    from opskit.ckpt.reshape import ReshapeError, convert_to_universal, needs_conversion, step_precision
+
+    saved_args = torch.load(step_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"]
+    try:
+        if not needs_conversion(saved, current, saved_args.zero_stage, step_precision(saved_args)):
+            return None, None
+        print(f" converting {step_dir} to a universal checkpoint for {current}", flush=True)
+        return str(convert_to_universal(step_dir)), None
+    except ReshapeError as e:
+        return None, f"{step_dir}: {e}"
+
+
+def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: ResumePlan) -> None:
+    """Resume from ``plan``'s step: weights, optimizer, LR scheduler, RNG, and the counters of ``state`` (set in place
+    from the checkpoint's ``iteration``, ``tokens`` and saved args, as Megatron does for its counters); ``state`` is
+    left as it is when there is nothing to load.
 
     The step is ``latest``'s when it is complete (:func:`opskit.ckpt.info.resume_point`); when ``latest`` names a
     missing or incomplete step, or is unusable, the newest complete step before it, with one WARNING line (a chain
     that crashed on the same broken step job after job would make no progress). ``latest`` itself is left as it is:
-    the next save moves it. Rank 0 decides, every rank loads what it decided.
+    the next save moves it. Saved on another layout, the step is read through its universal form, with one line
+    saying what changed (``checkpoint layout TP=1 PP=1 DP=2 -> TP=1 PP=1 DP=1``).
 
     Raises:
         CheckpointError: ``latest`` is there but no step is complete, or the saved architecture differs from the flags.
     """
-    point = _agreed_resume_point(args.load) if args.load else None
+    point = plan.point
     if point is None or (point.problem is None and point.step is None):
         if dist.get_rank() == 0 and args.load:
             print(f"WARNING: could not find the metadata file {args.load}/latest", flush=True)
@@ -159,11 +229,14 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None
     tag, step_dir = point.step.path.name, point.step.path
     # Check the architecture before DeepSpeed loads the weights: a mismatch would fail there with a shape traceback.
     _check_args(torch.load(step_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"],
-                args, str(step_dir))
+                args, str(step_dir), same_layout=not plan.reshaped)
     if dist.get_rank() == 0:
         print(f" loading checkpoint from {args.load} at {tag}", flush=True)
-    path, saved = engine.load_checkpoint(args.load, tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+        if plan.reshaped:
+            how = f" (universal checkpoint {plan.universal.name})" if plan.universal else ""
+            print(f" checkpoint layout {plan.saved} -> {plan.current}{how}", flush=True)
+    path, saved = engine.load_checkpoint(args.load, tag=plan.universal.name if plan.universal else tag,
+                                         load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load it")
     _set_rng_state(saved)
@@ -174,6 +247,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None
     state.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
     state.skipped_train_samples = getattr(saved_args, "skipped_train_samples", 0)
     state.applied_skip_train_iteration_ranges = getattr(saved_args, "applied_skip_train_iteration_ranges", [])
+    state.reshaped_from = f"{tag} at {plan.saved}" if plan.reshaped else saved.get("reshaped_from")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
 
@@ -186,8 +260,10 @@ def _agreed_resume_point(directory: str) -> ResumePoint:
     return decided[0]
 
 
-def _check_args(saved: argparse.Namespace, current: argparse.Namespace, where: str) -> None:
-    for name in _MUST_MATCH:
+def _check_args(saved: argparse.Namespace, current: argparse.Namespace, where: str, same_layout: bool) -> None:
+    """The saved architecture against the flags (Megatron's ``check_checkpoint_args``); TP, PP and the padded
+    vocabulary may differ when the step is resumed on another layout (:func:`plan_resume` chose the vocabulary)."""
+    for name in _MUST_MATCH if same_layout else _MUST_MATCH_ON_ANY_LAYOUT:
         if getattr(saved, name, None) != getattr(current, name):
             raise CheckpointError(
                 f"{where}: {name} is {getattr(saved, name, None)} in the checkpoint but "

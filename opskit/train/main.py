@@ -411,6 +411,18 @@ def _set_vocab_size(args: argparse.Namespace, rank: int) -> None:
               flush=True)
 
 
+def _plan_resume(args: argparse.Namespace, world: World, ds_config: dict):
+    """The step ``--load`` resumes from (:func:`opskit.train.checkpointing.plan_resume`); a step saved on another
+    layout is loaded through its universal form, which the DeepSpeed engine must be configured for."""
+    from opskit.ckpt.reshape import Layout
+    from opskit.train.checkpointing import plan_resume
+
+    plan = plan_resume(args, Layout(world.tp, world.pp, world.dp))
+    if plan.universal:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    return plan
+
+
 def _build_model(args: argparse.Namespace, world: World):
     """This rank's pipeline stage of the GPT/BLOOM model (a DeepSpeed ``PipelineModule``), on the GPU if there is
     one."""
@@ -517,8 +529,9 @@ class Trainer:
         self.train_iters = self.rampup.train_iters(args.train_samples)
         ds_config = _deepspeed_config(args, self.rampup.batch_size(0))
         self.curriculum = _curriculum(ds_config, args)
-        # 2. tokenizer: the vocabulary size, padded
+        # 2. tokenizer: the vocabulary size, padded; the step to resume from, re-cut if saved on another layout
         _set_vocab_size(args, world.rank)
+        self.resume_plan = _plan_resume(args, world, ds_config)
         # 3. model: this rank's pipeline stage
         model = _build_model(args, world)
         # 4. DeepSpeed engine: optimizer and LR schedule first (the schedule reads the state's counters)
@@ -546,7 +559,7 @@ class Trainer:
 
         args, world, state = self.args, self.world, self.state
         try:
-            load_checkpoint(self.engine, args, state)
+            load_checkpoint(self.engine, args, state, self.resume_plan)
         except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
             raise TrainerError(f"{args.load}: {e}") from None
         state.last_saved = state.iteration or None
