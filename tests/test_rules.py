@@ -13,7 +13,13 @@ import pytest
 import yaml
 
 from opskit.rules import checks
-from opskit.rules.deepspeed import Contradiction, deepspeed_config, deepspeed_version_problem, with_flags
+from opskit.rules.deepspeed import (
+    Contradiction,
+    bf16_zero0_optimizer_load_broken,
+    deepspeed_config,
+    deepspeed_version_problem,
+    with_flags,
+)
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, annealing_lr, iterations_to_tokens
 from opskit.runs import RunPaths
@@ -212,7 +218,10 @@ def test_deepspeed_version_rule_for_spec_and_trainer():
     assert deepspeed_version_problem("fp16", 0, 32, 1.0, "0.18.5", _field_name) is None
     assert deepspeed_version_problem("bf16", 0, 1, 1.0, "0.18.3", checks.flag_name).message.startswith(
         "--bf16 with --zero-stage 0 on DeepSpeed 0.18.3 saves the optimizer states but never loads them back")
-    assert deepspeed_version_problem("bf16", 0, 1, 1.0, "0.19.8", checks.flag_name).resume_only
+    # 0.18.5-0.19.8 fail loading bf16 ZeRO-0 optimizer states (KeyError: 0); the trainer loads them itself there
+    assert deepspeed_version_problem("bf16", 0, 2, 1.0, "0.19.8", checks.flag_name) is None
+    assert [bf16_zero0_optimizer_load_broken(v) for v in ("0.18.4", "0.18.5", "0.19.8", "0.20.0")] == \
+        [False, True, True, False]
     assert deepspeed_version_problem("bf16", 1, 1, 1.0, "0.19.8", checks.flag_name) is None
     # The trainer meets the clipping rule with the DeepSpeed installed here (0.19.8 in CI).
     message = trainer_error([*TINY, "--pipeline-model-parallel-size", "2", "--zero-stage", "0"])

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -456,6 +457,23 @@ def test_pp2_resume_is_exact(pp2):
         assert (f["loss"], f["lr"], f["samples"]) == (want[iteration]["loss"], want[iteration]["lr"],
                                                       want[iteration]["samples"]), iteration
     assert latest(pp2["resumed"].save) == "global_step20"
+
+
+def test_bf16_zero0_pp2_resume_is_exact(kjv_data, tmp_path):
+    """tr11's setting: bf16, ZeRO-0, PP=2, clipping. DeepSpeed 0.18.5-0.19.8 fail this resume with KeyError: 0
+    (docs/deepspeed-bf16-zero0.md); the trainer loads the optimizer states itself there (opskit.train.ds_compat)."""
+    flags = dict(train_samples=160, save_interval=10, exit_interval=20, bf16=True, zero_stage=0, clip_grad=1.0,
+                 pipeline_model_parallel_size=2)
+    straight = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "straight", **flags), nproc=2))
+    step = tmp_path / "straight" / "checkpoints" / "global_step10"
+    assert {p.name for p in step.glob("bf16_zero_*")} == {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                         "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt"}
+    shutil.copytree(step, tmp_path / "resumed" / "checkpoints" / "global_step10")
+    (tmp_path / "resumed" / "checkpoints" / "latest").write_text("global_step10")
+    resumed = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "resumed", **flags), nproc=2))
+    got, want = printed(resumed.stdout), printed(straight.stdout)
+    assert sorted(got) == list(range(11, 21))
+    assert all((f["loss"], f["lr"]) == (want[i]["loss"], want[i]["lr"]) for i, f in got.items()), (got, want)
 
 
 # ---------------------------------------------------------------------------------------------------------- 7b. TP=2

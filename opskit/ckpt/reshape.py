@@ -11,9 +11,10 @@ The universal form of ``global_stepN`` is ``global_stepN_universal`` beside it (
 once into a hidden folder and renamed into place, so it exists only complete; the step itself is only read. A
 universal folder carries opskit's marker with its origin (:func:`universal_origin`).
 
-Supported: optimizer states partitioned by ZeRO stage 1 (fp32, bf16, fp16). Not here: ZeRO-0 fp32/fp16, whose
-optimizer state sits in the ``mp_rank`` files unpartitioned (a DP change needs no conversion; a TP or PP change is
-refused), and bf16 with ZeRO-0, whose universal load DeepSpeed 0.19.8 skips (refused; see docs/checkpoints.md).
+Supported: optimizer states partitioned over DP: ZeRO stage 1 (fp32, bf16, fp16) and bf16 with ZeRO-0 (DeepSpeed's
+BF16_Optimizer partitions at stage 0 too; the trainer loads it itself on DeepSpeed 0.18.5-0.19.8,
+opskit.train.ds_compat). Not ZeRO-0 fp32/fp16, whose optimizer state sits in the ``mp_rank`` files unpartitioned: a
+DP change needs no conversion, a TP or PP change is refused.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opskit.ckpt.info import StepInfo, describe_step
-from opskit.ckpt.layout import load_args, scan_step_dir, universal_checkpoint_info
+from opskit.ckpt.layout import MP_RANK_FILE, load_args, scan_step_dir, universal_checkpoint_info
 from opskit.errors import OpskitError
 from opskit.fsutil import read_marker, write_marker
 
@@ -74,17 +75,12 @@ def needs_conversion(saved: Layout, target: Layout, zero_stage: int, precision: 
     """Whether resuming a step saved at ``saved`` on ``target`` goes through the universal form.
 
     Raises:
-        ReshapeError: a change DeepSpeed cannot load (module docstring): TP/PP of a ZeRO-0 fp32/fp16 step, any change
-            of a bf16 ZeRO-0 step.
+        ReshapeError: a change DeepSpeed cannot load: TP/PP of a ZeRO-0 fp32/fp16 step.
     """
     if saved == target:
         return False
-    if zero_stage >= 1:
+    if zero_stage >= 1 or precision == "bf16":  # bf16 partitions its optimizer at ZeRO-0 too (BF16_Optimizer)
         return True
-    if precision == "bf16":
-        raise ReshapeError(f"layout {saved} -> {target}: a bf16 step with ZeRO stage 0 can only be resumed on the "
-                           "layout that saved it (DeepSpeed 0.19.8 does not load its optimizer from a universal "
-                           "checkpoint)")
     if (saved.tp, saved.pp) == (target.tp, target.pp):
         return False  # the unpartitioned optimizer state in the mp_rank files fits any DP size
     raise ReshapeError(f"layout {saved} -> {target}: a ZeRO stage 0 step keeps its optimizer unpartitioned; it "
@@ -133,7 +129,7 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
     source = {"step": step_dir.name, "layout": str(saved_layout(info)), "iteration": info.iteration}
     try:
         hidden.mkdir()
-        with _with_universal_info(step_dir, args, hidden) as readable:
+        with _readable_by_ds_to_universal(step_dir, args, hidden) as readable:
             _ds_to_universal(readable, staging, workers)
         if verify:
             verify_universal(step_dir, staging)
@@ -163,34 +159,59 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _with_universal_info(step_dir: Path, args: Namespace, scratch: Path):
-    """``step_dir`` itself when its ``mp_rank`` files carry ``universal_checkpoint_info``; else a folder in
-    ``scratch`` of links to its files with ``mp_rank`` copies that carry opskit's (removed afterwards)."""
+def _readable_by_ds_to_universal(step_dir: Path, args: Namespace, scratch: Path):
+    """``step_dir`` itself when ds_to_universal can read it; else a folder in ``scratch`` of links to its files with
+    patched ``mp_rank`` copies (removed afterwards). Two things it may lack: ``universal_checkpoint_info`` (steps
+    saved before the trainer recorded it: opskit's is added), and ``param_shapes`` (DeepSpeed 0.19.8 saves None for
+    bf16 with ZeRO-0: rebuilt from the optimizer shards' parameter names and the layer files' shapes)."""
     import torch
 
     mp_files = sorted(step_dir.glob("mp_rank_*_model_states.pt"))
-    first = torch.load(mp_files[0], map_location="cpu", weights_only=False)
-    if "universal_checkpoint_info" in first:
+    states = {f: torch.load(f, map_location="cpu", weights_only=False) for f in mp_files}
+    if all("universal_checkpoint_info" in s and s.get("param_shapes") is not None for s in states.values()):
         yield step_dir
         return
     from opskit.rules.model import has_embedding_layernorm
 
     ucp = universal_checkpoint_info(args.padded_vocab_size, args.position_embedding_type == "absolute",
-                                    has_embedding_layernorm(args.embed_layernorm, getattr(args, "use_bnb_optimizer",
-                                                                                          False)))
+                                    has_embedding_layernorm(args.embed_layernorm,
+                                                            getattr(args, "use_bnb_optimizer", False)))
     links = scratch / "input"
     links.mkdir()
     try:
         for f in step_dir.iterdir():
-            if f.name.startswith("mp_rank_"):
-                state = torch.load(f, map_location="cpu", weights_only=False)
-                state["universal_checkpoint_info"] = ucp
+            if f in states:
+                state = states[f]
+                state.setdefault("universal_checkpoint_info", ucp)
+                if state.get("param_shapes") is None:
+                    state["param_shapes"] = _param_shapes(step_dir, int(MP_RANK_FILE.match(f.name).group(1)),
+                                                          args.tensor_model_parallel_size)
                 torch.save(state, links / f.name)
             else:
                 (links / f.name).symlink_to(f.resolve())
         yield links
     finally:
         shutil.rmtree(links, ignore_errors=True)
+
+
+def _param_shapes(step_dir: Path, mp_rank: int, tp: int) -> list[dict]:
+    """``[{engine parameter name: shape}]`` (DeepSpeed's list of groups, here one) of model-parallel rank
+    ``mp_rank``: the names its optimizer shards map (``param_slice_mappings``, over every DP rank), the shapes of its
+    TP rank's layer files (``tied_modules.embed.*`` is layer 1's)."""
+    import torch
+
+    from opskit.ckpt.layout import EMBEDDING_LAYER, layer_file_name, load_state
+
+    names: set[str] = set()
+    for shard in step_dir.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"):
+        optimizer = torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        names.update(name for group in optimizer["param_slice_mappings"] for name in group)
+    shapes = {}
+    for name in sorted(names):
+        layer, key = (EMBEDDING_LAYER, name.removeprefix("tied_modules.embed.")) \
+            if name.startswith("tied_modules.embed.") else (int(name.split(".", 1)[0]), name.split(".", 1)[1])
+        shapes[name] = torch.Size(load_state(step_dir / layer_file_name(layer, mp_rank % tp))[key].shape)
+    return [shapes]
 
 
 def _ds_to_universal(step_dir: Path, out: Path, workers: int) -> None:

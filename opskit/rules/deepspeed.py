@@ -120,6 +120,14 @@ class VersionProblem:
     resume_only: bool
 
 
+def bf16_zero0_optimizer_load_broken(version: str) -> bool:
+    """DeepSpeed 0.18.5-0.19.8 hands BF16_Optimizer.load_state_dict (bf16 + ZeRO-0) the saved dict where it expects
+    one state per DP rank, and fails every resume with ``KeyError: 0`` (deepspeedai/DeepSpeed#7786 restored the load
+    in 0.18.5; measured on 0.19.8). opskit's trainer loads those states itself on these versions
+    (opskit.train.ds_compat)."""
+    return (0, 18, 5) <= version_tuple(version) <= (0, 19, 8)
+
+
 def deepspeed_version_problem(precision: str, zero_stage: int, pp: int, clip_grad: float, version: str,
                               name: Namer) -> VersionProblem | None:
     """Why this DeepSpeed version cannot resume (or clips wrongly) a run of this precision / ZeRO stage / PP, or None.
@@ -130,9 +138,8 @@ def deepspeed_version_problem(precision: str, zero_stage: int, pp: int, clip_gra
       off, while bf16 still saved its optimizer states into them (BF16_Optimizer, which the pipeline engine uses for
       bf16 + ZeRO-0, as BLOOM-176B did), so every resume silently restarted Adam. Read from deepspeedai/DeepSpeed's
       engine.py at v0.17.6, v0.18.0, v0.18.4 and v0.18.5.
-    - bf16 + ZeRO-0, DeepSpeed 0.18.5-0.19.8: 0.18.5 (PR #7786) loads those states with the model states again, but
-      hands BF16_Optimizer.load_state_dict the saved dict where it expects one state per DP rank: every resume fails
-      with ``KeyError: 0`` (measured on 0.19.8; 0.18.5-0.19.7 read from the same code path, not run).
+    - bf16 + ZeRO-0, DeepSpeed 0.18.5-0.19.8: not a problem for opskit's trainer, which loads those states itself
+      there (:func:`bf16_zero0_optimizer_load_broken`).
     - fp32 / fp16 + ZeRO-0 + PP > 1 with gradient clipping, DeepSpeed 0.19.x: the clipping norm counts pipeline stage
       0's gradients only, so every other stage clips with the wrong factor (measured on 0.19.8 in fp32, tests of
       test_train.py; fp16 could not run on a CPU; bf16 clips right).
@@ -146,10 +153,6 @@ def deepspeed_version_problem(precision: str, zero_stage: int, pp: int, clip_gra
         return VersionProblem(f"{settings} on DeepSpeed {version} saves the optimizer states but never loads them "
                               "back (DeepSpeed 0.18.0-0.18.4; deepspeedai/DeepSpeed#7786), so every resume restarts "
                               f"Adam from zero: {fix}", resume_only=True)
-    if precision == "bf16" and (0, 18, 5) <= parsed <= (0, 19, 8):
-        return VersionProblem(f"{settings} cannot resume on DeepSpeed {version}: its pipeline engine fails loading "
-                              f"the bf16 optimizer states (KeyError: 0; DeepSpeed 0.18.5-0.19.8): {fix}",
-                              resume_only=True)
     if precision != "bf16" and pp > 1 and clip_grad > 0 and (0, 19, 0) <= parsed < (0, 20, 0):
         return VersionProblem(f"{settings} and {name('pipeline_model_parallel_size', pp)} clips gradients with "
                               f"pipeline stage 0's norm only on DeepSpeed {version} (0.19.x): use "

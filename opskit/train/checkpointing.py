@@ -23,6 +23,7 @@ from opskit.ckpt.info import ResumePoint, resume_point
 from opskit.ckpt.layout import save_failed_message, universal_checkpoint_info, write_latest
 from opskit.ckpt.reshape import Layout, saved_layout
 from opskit.rules.model import has_embedding_layernorm, resumed_padded_vocab_size
+from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
 from opskit.train.state import TrainState
 
 CHECKPOINT_VERSION = 3.0
@@ -235,10 +236,13 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
         if plan.reshaped:
             how = f" (universal checkpoint {plan.universal.name})" if plan.universal else ""
             print(f" checkpoint layout {plan.saved} -> {plan.current}{how}", flush=True)
+    by_hand = loads_optimizer_itself(engine)
     path, saved = engine.load_checkpoint(args.load, tag=plan.universal.name if plan.universal else tag,
-                                         load_optimizer_states=True, load_lr_scheduler_states=True)
+                                         load_optimizer_states=not by_hand, load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load it")
+    if by_hand:
+        load_bf16_zero0_optimizer(engine, step_dir, plan.universal)
     _set_rng_state(saved)
     saved_args = saved["args"]
     state.iteration = saved["iteration"]
