@@ -831,12 +831,6 @@ def test_bf16_zero1_trains_and_resumes_exactly(kjv_data, tmp_path):
     assert _load(step / "layer_03-model_00-model_states.pt")["input_layernorm.weight"].dtype == torch.bfloat16
 
 
-def test_bf16_zero0_resume_is_refused(kjv_data, tmp_path):
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=10 * GBS, bf16=True, zero_stage=0, exit_interval=2)
-    succeeded(run_trainer(args))  # a fresh bf16 ZeRO-0 run trains and saves
-    one_line_error(run_trainer(args), "--zero-stage 0", "bf16", str(tmp_path / "checkpoints"))
-
-
 # ---------------------------------------------------------------------------------------------------------- 14. flags
 
 def test_pp_partition_method_changes_the_stages(kjv_data, tmp_path, baseline):
