@@ -196,13 +196,14 @@ def _with_universal_info(step_dir: Path, args: Namespace, scratch: Path):
 
 
 def _ds_to_universal(step_dir: Path, out: Path, workers: int) -> None:
-    """DeepSpeed's converter on one step (prints to stderr, so that a trainer's log keeps Megatron's lines only)."""
-    from deepspeed.checkpoint import ds_to_universal
-
+    """DeepSpeed's converter on one step (prints to stderr, so that a trainer's log keeps Megatron's lines only, and
+    ``ckpt reshape --json`` its JSON: imported inside the redirection, DeepSpeed's logger writes there too)."""
     options = Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=workers,
                         num_merge_workers=workers, keep_temp_folder=False, strict=True, inject_missing_state=False)
     try:
         with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.checkpoint import ds_to_universal
+
             ds_to_universal.main(options)
     except (AssertionError, KeyError, ValueError, RuntimeError) as e:
         raise ReshapeError(f"{step_dir}: DeepSpeed's ds_to_universal failed ({type(e).__name__}: {e})") from None
@@ -323,7 +324,11 @@ def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> Res
     if problems := target_problems(args, target):
         raise ReshapeError(f"{step_dir}: cannot run on {target}: {'; '.join(problems)}")
     latest, _ = latest_state(step_dir.parent)
-    if not needs_conversion(saved, target, args.zero_stage, step_precision(args)):
+    try:
+        convert = needs_conversion(saved, target, args.zero_stage, step_precision(args))
+    except ReshapeError as e:
+        raise ReshapeError(f"{step_dir}: {e}") from None
+    if not convert:
         why = "it was saved on that layout" if saved == target else \
             "ZeRO stage 0 keeps the optimizer unpartitioned in the mp_rank files, which fit any DP size"
         return ReshapeResult(info, saved, target, why_not=f"{why}: the trainer resumes it as it is", latest=latest)
@@ -334,6 +339,7 @@ def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> Res
                            "choose another --out")
     if origin is None:
         claim_dir(out, force=False, flag="--out")
+        out.parent.mkdir(parents=True, exist_ok=True)
     universal = convert_to_universal(step_dir, out, verify=True)
     verified = (universal_origin(universal) or {}).get("verified_tensors")
     if verified is None:  # converted by the trainer, which does not verify
