@@ -76,6 +76,21 @@ def check_trainer(spec: Spec) -> None:
         raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
 
 
+def check_resume_layout(spec: Spec, run: RunPaths) -> list[str]:
+    """What the job does with the checkpoint it resumes from when that was saved on another TP x PP x DP layout
+    than the spec's (a changed ``--nodes``, TP or PP): one note (:func:`opskit.ckpt.reshape.resume_layout_note`).
+
+    Raises:
+        ReshapeError: a layout change the trainer would refuse at start (e.g. TP of a ZeRO-0 step).
+    """
+    from opskit.ckpt.reshape import Layout, resume_layout_note
+
+    p = spec.parallel
+    note = resume_layout_note(run.checkpoints, Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                                      p.data_parallel_size))
+    return [note] if note else []
+
+
 def write_run(spec: Spec, run: RunPaths, job: RenderedJob) -> None:
     """Create (and mark) the run directory, then write the job script, DeepSpeed config and the resolved spec into
     it (atomically).
@@ -137,9 +152,11 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
 
     Raises:
         SubmitError: missing data, a job the trainer would refuse, a flag that would make every task exit, an
-            unknown executor. ``OutputRefusedError``: ``paths.output`` is not opskit's (:func:`chain.claim_run_dir`).
-            ``ChainError`` for an unknown ``slurm.group`` or a bad ``bad-nodes.txt``. ``client.SlurmError`` when
-            squeue or sbatch fail. ``SpecError`` for an unset ``$VAR`` of the spec.
+            unknown executor. ``ReshapeError``: the checkpoint to resume from cannot be loaded on the spec's layout
+            (:func:`check_resume_layout`). ``OutputRefusedError``: ``paths.output`` is not opskit's
+            (:func:`chain.claim_run_dir`). ``ChainError`` for an unknown ``slurm.group`` or a bad
+            ``bad-nodes.txt``. ``client.SlurmError`` when squeue or sbatch fail. ``SpecError`` for an unset ``$VAR``
+            of the spec.
     """
     if executor not in ("slurm", "local"):
         raise SubmitError(f"--executor {executor}: expected 'slurm' or 'local'")
@@ -149,6 +166,7 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
     run = RunPaths.of(spec)
     check_trainer(spec)
     notes = [note] if (note := chain.claim_run_dir(run, "submit", write=False)) else []
+    notes += check_resume_layout(spec, run)
     notes += check_flags(spec, run, yes, dry_run)
     tasks = array or spec.slurm.array
     if executor == "local":

@@ -321,3 +321,45 @@ def test_submit_without_data_names_the_prepare_command(kjv_data, tmp_path, slurm
 
     with pytest.raises(SubmitError, match=r"^--executor pbs: expected 'slurm' or 'local'$"):
         submit(load_spec(str(write_spec(tmp_path / "ok.yaml", kjv_data, tmp_path / "run2"))), executor="pbs")
+
+
+def test_submit_says_what_happens_to_a_checkpoint_of_another_layout(kjv_data, bloom_run, tmp_path, slurm):
+    import shutil
+
+    import torch
+    from megatron_ckpt import build_checkpoint
+
+    from opskit.ckpt.reshape import ReshapeError
+    from opskit.fsutil import write_marker
+
+    name = f"opskit-reshape-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 100)
+    run = RunPaths.of(spec)
+    run.root.mkdir(parents=True)
+    write_marker(run.root, "submit")
+    shutil.copytree(bloom_run / "checkpoints", run.checkpoints)  # global_step20, saved at TP=1 PP=1 DP=1
+    assert not [n for n in submit(spec, dry_run=True).notes if "was saved at" in n]  # the same layout: nothing to say
+
+    spec_file = str(tmp_path / "spec.yaml")
+    done = subprocess.run([OPSKIT, "submit", spec_file, "--nodes", "2", "--dry-run"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (f"# note: latest checkpoint global_step20 was saved at TP=1 PP=1 DP=1; this job runs TP=1 PP=1 DP=2: the "
+            f"trainer converts it to global_step20_universal at start (or run `opskit ckpt reshape "
+            f"{run.checkpoints / 'global_step20'} --tp 1 --pp 1 --dp 2` before)\n") in done.stdout
+
+    # A node count the batch cannot split over is refused by the spec's rules (opskit plan's valid node counts).
+    refused = subprocess.run([OPSKIT, "submit", spec_file, "--nodes", "3", "--dry-run"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "valid parallel.nodes for this layout: 1, 2" in refused.stderr
+
+    # A change the trainer cannot load (TP of a ZeRO-0 step) is refused before anything is queued or written.
+    shutil.rmtree(run.checkpoints)
+    step = build_checkpoint(run.checkpoints, arch="bloom", tp=2, layers=2, dtype=torch.float32, zero_stage=0)
+    with pytest.raises(ReshapeError) as info:
+        submit(spec)
+    assert str(info.value) == (f"{step}: layout TP=2 PP=1 DP=1 -> TP=1 PP=1 DP=1: a ZeRO stage 0 step keeps its "
+                               "optimizer unpartitioned; it resumes on another DP size, but a TP or PP change needs "
+                               "ZeRO stage 1")
+    assert not run.script.exists() and not [e for e in client.squeue() if e.name == name]

@@ -284,9 +284,11 @@ def inspect_step(path: str | Path) -> dict:
     """Architecture (from the saved ``args``) and, per file, every tensor's name, shape and dtype.
 
     Returns:
-        ``{"step": N, "path": str, "args": {...}, "complete": bool, "problems": [...], "files": {name: {key:
-        {"shape": [...], "dtype": "bf16"}}}}``; the optimizer files are listed by size only (their tensors are flat
-        fp32 partitions); ``complete`` and ``problems`` as :func:`describe_step` says.
+        ``{"step": N, "path": str, "architecture": {...}, "reshaped_from": str | None, "complete": bool,
+        "problems": [...], "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``; the optimizer files are
+        listed by size only (their tensors are flat fp32 partitions); ``complete`` and ``problems`` as
+        :func:`describe_step` says; ``reshaped_from``: the client state's ``global_stepN at TP=.. PP=.. DP=..`` of a
+        run resumed on another layout (opskit.train.checkpointing).
 
     Raises:
         CheckpointFormatError: no readable ``mp_rank_00_model_states.pt``.
@@ -320,4 +322,4 @@ def inspect_step(path: str | Path) -> dict:
     return {"step": state.get("iteration"), "path": str(path),
             "architecture": {k: args[k] for k in arch_keys if k in args},
             "consumed_samples": args.get("consumed_train_samples"), "consumed_tokens": state.get("tokens"),
-            "complete": not problems, "problems": problems, "files": files}
+            "reshaped_from": state.get("reshaped_from"), "complete": not problems, "problems": problems, "files": files}

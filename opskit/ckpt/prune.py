@@ -15,7 +15,9 @@ resume can read, however many broken ones lie between. Never deleted (even with 
 points to, the newest complete step, and an incomplete step newer than every complete one (a save in progress?);
 unless ``force``, a step that no backup still holds, checked at the target (:func:`opskit.ckpt.backup.backup_problem`).
 A deleted step is first renamed to a hidden name, then removed, so no reader ever sees a half-deleted
-``global_stepN``; a step that is a symbolic link (opskit's trainer never writes one) refuses the whole prune.
+``global_stepN``; a step that is a symbolic link (opskit's trainer never writes one) refuses the whole prune. A deleted
+step's universal form (``global_stepN_universal``, :mod:`opskit.ckpt.reshape`) goes with it when opskit's marker says
+opskit converted it from that step; any other folder of that name is left alone.
 """
 
 from __future__ import annotations
@@ -93,15 +95,18 @@ def parse_keep(text: str) -> KeepRule:
 @dataclass
 class PrunePlan:
     """``keep``: step -> why (rules, ``latest``); ``delete``: steps to remove; ``protected``: step -> why a step no
-    rule keeps is kept anyway (not backed up)."""
+    rule keeps is kept anyway (not backed up); ``universal``: the universal folders of deleted steps that go with
+    them (module docstring)."""
 
     directory: Path
     keep: dict[int, list[str]] = field(default_factory=dict)
     delete: list[int] = field(default_factory=list)
     protected: dict[int, str] = field(default_factory=dict)
+    universal: list[Path] = field(default_factory=list)
 
     def as_json(self) -> dict:
-        return {"dir": str(self.directory), "keep": self.keep, "delete": self.delete, "protected": self.protected}
+        return {"dir": str(self.directory), "keep": self.keep, "delete": self.delete, "protected": self.protected,
+                "universal": [str(p) for p in self.universal]}
 
 
 def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False) -> PrunePlan:
@@ -139,7 +144,16 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
             plan.delete.append(step)
     plan.keep = dict(sorted(plan.keep.items()))
     _refuse_symlinked_steps(plan)
+    plan.universal = _our_universal_folders(directory, plan.delete)
     return plan
+
+
+def _our_universal_folders(directory: Path, steps: list[int]) -> list[Path]:
+    """The ``global_stepN_universal`` folders opskit converted from these steps (its marker names the step)."""
+    from opskit.ckpt.reshape import universal_folders
+
+    return [path for step, (path, origin) in universal_folders(directory).items()
+            if step in steps and not path.is_symlink() and origin and origin.get("step") == f"global_step{step}"]
 
 
 def _refuse_symlinked_steps(plan: PrunePlan) -> None:
@@ -156,8 +170,7 @@ def prune(directory: str | Path, rules: list[KeepRule], dry_run: bool = False, f
     plan = plan_prune(directory, rules, force)
     if dry_run:
         return plan
-    for step in plan.delete:
-        folder = plan.directory / f"global_step{step}"
+    for folder in [plan.directory / f"global_step{step}" for step in plan.delete] + plan.universal:
         hidden = folder.with_name(f".pruning-{folder.name}-{os.getpid()}")
         os.replace(folder, hidden)
         shutil.rmtree(hidden)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 from argparse import Namespace
@@ -103,7 +104,8 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
 
     Args:
         workers: processes for ds_to_universal's extraction and merge (its memory grows with them).
-        verify: also check that the universal fp32 weights reproduce the step's model weights (:func:`verify`).
+        verify: also check that the universal fp32 weights reproduce the step's model weights
+            (:func:`verify_universal`); the marker's source then records ``verified_tensors``, their number.
 
     Raises:
         ReshapeError: the step is incomplete, has no partitioned optimizer state, ``out`` exists and is not a
@@ -116,7 +118,7 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
         raise ReshapeError(f"{step_dir}: not a complete step ({info.problems[0]})")
     if universal_origin(out) is not None:
         return out
-    if out.exists() or out.is_symlink():
+    if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):  # empty: renamed over
         raise ReshapeError(f"{out}: exists and is not a universal checkpoint opskit finished; move it away")
     args = load_args(scan_step_dir(step_dir))
     if not any(step_dir.glob("*zero_pp_rank_*_optim_states.pt")):
@@ -132,7 +134,7 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
         with _readable_by_ds_to_universal(step_dir, args, hidden) as readable:
             _ds_to_universal(readable, staging, workers)
         if verify:
-            verify_universal(step_dir, staging)
+            source["verified_tensors"] = verify_universal(step_dir, staging)
         write_marker(staging, MARKER_COMMAND, source=source)
         os.replace(staging, out)
     finally:
@@ -215,13 +217,14 @@ def _param_shapes(step_dir: Path, mp_rank: int, tp: int) -> list[dict]:
 
 
 def _ds_to_universal(step_dir: Path, out: Path, workers: int) -> None:
-    """DeepSpeed's converter on one step (prints to stderr, so that a trainer's log keeps Megatron's lines only)."""
-    from deepspeed.checkpoint import ds_to_universal
-
+    """DeepSpeed's converter on one step (prints to stderr, so that a trainer's log keeps Megatron's lines only, and
+    ``ckpt reshape --json`` its JSON: imported inside the redirection, DeepSpeed's logger writes there too)."""
     options = Namespace(input_folder=str(step_dir), output_folder=str(out), num_extract_workers=workers,
                         num_merge_workers=workers, keep_temp_folder=False, strict=True, inject_missing_state=False)
     try:
         with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.checkpoint import ds_to_universal
+
             ds_to_universal.main(options)
     except (AssertionError, KeyError, ValueError, RuntimeError) as e:
         raise ReshapeError(f"{step_dir}: DeepSpeed's ds_to_universal failed ({type(e).__name__}: {e})") from None
@@ -254,3 +257,163 @@ def verify_universal(step_dir: Path, universal: Path) -> int:
                 raise ReshapeError(f"{universal}: {name} differs from {step_dir.name}'s weights")
             compared += 1
     return compared
+
+
+# --------------------------------------------------------------------------- offline: `opskit ckpt reshape`
+
+UNIVERSAL_DIR = re.compile(r"^global_step([0-9]+)" + UNIVERSAL_SUFFIX + r"\Z")
+
+
+def layout_name(key: str, value=None) -> str:
+    """The :data:`~opskit.rules.checks.Namer` of a checkpoint resumed on a target layout: ``TP=3`` for the target's
+    degrees, ``the checkpoint's num_attention_heads 4`` for the saved model's settings."""
+    short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP"}.get(key)
+    if short:
+        return short if value is None else f"{short}={value}"
+    return f"the checkpoint's {key}" + ("" if value is None else f" {value}")
+
+
+def target_problems(args: Namespace, target: Layout) -> list[str]:
+    """Why the model saved with ``args`` cannot run on ``target``: the trainer's own TP and PP rules
+    (:func:`opskit.rules.checks.tensor_parallel_problems`, :func:`~opskit.rules.checks.pipeline_problems`, with the
+    trainer's partition method). The padded vocabulary needs no rule: a resume pads it to a multiple of the new TP
+    (:func:`opskit.rules.model.resumed_padded_vocab_size`)."""
+    from opskit.rules import checks
+
+    if small := [f"{what.upper()}={value} must be at least 1" for what, value in vars(target).items() if value < 1]:
+        return small
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size
+    method = getattr(args, "pp_partition_method", None) or checks.TRAINER_PARTITION_METHOD
+    return [*checks.tensor_parallel_problems(args.num_attention_heads, ffn, target.tp, layout_name),
+            *checks.pipeline_problems(args.num_layers, target.pp, method, layout_name)]
+
+
+@dataclass(frozen=True)
+class ReshapeResult:
+    """What :func:`reshape_step` did.
+
+    Attributes:
+        step: the step (complete). saved: its layout; target: the one asked for.
+        universal: the universal folder written or reused; None when the target needs none (``why_not`` says why).
+        verified: tensors whose universal fp32 weights equal the step's (:func:`verify_universal`).
+        reused: the folder was there already (a finished conversion of this step, by the trainer or an earlier
+            reshape). latest: the tag ``latest`` names in the step's checkpoint dir (None: none, or unusable).
+    """
+
+    step: StepInfo
+    saved: Layout
+    target: Layout
+    universal: Path | None = None
+    verified: int = 0
+    reused: bool = False
+    why_not: str | None = None
+    latest: str | None = None
+
+    @property
+    def beside_step(self) -> bool:
+        """The folder is the one the trainer reads (``<ckpt>/global_stepN_universal``)."""
+        return self.universal == universal_dir(self.step.path)
+
+    def as_json(self) -> dict:
+        return {"step": str(self.step.path), "saved": str(self.saved), "target": str(self.target),
+                "universal": str(self.universal) if self.universal else None, "verified_tensors": self.verified,
+                "reused": self.reused, "converted": self.universal is not None, "why_not": self.why_not,
+                "read_by_trainer": self.beside_step, "latest": self.latest}
+
+
+def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> ReshapeResult:
+    """Prepare the complete step ``step_dir`` for a resume on ``target`` offline (``opskit ckpt reshape``): check that
+    the saved model can run there (:func:`target_problems`) and that DeepSpeed can load the change
+    (:func:`needs_conversion`), then write (or reuse) its universal form, verified, at ``out`` (default
+    :func:`universal_dir`, the one the trainer reads). Nothing is written when the target needs no conversion (same
+    layout, or a DP change of a ZeRO-0 fp32/fp16 step): ``why_not`` says why.
+
+    Raises:
+        ReshapeError: an incomplete step, an unreachable target, a change DeepSpeed cannot load, an ``out`` holding
+            another step's universal form, a failed conversion or verification.
+        OutputRefusedError: ``out`` is a file or a folder opskit did not write (:func:`opskit.fsutil.claim_dir`).
+    """
+    from opskit.ckpt.layout import latest_state
+    from opskit.fsutil import claim_dir
+
+    step_dir = Path(step_dir)
+    info = describe_step(step_dir)
+    if not info.complete:
+        raise ReshapeError(f"{step_dir}: not a complete step ({info.problems[0]})")
+    args = _saved_args(step_dir)
+    saved = saved_layout(info)
+    if problems := target_problems(args, target):
+        raise ReshapeError(f"{step_dir}: cannot run on {target}: {'; '.join(problems)}")
+    latest, _ = latest_state(step_dir.parent)
+    try:
+        convert = needs_conversion(saved, target, args.zero_stage, step_precision(args))
+    except ReshapeError as e:
+        raise ReshapeError(f"{step_dir}: {e}") from None
+    if not convert:
+        why = "it was saved on that layout" if saved == target else \
+            "ZeRO stage 0 keeps the optimizer unpartitioned in the mp_rank files, which fit any DP size"
+        return ReshapeResult(info, saved, target, why_not=f"{why}: the trainer resumes it as it is", latest=latest)
+    out = Path(out) if out is not None else universal_dir(step_dir)
+    origin = universal_origin(out)
+    if origin is not None and origin.get("step") != step_dir.name:
+        raise ReshapeError(f"{out}: holds the universal form of {origin.get('step')}, not of {step_dir.name}; "
+                           "choose another --out")
+    if origin is None:
+        claim_dir(out, force=False, flag="--out")
+        out.parent.mkdir(parents=True, exist_ok=True)
+    universal = convert_to_universal(step_dir, out, verify=True)
+    verified = (universal_origin(universal) or {}).get("verified_tensors")
+    if verified is None:  # converted by the trainer, which does not verify
+        verified = verify_universal(step_dir, universal)
+    return ReshapeResult(info, saved, target, universal, verified, reused=origin is not None, latest=latest)
+
+
+def _saved_args(step_dir: Path) -> Namespace:
+    """The step's saved ``args`` (``mp_rank_00``'s pickle, read lightly: no torch)."""
+    from opskit.ckpt.layout import load_state
+
+    return load_state(step_dir / "mp_rank_00_model_states.pt", light=True)["args"]
+
+
+def universal_folders(directory: Path) -> dict[int, tuple[Path, dict | None]]:
+    """Iteration -> (``global_stepN_universal`` folder of a checkpoint dir, its :func:`universal_origin`), ascending;
+    a folder without opskit's marker has origin None (not a conversion opskit finished: the trainer refuses it)."""
+    directory = Path(directory)
+    found = {int(m.group(1)): p for p in directory.iterdir() if (m := UNIVERSAL_DIR.match(p.name)) and p.is_dir()} \
+        if directory.is_dir() else {}
+    return {step: (found[step], universal_origin(found[step])) for step in sorted(found)}
+
+
+def origin_text(origin: dict | None) -> str:
+    """``universal, from global_step10 at TP=1 PP=1 DP=2`` (``ckpt list``), or what an unmarked folder is."""
+    if origin is None:
+        return "not a universal checkpoint opskit finished (no marker): the trainer refuses it; move it away"
+    return f"universal, from {origin.get('step')} at {origin.get('layout')}"
+
+
+def resume_layout_note(checkpoint_dir: Path, target: Layout) -> str | None:
+    """What a job on ``target`` does with the step it resumes from (:func:`opskit.ckpt.info.resume_point`) when that
+    step was saved on another layout (``opskit submit``); None without a step or without a change.
+
+    Raises:
+        ReshapeError: a change the trainer would refuse at start (:func:`needs_conversion`), before anything is
+            queued.
+    """
+    from opskit.ckpt.info import resume_point
+
+    step = resume_point(checkpoint_dir).step
+    if step is None or saved_layout(step) == target:
+        return None
+    args = _saved_args(step.path)
+    head = f"latest checkpoint {step.path.name} was saved at {saved_layout(step)}; this job runs {target}"
+    try:
+        convert = needs_conversion(saved_layout(step), target, args.zero_stage, step_precision(args))
+    except ReshapeError as e:
+        raise ReshapeError(f"{step.path}: {e}") from None
+    if not convert:
+        return f"{head}: it resumes as it is (ZeRO stage 0 keeps the optimizer unpartitioned)"
+    universal = universal_dir(step.path)
+    if universal_origin(universal) is not None:
+        return f"{head}: the trainer reads {universal.name}, already converted"
+    return (f"{head}: the trainer converts it to {universal.name} at start (or run `opskit ckpt reshape "
+            f"{step.path} --tp {target.tp} --pp {target.pp} --dp {target.dp}` before)")

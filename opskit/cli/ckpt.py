@@ -1,4 +1,4 @@
-"""``opskit ckpt``: list, inspect, check, convert, prune, back up Megatron-DeepSpeed checkpoints; sample from a
+"""``opskit ckpt``: list, inspect, check, convert, reshape, prune, back up Megatron-DeepSpeed checkpoints; sample from a
 converted model. Nothing here imports torch at import time."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from opskit.cli._common import JsonOutput, console, err_console, friendly_errors
 if TYPE_CHECKING:
     from opskit.runs import RunPaths
 
-app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, prune, backup, generate.",
+app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
+                       "generate.",
                   no_args_is_help=True)
 
 
@@ -61,16 +62,21 @@ def list_(
     run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir (with global_stepN folders)."),
     json_output: JsonOutput = False,
 ) -> None:
-    """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest."""
+    """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest; then
+    the universal folders (global_stepN_universal) and the step and layout each was converted from."""
     from opskit.ckpt.info import list_steps
     from opskit.ckpt.layout import latest_state
+    from opskit.ckpt.reshape import origin_text, universal_folders
 
     directory, _ = _checkpoint_dir(run_or_dir)
     latest, steps = list_steps(directory)
     _, unusable = latest_state(directory)
+    universal = universal_folders(directory)
     if json_output:
         print_json({"dir": str(directory), "latest": latest, "latest_problem": unusable,
-                    "steps": [s.as_json() for s in steps]})
+                    "steps": [s.as_json() for s in steps],
+                    "universal": [{"step": step, "path": str(path), "origin": origin}
+                                  for step, (path, origin) in universal.items()]})
         return
     missing = " (no such step)" if latest and not any(s.latest for s in steps) else ""
     console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}",
@@ -87,6 +93,8 @@ def list_(
     for s in steps:
         for problem in s.problems:
             console.print(f"{s.path.name}: {problem}", markup=False)
+    for path, origin in universal.values():
+        console.print(f"{path.name}  {origin_text(origin)}", markup=False)
 
 
 @app.command("inspect")
@@ -95,17 +103,27 @@ def inspect(
     step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
     json_output: JsonOutput = False,
 ) -> None:
-    """Architecture from the saved args, and every file's tensor names, shapes and dtypes; exit 1 when the step is
-    incomplete (its problems listed)."""
+    """Architecture from the saved args, and every file's tensor names, shapes and dtypes (a step saved by a run
+    resumed on another layout: the step it was reshaped from); exit 1 when the step is incomplete (its problems
+    listed). A universal folder (global_stepN_universal): what it was converted from."""
     from opskit.ckpt.info import inspect_step
     from opskit.ckpt.layout import resolve_step_dir
+    from opskit.ckpt.reshape import origin_text, universal_origin
 
+    if (origin := universal_origin(Path(step_dir))) is not None:
+        if json_output:
+            print_json({"path": step_dir, "universal": origin})
+        else:
+            console.print(f"{step_dir}: {origin_text(origin)}", markup=False)
+        return
     report = inspect_step(resolve_step_dir(step_dir))
     if json_output:
         print_json(report)
         raise typer.Exit(0 if report["complete"] else 1)
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
                   f"consumed tokens {report['consumed_tokens']}", markup=False)
+    if report["reshaped_from"]:
+        console.print(f"  reshaped from {report['reshaped_from']} (resumed on another layout)", markup=False)
     for key, value in report["architecture"].items():
         console.print(f"  {key}: {value}", markup=False)
     for name, tensors in report["files"].items():
@@ -228,6 +246,50 @@ def convert(
                           f"{result.out_dir}", markup=False)
 
 
+@app.command("reshape")
+@friendly_errors
+def reshape(
+    step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
+    tp: int = typer.Option(..., "--tp", min=1, help="Target tensor-parallel degree."),
+    pp: int = typer.Option(..., "--pp", min=1, help="Target pipeline-parallel degree."),
+    dp: int = typer.Option(..., "--dp", min=1, help="Target data-parallel degree."),
+    out: Path = typer.Option(None, "--out", help="Write the universal folder here instead of beside the step (new or "
+                                                 "empty). The trainer reads only <ckpt dir>/global_stepN_universal."),
+    json_output: JsonOutput = False,
+) -> None:
+    """Convert a step for a resume on another TP x PP x DP layout, before submitting: DeepSpeed's universal
+    checkpoint global_stepN_universal beside the step (what the trainer would write at start), verified against the
+    step's weights. The step itself is only read. Nothing is written when the layout needs no conversion."""
+    from opskit.ckpt.layout import resolve_step_dir
+    from opskit.ckpt.reshape import Layout, reshape_step
+
+    target = Layout(tp, pp, dp)
+    with _progress(in_bytes=False) as bar:
+        bar.add_task(f"converting to a universal checkpoint for {target} (DeepSpeed's ds_to_universal), verifying",
+                     total=None)
+        result = reshape_step(resolve_step_dir(step_dir), target, out)
+    if json_output:
+        print_json(result.as_json())
+        return
+    name = result.step.path.name
+    if result.universal is None:
+        console.print(f"{name} was saved at {result.saved}; {target} needs no conversion ({result.why_not}); "
+                      "nothing written", markup=False)
+        return
+    console.print(f"{'reused' if result.reused else 'wrote'} {result.universal}: universal, from {name} at "
+                  f"{result.saved} -> {target}; {result.verified} tensors verified against {name}'s weights",
+                  markup=False)
+    ckpt_dir = result.step.path.parent
+    if not result.beside_step:
+        console.print(f"the trainer reads only {ckpt_dir / (name + '_universal')}: move the folder there to resume "
+                      "from it (or the trainer converts the step again)", markup=False)
+        return
+    console.print(f"resume with --load {ckpt_dir} on {target}: the trainer reads {result.universal.name}"
+                  + ("" if result.latest == name else f" (latest names {result.latest or 'no step'}: "
+                                                       f"`opskit ckpt set-latest {ckpt_dir} {result.step.iteration}` "
+                                                       "to resume from this one)"), markup=False)
+
+
 @app.command("prune")
 @friendly_errors
 def prune(
@@ -238,7 +300,8 @@ def prune(
     force: bool = typer.Option(False, "--force", help="Also delete steps no backup still holds (never latest)."),
     json_output: JsonOutput = False,
 ) -> None:
-    """Delete the steps no keep-rule keeps; never the step 'latest' names, nor (without --force) unbacked-up steps."""
+    """Delete the steps no keep-rule keeps (and the universal form opskit converted from a deleted step); never the
+    step 'latest' names, nor (without --force) unbacked-up steps."""
     from opskit.ckpt.prune import parse_keep
     from opskit.ckpt.prune import prune as prune_steps
 
@@ -253,6 +316,8 @@ def prune(
         console.print(f"keep    global_step{step}  ({reason})", markup=False)
     for step in plan.delete:
         console.print(f"{'would delete' if dry_run else 'deleted'} global_step{step}", markup=False)
+    for folder in plan.universal:
+        console.print(f"{'would delete' if dry_run else 'deleted'} {folder.name}  (its universal form)", markup=False)
 
 
 @app.command("set-latest")
