@@ -123,11 +123,13 @@ def test_zero0_steps_need_no_conversion_for_dp_and_refuse_the_rest(tmp_path):
         1, f"error: {fp32}: layout TP=2 PP=1 DP=1 -> TP=1 PP=1 DP=2: a ZeRO stage 0 step keeps its optimizer "
            "unpartitioned; it resumes on another DP size, but a TP or PP change needs ZeRO stage 1\n")
 
+    # bf16 ZeRO-0 partitions its optimizer (BF16_Optimizer): converted like ZeRO-1 (tests/test_reshape.py runs it);
+    # this Megatron-DeepSpeed-made step pickles megatron.enums, which torch.load cannot import here: one line
     bf16 = build_checkpoint(tmp_path / "bf16", arch="bloom", tp=1, dtype=torch.bfloat16, zero_stage=0)
     refused = cli("reshape", str(bf16), "--tp", "1", "--pp", "1", "--dp", "2")
-    assert refused.returncode == 1
-    assert refused.stderr.startswith(f"error: {bf16}: layout TP=1 PP=1 DP=1 -> TP=1 PP=1 DP=2: a bf16 step with ZeRO "
-                                     "stage 0 can only be resumed on the layout that saved it")
+    assert (refused.returncode, refused.stderr) == (
+        1, f"error: {bf16}: its pickles need the module megatron.enums (Megatron-DeepSpeed's own "
+           "checkpoints pickle megatron.enums): convert it where that module is importable\n")
     assert sorted(p.name for p in (tmp_path / "fp32").iterdir()) == ["global_step100", "latest"]
     assert sorted(p.name for p in (tmp_path / "bf16").iterdir()) == ["global_step100", "latest"]
 

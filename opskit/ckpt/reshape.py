@@ -131,8 +131,13 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
     source = {"step": step_dir.name, "layout": str(saved_layout(info)), "iteration": info.iteration}
     try:
         hidden.mkdir()
-        with _readable_by_ds_to_universal(step_dir, args, hidden) as readable:
-            _ds_to_universal(readable, staging, workers)
+        try:
+            with _readable_by_ds_to_universal(step_dir, args, hidden) as readable:
+                _ds_to_universal(readable, staging, workers)
+        except ModuleNotFoundError as e:  # torch.load of a pickle naming a class not installed here
+            raise ReshapeError(f"{step_dir}: its pickles need the module {e.name} (Megatron-DeepSpeed's own "
+                               "checkpoints pickle megatron.enums): convert it where that module is importable") \
+                from None
         if verify:
             source["verified_tensors"] = verify_universal(step_dir, staging)
         write_marker(staging, MARKER_COMMAND, source=source)
