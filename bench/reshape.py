@@ -1,10 +1,11 @@
 """Time and peak memory of a checkpoint reshape: opskit's conversion against DeepSpeed's own ``ds_to_universal``, on
 the same trainer checkpoint, side by side in the same run.
 
-The checkpoint (setup, not timed; cached, so a rerun reuses it): a GPT-2-style model (absolute positions, no
-embedding LayerNorm; default 24 layers, hidden 1024, 16 heads, vocabulary 2000 -> padded 2048, seq 128), bf16 with
-ZeRO-1, trained one iteration by opskit's trainer at TP=2 x PP=2 x DP=2 (``torchrun`` with 8 processes, gloo, CPU;
-micro-batch 1, global batch 2), saved as ``global_step1``. Data: the KJV corpus (``opskit.corpus.prepare_data``).
+The checkpoint (setup, not timed; cached, so a rerun reuses it): a GPT-2-style model (absolute positions, no embedding
+LayerNorm; default 20 layers, hidden 1024, 16 heads, vocabulary 2000 -> padded 2048, seq 128: 254M parameters, the
+largest whose 8 ranks stay under ~12 GiB, docs/benchmarks.md), bf16 with ZeRO-1, trained one iteration by opskit's
+trainer at TP=2 x PP=2 x DP=2 (``torchrun`` with 8 processes, gloo, CPU; micro-batch 1, global batch 2), saved as
+``global_step1``. Data: the KJV corpus (``opskit.corpus.prepare_data``).
 
 Measured, each as a child process from interpreter start to exit, checkpoint files in the page cache for both:
 
@@ -19,7 +20,7 @@ Peak memory: the process tree's summed RSS, sampled every 20 ms (psutil), and th
 ``ru_maxrss`` (``os.wait4``: the child and its reaped descendants). Time: wall-clock until exit, and until an
 ``os.sync()`` after it has written the output too.
 
-    nice -n 10 python bench/reshape.py [--rounds 2] [--layers 24 --hidden 1024 --heads 16] [--cache DIR]
+    nice -n 10 python bench/reshape.py [--rounds 3] [--layers 20 --hidden 1024 --heads 16] [--cache DIR]
     nice -n 10 python bench/reshape.py --resume      # also: one trainer start from the universal form (optional)
 """
 
@@ -199,7 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help=f"checkpoint cache (default {DEFAULT_CACHE})")
     parser.add_argument("--out", type=Path, help="where the conversions are written (default CACHE/out; removed)")
-    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1, help="rounds, the order rotated each round")
