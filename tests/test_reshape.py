@@ -31,15 +31,17 @@ from conftest import run_trainer, tiny_trainer_args
 from test_convert import hf_logits, tokens  # noqa: F401  (tokens: test_convert's fixture, used here)
 from test_train import records, succeeded
 
+from opskit.ckpt.info import saved_files_digest
 from opskit.ckpt.reshape import Layout, ReshapeError, convert_to_universal, needs_conversion, universal_origin
 from opskit.rules.model import padded_vocab_size
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 GBS, ITERATIONS = 8, 20
 FP32_REL = 1e-5  # the issue's bound for fp32 ZeRO-1
-# bf16 rounds every activation and gradient to 8 mantissa bits (relative step 2**-8 = 0.4%): a DP change reorders the
-# gradient reduction, and after a few steps the losses agree to about that, not to fp32's 1e-5.
-BF16_REL = 2e-2
+# bf16 keeps 8 significant bits (a relative rounding step of 2**-8 = 4e-3) in the activations and gradients: a DP
+# change reorders the gradient reduction, so the losses need not agree to fp32's 1e-5; 10 iterations after the resume
+# they differ by 2e-5 here, the bound is a quarter of bf16's step.
+BF16_REL = 1e-3
 TIED = "tied_modules.embed.word_embeddings.weight"
 BLOOM = {"pad_vocab_size_to": 2176}
 GPT2 = {"position_embedding_type": "absolute", "embed_layernorm": None, "make_vocab_size_divisible_by": 80}
@@ -221,10 +223,25 @@ def test_conversion_is_written_once_beside_the_untouched_step(dp_changes):
     assert " converting " not in dp_changes.dp4.stdout
     assert dp_changes.marker[1] == dp_changes.marker[0]
     assert universal_origin(dp_changes.universal) == {"step": "global_step15", "layout": "TP=1 PP=1 DP=2",
-                                                      "iteration": 15}
+                                                      "iteration": 15, "files": saved_files_digest(dp_changes.step)}
     assert sorted(p.name for p in dp_changes.checkpoints.iterdir()) == ["global_step15", "global_step15_universal",
                                                                         "latest"]
     assert (dp_changes.checkpoints / "latest").read_text() == "global_step15"
+
+
+def test_a_step_saved_again_is_not_read_through_its_old_conversion(dp_changes, tmp_path):
+    """A universal folder serves only the save it was made from. Here global_step15 is saved again under its name (as
+    by a run restarted from scratch in the same checkpoint dir): the DP=1 run's step 15 replaces the DP=2 one; the
+    old conversion beside it is refused in one line, not loaded as if it were the new step's."""
+    step = tmp_path / "global_step15"
+    shutil.copytree(dp_changes.step, step)
+    shutil.copytree(dp_changes.universal, tmp_path / "global_step15_universal")
+    assert convert_to_universal(step) == tmp_path / "global_step15_universal"  # the same save (copied): reused
+    shutil.rmtree(step)
+    shutil.copytree(dp_changes.dp1.save / "global_step15", step)
+    with pytest.raises(ReshapeError, match=r"global_step15_universal: converted from another save \(global_step15 at "
+                                           r"TP=1 PP=1 DP=2\) than .*global_step15 as saved now; remove it"):
+        convert_to_universal(step)
 
 
 # ---------------------------------------------------------------------------------------------------------- PP
@@ -262,6 +279,8 @@ def test_tp1_to_tp2_keeps_the_saved_vocabulary_padding(tp_changes):
     assert padded_vocab_size(2000, 80, 1) == 2000 and padded_vocab_size(2000, 80, 2) == 2080
     assert layout_line(tp2.stdout) == (" checkpoint layout TP=1 PP=1 DP=1 -> TP=2 PP=1 DP=1 "
                                        "(universal checkpoint global_step10_universal)")
+    assert " > padded vocab of global_step10 kept (new size: 2000; 2080 on a fresh start)" in tp2.stdout.splitlines()
+    assert " > padded vocab of " not in tp_changes.back.stdout  # TP=1 pads 2000 to 2000 on a fresh start too
     assert_same_losses(tp2.records, tp1.records, 11)
     for iteration in (15, 20):
         step = tp2.save / f"global_step{iteration}"
