@@ -83,12 +83,14 @@ def tiny_trainer_args(data, out: Path, **overrides) -> list[str]:
     return args
 
 
-def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
-    """``python -m opskit.train`` (or under ``torchrun --nproc_per_node N``) as a real subprocess."""
+def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, entry: tuple[str, ...] = ("-m", "opskit.train"),
+                **popen) -> subprocess.CompletedProcess:
+    """``python -m opskit.train`` (or under ``torchrun --nproc_per_node N``) as a real subprocess; ``entry`` replaces
+    ``-m opskit.train`` (``("-c", code)``: a test's wrapper of the trainer, one process only: torchrun has no -c)."""
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else "2", PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                 str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]
-    return subprocess.run(launcher + ["-m", "opskit.train", *args], capture_output=True, text=True,
+    return subprocess.run(launcher + [*entry, *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO, **popen)
 
 

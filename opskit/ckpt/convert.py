@@ -27,7 +27,6 @@ model and never replaces a good one.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import tempfile
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.check import replicated_diff
-from opskit.ckpt.info import describe_step, list_steps
+from opskit.ckpt.info import describe_step, list_steps, saved_files_digest
 from opskit.ckpt.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
@@ -522,10 +521,8 @@ def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = 
 
 def conversion_source(step_path: Path, iteration: int | None) -> dict:
     """What a conversion was made from, as its marker records it: the step folder's resolved path, its iteration,
-    and a digest of its files' names, sizes and modification times (a step saved again after a rollback differs)."""
-    files = sorted(p for p in Path(step_path).iterdir() if p.is_file())
-    stamp = hashlib.sha256(json.dumps([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode())
-    return {"step": str(Path(step_path).resolve()), "iteration": iteration, "files": stamp.hexdigest()}
+    and :func:`opskit.ckpt.info.saved_files_digest` (a step saved again after a rollback differs)."""
+    return {"step": str(Path(step_path).resolve()), "iteration": iteration, "files": saved_files_digest(step_path)}
 
 
 def conversion_problem(out: Path, step_path: Path, iteration: int | None) -> str | None:

@@ -15,6 +15,8 @@ compares each record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +123,14 @@ def optimizer_shards(state: dict, mp_size: int, names: set[str]) -> tuple[list[s
         return [], dp
     return [f"{prefix}zero_pp_rank_{d}_mp_rank_{mp:02d}{ZERO_FILE_SUFFIX}" for mp in range(mp_size)
             for d in range(dp)], dp
+
+
+def saved_files_digest(path: str | Path) -> str:
+    """A digest of a step folder's file names, sizes and modification times: what a conversion of the step records,
+    so that a step saved again under the same name (after a rollback) is told apart from the one converted."""
+    files = sorted(p for p in Path(path).iterdir() if p.is_file())
+    return hashlib.sha256(json.dumps([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode()
+                          ).hexdigest()
 
 
 def describe_step(path: str | Path, latest: bool = False) -> StepInfo:

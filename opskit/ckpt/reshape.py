@@ -28,7 +28,7 @@ from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.ckpt.info import StepInfo, describe_step
+from opskit.ckpt.info import StepInfo, describe_step, saved_files_digest
 from opskit.ckpt.layout import MP_RANK_FILE, load_args, scan_step_dir, universal_checkpoint_info
 from opskit.errors import OpskitError
 from opskit.fsutil import read_marker, write_marker
@@ -64,8 +64,8 @@ def universal_dir(step_dir: Path) -> Path:
 
 
 def universal_origin(folder: Path) -> dict | None:
-    """What a universal folder was converted from (``{"step": "global_stepN", "layout": "TP=.. PP=.. DP=.."}``), from
-    opskit's marker; None for a folder opskit's conversion did not finish."""
+    """What a universal folder was converted from (``{"step": "global_stepN", "layout": "TP=.. PP=.. DP=..",
+    "iteration": N, "files": digest}``), from opskit's marker; None for a folder opskit's conversion did not finish."""
     marker = read_marker(folder)
     if marker is None or marker.get("command") != MARKER_COMMAND:
         return None
@@ -95,7 +95,8 @@ def step_precision(args: Namespace) -> str:
 
 def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int = 1, verify: bool = False) -> Path:
     """Write the universal form of the complete step ``step_dir`` to ``out`` (default :func:`universal_dir`) and
-    return it; an existing complete one (opskit's marker) is reused as it is.
+    return it; an existing complete one (opskit's marker) of this save of the step is reused as it is (the marker's
+    source has :func:`opskit.ckpt.info.saved_files_digest`: a step saved again under its name is another save).
 
     Written into a hidden folder beside ``out`` and renamed into place; leftovers of a killed conversion (hidden
     folders of that name) are removed first. ``step_dir`` is only read: a step saved before the trainer recorded
@@ -109,15 +110,22 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
 
     Raises:
         ReshapeError: the step is incomplete, has no partitioned optimizer state, ``out`` exists and is not a
-            finished conversion, or the weights do not verify.
+            finished conversion of this save of the step (another step's, or a stale one), or the weights do not
+            verify.
     """
     step_dir = Path(step_dir)
     out = Path(out) if out is not None else universal_dir(step_dir)
     info = describe_step(step_dir)
     if not info.complete:
         raise ReshapeError(f"{step_dir}: not a complete step ({info.problems[0]})")
-    if universal_origin(out) is not None:
+    source = {"step": step_dir.name, "layout": str(saved_layout(info)), "iteration": info.iteration,
+              "files": saved_files_digest(step_dir)}
+    origin = universal_origin(out)
+    if origin is not None and {key: origin.get(key) for key in source} == source:  # (+ verified_tensors)
         return out
+    if origin is not None:
+        raise ReshapeError(f"{out}: converted from another save ({origin.get('step')} at {origin.get('layout')}) than "
+                           f"{step_dir} as saved now; remove it to convert again")
     if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):  # empty: renamed over
         raise ReshapeError(f"{out}: exists and is not a universal checkpoint opskit finished; move it away")
     args = load_args(scan_step_dir(step_dir))
@@ -128,7 +136,6 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
     # ds_to_universal also writes ``latest_universal`` beside its output: inside the hidden folder, that is ours
     hidden = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     staging = hidden / out.name
-    source = {"step": step_dir.name, "layout": str(saved_layout(info)), "iteration": info.iteration}
     try:
         hidden.mkdir()
         try:

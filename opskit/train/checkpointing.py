@@ -185,19 +185,31 @@ def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
     if error:
         raise CheckpointError(error)
     saved_args = torch.load(step.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"]
-    args.padded_vocab_size = resumed_padded_vocab_size(saved_args.padded_vocab_size, current.tp)
+    resumed = resumed_padded_vocab_size(saved_args.padded_vocab_size, current.tp)
+    if resumed != args.padded_vocab_size and dist.get_rank() == 0:  # the line above it named a fresh start's size
+        print(f" > padded vocab of {step.path.name} kept (new size: {resumed}; {args.padded_vocab_size} on a fresh "
+              "start)", flush=True)
+    args.padded_vocab_size = resumed
     return ResumePlan(point, saved, current, Path(universal) if universal else None)
 
 
 def _convert_on_rank_0(step_dir: Path, saved: Layout, current: Layout) -> tuple[str | None, str | None]:
     """(universal folder or None when none is needed, error line or None)."""
-    from opskit.ckpt.reshape import ReshapeError, convert_to_universal, needs_conversion, step_precision
+    from opskit.ckpt.reshape import (
+        ReshapeError,
+        convert_to_universal,
+        needs_conversion,
+        step_precision,
+        universal_dir,
+        universal_origin,
+    )
 
     saved_args = torch.load(step_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"]
     try:
         if not needs_conversion(saved, current, saved_args.zero_stage, step_precision(saved_args)):
             return None, None
-        print(f" converting {step_dir} to a universal checkpoint for {current}", flush=True)
+        if universal_origin(universal_dir(step_dir)) is None:  # else an earlier resume's conversion is reused
+            print(f" converting {step_dir} to a universal checkpoint for {current}", flush=True)
         return str(convert_to_universal(step_dir)), None
     except ReshapeError as e:
         return None, f"{step_dir}: {e}"
