@@ -1,10 +1,10 @@
 """The trainer resumes a step saved on another TP x PP x DP layout (issue 17): through DeepSpeed's universal checkpoint,
 converted once beside the step, with the losses of a run that never changed layout.
 
-Every run is the real trainer under torchrun, 20 iterations of GBS 8. To keep the file's CPU time low the runs are
-chained in module-scoped fixtures: an original run saves ``global_step10``; a run on another layout resumes from a copy
-of it, saves ``global_step15`` and ``global_step20``, and its own lines 16..20 are the uninterrupted reference for the
-runs that resume its ``global_step15`` on a third layout:
+Every run is the real trainer (under torchrun for more than one process), 20 iterations of GBS 8. To keep the file's
+CPU time low the runs are chained in module-scoped fixtures: an original run saves ``global_step10``; a run on another
+layout resumes from a copy of it, saves ``global_step15`` and ``global_step20``, and its own lines 16..20 are the
+uninterrupted reference for the runs that resume its ``global_step15`` on a third layout:
 
 - BLOOM (ALiBi, embedding LayerNorm), vocabulary padded to 2176 by ``--pad-vocab-size-to``: DP=1 -> DP=2 -> DP=1 and
   DP=4; PP=1 -> PP=2 -> PP=1;
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_trainer, tiny_trainer_args
+from conftest import REPO, run_trainer, tiny_trainer_args
 from test_convert import hf_logits, tokens  # noqa: F401  (tokens: test_convert's fixture, used here)
 from test_train import records, succeeded
 
@@ -56,6 +56,21 @@ def resume_then_save(self, model):
     self._save()
 main.Trainer._resume = resume_then_save
 sys.exit(main.main(sys.argv[1:]))
+"""
+
+# convert_to_universal stopped by SIGKILL between DeepSpeed's two passes: the shards' fragments written, no parameter
+# merged yet (DeepSpeed's own prints go to stderr: the signal to the test goes to the real stdout).
+KILLED_CONVERSION = """
+import os, sys, time
+from deepspeed.checkpoint import ds_to_universal
+from opskit.ckpt.reshape import convert_to_universal
+extract = ds_to_universal._extract_zero_shard_files
+def extract_then_stall(*args):
+    extract(*args)
+    print("extracted", file=sys.__stdout__, flush=True)
+    time.sleep(600)
+ds_to_universal._extract_zero_shard_files = extract_then_stall
+convert_to_universal(sys.argv[1])
 """
 
 
@@ -242,6 +257,33 @@ def test_a_step_saved_again_is_not_read_through_its_old_conversion(dp_changes, t
     with pytest.raises(ReshapeError, match=r"global_step15_universal: converted from another save \(global_step15 at "
                                            r"TP=1 PP=1 DP=2\) than .*global_step15 as saved now; remove it"):
         convert_to_universal(step)
+
+
+def test_a_killed_conversion_leaves_the_step_untouched_and_the_next_one_completes(dp_changes, tmp_path):
+    """SIGKILL mid-conversion leaves only a hidden staging folder beside the unchanged step; the next conversion
+    removes it (its process is gone) and writes the same universal checkpoint as an uninterrupted one."""
+    step = tmp_path / "global_step15"
+    shutil.copytree(dp_changes.step, step)
+    before = hashes(step)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CONVERSION, str(step)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=REPO)
+    try:
+        assert "extracted\n" in iter(proc.stdout.readline, "")  # DeepSpeed's accelerator line comes first
+    finally:
+        proc.kill()
+        proc.wait()
+    [hidden] = [p.name for p in tmp_path.iterdir() if p.name != "global_step15"]
+    fragments = [p for p in (tmp_path / hidden).rglob("fp32.*") if p.is_file()]  # <param>/<tp>/fp32.<dp rank>
+    assert hidden == f".global_step15_universal.tmp-{proc.pid}" and fragments
+    assert hashes(step) == before
+
+    universal = convert_to_universal(step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step15", "global_step15_universal"]
+    assert universal_origin(universal)["step"] == "global_step15" and hashes(step) == before
+    for name in ("3.mlp.dense_h_to_4h.weight", TIED):
+        for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(load(universal / "zero" / name / f"{kind}.pt")["param"],
+                               load(dp_changes.universal / "zero" / name / f"{kind}.pt")["param"]), (name, kind)
 
 
 # ---------------------------------------------------------------------------------------------------------- PP
