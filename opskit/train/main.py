@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(args, exit_requests)
     except (TrainerError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # one write per line: every rank of a job prints the same error, and two ranks' print() calls (text, then
+        # newline) would splice their lines on torchrun's shared stderr
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         return 2
 
 
