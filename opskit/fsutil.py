@@ -32,6 +32,21 @@ def staging_path(path: Path) -> Path:
     return path.with_name(f".{path.name}-{os.getpid()}")
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie, which ``kill -0`` still finds, counts as dead): the test
+    of whether a lock or a hidden staging folder named after its writer's pid is stale."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it over ``path``; ``mode`` default: an existing
     file's mode is kept (a new file gets the umask's)."""

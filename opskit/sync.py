@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, atomic_write_text
+from opskit.fsutil import OutputRefusedError, atomic_write_text, process_alive
 from opskit.runs import RunPaths
 from opskit.targets import check_url, open_target
 from opskit.targets.base import Target, TargetOptions, crc32c_of_file
@@ -304,7 +304,7 @@ def _pid_file_lock(path: Path, url: str) -> Iterator[None]:
             break
         except FileExistsError:
             holder = path.read_text(errors="replace").split() if path.is_file() else []
-            if len(holder) == 2 and holder[1].isdigit() and (holder[0] != host or _alive(int(holder[1]))):
+            if len(holder) == 2 and holder[1].isdigit() and (holder[0] != host or process_alive(int(holder[1]))):
                 raise SyncBusy(f"another sync to {url} is still running (PID {holder[1]} on {holder[0]}, lock "
                                f"{path}); skipped") from None
             path.unlink(missing_ok=True)  # its process is dead (or the file is garbage): take it over
@@ -316,17 +316,3 @@ def _pid_file_lock(path: Path, url: str) -> Iterator[None]:
         yield
     finally:
         path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs here (a zombie, which ``kill -0`` still finds, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

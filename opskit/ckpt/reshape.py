@@ -31,7 +31,7 @@ from pathlib import Path
 from opskit.ckpt.info import StepInfo, describe_step, saved_files_digest
 from opskit.ckpt.layout import MP_RANK_FILE, load_args, scan_step_dir, universal_checkpoint_info
 from opskit.errors import OpskitError
-from opskit.fsutil import read_marker, write_marker
+from opskit.fsutil import process_alive, read_marker, write_marker
 
 UNIVERSAL_SUFFIX = "_universal"
 MARKER_COMMAND = "ckpt reshape"
@@ -158,18 +158,8 @@ def _remove_leftovers(out: Path) -> None:
     """Hidden staging folders of earlier conversions to ``out`` whose process is gone (ours by name)."""
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager
