@@ -39,12 +39,12 @@ EMBEDDING_LAYER = 1
 FIRST_BLOCK_LAYER = 3
 
 
-def universal_checkpoint_info(padded_vocab_size: int, position_embeddings: bool, embedding_norm: bool) -> dict:
+def universal_checkpoint_info(args: argparse.Namespace) -> dict:
     """DeepSpeed's ``universal_checkpoint_info`` for our layer list: how ``ds_to_universal`` merges each parameter's
     TP slices, which the trainer saves with every step (Megatron-DeepSpeed's ``_universal_checkpoint_info``). The
     patterns are the TP merge rules above over the engine's parameter names (``tied_modules.embed.*``,
-    ``<layer>.<key>``), only those the model has (``position_embeddings``: GPT-2's absolute ones; ``embedding_norm``:
-    a LayerNorm after the word embedding): ds_to_universal refuses a pattern that matches nothing.
+    ``<layer>.<key>``), only those the model of the training ``args`` has (GPT-2's absolute position embeddings, a
+    LayerNorm after the word embedding): ds_to_universal refuses a pattern that matches nothing.
     ``original_vocab_size`` is the saved *padded* size: ds_to_universal then keeps the trained padding rows (it would
     cut them off at the tokenizer's size), so a resume at the same padded size is exact, and DeepSpeed's loader adds
     zero rows where the new layout pads further.
@@ -52,14 +52,18 @@ def universal_checkpoint_info(padded_vocab_size: int, position_embeddings: bool,
     Source: DeepSpeed ``deepspeed/checkpoint/ds_to_universal.py`` (``merge_tp_slices``) and Megatron-DeepSpeed
     ``megatron/model/gpt_model.py`` (``_universal_checkpoint_info``).
     """
-    absent = (() if position_embeddings else ("position_embeddings.",)) + (() if embedding_norm else ("norm.",))
+    from opskit.rules.model import has_embedding_layernorm
+
+    embedding_norm = has_embedding_layernorm(args.embed_layernorm, getattr(args, "use_bnb_optimizer", False))
+    absent = (() if args.position_embedding_type == "absolute" else ("position_embeddings.",)) + \
+        (() if embedding_norm else ("norm.",))
     replicated = [name for name in REPLICATED_SUFFIXES if not name.startswith(absent)
                   and not name.startswith(tuple("word_embeddings." + a for a in absent))]
     escaped = lambda names: [rf".*\.{re.escape(name)}$" for name in names]  # noqa: E731
     return {
         "universal_checkpoint_version": 0.2,
-        "original_vocab_size": padded_vocab_size,
-        "padded_vocab_size": padded_vocab_size,
+        "original_vocab_size": args.padded_vocab_size,
+        "padded_vocab_size": args.padded_vocab_size,
         "vocabulary_parameter_patterns": [r"tied_modules\.embed\.word_embeddings\.weight$"],
         "pipeline_replicated_parameter_patterns": [r"tied_modules\.embed\."],
         "tp_replicated_parameter_patterns": [*escaped(replicated), r"\d+\.(weight|bias)$"],
@@ -245,12 +249,13 @@ def load_state(path: Path, lazy: bool = True, light: bool = False):
         raise CheckpointFormatError(f"{path}: cannot be loaded ({reason})") from None
 
 
-def load_args(step: StepDir) -> argparse.Namespace:
-    """The training ``args`` saved in ``mp_rank_00_model_states.pt``."""
+def load_args(step: StepDir, light: bool = False) -> argparse.Namespace:
+    """The training ``args`` saved in ``mp_rank_00_model_states.pt``; ``light``: its pickle only (no torch, no tensor
+    data: :func:`load_state`), enough for the architecture, the layout flags and the counters."""
     path = step.mp_rank_file()
     if not path.is_file():
         raise CheckpointFormatError(f"{path}: no such file (every step needs mp_rank_00_model_states.pt)")
-    state = load_state(path)
+    state = load_state(path, light=light)
     if not isinstance(state, dict) or "args" not in state:
         raise CheckpointFormatError(f"{path}: no 'args' (not written by Megatron-DeepSpeed?)")
     return state["args"]

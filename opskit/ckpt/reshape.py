@@ -128,7 +128,7 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
                            f"{step_dir} as saved now; remove it to convert again")
     if out.is_symlink() or (out.exists() and not (out.is_dir() and not any(out.iterdir()))):  # empty: renamed over
         raise ReshapeError(f"{out}: exists and is not a universal checkpoint opskit finished; move it away")
-    args = load_args(scan_step_dir(step_dir))
+    args = load_args(scan_step_dir(step_dir), light=True)
     if not any(step_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         raise ReshapeError(f"{step_dir}: has no ZeRO optimizer shards (ZeRO stage 0 fp32/fp16 keeps the optimizer "
                            "in the mp_rank files): nothing to convert")
@@ -175,11 +175,7 @@ def _readable_by_ds_to_universal(step_dir: Path, args: Namespace, scratch: Path)
     if all("universal_checkpoint_info" in s and s.get("param_shapes") is not None for s in states.values()):
         yield step_dir
         return
-    from opskit.rules.model import has_embedding_layernorm
-
-    ucp = universal_checkpoint_info(args.padded_vocab_size, args.position_embedding_type == "absolute",
-                                    has_embedding_layernorm(args.embed_layernorm,
-                                                            getattr(args, "use_bnb_optimizer", False)))
+    ucp = universal_checkpoint_info(args)
     links = scratch / "input"
     links.mkdir()
     try:
@@ -342,7 +338,7 @@ def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> Res
     info = describe_step(step_dir)
     if not info.complete:
         raise ReshapeError(f"{step_dir}: not a complete step ({info.problems[0]})")
-    args = _saved_args(step_dir)
+    args = load_args(scan_step_dir(step_dir), light=True)
     saved = saved_layout(info)
     if problems := target_problems(args, target):
         raise ReshapeError(f"{step_dir}: cannot run on {target}: {'; '.join(problems)}")
@@ -368,13 +364,6 @@ def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> Res
     if verified is None:  # converted by the trainer, which does not verify
         verified = verify_universal(step_dir, universal)
     return ReshapeResult(info, saved, target, universal, verified, reused=origin is not None, latest=latest)
-
-
-def _saved_args(step_dir: Path) -> Namespace:
-    """The step's saved ``args`` (``mp_rank_00``'s pickle, read lightly: no torch)."""
-    from opskit.ckpt.layout import load_state
-
-    return load_state(step_dir / "mp_rank_00_model_states.pt", light=True)["args"]
 
 
 def universal_folders(directory: Path) -> dict[int, tuple[Path, dict | None]]:
@@ -406,7 +395,7 @@ def resume_layout_note(checkpoint_dir: Path, target: Layout) -> str | None:
     step = resume_point(checkpoint_dir).step
     if step is None or saved_layout(step) == target:
         return None
-    args = _saved_args(step.path)
+    args = load_args(scan_step_dir(step.path), light=True)
     head = f"latest checkpoint {step.path.name} was saved at {saved_layout(step)}; this job runs {target}"
     try:
         convert = needs_conversion(saved_layout(step), target, args.zero_stage, step_precision(args))

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from opskit.ckpt.info import ResumePoint, resume_point
-from opskit.ckpt.layout import save_failed_message, universal_checkpoint_info, write_latest
+from opskit.ckpt.layout import load_args, save_failed_message, scan_step_dir, universal_checkpoint_info, write_latest
 from opskit.ckpt.reshape import Layout, saved_layout
-from opskit.rules.model import has_embedding_layernorm, resumed_padded_vocab_size
+from opskit.rules.model import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
 from opskit.train.state import TrainState
 
@@ -121,9 +121,7 @@ def save_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None
         "tokens": state.consumed_train_tokens,
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size,
                             "original_vocab_size": args.original_vocab_size},
-        "universal_checkpoint_info": universal_checkpoint_info(
-            args.padded_vocab_size, args.position_embedding_type == "absolute",
-            has_embedding_layernorm(args.embed_layernorm, args.use_bnb_optimizer)),
+        "universal_checkpoint_info": universal_checkpoint_info(args),
         **({"reshaped_from": state.reshaped_from} if state.reshaped_from else {}),
         **_rng_state(),
     }
@@ -148,12 +146,14 @@ class ResumePlan:
 
     Attributes:
         point: the step :func:`opskit.ckpt.info.resume_point` chose, None without ``--load``.
+        saved_args: that step's saved ``args`` (read once, without its tensors), None without a step.
         saved: the layout that saved it; current: this run's.
         universal: the step's universal form when the layouts differ and the optimizer state must be re-cut
             (the engine then needs ``checkpoint.load_universal``); None otherwise.
     """
 
     point: ResumePoint | None = None
+    saved_args: argparse.Namespace | None = None
     saved: Layout | None = None
     current: Layout | None = None
     universal: Path | None = None
@@ -176,24 +176,25 @@ def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
     if point is None or point.step is None:
         return ResumePlan(point)
     step = point.step
+    saved_args = load_args(scan_step_dir(step.path), light=True)
     saved = saved_layout(step)
     if saved == current:
-        return ResumePlan(point, saved, current)
-    decided = [_convert_on_rank_0(step.path, saved, current) if dist.get_rank() == 0 else None]
+        return ResumePlan(point, saved_args, saved, current)
+    decided = [_convert_on_rank_0(step.path, saved_args, saved, current) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(decided, src=0)
     universal, error = decided[0]
     if error:
         raise CheckpointError(error)
-    saved_args = torch.load(step.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"]
     resumed = resumed_padded_vocab_size(saved_args.padded_vocab_size, current.tp)
     if resumed != args.padded_vocab_size and dist.get_rank() == 0:  # the line above it named a fresh start's size
         print(f" > padded vocab of {step.path.name} kept (new size: {resumed}; {args.padded_vocab_size} on a fresh "
               "start)", flush=True)
     args.padded_vocab_size = resumed
-    return ResumePlan(point, saved, current, Path(universal) if universal else None)
+    return ResumePlan(point, saved_args, saved, current, Path(universal) if universal else None)
 
 
-def _convert_on_rank_0(step_dir: Path, saved: Layout, current: Layout) -> tuple[str | None, str | None]:
+def _convert_on_rank_0(step_dir: Path, saved_args: argparse.Namespace, saved: Layout,
+                       current: Layout) -> tuple[str | None, str | None]:
     """(universal folder or None when none is needed, error line or None)."""
     from opskit.ckpt.reshape import (
         ReshapeError,
@@ -204,7 +205,6 @@ def _convert_on_rank_0(step_dir: Path, saved: Layout, current: Layout) -> tuple[
         universal_origin,
     )
 
-    saved_args = torch.load(step_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"]
     try:
         if not needs_conversion(saved, current, saved_args.zero_stage, step_precision(saved_args)):
             return None, None
@@ -241,8 +241,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
         print(point.warning, flush=True)
     tag, step_dir = point.step.path.name, point.step.path
     # Check the architecture before DeepSpeed loads the weights: a mismatch would fail there with a shape traceback.
-    _check_args(torch.load(step_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["args"],
-                args, str(step_dir), same_layout=not plan.reshaped)
+    _check_args(plan.saved_args, args, str(step_dir), same_layout=not plan.reshaped)
     if dist.get_rank() == 0:
         print(f" loading checkpoint from {args.load} at {tag}", flush=True)
         if plan.reshaped:
