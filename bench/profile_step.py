@@ -52,6 +52,15 @@ def busy_fraction(prof, iterations: int) -> tuple[float, float]:
     return busy / 1000 / iterations, total / 1000 / iterations
 
 
+def print_synchronizations(prof, iterations: int) -> None:
+    """Where the host waits for the GPU (each wait lets the GPU's queue run dry): stream synchronizations per
+    iteration, grouped by the Python stack that asked for them."""
+    waits = [e for e in prof.key_averages(group_by_stack_n=8) if e.key == "cudaStreamSynchronize"]
+    for event in sorted(waits, key=lambda e: -e.count):
+        frames = [f for f in event.stack if "site-packages/torch/" not in f][:5]
+        print(f"SYNC {event.count / iterations:.1f}/iteration: {' <- '.join(frames)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mbs", type=int, default=4)
@@ -72,7 +81,7 @@ def main() -> None:
     calls = {"n": 0}
     iteration_seconds: list[float] = []
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                 torch.profiler.ProfilerActivity.CUDA])
+                                                 torch.profiler.ProfilerActivity.CUDA], with_stack=True)
     inner_train_batch = PipelineEngine.train_batch
 
     def train_batch(self, *args, **kwargs):
@@ -107,6 +116,7 @@ def main() -> None:
         profile.export_chrome_trace(os.path.join(os.environ["OUT"], "trace.json"))
     print(profile.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
+    print_synchronizations(profile, opts.profile_iters)
     busy, kernels = busy_fraction(profile, opts.profile_iters)
     iteration_ms = 1000 * sum(iteration_seconds) / len(iteration_seconds)
     print(f"\nSYNCHRONIZED: {iteration_ms:.1f} ms/iteration (mean of {len(iteration_seconds)}, MBS {opts.mbs} "

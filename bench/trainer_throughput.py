@@ -9,6 +9,7 @@ Usage (on a GPU machine, DeepSpeed and megatron-core installed)::
 
     python bench/trainer_throughput.py [gpt] [bloom] [hf] [hf-bloom] --iters 30 --out results.json
     python bench/trainer_throughput.py gpt-compile --mbs 8 --gpus 1 2 4        # DP weak scaling
+    python bench/trainer_throughput.py bare gpt-compile --mbs 4 --gas 16       # issue 19: vs the bare model
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
     return prefix, tokenizer_dir
 
 
-def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int, gpus: int = 1) -> dict:
-    """One trainer run at data parallelism ``gpus`` (torchrun when > 1), global batch ``mbs * gpus`` (one micro-batch
-    per GPU and iteration, so weak scaling). ``tokens_per_s`` counts all GPUs; ``mfu`` is per GPU."""
-    gbs = mbs * gpus
+def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int, gpus: int = 1,
+                gas: int = 1) -> dict:
+    """One trainer run at data parallelism ``gpus`` (torchrun when > 1), global batch ``mbs * gas * gpus`` (``gas``
+    micro-batches per GPU and iteration, so weak scaling). ``tokens_per_s`` counts all GPUs; ``mfu`` is per GPU."""
+    gbs = mbs * gas * gpus
     args = [
         "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
         "--max-position-embeddings", str(S), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
@@ -80,15 +82,22 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
     steady_tflops = statistics.median(tflops[1:]) if len(tflops) > 1 else tflops[0]  # window 1 holds warm-up
     steady = model_flops(gbs) / (steady_tflops * 1e12 * gpus)
     peak = re.findall(r"max allocated: ([\d.]+)", done.stdout)
-    return {"name": name, "gpus": gpus, "s_per_iter": round(steady, 4), "tokens_per_s": round(gbs * S / steady),
+    return {"name": name, "gpus": gpus, "mbs": mbs, "gas": gas, "s_per_iter": round(steady, 4),
+            "tokens_per_s": round(gbs * S / steady),
             "mfu": round(model_flops(gbs) / gpus / steady / PEAK_FLOPS, 4), "log_tflops": steady_tflops,
             "peak_mem_gb": round(max(float(p) for p in peak) / 1024, 1) if peak else None}
 
 
-def run_hf(which: str, iters: int, mbs: int) -> dict:
-    env = dict(os.environ, MBS=str(mbs), STEPS=str(iters), PYTHONUNBUFFERED="1")
-    script = os.environ.get("GPU_BASELINE", str(REPO / "bench" / "gpu_baseline.py"))
-    done = subprocess.run([sys.executable, script, which], capture_output=True, text=True, env=env)
+def run_hf(which: str, iters: int, mbs: int, gas: int = 1) -> dict:
+    """The bare compiled model (``bare``, ``bare-bloom``: bench/bare_gpt.py) or a reference baseline run of
+    ``$GPU_BASELINE`` (``hf``, ``hf-bloom``) under the same DeepSpeed config."""
+    env = dict(os.environ, MBS=str(mbs), GAS=str(gas), STEPS=str(iters), PYTHONUNBUFFERED="1")
+    if which.startswith("bare"):
+        env["ALIBI"] = "1" if which == "bare-bloom" else "0"
+        command = [sys.executable, str(REPO / "bench" / "bare_gpt.py")]
+    else:
+        command = [sys.executable, os.environ.get("GPU_BASELINE", str(REPO / "bench" / "gpu_baseline.py")), which]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         print(done.stdout[-2000:], done.stderr[-4000:], sep="\n", file=sys.stderr)
@@ -110,20 +119,22 @@ def main() -> None:
     parser.add_argument("which", nargs="*", default=["gpt", "hf"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--gas", type=int, default=1, help="Micro-batches per optimizer step and GPU.")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1], help="DP sizes to run each trainer variant at.")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        data, tokenizer = make_data(Path(tmp), tokens=(opts.iters + 5) * opts.mbs * max(opts.gpus) * (S + 1) * 2)
+        data, tokenizer = make_data(Path(tmp), tokens=(opts.iters + 5) * opts.mbs * opts.gas * max(opts.gpus)
+                                    * (S + 1) * 2)
         for which in opts.which:
             if which in TRAINER_VARIANTS:
                 for gpus in opts.gpus:
                     results.append(run_trainer(f"opskit-{which}", TRAINER_VARIANTS[which], data, tokenizer,
-                                               opts.iters, opts.mbs, gpus))
+                                               opts.iters, opts.mbs, gpus, opts.gas))
                     print(json.dumps(results[-1]), flush=True)
             else:
-                results.append(run_hf(which, opts.iters, opts.mbs))
+                results.append(run_hf(which, opts.iters, opts.mbs, opts.gas))
                 print(json.dumps(results[-1]), flush=True)
         report_weak_scaling(results)
     if opts.out:

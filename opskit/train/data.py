@@ -161,16 +161,22 @@ def _blend(sources, seq_length: int, seed: int) -> GPTSamples | BlendedSamples:
 
 
 def micro_batches(samples: GPTSamples | BlendedSamples, consumed_samples: int, micro_batch_size: int, dp_size: int,
-                  dp_rank: int, seqlen: Callable[[], int] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless ``(tokens [MBS, s], labels [MBS, s])`` for this DP rank, starting at ``consumed_samples``.
+                  dp_rank: int, seqlen: Callable[[], int] | None = None,
+                  device: torch.device | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless ``(tokens [MBS, s], labels [MBS, s])`` (int64) for this DP rank, starting at ``consumed_samples``.
 
     ``seqlen``, when given, is asked before each micro-batch for the curriculum's length ``n``: tokens and labels are
     then their first ``n`` positions (Megatron-DeepSpeed's get_batch_pipe truncation); the samples consumed are the
-    same."""
+    same. With a CUDA ``device`` the tensors are already there, copied from pinned memory without waiting: DeepSpeed's
+    pipeline engine moves a CPU micro-batch with a blocking copy, which drains the GPU's queue at every micro-batch
+    (measured on an H100: 18 stream synchronizations per iteration of 4 micro-batches, the GPU idle meanwhile)."""
     step = consumed_samples
+    copy_ahead = device is not None and device.type == "cuda"
     while True:
         first = step + dp_rank * micro_batch_size
         batch = torch.from_numpy(np.stack([samples[i] for i in range(first, first + micro_batch_size)]))
+        if copy_ahead:
+            batch = batch.pin_memory().to(device, non_blocking=True)
         n = seqlen() if seqlen is not None else batch.shape[1] - 1
         yield batch[:, :n].contiguous(), batch[:, 1:n + 1].contiguous()
         step += micro_batch_size * dp_size

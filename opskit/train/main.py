@@ -378,7 +378,7 @@ def _agreed_start_time() -> float:
     import torch
     import torch.distributed as dist
 
-    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=_collective_device())
+    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=_rank_device())
     dist.all_reduce(start, op=dist.ReduceOp.MIN)
     return float(start.item())
 
@@ -587,7 +587,8 @@ class Trainer:
         valid_samples = _split_samples(args, "valid") if self.do_valid else []
         # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
         self.valid_sets = [(name, micro_batches(samples, state.consumed_valid_samples // len(valid_samples),
-                                                args.micro_batch_size, self.world.dp, self.dp_rank))
+                                                args.micro_batch_size, self.world.dp, self.dp_rank,
+                                                device=_rank_device()))
                            for name, samples in valid_samples]
 
     def _train_batches(self):
@@ -597,7 +598,8 @@ class Trainer:
 
         state = self.state
         return micro_batches(self.train_samples, state.consumed_train_samples + state.skipped_train_samples,
-                             self.args.micro_batch_size, self.world.dp, self.dp_rank, seqlen=lambda: state.seqlen)
+                             self.args.micro_batch_size, self.world.dp, self.dp_rank, seqlen=lambda: state.seqlen,
+                             device=_rank_device())
 
     def train(self) -> None:
         """Megatron's loop: train to ``train_iters``, logging, validating and saving at their intervals, until an exit
@@ -816,8 +818,9 @@ def _evaluate(engine, valid_data, eval_iters: int) -> float:
     return total / eval_iters
 
 
-def _collective_device():
-    """Where small all-reduce tensors live: NCCL only reduces GPU tensors, gloo CPU ones."""
+def _rank_device():
+    """This rank's GPU, else the CPU: where small all-reduce tensors live (NCCL only reduces GPU tensors, gloo CPU
+    ones) and where micro-batches are copied ahead of the pipeline engine."""
     import torch
 
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -832,7 +835,7 @@ def _on_any_rank(*flags: bool) -> list[bool]:
     import torch
     import torch.distributed as dist
 
-    tensor = torch.tensor([float(f) for f in flags], device=_collective_device())
+    tensor = torch.tensor([float(f) for f in flags], device=_rank_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return [bool(v) for v in tensor.tolist()]
 
