@@ -19,7 +19,8 @@ given twice in one mapping is refused with both lines.
 
 String values of ``paths``, ``data`` paths, ``slurm.env`` and ``megatron_args`` may use ``$VAR`` / ``${VAR}``
 (BigScience's ``$six_ALL_CCFRSCRATCH``): they are expanded from the environment where the job is rendered (``opskit
-submit``), and an unset variable is an error there, never an empty string.
+submit``), and an unset variable is an error there, never an empty string; ``Spec.with_placeholders`` is the copy
+``opskit submit`` renders with, which keeps an unset ``$VAR`` literal and lists it (``Spec.problems``).
 
 Every refusal is one line naming the file, the field, the reason and the fix; the cluster-level rules (divisibility
 of batch sizes, heads, layers and vocabulary by the parallel layout, curriculum-learning alignment, the exit duration,
@@ -29,6 +30,7 @@ spec that Megatron or SLURM would reject.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import types
@@ -561,6 +563,8 @@ class Spec(_Section):
     _file: Path | None = PrivateAttr(default=None)
     """The YAML file :func:`load_spec` read."""
     _variant: str | None = PrivateAttr(default=None)
+    _unsettled: _Unsettled | None = PrivateAttr(default=None)
+    """What a :meth:`with_placeholders` copy recorded instead of raising; None for a plain spec."""
 
     @field_validator("megatron_args")
     @classmethod
@@ -687,29 +691,96 @@ class Spec(_Section):
         return folder.parent if folder.name == USER_SPEC_DIR.name else folder
 
     def local_path(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
-        """A path field of the spec, ``$VAR`` expanded and made absolute from :attr:`base_dir`.
+        """A path field of the spec, ``$VAR`` expanded and made absolute from :attr:`base_dir`; in a
+        :meth:`with_placeholders` copy a path that starts with an unset variable stays as written
+        (``$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml``), relative: the user's variable, not our base directory.
 
         Raises:
             SpecError: an unset ``$VAR`` (see :meth:`expand`).
         """
-        return (self.base_dir / Path(self.expand(value, field, environ)).expanduser()).resolve()
+        expanded = self.expand(value, field, environ)
+        if self._unsettled is not None and (start := _ENV_VAR.match(expanded)) and \
+                _var_of(start) in self._unsettled.unset:
+            return Path(expanded)
+        return (self.base_dir / Path(expanded).expanduser()).resolve()
 
     def expand(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> str:
-        """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``).
+        """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``); in a
+        :meth:`with_placeholders` copy an unset one stays as written and is recorded with ``field``.
 
         Raises:
-            SpecError: naming the file, ``field`` and the variable when it is not set.
+            SpecError: naming the file, ``field`` and the variable when it is not set (not in a
+                :meth:`with_placeholders` copy).
         """
         env = os.environ if environ is None else environ
 
         def substitute(match: re.Match) -> str:
-            var = match.group(1) or match.group(2)
-            if var not in env:
+            var = _var_of(match)
+            if var in env:
+                return env[var]
+            if self._unsettled is None:
                 raise SpecError(f"{self._file or self.name}: {field}: ${var} is not set in this environment; export "
                                 "it (as on the cluster's login node) or write the path out")
-            return env[var]
+            self._unsettled.unset.setdefault(var, {})[field] = None
+            return match.group(0)
 
         return _ENV_VAR.sub(substitute, value)
+
+    def with_placeholders(self) -> Spec:
+        """A copy that renders whatever this environment lacks: an unset ``$VAR`` stays literal in every value
+        (:meth:`expand`, :meth:`local_path`) and a path refused by :meth:`refuse` is kept, both recorded for
+        :attr:`problems` instead of raised; what checks a real path asks :meth:`unsettled` first. ``opskit submit``
+        renders with it, so a dry run always shows the script and a real one lists every problem at once."""
+        copy = self.model_copy()
+        copy._unsettled = _Unsettled()
+        return copy
+
+    def refuse(self, field: str, message: str) -> None:
+        """A path of ``field`` that cannot be used here (a file where a folder must be): raise it, or record it in a
+        :meth:`with_placeholders` copy.
+
+        Raises:
+            SpecError: ``message``, unless this is a :meth:`with_placeholders` copy.
+        """
+        if self._unsettled is None:
+            raise SpecError(message)
+        self._unsettled.refused.setdefault(field, message)
+
+    def unsettled(self, field: str) -> bool:
+        """Whether ``field``'s value could not be settled here (an unset ``$VAR``, a refused path): checks of the
+        real path behind it are skipped, the recorded problem already says why. False for a plain spec."""
+        if self._unsettled is None:
+            return False
+        return field in self._unsettled.refused or any(field in fields for fields in self._unsettled.unset.values())
+
+    @property
+    def problems(self) -> list[str]:
+        """What a :meth:`with_placeholders` copy met so far: each unset variable once, with the fields that use it
+        and the fix, then each refused path; empty for a plain spec."""
+        if self._unsettled is None:
+            return []
+        preset = self._file is None or self._file.resolve().parent == _preset_dir().resolve()
+        problems = []
+        for var, fields in self._unsettled.unset.items():
+            where = (f"or write it into your copy: opskit specs new mine --from {self.cli_name} --set {var}=/path"
+                     if preset else f"or write the value into {self._file}")
+            problems.append(f"${var} is not set here (used by {', '.join(fields)}): export it as on the cluster's "
+                            f"login node, {where}")
+        return problems + list(self._unsettled.refused.values())
+
+
+@dataclass
+class _Unsettled:
+    """What a :meth:`Spec.with_placeholders` copy met: unset variable -> fields using it (in order of use), and
+    field -> why its path was refused."""
+
+    unset: dict[str, dict[str, None]] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _var_of(match: re.Match) -> str:
+    """The variable name of an :data:`_ENV_VAR` match (``$VAR`` or ``${VAR}``)."""
+    return match.group(1) or match.group(2)
 
 
 _MISSING = object()

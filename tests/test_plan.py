@@ -45,7 +45,7 @@ from opskit.spec import (
     parse_slurm_time,
     validate_spec,
 )
-from opskit.submit import SubmitError, check_data, check_trainer
+from opskit.submit import data_problems, trainer_problems
 from opskit.train.args import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -520,12 +520,12 @@ def test_bf16_zero0_on_deepspeed_versions_that_cannot_resume(in_tmp, jean_zay, m
     raw["paths"]["output"] = str(in_tmp / "run")
     spec = load_spec(str(write(in_tmp / "bf16.yaml", raw)))
     monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.18.3")
-    with pytest.raises(SubmitError, match=r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them"):
-        check_trainer(spec)
+    [problem] = trainer_problems(spec)
+    assert re.search(r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them", problem)
     assert any("never loads them back" in w for w in make_plan(spec).warnings)
     for version in ("0.17.6", "0.19.8"):
         monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda v=version: v)
-        check_trainer(spec)
+        assert trainer_problems(spec) == []
         assert not any("zero_stage 0" in w for w in make_plan(spec).warnings)
 
 
@@ -621,6 +621,27 @@ def test_environment_variables_in_paths(in_tmp, monkeypatch):
     assert expanded == "/gpfsssd/scratch/rech/six/commun/x $(not a var)"
 
 
+def test_a_placeholder_copy_keeps_unset_variables_literal_and_lists_them(in_tmp, monkeypatch):
+    spec = load_spec("tr11").with_placeholders()
+    run = RunPaths.of(spec)  # the user's variable stays first, never made absolute with our directory
+    assert run.root == Path("$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml") and spec.unsettled("paths.output")
+    assert spec.expand("${six_ALL_CCFRWORK}/a", "slurm.env.A") == "${six_ALL_CCFRWORK}/a"
+    spec.expand("$six_ALL_CCFRWORK/b", "slurm.env.B")
+    spec.expand("$six_ALL_CCFRWORK/b", "slurm.env.B")  # a field used twice is named once
+    assert spec.problems == [
+        "$six_ALL_CCFRSCRATCH is not set here (used by paths.output): export it as on the cluster's login node, or "
+        "write it into your copy: opskit specs new mine --from tr11-176B-ml --set six_ALL_CCFRSCRATCH=/path",
+        "$six_ALL_CCFRWORK is not set here (used by slurm.env.A, slurm.env.B): export it as on the cluster's login "
+        "node, or write it into your copy: opskit specs new mine --from tr11-176B-ml --set six_ALL_CCFRWORK=/path"]
+    assert not spec.unsettled("data.vocab_file")
+    # The spec it was copied from still refuses, and a set variable is expanded in the copy too.
+    with pytest.raises(SpecError, match=r"\$six_ALL_CCFRSCRATCH is not set in this environment"):
+        RunPaths.of(load_spec("tr11"))
+    monkeypatch.setenv("six_ALL_CCFRSCRATCH", str(in_tmp))
+    spec = load_spec("tr11").with_placeholders()
+    assert RunPaths.of(spec).root == in_tmp / "checkpoints" / "tr11-176B-ml" and spec.problems == []
+
+
 # --------------------------------------------------------------------------- rendering the real jobs
 
 
@@ -629,7 +650,7 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     run = RunPaths.of(spec)
     assert run.root == in_tmp / "runs" / "tiny"
     assert parse_args(trainer_args(spec, run)).data_path == [str(in_tmp / "data" / "kjv" / "kjv_text_document")]
-    check_trainer(spec)
+    assert trainer_problems(spec) == []
     job = render_job(spec, run)
     assert "#SBATCH --job-name=tiny" in job.script and "--exit-duration-in-mins 2.0 " in job.script
     assert f"--data-path {in_tmp}/data/kjv/kjv_text_document" in job.script
@@ -639,8 +660,8 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     script.write_text(job.script)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     assert json.loads(job.ds_config)["zero_optimization"] == {"stage": 1}
-    with pytest.raises(SubmitError, match=r"tokenizer\.json is missing: run `opskit data prepare tiny` first"):
-        check_data(spec)
+    [missing] = data_problems(spec)  # one line for the three files `opskit data prepare` writes
+    assert re.fullmatch(r".*tokenizer\.json is missing: run `opskit data prepare tiny` first", missing)
 
 
 def test_tr11_renders_the_real_cluster_job(jean_zay):
@@ -687,9 +708,10 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
 
     # `opskit submit` refuses it here: the catalogue split files are missing, and DeepSpeed 0.19.8 cannot resume
     # bf16 with ZeRO-0 (the trainer accepts every flag).
-    with pytest.raises(SubmitError, match=r"train-splits\.txt is missing \(data\.train_weighted_split_paths_path of .*"
-                                          r"BigScience wrote it with data/catalogue/load_ratios_meg_ds_format\.py\)$"):
-        check_data(spec)
+    train, valid = data_problems(spec)  # every missing file, not only the first
+    assert re.fullmatch(r".*train-splits\.txt is missing \(data\.train_weighted_split_paths_path of .*BigScience wrote "
+                        r"it with data/catalogue/load_ratios_meg_ds_format\.py\)", train)
+    assert re.fullmatch(r".*valid-splits\.txt is missing \(data\.valid_weighted_split_paths_path of .*", valid)
     assert_trainer_verdict(spec, run)
 
 
@@ -699,12 +721,11 @@ def assert_trainer_verdict(spec: Spec, run: RunPaths) -> None:
     parse_args(trainer_args(spec, run))
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
     if version and (problem := deepspeed_resume_problem(spec, version)):
-        with pytest.raises(SubmitError) as info:
-            check_trainer(spec)
-        assert str(info.value) == f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the cluster's)"
+        assert trainer_problems(spec) == [f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the "
+                                          "cluster's)"]
         assert problem in make_plan(spec).warnings
     else:
-        check_trainer(spec)
+        assert trainer_problems(spec) == []
 
 
 def test_tr1_renders_gpt2_data_flags(jean_zay):
@@ -719,9 +740,10 @@ def test_tr1_renders_gpt2_data_flags(jean_zay):
     ds = deepspeed_config(spec)
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                           "min_loss_scale": 1, "initial_scale_power": 12}
-    with pytest.raises(SubmitError, match=r"meg-gpt2_text_document\.bin is missing \(data\.data_path of .*tr1-13B\.yaml"
-                                          r"\): prepare it before submitting \(Megatron's tools/preprocess_data\.py"):
-        check_data(spec)
+    assert re.fullmatch(r".*meg-gpt2_text_document\.bin is missing \(data\.data_path of .*tr1-13B\.yaml\): prepare it "
+                        r"before submitting \(Megatron's tools/preprocess_data\.py.*", data_problems(spec)[0])
+    assert [p.split(" is missing")[0].rsplit("/", 1)[1] for p in data_problems(spec)] == [
+        "meg-gpt2_text_document.bin", "meg-gpt2_text_document.idx", "gpt2-vocab.json", "gpt2-merges.txt"]
     emb = load_spec("tr8b-104B:emb-norm")
     assert "--skip-train-iteration-range 13251-14000 16651-19500" in " ".join(trainer_args(emb, RunPaths.of(emb)))
     for name in ("tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr8b-104B:bnb", "tr11-176B-ml:24n"):
