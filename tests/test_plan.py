@@ -799,6 +799,67 @@ def test_specs_commands(cli, in_tmp):
     assert cli("specs", "new", "a:b", "--from", "tiny").exit_code == 1
 
 
+def test_specs_new_writes_the_environment_variables_out(in_tmp, monkeypatch):
+    runner = CliRunner()
+    monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: [])  # the dry run's queue look-up
+
+    def new(*args: str, input: str | None = None):
+        return runner.invoke(app, ["specs", "new", *args], input=input)
+
+    done = new("mine", "--from", "tr11", "--set", "six_ALL_CCFRWORK=/gpfswork/six",
+               "--set", "six_ALL_CCFRSCRATCH=/gpfsscratch/six")
+    assert done.exit_code == 0, done.output
+    assert "  written out: $six_ALL_CCFRWORK, $six_ALL_CCFRSCRATCH\n" in done.stdout
+    assert "not set here" not in done.stderr
+    text = (in_tmp / "trainings" / "mine.yaml").read_text()
+    assert "$six" not in text and "TRANSFORMERS_CACHE: /gpfswork/six/models\n" in text
+    spec = load_spec("mine")
+    assert spec.paths.output == "/gpfsscratch/six/checkpoints/mine"
+    assert spec.data.train_weighted_split_paths_path == \
+        "/gpfswork/six/code/tr11-176B-ml/Megatron-DeepSpeed/data/train-splits.txt"
+    dry = runner.invoke(app, ["submit", "mine", "--dry-run"])
+    assert dry.exit_code == 0 and "is not set here" not in dry.stdout, dry.output
+    assert "# warning: /gpfswork/six/code/tr11-176B-ml/Megatron-DeepSpeed/data/train-splits.txt is missing" in \
+        dry.stdout
+
+    # Not a terminal, no --set: nothing asked, the variables still unset here named with the fix.
+    done = new("other", "--from", "tr8b-104B:bnb")
+    assert done.exit_code == 0, done.output
+    assert ("warning: trainings/other.yaml uses $six_ALL_CCFRWORK, $six_ALL_CCFRSCRATCH, not set here: export them "
+            "before `opskit submit other`, or write them out with `opskit specs new other --from tr8b-104B:bnb "
+            "--force --set VAR=VALUE`\n") in done.stderr
+    assert load_spec("other").paths.output == "$six_ALL_CCFRSCRATCH/checkpoints/other/bnb"
+
+    # A terminal is asked once per variable: the value here is the default; empty keeps $VAR where it is unset.
+    monkeypatch.setattr("opskit.cli.specs._interactive", lambda: True)
+    monkeypatch.setenv("six_ALL_CCFRSCRATCH", "/scratch/here")
+    done = new("asked", "--from", "tr1-13B", input="\n\n")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.startswith("$six_ALL_CCFRWORK (empty: keep $six_ALL_CCFRWORK): \n$six_ALL_CCFRSCRATCH (enter "
+                                  "$six_ALL_CCFRSCRATCH to keep it) [/scratch/here]: \n")
+    spec = load_spec("asked")
+    assert (spec.paths.output, spec.data.data_path) == (
+        "/scratch/here/checkpoints/asked", "$six_ALL_CCFRWORK/datasets-custom/oscar-en/meg-gpt2_text_document")
+    assert "warning: trainings/asked.yaml uses $six_ALL_CCFRWORK, not set here: export it" in done.stderr
+
+    # A bad --set is the command line's mistake: one line, exit 2, nothing written.
+    before = sorted(p.name for p in (in_tmp / "trainings").iterdir())
+    for args, message in [
+            (["--set", "six_ALL_CCFRWORK=/a", "--set", "six_ALL_CCFRWORK=/b"],
+             "--set six_ALL_CCFRWORK given twice (six_ALL_CCFRWORK=/a and six_ALL_CCFRWORK=/b): keep one"),
+            (["--set", "=x"], "--set =x: '' is not an environment variable name (letters, digits and _, not starting "
+                              "with a digit)"),
+            (["--set", "six_ALL_CCFRWORK"], "--set six_ALL_CCFRWORK: expected VAR=VALUE, e.g. --set "
+                                            "six_ALL_CCFRWORK=/path"),
+            (["--set", "six_ALL_CCFRWORK="], "--set six_ALL_CCFRWORK=: expected a value after '=' (the path "
+                                             "$six_ALL_CCFRWORK stands for)"),
+            (["--set", "HOME=/a"], "--set HOME: tr11 does not use $HOME (it uses $six_ALL_CCFRWORK, "
+                                   "$six_ALL_CCFRSCRATCH)")]:
+        done = new("bad", "--from", "tr11", *args)
+        assert (done.exit_code, done.stdout, done.stderr) == (2, "", f"error: {message}\n"), args
+    assert sorted(p.name for p in (in_tmp / "trainings").iterdir()) == before
+
+
 def test_plan_command(cli):
     done = cli("plan", "tr1-13B", "--gpus", "256", "--tflops", "45", "--json")
     assert done.exit_code == 0, done.output
