@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.plan import (
     ACHIEVED_TFLOPS,
+    GIB,
     activation_bytes_per_layer,
     bloom_parameters,
     gpt_parameters,
@@ -280,6 +281,37 @@ def test_model_state_memory_234_and_1872_GB(in_tmp):
     assert tr1.replica_gb == pytest.approx(18 * 12_854_282_240 / 1e9)  # 231.4 GB with the exact count
     # "we use 256GB (8x 32GB gpus) per each full replica": the estimate fits a V100 with room for activations.
     assert tr1.fits and tr1.total_gib_per_gpu < 32 and tr1.sharded_over == 16
+
+
+def test_bnb_counts_two_bytes_of_optimizer_state_per_parameter(in_tmp):
+    base, bnb = plan_of("tr8b-104B").memory, plan_of("tr8b-104B:bnb").memory
+    assert bnb.bytes_per_parameter == {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 2, "gradients": 4}
+    assert bnb.total_bytes_per_parameter == 12 and bnb.replica_gb_readme == 12 * 104
+    # The heaviest GPU (stage 0: 2 layers + embeddings, TP=4, ZeRO-1 over DP=4): every state 8-bit under fp16 ZeRO-1,
+    # the word embedding's too; the one difference in parameters is StableEmbedding's LayerNorm (2h).
+    stage, base_stage = bnb.stages[bnb.heaviest_stage], base.stages[base.heaviest_stage]
+    assert bnb.optimizer_state_gib_per_gpu * GIB == pytest.approx(stage.parameters_per_gpu * 2 / 4)
+    assert base.optimizer_state_gib_per_gpu * GIB == pytest.approx(base_stage.parameters_per_gpu * 8 / 4)
+    assert stage.parameters_per_gpu - base_stage.parameters_per_gpu == 2 * 11600 / 4
+    assert bnb.optimizer_state_gib_per_gpu / base.optimizer_state_gib_per_gpu == pytest.approx(1 / 4, rel=1e-4)
+    assert base.model_state_gib_per_gpu - bnb.model_state_gib_per_gpu == pytest.approx(
+        base.optimizer_state_gib_per_gpu - bnb.optimizer_state_gib_per_gpu, rel=1e-4)
+    assert "bitsandbytes 8-bit Adam: 2 bytes per parameter (the word embedding's too" in bnb.optimizer
+
+    # fp32 with ZeRO-0, where the trainer's StableEmbedding override takes hold: the word embedding counts 8 bytes.
+    raw = raw_of("tiny")
+    raw["megatron_args"] = {"use_bnb_optimizer": True}
+    raw["parallel"]["zero_stage"] = 0
+    tiny = make_plan(load_spec(str(write(in_tmp / "bnb-tiny.yaml", raw)))).memory
+    [only] = tiny.stages
+    words = padded_vocab_size(8000, load_spec("tiny").model, 1) * 128  # V_pad * h of the tiny preset
+    assert only.optimizer_state_gib * GIB == only.parameters_per_gpu * 2 + words * (8 - 2)
+    assert "the word embedding's 32-bit (8 bytes: StableEmbedding)" in tiny.optimizer
+
+    done = CliRunner().invoke(app, ["plan", "tr8b-104B:bnb"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.output
+    assert "12 = 4 fp32 weights + 2 half weights + 2 optimizer states + 4 gradients" in done.stdout
+    assert f"optimizer states {bnb.optimizer_state_gib_per_gpu:.3g} GiB of them" in done.stdout
 
 
 def test_tr1_rampup_schedule(in_tmp):
