@@ -38,6 +38,12 @@ MIXED_PRECISION_BYTES = {"fp32_weights": 4, "half_weights": 2, "optimizer_states
 fp32 moments, fp32 gradients."""
 FP32_BYTES = {"fp32_weights": 4, "half_weights": 0, "optimizer_states": 8, "gradients": 4}
 """fp32 training: no half-precision copy."""
+BNB_OPTIMIZER_STATE_BYTES = 2
+"""bitsandbytes' 8-bit Adam (``--use-bnb-optimizer``: ``bnb.optim.Adam8bit``): exp_avg and exp_avg_sq as uint8, one
+byte each, with one fp32 absmax per block of 2048 values (4 / 2048 bytes per state and parameter: left out); Dettmers
+et al. 2022, "8-bit Optimizers via Block-wise Quantization". It replaces Adam's 8 bytes of fp32 moments only: the fp32
+master weights stay 4 bytes under fp16 / bf16."""
+ADAM_STATE_BYTES = MIXED_PRECISION_BYTES["optimizer_states"]
 SHARDED_BY_ZERO = ("fp32_weights", "optimizer_states")
 """What ZeRO stage 1 partitions over data parallelism: the optimizer states, fp32 master weights included (Rajbhandari
 et al. 2020, ZeRO, section 5.1 "P_os"); DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, BLOOM-176B's "bf16 must use
@@ -169,6 +175,8 @@ class StagePlan:
     in_flight_microbatches: int
     """Micro-batches whose activations the stage holds at once under 1F1B: min(PP - index, micro-batches)."""
     model_state_gib: float
+    optimizer_state_gib: float
+    """The optimizer states within ``model_state_gib`` (Adam's moments; bitsandbytes' 8-bit ones with bnb)."""
     activation_gib_no_recompute: float
     activation_gib_recompute: float
 
@@ -184,9 +192,13 @@ class MemoryPlan:
     sharded_over: int
     """How many GPUs share fp32 weights and optimizer states (DP under ZeRO-1 / bf16's optimizer, else 1)."""
     sharding: str
+    optimizer: str
+    """Which Adam and how many bytes its states take per parameter."""
     stages: list[StagePlan]
     heaviest_stage: int
     model_state_gib_per_gpu: float
+    optimizer_state_gib_per_gpu: float
+    """The heaviest GPU's optimizer states (within ``model_state_gib_per_gpu``)."""
     activation_gib_per_gpu_no_recompute: float
     activation_gib_per_gpu_recompute: float
     activation_checkpointing: bool
@@ -194,6 +206,32 @@ class MemoryPlan:
     """Model states + activations (with the spec's checkpointing choice) on the heaviest GPU."""
     gpu_memory_gib: float | None
     fits: bool | None
+
+
+def bytes_per_parameter(spec: Spec) -> dict[str, int]:
+    """Model-state bytes of one parameter by kind (:data:`MIXED_PRECISION_BYTES`, :data:`FP32_BYTES`), with
+    :data:`BNB_OPTIMIZER_STATE_BYTES` of optimizer states under ``--use-bnb-optimizer`` (the word embedding's exception:
+    :func:`stable_embedding_states`)."""
+    breakdown = dict(FP32_BYTES if spec.model.precision == "fp32" else MIXED_PRECISION_BYTES)
+    if _bnb(spec):
+        breakdown["optimizer_states"] = BNB_OPTIMIZER_STATE_BYTES
+    return breakdown
+
+
+def stable_embedding_states(spec: Spec) -> bool:
+    """Whether the word embedding keeps 32-bit Adam states (8 bytes per parameter) under ``--use-bnb-optimizer``.
+
+    Megatron-DeepSpeed's StableEmbedding registers the word embedding with bitsandbytes' ``GlobalOptimManager`` for
+    32-bit states, by parameter identity; the trainer does the same (``opskit.train.main._build_optimizer``), and it
+    holds only where DeepSpeed hands bitsandbytes the model's own parameters: fp32 with ZeRO-0. Under ZeRO-1, or fp16
+    / bf16 (whose DeepSpeed optimizers step flat fp32 partitions), every state is 8-bit, as in BigScience's tr8b-104B
+    BNB runs (fp16, ZeRO-1). Parameters below bitsandbytes' ``min_8bit_size`` (4096 values: LayerNorms and biases of
+    small models) also keep 32-bit states there; the plan leaves them out."""
+    return _bnb(spec) and spec.model.precision == "fp32" and spec.parallel.zero_stage == 0
+
+
+def _bnb(spec: Spec) -> bool:
+    return bool(spec.megatron_args.get("use_bnb_optimizer"))
 
 
 def pipeline_stages(spec: Spec) -> list[tuple[int, bool, bool]]:
@@ -220,7 +258,7 @@ def pipeline_stages(spec: Spec) -> list[tuple[int, bool, bool]]:
 def _memory_plan(spec: Spec) -> MemoryPlan:
     m, p, b = spec.model, spec.parallel, spec.batch
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
-    breakdown = FP32_BYTES if m.precision == "fp32" else MIXED_PRECISION_BYTES
+    breakdown = bytes_per_parameter(spec)
     per_param = sum(breakdown.values())
     sharded = p.zero_stage >= 1 or m.precision == "bf16"
     shards = dp if sharded else 1
@@ -229,6 +267,9 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
                 "none (ZeRO-0): every DP rank holds all model states")
     kept = sum(v for k, v in breakdown.items() if k not in SHARDED_BY_ZERO)
     split = sum(v for k, v in breakdown.items() if k in SHARDED_BY_ZERO)
+    optimizer = breakdown["optimizer_states"]
+    # StableEmbedding's 32-bit states: the extra bytes of each word-embedding parameter (first stage, tied LM head)
+    stable_extra = ADAM_STATE_BYTES - optimizer if stable_embedding_states(spec) else 0
     total = parameter_count(spec)
     vocab = padded_vocab_size(spec.data.vocab_size, m, tp)
     h = m.hidden_size
@@ -243,12 +284,16 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         params = layers * layer_parameters(h, m.ffn_size) + (embedding if first else 0) + (
             (vocab * h if pp > 1 else 0) + 2 * h if last else 0)
         per_gpu = params / tp
+        word_embeddings = vocab * h / tp if first or (last and pp > 1) else 0
+        optimizer_bytes = (per_gpu * optimizer + word_embeddings * stable_extra) / shards
         in_flight = min(pp - index, microbatches)
         no_recompute = layers * in_flight * full_layer
         recompute = layers * in_flight * kept_layer + (full_layer if layers else 0)
         stages.append(StagePlan(
             index=index, layers=layers, embedding=first, lm_head=last, parameters=params, parameters_per_gpu=per_gpu,
-            in_flight_microbatches=in_flight, model_state_gib=per_gpu * (kept + split / shards) / GIB,
+            in_flight_microbatches=in_flight,
+            model_state_gib=(per_gpu * (kept + split / shards) + word_embeddings * stable_extra / shards) / GIB,
+            optimizer_state_gib=optimizer_bytes / GIB,
             activation_gib_no_recompute=no_recompute / GIB, activation_gib_recompute=recompute / GIB))
 
     def peak(stage: StagePlan) -> float:
@@ -260,12 +305,22 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         bytes_per_parameter=dict(breakdown), total_bytes_per_parameter=per_param,
         replica_gb=model_state_bytes(total, per_param) / 1e9,
         replica_gb_readme=float(per_param * round(total / 1e9)),
-        sharded_over=shards, sharding=sharding, stages=stages, heaviest_stage=heaviest.index,
-        model_state_gib_per_gpu=heaviest.model_state_gib,
+        sharded_over=shards, sharding=sharding, optimizer=_optimizer_text(spec), stages=stages,
+        heaviest_stage=heaviest.index, model_state_gib_per_gpu=heaviest.model_state_gib,
+        optimizer_state_gib_per_gpu=heaviest.optimizer_state_gib,
         activation_gib_per_gpu_no_recompute=heaviest.activation_gib_no_recompute,
         activation_gib_per_gpu_recompute=heaviest.activation_gib_recompute,
         activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
         gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb)
+
+
+def _optimizer_text(spec: Spec) -> str:
+    if not _bnb(spec):
+        return f"Adam: two fp32 moments, {ADAM_STATE_BYTES} bytes per parameter"
+    stable = (f", the word embedding's 32-bit ({ADAM_STATE_BYTES} bytes: StableEmbedding)"
+              if stable_embedding_states(spec) else
+              " (the word embedding's too: ZeRO-1, fp16 and bf16 step flat fp32 partitions)")
+    return f"bitsandbytes 8-bit Adam: {BNB_OPTIMIZER_STATE_BYTES} bytes per parameter{stable}"
 
 
 # --------------------------------------------------------------------------- layout

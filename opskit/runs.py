@@ -174,17 +174,18 @@ class RunPaths:
 
 def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
     """A folder the spec names (``Spec.local_path``), refused when it, or a folder above it, is a file: every command
-    would otherwise fail on it later with an OS error of its own.
+    would otherwise fail on it later with an OS error of its own (``Spec.refuse``: a ``Spec.with_placeholders`` copy
+    records it and goes on).
 
     Raises:
         SpecError: naming the file, the field and the path that is a file; an unset ``$VAR``.
     """
-    from opskit.spec import SpecError
-
     path = spec.local_path(value, field, environ)
+    if spec.unsettled(field):  # an unset $VAR: not a path of this machine
+        return path
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
-        raise SpecError(f"{spec.file or spec.name}: {field}: {existing} is a file, not a folder")
+        spec.refuse(field, f"{spec.file or spec.name}: {field}: {existing} is a file, not a folder")
     return path
 
 

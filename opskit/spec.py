@@ -19,7 +19,8 @@ given twice in one mapping is refused with both lines.
 
 String values of ``paths``, ``data`` paths, ``slurm.env`` and ``megatron_args`` may use ``$VAR`` / ``${VAR}``
 (BigScience's ``$six_ALL_CCFRSCRATCH``): they are expanded from the environment where the job is rendered (``opskit
-submit``), and an unset variable is an error there, never an empty string.
+submit``), and an unset variable is an error there, never an empty string; ``Spec.with_placeholders`` is the copy
+``opskit submit`` renders with, which keeps an unset ``$VAR`` literal and lists it (``Spec.problems``).
 
 Every refusal is one line naming the file, the field, the reason and the fix; the cluster-level rules (divisibility
 of batch sizes, heads, layers and vocabulary by the parallel layout, curriculum-learning alignment, the exit duration,
@@ -29,11 +30,12 @@ spec that Megatron or SLURM would reject.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -561,6 +563,8 @@ class Spec(_Section):
     _file: Path | None = PrivateAttr(default=None)
     """The YAML file :func:`load_spec` read."""
     _variant: str | None = PrivateAttr(default=None)
+    _unsettled: _Unsettled | None = PrivateAttr(default=None)
+    """What a :meth:`with_placeholders` copy recorded instead of raising; None for a plain spec."""
 
     @field_validator("megatron_args")
     @classmethod
@@ -687,29 +691,96 @@ class Spec(_Section):
         return folder.parent if folder.name == USER_SPEC_DIR.name else folder
 
     def local_path(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
-        """A path field of the spec, ``$VAR`` expanded and made absolute from :attr:`base_dir`.
+        """A path field of the spec, ``$VAR`` expanded and made absolute from :attr:`base_dir`; in a
+        :meth:`with_placeholders` copy a path that starts with an unset variable stays as written
+        (``$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml``), relative: the user's variable, not our base directory.
 
         Raises:
             SpecError: an unset ``$VAR`` (see :meth:`expand`).
         """
-        return (self.base_dir / Path(self.expand(value, field, environ)).expanduser()).resolve()
+        expanded = self.expand(value, field, environ)
+        if self._unsettled is not None and (start := _ENV_VAR.match(expanded)) and \
+                _var_of(start) in self._unsettled.unset:
+            return Path(expanded)
+        return (self.base_dir / Path(expanded).expanduser()).resolve()
 
     def expand(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> str:
-        """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``).
+        """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``); in a
+        :meth:`with_placeholders` copy an unset one stays as written and is recorded with ``field``.
 
         Raises:
-            SpecError: naming the file, ``field`` and the variable when it is not set.
+            SpecError: naming the file, ``field`` and the variable when it is not set (not in a
+                :meth:`with_placeholders` copy).
         """
         env = os.environ if environ is None else environ
 
         def substitute(match: re.Match) -> str:
-            var = match.group(1) or match.group(2)
-            if var not in env:
+            var = _var_of(match)
+            if var in env:
+                return env[var]
+            if self._unsettled is None:
                 raise SpecError(f"{self._file or self.name}: {field}: ${var} is not set in this environment; export "
                                 "it (as on the cluster's login node) or write the path out")
-            return env[var]
+            self._unsettled.unset.setdefault(var, {})[field] = None
+            return match.group(0)
 
         return _ENV_VAR.sub(substitute, value)
+
+    def with_placeholders(self) -> Spec:
+        """A copy that renders whatever this environment lacks: an unset ``$VAR`` stays literal in every value
+        (:meth:`expand`, :meth:`local_path`) and a path refused by :meth:`refuse` is kept, both recorded for
+        :attr:`problems` instead of raised; what checks a real path asks :meth:`unsettled` first. ``opskit submit``
+        renders with it, so a dry run always shows the script and a real one lists every problem at once."""
+        copy = self.model_copy()
+        copy._unsettled = _Unsettled()
+        return copy
+
+    def refuse(self, field: str, message: str) -> None:
+        """A path of ``field`` that cannot be used here (a file where a folder must be): raise it, or record it in a
+        :meth:`with_placeholders` copy.
+
+        Raises:
+            SpecError: ``message``, unless this is a :meth:`with_placeholders` copy.
+        """
+        if self._unsettled is None:
+            raise SpecError(message)
+        self._unsettled.refused.setdefault(field, message)
+
+    def unsettled(self, field: str) -> bool:
+        """Whether ``field``'s value could not be settled here (an unset ``$VAR``, a refused path): checks of the
+        real path behind it are skipped, the recorded problem already says why. False for a plain spec."""
+        if self._unsettled is None:
+            return False
+        return field in self._unsettled.refused or any(field in fields for fields in self._unsettled.unset.values())
+
+    @property
+    def problems(self) -> list[str]:
+        """What a :meth:`with_placeholders` copy met so far: each unset variable once, with the fields that use it
+        and the fix, then each refused path; empty for a plain spec."""
+        if self._unsettled is None:
+            return []
+        preset = self._file is None or self._file.resolve().parent == _preset_dir().resolve()
+        problems = []
+        for var, fields in self._unsettled.unset.items():
+            where = (f"or write it into your copy: opskit specs new mine --from {self.cli_name} --set {var}=/path"
+                     if preset else f"or write the value into {self._file}")
+            problems.append(f"${var} is not set here (used by {', '.join(fields)}): export it as on the cluster's "
+                            f"login node, {where}")
+        return problems + list(self._unsettled.refused.values())
+
+
+@dataclass
+class _Unsettled:
+    """What a :meth:`Spec.with_placeholders` copy met: unset variable -> fields using it (in order of use), and
+    field -> why its path was refused."""
+
+    unset: dict[str, dict[str, None]] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _var_of(match: re.Match) -> str:
+    """The variable name of an :data:`_ENV_VAR` match (``$VAR`` or ``${VAR}``)."""
+    return match.group(1) or match.group(2)
 
 
 _MISSING = object()
@@ -1044,10 +1115,19 @@ class CreatedSpec:
     """Fields where the source's name was replaced by the new one (``paths.output``, ``slurm.job_name``, ...)."""
     still_named: list[str]
     """Other string fields that still mention the source's name: to check by hand."""
+    written_out: list[str] = dataclasses.field(default_factory=list)
+    """Environment variables whose ``$VAR`` the file now holds as their value (``--set``, the prompt)."""
+    still_unset: list[str] = dataclasses.field(default_factory=list)
+    """Variables the file still uses that are not set in this environment (``opskit submit`` would warn)."""
+
+
+class SettingError(SpecError):
+    """A bad ``--set VAR=VALUE`` of ``opskit specs new`` (a usage error: the command line, not a file)."""
 
 
 MAX_SPEC_NAME = 200  # trainings/NAME.yaml must fit a file name (255 bytes on Linux file systems)
 _CREATED_MARK = "# Created by `opskit specs new "
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def created_by_specs_new(path: Path) -> bool:
@@ -1059,19 +1139,68 @@ def created_by_specs_new(path: Path) -> bool:
         return False
 
 
-def create_user_spec(name: str, source: str, force: bool = False) -> CreatedSpec:
+def parse_settings(items: list[str]) -> dict[str, str]:
+    """``["VAR=VALUE", ...]`` (``opskit specs new --set``) as a mapping.
+
+    Raises:
+        SettingError: an item without ``=``, a name that is no environment variable's, an empty value or one with a
+            control character (it goes into YAML strings and job scripts), a variable given twice.
+    """
+    values: dict[str, str] = {}
+    for item in items:
+        var, equals, value = item.partition("=")
+        if not equals:
+            raise SettingError(f"--set {item}: expected VAR=VALUE, e.g. --set six_ALL_CCFRWORK=/path")
+        if not _VAR_NAME.fullmatch(var):
+            raise SettingError(f"--set {item}: {var!r} is not an environment variable name (letters, digits and _, "
+                               "not starting with a digit)")
+        if not value:
+            raise SettingError(f"--set {item}: expected a value after '=' (the path ${var} stands for)")
+        if re.search(r"[\x00-\x1f\x7f]", value):
+            raise SettingError(f"--set {var}: the value {value!r} has a control character; give a plain path")
+        if var in values:
+            raise SettingError(f"--set {var} given twice ({var}={values[var]} and {item}): keep one")
+        values[var] = value
+    return values
+
+
+def variables_used(value: Any) -> list[str]:
+    """The environment variables (``$VAR``, ``${VAR}``) of every string in a spec's mapping, in order of use."""
+    if isinstance(value, str):
+        return [_var_of(m) for m in _ENV_VAR.finditer(value)]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return list(dict.fromkeys(var for item in items for var in variables_used(item)))
+
+
+def _written_out(value: Any, values: Mapping[str, str]) -> Any:
+    """``value`` (a spec's mapping) with each ``$VAR`` / ``${VAR}`` of ``values`` replaced by its value."""
+    if isinstance(value, str):
+        return _ENV_VAR.sub(lambda m: values.get(_var_of(m), m.group(0)), value)
+    if isinstance(value, dict):
+        return {key: _written_out(item, values) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_written_out(item, values) for item in value]
+    return value
+
+
+def create_user_spec(name: str, source: str, force: bool = False, values: Mapping[str, str] | None = None,
+                     ask: Callable[[str], str | None] | None = None) -> CreatedSpec:
     """Write ``trainings/NAME.yaml`` from ``source`` (a preset, ``NAME:VARIANT`` or a path), validated first.
 
     The copy is the source's mapping with its variant applied (a copy of a whole file keeps its variants); the
     source's name is replaced by ``name`` in ``paths.*`` and ``slurm.job_name`` (of the variants too), so the new
-    training never writes into the source's run directory or shares its SLURM job name.
+    training never writes into the source's run directory or shares its SLURM job name. Each ``$VAR`` / ``${VAR}``
+    of ``values`` (``--set VAR=VALUE``) is written out as its value in every string; ``ask(VAR)`` (the prompt) is
+    asked for each other variable the copy uses, once the file may be written, and a None or empty answer keeps
+    ``$VAR``.
 
     The file's first line, a YAML comment, marks it as opskit's: with ``force`` such a file is replaced (atomically);
     any other existing file is never touched.
 
     Raises:
-        SpecError: invalid name, or an invalid source spec. OutputRefusedError: the file exists and (without
-            ``force``, or not written by ``opskit specs new``) is not replaced.
+        SpecError: invalid name, or an invalid source spec. SettingError: a variable of ``values`` the source does
+            not use. OutputRefusedError: the file exists and (without ``force``, or not written by ``opskit specs
+            new``) is not replaced.
     """
     if not _SPEC_NAME.fullmatch(name) or len(name) > MAX_SPEC_NAME:
         raise SpecError(f"spec name {name[:40]!r}{'...' if len(name) > 40 else ''}: use at most {MAX_SPEC_NAME} "
@@ -1085,26 +1214,37 @@ def create_user_spec(name: str, source: str, force: bool = False) -> CreatedSpec
         whole = _read_yaml(resolved.path)
         if "variants" in whole:
             raw["variants"] = whole["variants"]
+    used = variables_used(raw)
+    values = dict(values or {})
+    if unused := [var for var in values if var not in used]:
+        uses = f"it uses {', '.join('$' + v for v in used)}" if used else "it uses no environment variable"
+        raise SettingError(f"--set {unused[0]}: {source} does not use ${unused[0]} ({uses})")
     renamed: list[str] = []
     raw = _renamed(raw, old, name, "", renamed)
     # a renamed field mentions the old name only inside the new one (tiny -> mytiny): not one to check by hand
     still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description")
                    and not any(m == r or m.startswith(f"{r}.") for r in renamed))
     target = USER_SPEC_DIR / f"{name}.yaml"
+    claim_file(target, force, created_by_specs_new, flag="spec name")
+    for var in used:
+        if ask is not None and var not in values and (answer := ask(var)):
+            values[var] = answer
+    raw = _written_out(raw, values)
     header = (f"{_CREATED_MARK}{name} --from {source}` from {resolved.path}; see that file for the source of each "
               "value.\n")
     text = header + yaml.safe_dump(raw, sort_keys=False, width=120)
-    claim_file(target, force, created_by_specs_new, flag="spec name")
+    created = CreatedSpec(target, resolved.path, renamed, still, [v for v in used if v in values],
+                          [v for v in used if v not in values and v not in os.environ])
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():  # claimed: opskit's own, and --force
         atomic_write_text(target, text)
-        return CreatedSpec(target, resolved.path, renamed, still)
+        return created
     try:
         with open(target, "x") as out:  # exclusive create: never overwrite, even racing another `specs new`
             out.write(text)
     except FileExistsError:
         raise OutputRefusedError(f"{target}: was created by someone else just now; not replaced") from None
-    return CreatedSpec(target, resolved.path, renamed, still)
+    return created
 
 
 def _renamed(raw: dict, old: str, new: str, prefix: str, renamed: list[str]) -> dict:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 
@@ -37,26 +39,25 @@ class Submission:
     notes: list[str] = field(default_factory=list)
     """What the user should know: the chaining, excluded nodes, flags removed with ``--yes``."""
     skipped: str | None = None
+    warnings: list[str] = field(default_factory=list)
+    """Dry run only: every problem a real submission would refuse (one line each; the script shows an unset
+    ``$VAR`` as written)."""
 
 
-def check_data(spec: Spec) -> None:
-    """The job would fail minutes later in the queue without its data: refuse now.
-
-    Raises:
-        SubmitError: the first missing file, with the command or step that makes it.
-    """
-    missing = [(field, path) for field, path in data_files(spec) if not path.is_file()]
-    if not missing:
-        return
-    field, path = missing[0]
-    if spec.data.prepared_by_opskit:
-        raise SubmitError(f"{path} is missing: run `opskit data prepare {shlex.quote(spec.cli_name)}` first")
-    how = _MAKES.get(field, "Megatron's tools/preprocess_data.py writes indexed datasets")
-    raise SubmitError(f"{path} is missing ({field} of {spec.file or spec.name}): prepare it before submitting ({how})")
+def data_problems(spec: Spec) -> list[str]:
+    """The job would fail minutes later in the queue without its data: each missing file, with the command or step
+    that makes it (one line for data ``opskit data prepare`` builds). A path of an unsettled field (an unset
+    ``$VAR``: :meth:`Spec.unsettled`) is not looked for."""
+    missing = [(field, path) for field, path in data_files(spec) if not spec.unsettled(field) and not path.is_file()]
+    if missing and spec.data.prepared_by_opskit:
+        return [f"{missing[0][1]} is missing: run `opskit data prepare {shlex.quote(spec.cli_name)}` first"]
+    return [f"{path} is missing ({field} of {spec.file or spec.name}): prepare it before submitting "
+            f"({_MAKES.get(field, _MAKES['data.data_path'])})" for field, path in missing]
 
 
-# What makes each kind of data file a spec may read (the hint of check_data's refusal).
+# What makes each kind of data file a spec may read (the hint of data_problems).
 _MAKES = {
+    "data.data_path": "Megatron's tools/preprocess_data.py writes indexed datasets",
     "data.train_weighted_split_paths_path": "BigScience wrote it with data/catalogue/load_ratios_meg_ds_format.py",
     "data.valid_weighted_split_paths_path": "BigScience wrote it with data/catalogue/load_ratios_meg_ds_format.py",
     "data.vocab_file": "GPT-2's gpt2-vocab.json",
@@ -65,15 +66,12 @@ _MAKES = {
 }
 
 
-def check_trainer(spec: Spec) -> None:
-    """Refuse a job this DeepSpeed could not resume (the spec's flags are the trainer's: validated when read).
-
-    Raises:
-        SubmitError: the DeepSpeed version's problem with the spec's precision, ZeRO stage and pipeline.
-    """
-    where = spec.file or spec.name
+def trainer_problems(spec: Spec) -> list[str]:
+    """A job this DeepSpeed could not resume (the spec's flags are the trainer's: validated when read): the DeepSpeed
+    version's problem with the spec's precision, ZeRO stage and pipeline, or nothing."""
     if problem := deepspeed_resume_problem(spec):
-        raise SubmitError(f"{where}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
+        return [f"{spec.file or spec.name}: {problem} (or pin parallel.deepspeed_version to the cluster's)"]
+    return []
 
 
 def check_resume_layout(spec: Spec, run: RunPaths) -> list[str]:
@@ -106,32 +104,30 @@ def write_run(spec: Spec, run: RunPaths, job: RenderedJob) -> None:
     atomic_write_text(run.resolved_spec, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 
 
-def check_flags(spec: Spec, run: RunPaths, yes: bool, dry_run: bool) -> list[str]:
-    """Refuse a chain whose tasks would exit at start; with ``yes``, remove the finished and stopped flags.
+def check_flags(spec: Spec, run: RunPaths, yes: bool) -> tuple[dict[Path, str], list[str]]:
+    """The flags that would make every task exit at start.
 
     Returns:
-        notes on the flags removed (or that ``dry_run`` would remove).
-
-    Raises:
-        SubmitError: the kill switch is on; the finished or stopped flag exists and ``yes`` is False.
+        (the finished and stopped flags ``yes`` removes -> what each means, the problems: the kill switch is on; a
+        finished or stopped flag exists and ``yes`` is False).
     """
     name = shlex.quote(spec.cli_name)
+    problems = []
     if run.kill_switch.exists():
-        raise SubmitError(f"the kill switch {run.kill_switch} is on, so every task would exit at start: "
-                          f"`opskit kill-switch {name} off` first")
-    notes = []
+        problems.append(f"the kill switch {run.kill_switch} is on, so every task would exit at start: "
+                        f"`opskit kill-switch {name} off` first")
+    removable = {}
     for flag, what in ((run.finished_flag, "the training finished"), (run.stopped_flag, "the chain was stopped")):
         if not flag.exists():
             continue
-        if not yes:
-            hint = ("raise batch.train_samples to train further" if flag == run.finished_flag else
-                    "fix the cause (`opskit nodes list`, the ledger)")
-            raise SubmitError(f"{what} ({flag}: {chain.flag_text(flag)}); every task would exit at start: {hint}, "
-                              "then submit again with --yes to remove the flag")
-        if not dry_run:
-            flag.unlink()
-        notes.append(f"{'would remove' if dry_run else 'removed'} {flag} ({what}) as --yes asks")
-    return notes
+        if yes:
+            removable[flag] = what
+            continue
+        hint = ("raise batch.train_samples to train further" if flag == run.finished_flag else
+                "fix the cause (`opskit nodes list`, the ledger)")
+        problems.append(f"{what} ({flag}: {chain.flag_text(flag)}); every task would exit at start: {hint}, then "
+                        "submit again with --yes to remove the flag")
+    return removable, problems
 
 
 def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_run: bool = False,
@@ -139,6 +135,13 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
            yes: bool = False) -> Submission:
     """Render and submit ``array`` chained tasks (default: the spec's ``slurm.array``) after the run's running or
     pending jobs (:func:`chain.run_jobs`), so that two trainings of one run directory never overlap.
+
+    The spec is rendered as :meth:`Spec.with_placeholders` (an unset ``$VAR`` stays literal in the script) and every
+    check runs: missing data, what this DeepSpeed cannot resume, a ``paths.output`` opskit may not write, a
+    checkpoint the spec's layout cannot load, a flag that would make every task exit, a bad ``bad-nodes.txt``. A dry
+    run returns them as ``warnings`` with the script; a real submission refuses them all at once, before asking the
+    queue, writing or submitting anything. Checks of a real path are skipped where an unset ``$VAR`` already explains
+    it.
 
     Args:
         executor: ``slurm`` (sbatch) or ``local`` (bash, tasks run here one after another; returns when done).
@@ -151,36 +154,51 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         yes: remove a finished or stopped flag left by an earlier chain.
 
     Raises:
-        SubmitError: missing data, a job the trainer would refuse, a flag that would make every task exit, an
-            unknown executor. ``ReshapeError``: the checkpoint to resume from cannot be loaded on the spec's layout
-            (:func:`check_resume_layout`). ``OutputRefusedError``: ``paths.output`` is not opskit's
-            (:func:`chain.claim_run_dir`). ``ChainError`` for an unknown ``slurm.group`` or a bad
-            ``bad-nodes.txt``. ``client.SlurmError`` when squeue or sbatch fail. ``SpecError`` for an unset ``$VAR``
-            of the spec.
+        SubmitError: an unknown executor or a bad ``after`` (at once); else, not for a dry run, every problem above:
+            one problem as its own line, more as ``cannot submit NAME: N problems`` and one line each.
+            ``ChainError`` for an unknown ``slurm.group`` or a run directory no job comment can carry.
+            ``client.SlurmError`` when squeue or sbatch fail.
     """
     if executor not in ("slurm", "local"):
         raise SubmitError(f"--executor {executor}: expected 'slurm' or 'local'")
     if after is not None and not re.fullmatch(r"\d+(_\d+)?", after):
         raise SubmitError(f"--after {after}: expected a SLURM job id such as 1234 or 1234_2")
-    check_data(spec)
+    spec = spec.with_placeholders()
     run = RunPaths.of(spec)
-    check_trainer(spec)
-    notes = [note] if (note := chain.claim_run_dir(run, "submit", write=False)) else []
-    notes += check_resume_layout(spec, run)
-    notes += check_flags(spec, run, yes, dry_run)
+    problems = [*data_problems(spec), *trainer_problems(spec)]
+    notes: list[str] = []
+    removable: dict[Path, str] = {}
+    exclude: list[str] = []
+    if not spec.unsettled("paths.output"):
+        notes += _collect(problems, lambda: [note] if (note := chain.claim_run_dir(run, "submit", write=False)) else [])
+        notes += _collect(problems, lambda: check_resume_layout(spec, run))
+        removable, flag_problems = check_flags(spec, run, yes)
+        problems += flag_problems
+        if executor == "slurm":
+            exclude = sorted(_collect(problems, lambda: list(chain.read_bad_nodes(run))))
+    job = render_job(spec, run, exclude=exclude)
+    problems = [*spec.problems, *problems]  # the unset variables are all known once the script is rendered
+    if problems and not dry_run:
+        raise SubmitError(problems[0] if len(problems) == 1 else
+                          f"cannot submit {spec.name}: {len(problems)} problems" + "".join(f"\n  - {p}"
+                                                                                          for p in problems))
+    for flag, what in removable.items():
+        if not dry_run:
+            flag.unlink()
+        notes.append(f"{'would remove' if dry_run else 'removed'} {flag} ({what}) as --yes asks")
     tasks = array or spec.slurm.array
     if executor == "local":
-        job = render_job(spec, run)
-        submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes)
+        submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes, warnings=problems)
         if not dry_run:
             write_run(spec, run, job)
             submission.local_tasks = local.run_array(
                 run.script, spec.job_name, tasks, spec.slurm.time_minutes * 60, spec.slurm.signal_margin_secs,
                 run.slurm_dir, on_start=on_local_task)
         return submission
-    queue = _queue(spec, run, dry_run, notes)
+    # A run directory still named by an unset $VAR has no jobs here (a real submission has refused it above).
+    queue = None if spec.unsettled("paths.output") else _queue(spec, run, dry_run, notes)
     if keep is not None and queue is not None and queue.tasks >= keep:
-        return Submission(run, executor, [], notes=notes,
+        return Submission(run, executor, [], notes=notes, warnings=problems,
                           skipped=f"{queue.tasks} task(s) of {spec.job_name} running or pending (--keep {keep}): "
                                   "nothing submitted")
     last = queue.last_job if queue is not None else None
@@ -188,18 +206,25 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
     if last:
         notes.append(f"{spec.job_name} already has {queue.tasks} task(s) running or pending (job {last}): the new "
                      f"array waits for them (--dependency=afterany:{last}), so two trainings never overlap")
-    exclude = sorted(chain.read_bad_nodes(run))
     if exclude:
         notes.append(f"excluding bad node(s) {','.join(exclude)} ({run.bad_nodes}; `opskit nodes clear` when "
                      "repaired)")
-    job = render_job(spec, run, exclude=exclude)
     dependency = "afterany:" + ":".join(waits) if waits else None
     command = client.sbatch_command(run.script, array=tasks, dependency=dependency, begin=begin)
-    submission = Submission(run, executor, command, job.script, after=last, notes=notes)
+    submission = Submission(run, executor, command, job.script, after=last, notes=notes, warnings=problems)
     if not dry_run:
         write_run(spec, run, job)
         submission.job_id = client.sbatch(run.script, array=tasks, dependency=dependency, begin=begin)
     return submission
+
+
+def _collect(problems: list[str], check: Callable[[], list[str]]) -> list[str]:
+    """``check()``'s notes; its refusal (an :class:`OpskitError`, one line) is appended to ``problems`` instead."""
+    try:
+        return check()
+    except OpskitError as e:
+        problems.append(str(e))
+        return []
 
 
 def _queue(spec: Spec, run: RunPaths, dry_run: bool, notes: list[str]) -> chain.Queue | None:

@@ -234,9 +234,11 @@ def test_second_submit_chains_keep_hold_release_kill_switch(kjv_data, tmp_path, 
     on = cli("kill-switch", spec_path, "on")
     assert on.returncode == 0 and f"kill switch {run.kill_switch} is now on" in on.stdout, on.stderr
     wait_gone(name, first.job_id, second.job_id)
-    with pytest.raises(SubmitError, match=r"kill switch .* is on, so every task would exit at start: `opskit "
-                                          r"kill-switch .* off` first$"):
-        submit(spec, dry_run=True)
+    refusal = r"the kill switch .* is on, so every task would exit at start: `opskit kill-switch .* off` first"
+    [warning] = submit(spec, dry_run=True).warnings  # a dry run shows it with the script
+    assert re.fullmatch(refusal, warning), warning
+    with pytest.raises(SubmitError, match=f"^{refusal}$"):
+        submit(spec)
     assert cli("kill-switch", spec_path, "off").returncode == 0 and not run.kill_switch.exists()
 
     # Task 1 saved where it stopped and exited 0; the queued tasks exited at start without training.
@@ -327,8 +329,10 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
     assert len(node_logs) == 2 and all("  what():  CUDA error: unknown error" in f.read_text() for f in node_logs)
 
     # The next submission carries --exclude (and needs --yes to clear the stop); `opskit nodes` edits the list.
+    [warning] = submit(spec, dry_run=True).warnings
+    assert re.match(r"the chain was stopped .* fix the cause", warning), warning
     with pytest.raises(SubmitError, match=r"^the chain was stopped .* fix the cause"):
-        submit(spec, dry_run=True)
+        submit(spec)
     dry = submit(spec, dry_run=True, yes=True)
     assert "#SBATCH --exclude=localhost\n" in dry.script
     assert any(note.startswith("excluding bad node(s) localhost ") for note in dry.notes)

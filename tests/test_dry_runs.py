@@ -158,12 +158,15 @@ def test_submit_writes_only_into_a_run_directory_of_its_own(tmp_path, job_name):
     (users / "notes.txt").write_text("mine\n")
     spec = spec_at(tmp_path, name, output=users)
     before = tree(users)
-    for args in ((), ("--dry-run",), ("--executor", "local")):
+    refusal = (f"{users}: paths.output exists and holds files opskit did not write (no .opskit marker, no job script "
+               "rendered by opskit); choose another paths.output (opskit writes runs only into folders it created)")
+    for args in ((), ("--executor", "local")):
         done = cli("submit", spec, *args)
         assert (done.returncode, done.stdout) == (1, ""), done.stdout + done.stderr
-        assert done.stderr == (f"error: {users}: paths.output exists and holds files opskit did not write (no .opskit "
-                               "marker, no job script rendered by opskit); choose another paths.output (opskit writes "
-                               "runs only into folders it created)\n")
+        assert done.stderr == f"error: {refusal}\n"
+    dry = cli("submit", spec, "--dry-run")  # the script, and the refusal as a warning
+    assert dry.returncode == 0 and dry.stdout.startswith("#!/bin/bash\n"), dry.stdout + dry.stderr
+    assert dry.stdout.endswith(f"# warning: {refusal}\n")
     refused = cli("cron", "install", spec, "--via", "slurm")
     assert refused.returncode == 1 and refused.stderr.startswith(f"error: {users}: paths.output exists and holds")
     assert tree(users) == before and queue_of(name) == {}

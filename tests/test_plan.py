@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.plan import (
     ACHIEVED_TFLOPS,
+    GIB,
     activation_bytes_per_layer,
     bloom_parameters,
     gpt_parameters,
@@ -45,7 +46,7 @@ from opskit.spec import (
     parse_slurm_time,
     validate_spec,
 )
-from opskit.submit import SubmitError, check_data, check_trainer
+from opskit.submit import data_problems, trainer_problems
 from opskit.train.args import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,6 +281,37 @@ def test_model_state_memory_234_and_1872_GB(in_tmp):
     assert tr1.replica_gb == pytest.approx(18 * 12_854_282_240 / 1e9)  # 231.4 GB with the exact count
     # "we use 256GB (8x 32GB gpus) per each full replica": the estimate fits a V100 with room for activations.
     assert tr1.fits and tr1.total_gib_per_gpu < 32 and tr1.sharded_over == 16
+
+
+def test_bnb_counts_two_bytes_of_optimizer_state_per_parameter(in_tmp):
+    base, bnb = plan_of("tr8b-104B").memory, plan_of("tr8b-104B:bnb").memory
+    assert bnb.bytes_per_parameter == {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 2, "gradients": 4}
+    assert bnb.total_bytes_per_parameter == 12 and bnb.replica_gb_readme == 12 * 104
+    # The heaviest GPU (stage 0: 2 layers + embeddings, TP=4, ZeRO-1 over DP=4): every state 8-bit under fp16 ZeRO-1,
+    # the word embedding's too; the one difference in parameters is StableEmbedding's LayerNorm (2h).
+    stage, base_stage = bnb.stages[bnb.heaviest_stage], base.stages[base.heaviest_stage]
+    assert bnb.optimizer_state_gib_per_gpu * GIB == pytest.approx(stage.parameters_per_gpu * 2 / 4)
+    assert base.optimizer_state_gib_per_gpu * GIB == pytest.approx(base_stage.parameters_per_gpu * 8 / 4)
+    assert stage.parameters_per_gpu - base_stage.parameters_per_gpu == 2 * 11600 / 4
+    assert bnb.optimizer_state_gib_per_gpu / base.optimizer_state_gib_per_gpu == pytest.approx(1 / 4, rel=1e-4)
+    assert base.model_state_gib_per_gpu - bnb.model_state_gib_per_gpu == pytest.approx(
+        base.optimizer_state_gib_per_gpu - bnb.optimizer_state_gib_per_gpu, rel=1e-4)
+    assert "bitsandbytes 8-bit Adam: 2 bytes per parameter (the word embedding's too" in bnb.optimizer
+
+    # fp32 with ZeRO-0, where the trainer's StableEmbedding override takes hold: the word embedding counts 8 bytes.
+    raw = raw_of("tiny")
+    raw["megatron_args"] = {"use_bnb_optimizer": True}
+    raw["parallel"]["zero_stage"] = 0
+    tiny = make_plan(load_spec(str(write(in_tmp / "bnb-tiny.yaml", raw)))).memory
+    [only] = tiny.stages
+    words = padded_vocab_size(8000, load_spec("tiny").model, 1) * 128  # V_pad * h of the tiny preset
+    assert only.optimizer_state_gib * GIB == only.parameters_per_gpu * 2 + words * (8 - 2)
+    assert "the word embedding's 32-bit (8 bytes: StableEmbedding)" in tiny.optimizer
+
+    done = CliRunner().invoke(app, ["plan", "tr8b-104B:bnb"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.output
+    assert "12 = 4 fp32 weights + 2 half weights + 2 optimizer states + 4 gradients" in done.stdout
+    assert f"optimizer states {bnb.optimizer_state_gib_per_gpu:.3g} GiB of them" in done.stdout
 
 
 def test_tr1_rampup_schedule(in_tmp):
@@ -520,12 +552,12 @@ def test_bf16_zero0_on_deepspeed_versions_that_cannot_resume(in_tmp, jean_zay, m
     raw["paths"]["output"] = str(in_tmp / "run")
     spec = load_spec(str(write(in_tmp / "bf16.yaml", raw)))
     monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.18.3")
-    with pytest.raises(SubmitError, match=r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them"):
-        check_trainer(spec)
+    [problem] = trainer_problems(spec)
+    assert re.search(r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them", problem)
     assert any("never loads them back" in w for w in make_plan(spec).warnings)
     for version in ("0.17.6", "0.19.8"):
         monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda v=version: v)
-        check_trainer(spec)
+        assert trainer_problems(spec) == []
         assert not any("zero_stage 0" in w for w in make_plan(spec).warnings)
 
 
@@ -621,6 +653,27 @@ def test_environment_variables_in_paths(in_tmp, monkeypatch):
     assert expanded == "/gpfsssd/scratch/rech/six/commun/x $(not a var)"
 
 
+def test_a_placeholder_copy_keeps_unset_variables_literal_and_lists_them(in_tmp, monkeypatch):
+    spec = load_spec("tr11").with_placeholders()
+    run = RunPaths.of(spec)  # the user's variable stays first, never made absolute with our directory
+    assert run.root == Path("$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml") and spec.unsettled("paths.output")
+    assert spec.expand("${six_ALL_CCFRWORK}/a", "slurm.env.A") == "${six_ALL_CCFRWORK}/a"
+    spec.expand("$six_ALL_CCFRWORK/b", "slurm.env.B")
+    spec.expand("$six_ALL_CCFRWORK/b", "slurm.env.B")  # a field used twice is named once
+    assert spec.problems == [
+        "$six_ALL_CCFRSCRATCH is not set here (used by paths.output): export it as on the cluster's login node, or "
+        "write it into your copy: opskit specs new mine --from tr11-176B-ml --set six_ALL_CCFRSCRATCH=/path",
+        "$six_ALL_CCFRWORK is not set here (used by slurm.env.A, slurm.env.B): export it as on the cluster's login "
+        "node, or write it into your copy: opskit specs new mine --from tr11-176B-ml --set six_ALL_CCFRWORK=/path"]
+    assert not spec.unsettled("data.vocab_file")
+    # The spec it was copied from still refuses, and a set variable is expanded in the copy too.
+    with pytest.raises(SpecError, match=r"\$six_ALL_CCFRSCRATCH is not set in this environment"):
+        RunPaths.of(load_spec("tr11"))
+    monkeypatch.setenv("six_ALL_CCFRSCRATCH", str(in_tmp))
+    spec = load_spec("tr11").with_placeholders()
+    assert RunPaths.of(spec).root == in_tmp / "checkpoints" / "tr11-176B-ml" and spec.problems == []
+
+
 # --------------------------------------------------------------------------- rendering the real jobs
 
 
@@ -629,7 +682,7 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     run = RunPaths.of(spec)
     assert run.root == in_tmp / "runs" / "tiny"
     assert parse_args(trainer_args(spec, run)).data_path == [str(in_tmp / "data" / "kjv" / "kjv_text_document")]
-    check_trainer(spec)
+    assert trainer_problems(spec) == []
     job = render_job(spec, run)
     assert "#SBATCH --job-name=tiny" in job.script and "--exit-duration-in-mins 2.0 " in job.script
     assert f"--data-path {in_tmp}/data/kjv/kjv_text_document" in job.script
@@ -639,8 +692,8 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     script.write_text(job.script)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     assert json.loads(job.ds_config)["zero_optimization"] == {"stage": 1}
-    with pytest.raises(SubmitError, match=r"tokenizer\.json is missing: run `opskit data prepare tiny` first"):
-        check_data(spec)
+    [missing] = data_problems(spec)  # one line for the three files `opskit data prepare` writes
+    assert re.fullmatch(r".*tokenizer\.json is missing: run `opskit data prepare tiny` first", missing)
 
 
 def test_tr11_renders_the_real_cluster_job(jean_zay):
@@ -687,9 +740,10 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
 
     # `opskit submit` refuses it here: the catalogue split files are missing, and DeepSpeed 0.19.8 cannot resume
     # bf16 with ZeRO-0 (the trainer accepts every flag).
-    with pytest.raises(SubmitError, match=r"train-splits\.txt is missing \(data\.train_weighted_split_paths_path of .*"
-                                          r"BigScience wrote it with data/catalogue/load_ratios_meg_ds_format\.py\)$"):
-        check_data(spec)
+    train, valid = data_problems(spec)  # every missing file, not only the first
+    assert re.fullmatch(r".*train-splits\.txt is missing \(data\.train_weighted_split_paths_path of .*BigScience wrote "
+                        r"it with data/catalogue/load_ratios_meg_ds_format\.py\)", train)
+    assert re.fullmatch(r".*valid-splits\.txt is missing \(data\.valid_weighted_split_paths_path of .*", valid)
     assert_trainer_verdict(spec, run)
 
 
@@ -699,12 +753,11 @@ def assert_trainer_verdict(spec: Spec, run: RunPaths) -> None:
     parse_args(trainer_args(spec, run))
     version = spec.parallel.deepspeed_version or installed_deepspeed_version()
     if version and (problem := deepspeed_resume_problem(spec, version)):
-        with pytest.raises(SubmitError) as info:
-            check_trainer(spec)
-        assert str(info.value) == f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the cluster's)"
+        assert trainer_problems(spec) == [f"{spec.file}: {problem} (or pin parallel.deepspeed_version to the "
+                                          "cluster's)"]
         assert problem in make_plan(spec).warnings
     else:
-        check_trainer(spec)
+        assert trainer_problems(spec) == []
 
 
 def test_tr1_renders_gpt2_data_flags(jean_zay):
@@ -719,9 +772,10 @@ def test_tr1_renders_gpt2_data_flags(jean_zay):
     ds = deepspeed_config(spec)
     assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2,
                           "min_loss_scale": 1, "initial_scale_power": 12}
-    with pytest.raises(SubmitError, match=r"meg-gpt2_text_document\.bin is missing \(data\.data_path of .*tr1-13B\.yaml"
-                                          r"\): prepare it before submitting \(Megatron's tools/preprocess_data\.py"):
-        check_data(spec)
+    assert re.fullmatch(r".*meg-gpt2_text_document\.bin is missing \(data\.data_path of .*tr1-13B\.yaml\): prepare it "
+                        r"before submitting \(Megatron's tools/preprocess_data\.py.*", data_problems(spec)[0])
+    assert [p.split(" is missing")[0].rsplit("/", 1)[1] for p in data_problems(spec)] == [
+        "meg-gpt2_text_document.bin", "meg-gpt2_text_document.idx", "gpt2-vocab.json", "gpt2-merges.txt"]
     emb = load_spec("tr8b-104B:emb-norm")
     assert "--skip-train-iteration-range 13251-14000 16651-19500" in " ".join(trainer_args(emb, RunPaths.of(emb)))
     for name in ("tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr8b-104B:bnb", "tr11-176B-ml:24n"):
@@ -775,6 +829,67 @@ def test_specs_commands(cli, in_tmp):
     assert load_spec("mine:cl").paths.output == "$six_ALL_CCFRSCRATCH/checkpoints/mine/cl"
     assert cli("specs", "list").stdout.index("mine:cl") < cli("specs", "list").stdout.index("tiny")
     assert cli("specs", "new", "a:b", "--from", "tiny").exit_code == 1
+
+
+def test_specs_new_writes_the_environment_variables_out(in_tmp, monkeypatch):
+    runner = CliRunner()
+    monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: [])  # the dry run's queue look-up
+
+    def new(*args: str, input: str | None = None):
+        return runner.invoke(app, ["specs", "new", *args], input=input)
+
+    done = new("mine", "--from", "tr11", "--set", "six_ALL_CCFRWORK=/gpfswork/six",
+               "--set", "six_ALL_CCFRSCRATCH=/gpfsscratch/six")
+    assert done.exit_code == 0, done.output
+    assert "  written out: $six_ALL_CCFRWORK, $six_ALL_CCFRSCRATCH\n" in done.stdout
+    assert "not set here" not in done.stderr
+    text = (in_tmp / "trainings" / "mine.yaml").read_text()
+    assert "$six" not in text and "TRANSFORMERS_CACHE: /gpfswork/six/models\n" in text
+    spec = load_spec("mine")
+    assert spec.paths.output == "/gpfsscratch/six/checkpoints/mine"
+    assert spec.data.train_weighted_split_paths_path == \
+        "/gpfswork/six/code/tr11-176B-ml/Megatron-DeepSpeed/data/train-splits.txt"
+    dry = runner.invoke(app, ["submit", "mine", "--dry-run"])
+    assert dry.exit_code == 0 and "is not set here" not in dry.stdout, dry.output
+    assert "# warning: /gpfswork/six/code/tr11-176B-ml/Megatron-DeepSpeed/data/train-splits.txt is missing" in \
+        dry.stdout
+
+    # Not a terminal, no --set: nothing asked, the variables still unset here named with the fix.
+    done = new("other", "--from", "tr8b-104B:bnb")
+    assert done.exit_code == 0, done.output
+    assert ("warning: trainings/other.yaml uses $six_ALL_CCFRWORK, $six_ALL_CCFRSCRATCH, not set here: export them "
+            "before `opskit submit other`, or write them out with `opskit specs new other --from tr8b-104B:bnb "
+            "--force --set VAR=VALUE`\n") in done.stderr
+    assert load_spec("other").paths.output == "$six_ALL_CCFRSCRATCH/checkpoints/other/bnb"
+
+    # A terminal is asked once per variable: the value here is the default; empty keeps $VAR where it is unset.
+    monkeypatch.setattr("opskit.cli.specs._interactive", lambda: True)
+    monkeypatch.setenv("six_ALL_CCFRSCRATCH", "/scratch/here")
+    done = new("asked", "--from", "tr1-13B", input="\n\n")
+    assert done.exit_code == 0, done.output
+    assert done.stdout.startswith("$six_ALL_CCFRWORK (empty: keep $six_ALL_CCFRWORK): \n$six_ALL_CCFRSCRATCH (enter "
+                                  "$six_ALL_CCFRSCRATCH to keep it) [/scratch/here]: \n")
+    spec = load_spec("asked")
+    assert (spec.paths.output, spec.data.data_path) == (
+        "/scratch/here/checkpoints/asked", "$six_ALL_CCFRWORK/datasets-custom/oscar-en/meg-gpt2_text_document")
+    assert "warning: trainings/asked.yaml uses $six_ALL_CCFRWORK, not set here: export it" in done.stderr
+
+    # A bad --set is the command line's mistake: one line, exit 2, nothing written.
+    before = sorted(p.name for p in (in_tmp / "trainings").iterdir())
+    for args, message in [
+            (["--set", "six_ALL_CCFRWORK=/a", "--set", "six_ALL_CCFRWORK=/b"],
+             "--set six_ALL_CCFRWORK given twice (six_ALL_CCFRWORK=/a and six_ALL_CCFRWORK=/b): keep one"),
+            (["--set", "=x"], "--set =x: '' is not an environment variable name (letters, digits and _, not starting "
+                              "with a digit)"),
+            (["--set", "six_ALL_CCFRWORK"], "--set six_ALL_CCFRWORK: expected VAR=VALUE, e.g. --set "
+                                            "six_ALL_CCFRWORK=/path"),
+            (["--set", "six_ALL_CCFRWORK="], "--set six_ALL_CCFRWORK=: expected a value after '=' (the path "
+                                             "$six_ALL_CCFRWORK stands for)"),
+            (["--set", "HOME=/a"], "--set HOME: tr11 does not use $HOME (it uses $six_ALL_CCFRWORK, "
+                                   "$six_ALL_CCFRSCRATCH)")]:
+        done = new("bad", "--from", "tr11", *args)
+        assert (done.exit_code, done.stdout, done.stderr) == (2, "", f"error: {message}\n"), args
+    assert sorted(p.name for p in (in_tmp / "trainings").iterdir()) == before
 
 
 def test_plan_command(cli):

@@ -14,10 +14,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import write_spec
 
+from opskit.fsutil import write_marker
 from opskit.pulse import wait_until_gone
 from opskit.runs import RunPaths
 from opskit.slurm import chain, client
@@ -329,7 +331,6 @@ def test_submit_says_what_happens_to_a_checkpoint_of_another_layout(kjv_data, bl
     import torch
     from megatron_ckpt import build_checkpoint
 
-    from opskit.ckpt.reshape import ReshapeError
     from opskit.fsutil import write_marker
 
     name = f"opskit-reshape-{uuid.uuid4().hex[:8]}"
@@ -357,9 +358,132 @@ def test_submit_says_what_happens_to_a_checkpoint_of_another_layout(kjv_data, bl
     # A change the trainer cannot load (TP of a ZeRO-0 step) is refused before anything is queued or written.
     shutil.rmtree(run.checkpoints)
     step = build_checkpoint(run.checkpoints, arch="bloom", tp=2, layers=2, dtype=torch.float32, zero_stage=0)
-    with pytest.raises(ReshapeError) as info:
+    with pytest.raises(SubmitError) as info:  # the trainer's ReshapeError, as submit's one problem
         submit(spec)
     assert str(info.value) == (f"{step}: layout TP=2 PP=1 DP=1 -> TP=1 PP=1 DP=1: a ZeRO stage 0 step keeps its "
                                "optimizer unpartitioned; it resumes on another DP size, but a TP or PP change needs "
                                "ZeRO stage 1")
     assert not run.script.exists() and not [e for e in client.squeue() if e.name == name]
+
+
+# --------------------------------------------------------------------------- every problem at once
+
+
+def without_bigscience_variables() -> dict[str, str]:
+    """This environment as a new user's: none of BigScience's ``$six_*`` variables."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("six_")}
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p) for p in folder.rglob("*"))
+
+
+def test_tr11_dry_run_shows_the_script_and_every_problem_at_once(tmp_path):
+    """A new user's first command: the script with the variables as they must be provided, every problem after it,
+    exit 0, nothing written; the real submission refuses the same problems in one error."""
+    run = [OPSKIT, "submit", "tr11", "--dry-run"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=without_bigscience_variables())
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.startswith("#!/bin/bash\n")
+    script = "'$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml/slurm/train.slurm'"
+    assert ("--train-weighted-split-paths-path "
+            "'$six_ALL_CCFRWORK/code/tr11-176B-ml/Megatron-DeepSpeed/data/train-splits.txt'") in done.stdout
+    assert "export OPSKIT_RUN_DIR='$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml'\n" in done.stdout
+    fix = ("export it as on the cluster's login node, or write it into your copy: opskit specs new mine --from "
+           "tr11-176B-ml")
+    assert done.stdout.splitlines()[-3:] == [
+        f"# would run: sbatch --parsable --array=1-3%1 {script}",
+        f"# warning: $six_ALL_CCFRSCRATCH is not set here (used by paths.output): {fix} "
+        "--set six_ALL_CCFRSCRATCH=/path",
+        "# warning: $six_ALL_CCFRWORK is not set here (used by data.train_weighted_split_paths_path, "
+        "data.valid_weighted_split_paths_path, slurm.env.TRANSFORMERS_CACHE, slurm.env.HF_DATASETS_CACHE, "
+        f"slurm.env.HF_MODULES_CACHE, slurm.env.HF_METRICS_CACHE): {fix} --set six_ALL_CCFRWORK=/path"]
+    assert listing(tmp_path) == []
+
+    refused = subprocess.run(run[:-1], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env=without_bigscience_variables())
+    assert (refused.returncode, refused.stdout) == (1, "")
+    lines = refused.stderr.splitlines()
+    assert lines[0] == "error: cannot submit tr11-176B-ml: 2 problems"
+    assert lines[1:] == [f"  - {w.removeprefix('# warning: ')}" for w in done.stdout.splitlines()[-2:]]
+    assert listing(tmp_path) == []
+
+    # With the variables set, what is missing behind them: both catalogue split files, in one run.
+    env = {**without_bigscience_variables(), "six_ALL_CCFRWORK": str(tmp_path / "work"),
+           "six_ALL_CCFRSCRATCH": str(tmp_path / "scratch")}
+    done = subprocess.run(run, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("# warning: ")]
+    assert done.returncode == 0 and [w.split(" is missing")[0].rsplit("/", 1)[1] for w in warnings] == [
+        "train-splits.txt", "valid-splits.txt"], done.stdout[-2000:] + done.stderr
+    assert listing(tmp_path) == []
+
+
+def test_real_submit_lists_all_blocking_problems_and_queues_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPSKIT_TEST_NEVER_SET", raising=False)
+    missing = tmp_path / "nowhere" / "oscar_text_document"
+    spec = load_spec(str(write_spec(
+        tmp_path / "spec.yaml", SimpleNamespace(data_prefix=str(tmp_path / "unused")), tmp_path / "run",
+        data={"corpus": None, "dir": None, "data_path": str(missing), "tokenizer_name_or_path": "gpt2"},
+        slurm={"env": {"HF_HOME": "$OPSKIT_TEST_NEVER_SET/hf"}})))
+
+    def never(*args, **kwargs):
+        raise AssertionError("a refused submission asked SLURM")
+
+    monkeypatch.setattr(client, "sbatch", never)
+    monkeypatch.setattr(client, "squeue", never)
+    with pytest.raises(SubmitError) as info:
+        submit(spec, array=2)
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"cannot submit {spec.name}: 3 problems"
+    assert lines[1] == (f"  - $OPSKIT_TEST_NEVER_SET is not set here (used by slurm.env.HF_HOME): export it as on the "
+                        f"cluster's login node, or write the value into {tmp_path / 'spec.yaml'}")
+    assert lines[2:] == [f"  - {missing}.{suffix} is missing (data.data_path of {tmp_path / 'spec.yaml'}): prepare it "
+                         "before submitting (Megatron's tools/preprocess_data.py writes indexed datasets)"
+                         for suffix in ("bin", "idx")]
+    assert listing(tmp_path) == [str(tmp_path / "spec.yaml")]  # no run directory, no script
+
+    # The dry run returns the same problems with the script, which shows the variable as written.
+    monkeypatch.setattr(client, "squeue", lambda *a, **k: [])
+    sub = submit(spec, array=2, dry_run=True)
+    assert sub.warnings == [line.removeprefix("  - ") for line in lines[1:]]
+    assert "export HF_HOME='$OPSKIT_TEST_NEVER_SET/hf'\n" in sub.script
+    assert listing(tmp_path) == [str(tmp_path / "spec.yaml")]
+
+    # What the run directory holds is listed too, every flag at once.
+    (tmp_path / "run").mkdir()
+    write_marker(tmp_path / "run", "submit")
+    (tmp_path / "run" / "kill-switch").touch()
+    (tmp_path / "run" / "finished").write_text("training finished at iteration 50\n")
+    with pytest.raises(SubmitError) as info:
+        submit(spec, array=2)
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"cannot submit {spec.name}: 5 problems"
+    assert lines[4].startswith(f"  - the kill switch {tmp_path / 'run' / 'kill-switch'} is on")
+    assert lines[5].startswith(f"  - the training finished ({tmp_path / 'run' / 'finished'}: training finished at")
+
+
+@pytest.mark.parametrize("name", ["tr1-13B", "tr8-104B", "tr8b-104B:cl", "tr8b-104B:bnb", "tr11-176B-ml:24n"])
+def test_every_bigscience_preset_dry_runs_with_its_variables_as_warnings(tmp_path, name):
+    done = subprocess.run([OPSKIT, "submit", name, "--dry-run"], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env=without_bigscience_variables())
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("# warning: ")]
+    assert [w.split(" is not set here")[0] for w in warnings] == ["# warning: $six_ALL_CCFRSCRATCH",
+                                                                  "# warning: $six_ALL_CCFRWORK"], warnings
+    assert done.stdout.startswith("#!/bin/bash\n") and listing(tmp_path) == []
+
+
+def test_tiny_dry_run_warns_only_of_its_unprepared_data(tmp_path):
+    def dry_run() -> list[str]:
+        done = subprocess.run([OPSKIT, "submit", "tiny", "--dry-run"], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.startswith("#!/bin/bash\n"), done.stderr
+        return [line for line in done.stdout.splitlines() if line.startswith("# warning: ")]
+
+    assert dry_run() == [f"# warning: {tmp_path}/data/kjv/tokenizer/tokenizer.json is missing: run `opskit data "
+                         "prepare tiny` first"]
+    for name in ("tokenizer/tokenizer.json", "kjv_text_document.bin", "kjv_text_document.idx"):  # what it checks
+        (tmp_path / "data" / "kjv" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / "kjv" / name).touch()
+    assert dry_run() == []

@@ -72,13 +72,15 @@ def _tables(spec, result) -> list[Table]:
     rounded = (f" ({m.total_bytes_per_parameter} x {pp.readme_billions}B = {m.replica_gb_readme:,.0f} GB as the "
                "READMEs round it)" if pp.readme_billions else "")
     memory.add_row("model states per replica", f"{_num(m.replica_gb)} GB{rounded}")
+    memory.add_row("optimizer", m.optimizer)
     memory.add_row("sharding", f"{m.sharding} (/{m.sharded_over})")
     stage = m.stages[m.heaviest_stage]
     holds = (" + embeddings" if stage.embedding else "") + (" + LM head" if stage.lm_head else "")
     memory.add_row("heaviest GPU", f"pipeline stage {stage.index}: {stage.layers} layers{holds}, "
                                    f"{stage.parameters_per_gpu / 1e9:.3f}B parameters per GPU, "
                                    f"{stage.in_flight_microbatches} micro-batches in flight")
-    memory.add_row("  model states", f"{_num(m.model_state_gib_per_gpu)} GiB")
+    memory.add_row("  model states", f"{_num(m.model_state_gib_per_gpu)} GiB, optimizer states "
+                                     f"{_num(m.optimizer_state_gib_per_gpu)} GiB of them")
     chosen = "  (the spec's choice)"
     memory.add_row("  activations, recompute", f"{_num(m.activation_gib_per_gpu_recompute)} GiB"
                                                f"{chosen if m.activation_checkpointing else ''}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -59,16 +62,47 @@ def show(
 def new(
     name: str = typer.Argument(..., help="Name of the new spec: writes trainings/NAME.yaml."),
     source: str = typer.Option(..., "--from", help="Preset, NAME:VARIANT or YAML path to start from."),
+    settings: list[str] = typer.Option([], "--set", metavar="VAR=VALUE",
+                                       help="Write $VAR out as VALUE in the copy (repeat for each variable); "
+                                            "without --set a terminal is asked for each."),
     force: bool = typer.Option(False, "--force", help="Replace trainings/NAME.yaml when `opskit specs new` created "
                                                       "it (never a file it did not write)."),
 ) -> None:
-    """Start a spec of your own from a preset (an existing file is kept, unless --force and opskit created it)."""
-    from opskit.spec import create_user_spec
+    """Start a spec of your own from a preset (an existing file is kept, unless --force and opskit created it), with
+    its environment variables ($six_ALL_CCFRWORK, ...) written out."""
+    from opskit.spec import SettingError, create_user_spec, parse_settings
 
-    created = create_user_spec(name, source, force)
+    try:
+        created = create_user_spec(name, source, force, parse_settings(settings),
+                                   ask=None if settings or not _interactive() else _ask)
+    except SettingError as e:  # the command line's mistake: a usage error
+        err_console.print(f"error: {e}", markup=False)
+        raise typer.Exit(2) from None
     console.print(f"wrote {created.path} (from {created.source})", markup=False)
     if created.renamed:
         console.print(f"  renamed for {name}: {', '.join(created.renamed)}", markup=False)
+    if created.written_out:
+        console.print(f"  written out: {', '.join('$' + var for var in created.written_out)}", markup=False)
     if created.still_named:
         err_console.print(f"warning: still mentions {created.source.stem}: {', '.join(created.still_named)}; "
                           "check them", markup=False)
+    if created.still_unset:
+        them = "them" if len(created.still_unset) > 1 else "it"
+        err_console.print(f"warning: {created.path} uses {', '.join('$' + var for var in created.still_unset)}, not "
+                          f"set here: export {them} before `opskit submit {name}`, or write {them} out with `opskit "
+                          f"specs new {name} --from {source} --force --set VAR=VALUE`", markup=False)
+
+
+def _interactive() -> bool:
+    """Whether a person can answer prompts (stdin is a terminal)."""
+    return sys.stdin.isatty()
+
+
+def _ask(var: str) -> str | None:
+    """One prompt for ``$VAR``: its value here is the default; an empty answer (where it is unset) or ``$VAR`` keeps
+    ``$VAR`` in the file (None)."""
+    here = os.environ.get(var)
+    keep = f"${var}"
+    answer = typer.prompt(f"{keep} ({'enter ' + keep + ' to keep it' if here else 'empty: keep ' + keep})",
+                          default=here or "", show_default=bool(here))
+    return None if answer.strip() in ("", keep, f"${{{var}}}") else answer.strip()

@@ -42,9 +42,13 @@ def submit(
         console.print(f"{'# ' if dry_run else ''}note: {note}", markup=False)
     if sub.skipped:
         console.print(sub.skipped, markup=False)
+        for warning in sub.warnings:
+            console.print(f"# warning: {warning}", markup=False)
         return
     if dry_run:
         console.print(f"# would run: {format_command(sub.command)}", markup=False)
+        for warning in sub.warnings:  # what a real submission refuses, all at once
+            console.print(f"# warning: {warning}", markup=False)
         return
     console.print(f"run directory {sub.run.root}")
     console.print(f"main log      {sub.run.main_log}")
