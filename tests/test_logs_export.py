@@ -4,6 +4,7 @@ json.dumps / csv.writer write for the records built one dict at a time (issue 19
 from __future__ import annotations
 
 import io
+import math
 import random
 
 import pytest
@@ -82,3 +83,52 @@ def test_files_without_column_wise_records_are_written_as_before(tmp_path, outpu
     out = io.StringIO()
     write_files(chunks, output_format, out)
     assert out.getvalue() == _old_way([log, empty], output_format)
+
+
+def _walked_spikes(records: list[dict], config) -> list[dict]:
+    """The spike detector before issue 19: every value walked against its window, one record at a time."""
+    from opskit.logs.spikes import Spike, _is_spike, _Window
+
+    found = []
+    for metric in config.metrics:
+        window, floor, current = _Window(config.window), config.relative_floor(metric), None
+        for record in records:
+            value = record.get(metric)
+            if value is None:
+                continue
+            flagged, baseline = _is_spike(window, value, config, floor)
+            if flagged:
+                if current is None:
+                    current = [record["iteration"], record["iteration"], record["iteration"], value, baseline, None, 0]
+                else:
+                    current[1], current[5], current[6] = record["iteration"], None, 0
+                    if not value <= current[3]:
+                        current[2], current[3] = record["iteration"], value
+                continue
+            window.add(value)
+            if current is not None:
+                current[5] = current[5] or record["iteration"]
+                current[6] += 1
+                if current[6] >= config.merge_gap:
+                    found.append(Spike(metric, *current[:6]))
+                    current = None
+        if current is not None:
+            found.append(Spike(metric, *current[:6]))
+    return [s.as_dict() for s in sorted(found, key=lambda s: (s.first, s.metric))]
+
+
+@pytest.mark.parametrize("window,threshold", [(100, 6.0), (10, 3.0), (21, 1.0), (5, 6.0)])
+def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(window, threshold):
+    from opskit.logs.spikes import _COLUMNAR_MIN, SpikeConfig, find_spikes
+
+    rng, records = random.Random(window), []
+    for i in range(_COLUMNAR_MIN + 5000):  # long enough for the column-wise windows
+        loss = 2 + rng.gauss(0, 0.02) if rng.random() < 0.7 else round(2 + rng.gauss(0, 0.02), 2)  # ties too
+        if rng.random() < 0.002:
+            loss *= rng.choice((1.2, 3.0, 10.0))
+        if rng.random() < 0.0005:
+            loss = rng.choice((math.nan, math.inf, -math.inf))
+        records.append({"kind": "iteration", "iteration": i, "lm_loss": loss, "grad_norm": abs(rng.gauss(0.2, 0.03))})
+    config = SpikeConfig(window=window, threshold=threshold)
+    found = [s.as_dict() for s in find_spikes(records, config)]
+    assert len(found) > 10 and repr(found) == repr(_walked_spikes(records, config))  # repr: NaN peaks compare
