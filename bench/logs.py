@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,16 +112,20 @@ def generate(path: Path, lines: int, seed: int = 0) -> dict:
     return counts
 
 
-def median_wall(cmd: list[str], rounds: int, env: dict, **kwargs) -> tuple[float, subprocess.CompletedProcess]:
-    """Median wall seconds of ``rounds`` runs of ``cmd`` (a new process each), and the last run's result."""
-    times = []
+def median_wall(cmd: list[str], rounds: int, env: dict) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (user + system, all threads) of ``rounds`` runs of ``cmd``, a new
+    process each, run in the checkout under test (``python -m`` puts the working folder first on sys.path)."""
+    times, cpus = [], []
     for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, env=env, check=False, **kwargs)
+        done = subprocess.run(cmd, capture_output=True, env=env, check=False, cwd=env["PYTHONPATH"])
         times.append(time.perf_counter() - started)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         if done.returncode not in (0, 1):
             raise SystemExit(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stderr.decode()[-2000:]}")
-    return statistics.median(times), done
+    return statistics.median(times), statistics.median(cpus)
 
 
 def status_run(tmp: Path, log: Path) -> tuple[Path, Path]:
@@ -175,24 +180,24 @@ def main() -> None:
                 continue
             if label == "status":
                 (run / "watchdog" / "state.json").unlink(missing_ok=True)
-                subprocess.run(cmd, capture_output=True, env=env, check=False)  # warm the bytecode cache
-                seconds = []
+                median_wall(cmd, 1, env)  # warm the bytecode cache
+                firsts = []
                 for _ in range(args.rounds):
                     (run / "watchdog" / "state.json").unlink(missing_ok=True)
-                    seconds.append(median_wall(cmd, 1, env)[0])
-                rows.append(("status (first run, no state)", cmd, statistics.median(seconds)))
-                rows.append(("status (hourly: state saved)", cmd, median_wall(cmd, args.rounds, env)[0]))
+                    firsts.append(median_wall(cmd, 1, env))
+                walls, cpus = zip(*firsts, strict=True)
+                rows.append(("status (first run, no state)", statistics.median(walls), statistics.median(cpus)))
+                rows.append(("status (hourly: state saved)", *median_wall(cmd, args.rounds, env)))
                 continue
             median_wall(cmd, 1, env)  # warm: page cache, bytecode
-            seconds, done = median_wall(cmd, args.rounds, env)
-            rows.append((label, cmd, seconds))
+            rows.append((label, *median_wall(cmd, args.rounds, env)))
             if label == "grep":
-                grep = seconds
+                grep = rows[-1][1]
     print(f"{args.lines:,} lines, {args.file.stat().st_size / 1e6:.0f} MB ({counts}); {args.opskit}; median of "
           f"{args.rounds} rounds; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'command':32} {'median s':>9} {'lines/s':>11} {'x grep':>7}")
-    for label, _, seconds in rows:
-        print(f"{label:32} {seconds:9.3f} {args.lines / seconds:11,.0f} {seconds / grep:7.1f}")
+    print(f"{'command':32} {'median s':>9} {'lines/s':>11} {'x grep':>7} {'CPU s':>7}")
+    for label, seconds, cpu in rows:
+        print(f"{label:32} {seconds:9.3f} {args.lines / seconds:11,.0f} {seconds / grep:7.1f} {cpu:7.3f}")
 
 
 if __name__ == "__main__":
