@@ -30,7 +30,7 @@ from opskit.slurm.client import QueueEntry, SchedulerUnreachable
 from opskit.spec import Spec, WatchdogSpec, parse_slurm_time
 
 SEVERITIES = ("ok", "warn", "alert")
-# Iteration fields the watchdog keeps (read_from's fast path reads only these).
+# Iteration fields the watchdog keeps.
 FIELDS = ("consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "global_batch_size", "lm_loss",
           "grad_norm", "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
 HISTORY = 300  # iteration records kept in the state file (at least): the spike window and the throughput baseline
@@ -293,20 +293,21 @@ class LogRead:
 
 def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
     """Records and text main_log.txt gained since ``state["offset"]`` (at most the last NEW_RECORDS iteration
-    records and NEW_TEXT bytes of text); updates ``state``. None without a log.
+    records and NEW_TEXT bytes of text: only the end of a large gain is read); updates ``state``. None without a log.
 
     A file that shrank or was replaced (another inode) is read again from its start. ``keep``: iteration records
     kept in the state for the next run (spike window and throughput baseline).
     """
-    from opskit.logs.parse import read_from, timeline
+    from opskit.logs.parse import read_tail, timeline
 
     try:
         info = os.stat(run.main_log)
     except (FileNotFoundError, NotADirectoryError):
         return None
     offset = state.get("offset", 0) if state.get("inode") == info.st_ino else 0
-    chunk = read_from(run.main_log, offset, fields=FIELDS)
-    start = 0 if chunk.rewound else offset
+    start = offset if offset <= info.st_size else 0  # shorter than where the last run stopped: replaced or truncated
+    # Only the last NEW_RECORDS records count: read backwards to them, not the whole gain (a months-old log).
+    chunk = read_tail(run.main_log, NEW_RECORDS, start, fields=FIELDS)
     text_from = max(start, chunk.offset - NEW_TEXT)
     with open(run.main_log, "rb") as f:  # the same new bytes once more, for crash lines: an hour's worth is small
         f.seek(text_from)

@@ -39,23 +39,22 @@ def parse(
     goes back); unknown `key: value |` fields under `extra` (csv: `extra.KEY` columns). A file that gave no records
     or skipped lines gets one line on stderr; one that cannot be read (a folder, missing) an `error:` line, and the
     others are still parsed (exit 1)."""
-    from opskit.logs.export import write_csv, write_jsonl
-    from opskit.logs.parse import LogFormatError, read_from, split_segments
+    from opskit.logs.export import write_files
+    from opskit.logs.parse import LogFormatError, read_from
 
     if output_format not in ("jsonl", "csv"):
         raise LogFormatError(f"--format {output_format}: expected jsonl or csv")
-    rows, failed = [], False
+    chunks, failed = [], False
     for path in files:
         try:
-            chunk = read_from(path)
+            chunk = read_from(path, columnar=True)
         except (LogFormatError, FileNotFoundError) as e:
             err_console.print(f"error: {e}", markup=False)
             failed = True
             continue
         _note(chunk.summary(str(path)))
-        for segment, records in enumerate(split_segments(chunk.records)):
-            rows += [{"file": str(path), "segment": segment, **r} for r in records]
-    (write_jsonl if output_format == "jsonl" else write_csv)(rows, sys.stdout)
+        chunks.append((str(path), chunk))
+    write_files(chunks, output_format, sys.stdout)
     if failed:
         raise typer.Exit(1)
 

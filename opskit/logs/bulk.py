@@ -15,7 +15,7 @@ issue 6); polars cuts the fields out and converts them in compiled code, Python 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
@@ -46,17 +46,56 @@ def scan_blocks(blocks: Iterable[bytes], records: list, keep: frozenset[str] | N
     as ``grammar.scan_bytes`` would, and return how many record lines were cut; ``keep`` as in ``grammar.keep_only``.
     Polars works on the next block in a second thread (it releases the GIL) while this one builds the records of the
     current block."""
-    cut = 0
+    return sum(_finish(data, block, records, keep) for data, block in _read_ahead(blocks))
+
+
+@dataclass
+class Columns:
+    """:func:`scan_columns`' result: the records of some blocks in file order, ``tables`` column-wise and the others
+    as dicts. ``tables``: iteration records (``kind`` is ``iteration``), a frame each: ``slot``, then one column per
+    record key in the record's order; ``rest``: (slot, record) built by the per-line parser, in file order; ``cut``:
+    record lines cut. Slots order all records of the blocks (with gaps)."""
+
+    tables: list[pl.DataFrame]
+    rest: list[tuple[int, dict]]
+    cut: int = 0
+
+
+def scan_columns(blocks: Iterable[bytes], keep: frozenset[str] | None) -> Columns:
+    """The records of ``blocks`` as :func:`scan_blocks` reads them (``keep`` likewise), kept column-wise where polars
+    built them: what a writer that formats columns needs (``opskit logs parse``), without one dict per record."""
+    columns, base = Columns([], []), 0
+    for data, block in _read_ahead(blocks):
+        if block is None:  # polars split the lines differently: the per-line parser reads the whole block
+            records: list = []
+            columns.cut += scan_bytes(data, records, keep)
+            columns.rest += zip(range(base, base + len(records)), records, strict=True)
+            base += len(records)
+            continue
+        for names, table in block.layouts:
+            columns.tables.append(pl.concat([(table["slot"] + base).to_frame(), _values(table, names, keep)],
+                                            how="horizontal"))
+        for slot, line in zip(block.rest["slot"], _texts(block.rest, data), strict=True):
+            record = parse_record(line)
+            if record is CUT:
+                columns.cut += 1
+            elif record is not None:
+                columns.rest.append((base + slot, keep_only(record, keep)))
+        base += block.rest.height + sum(table.height for _, table in block.layouts)
+    return columns
+
+
+def _read_ahead(blocks: Iterable[bytes]) -> Iterator[tuple[bytes, _Block | None]]:
+    """:func:`_columns` of each block, polars reading block k+1 in a second thread while the caller uses block k."""
     with ThreadPoolExecutor(max_workers=1) as pool:
         ahead = None
         for data in blocks:
             future = pool.submit(_columns, data)
             if ahead is not None:
-                cut += _finish(*ahead.result(), records, keep)
+                yield ahead.result()
             ahead = future
         if ahead is not None:
-            cut += _finish(*ahead.result(), records, keep)
-    return cut
+            yield ahead.result()
 
 
 @dataclass
@@ -83,22 +122,23 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
              .filter(head.str.contains(ITERATION_WORD, literal=True)
                      | head.str.contains(VALIDATION_WORDS, literal=True))
              .with_row_index("slot").with_columns(*_header()).collect())
-    pending = lines["iteration"].is_not_null() & lines["train_iters"].is_not_null()
+    pending = lines.filter(pl.col("iteration").is_not_null() & pl.col("train_iters").is_not_null())
     taken = pl.repeat(False, lines.height, eager=True)
     layouts = []
     for _ in range(_LAYOUTS):
-        if not pending.any():
+        if pending.is_empty():
             break
-        first = pending.arg_max()  # the first pending line defines the next layout
-        names = _layout(lines.row(first, named=True))
-        if names:
-            values = [f"v{j}" for j in range(1, len(names) + 1)]
-            table = (lines.lazy().with_columns(_value(j, name).alias(f"v{j}") for j, name in enumerate(names, 1))
-                     .select(_matching(names).alias("ok"), "slot", "iteration", "train_iters", *values).collect())
-            ok = table["ok"] & pending
-            layouts.append((names, table.filter(ok)))
-            pending, taken = pending & ~ok, taken | ok
-        pending = pending.scatter(first, False)
+        names = _layout(pending.row(0, named=True))  # the first pending line defines the next layout
+        if not names:
+            pending = pending.slice(1)
+            continue
+        values = [f"v{j}" for j in range(1, len(names) + 1)]
+        table = (pending.lazy().with_columns(_value(j, name).alias(f"v{j}") for j, name in enumerate(names, 1))
+                 .select(_matching(names).alias("ok"), "slot", "iteration", "train_iters", *values).collect())
+        ok = table["ok"].fill_null(False)
+        layouts.append((names, table.filter(ok)))
+        taken = taken.scatter(table.filter(ok)["slot"], True)
+        pending = pending.filter(~ok).slice(0 if ok[0] else 1)  # only lines left over meet the next layout
     return data, _Block(layouts, lines.filter(~taken))
 
 
@@ -178,15 +218,21 @@ def _value(j: int, name: str) -> pl.Expr:
     return text.cast(pl.Int64 if convert is int else pl.Float64, strict=False)
 
 
-def _records(frame: pl.DataFrame, names: list[str], keep: frozenset[str] | None) -> tuple[list[int], list[dict]]:
-    """(slots, records) of rows that all have the layout ``names`` and its values in columns ``vJ``."""
+def _values(frame: pl.DataFrame, names: list[str], keep: frozenset[str] | None) -> pl.DataFrame:
+    """``iteration``, ``train_iters`` and the values of rows with the layout ``names`` (columns ``vJ``) that ``keep``
+    keeps, as the per-line parser's converters give them, in columns named by their record keys."""
     fields = [(j, name) for j, name in enumerate(names, 1) if keep is None or FIELDS[name][0] in keep]
-    keys = ("kind", "iteration", "train_iters", *(FIELDS[name][0] for _, name in fields))
     values = [pl.col(f"v{j}").map_elements(seconds, return_dtype=pl.Float64) if FIELDS[name][1] is milliseconds
               else pl.col(f"v{j}") for j, name in fields]
-    table = frame.select("iteration", "train_iters", *values)
+    return frame.select("iteration", "train_iters", *(value.alias(FIELDS[name][0]) for value, (_, name) in
+                                                       zip(values, fields, strict=True)))
+
+
+def _records(frame: pl.DataFrame, names: list[str], keep: frozenset[str] | None) -> tuple[list[int], list[dict]]:
+    """(slots, records) of rows that all have the layout ``names`` and its values in columns ``vJ``."""
+    table = _values(frame, names, keep)
+    keys = ("kind", *table.columns)
     rows = zip(repeat("iteration"), *(series.to_list() for series in table))  # per column: cheaper than rows()
     records = list(map(dict.copy, repeat(dict.fromkeys(keys), table.height)))  # presized: no resizing per record
     deque(map(dict.update, records, map(zip, repeat(keys), rows)), maxlen=0)
     return frame["slot"].to_list(), records
-

@@ -43,6 +43,11 @@ class LogChunk:
     rewound: bool = False
     lines: int = 0
     """Complete lines read (by :func:`read_from`)."""
+    tables: list = field(default_factory=list)
+    """``read_from(..., columnar=True)`` of a large read: the common iteration lines' records column-wise, not in
+    ``records`` (polars frames: ``slot``, then one column per record key, :class:`opskit.logs.bulk.Columns`)."""
+    slots: list[int] | None = None
+    """With ``tables``: the slot of each of ``records``; slots give the file order of both."""
     unread: int = 0
     """Bytes after the last complete line, left for the next read (by :func:`read_from`)."""
 
@@ -54,7 +59,7 @@ class LogChunk:
         """One line for stderr saying what a read of file ``name`` skipped, or None when it gave records and skipped
         nothing: a binary, compressed or unrelated file must not pass for a log with no iterations yet."""
         tail = f"; {self.unread:,} bytes after the last newline not read" if self.unread else ""
-        if not self.records:
+        if not self.records and not self.tables:
             if not self.lines and not self.unread:
                 return f"{name}: empty, 0 records"
             return f"{name}: 0 records, {self.lines:,} lines skipped (not a training log?){tail}"
@@ -124,13 +129,16 @@ def _blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[b
             yield block[:end]
 
 
-def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
+def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None = None,
+              columnar: bool = False) -> LogChunk:
     """Records of the complete lines after byte ``offset``; a partial last line is left for the next call.
 
     Args:
         offset: where the previous call stopped (``LogChunk.offset``), 0 for the whole file.
         fields: keep only these iteration fields (plus ``kind``, ``iteration``, ``train_iters``; no ``extra``): what
             plots and spike detection over a whole log use.
+        columnar: a large read keeps the records that polars builds column-wise, in ``tables`` (no dict each):
+            for writers that format columns (``opskit logs parse``).
 
     Returns:
         A :class:`LogChunk` whose ``offset`` is the byte just after the last complete line. When the file is shorter
@@ -147,7 +155,13 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
         if size < offset:
             chunk.offset, chunk.rewound = 0, True
         f.seek(chunk.offset)
-        if size - chunk.offset >= _BULK_MIN:
+        if size - chunk.offset >= _BULK_MIN and columnar:
+            from opskit.logs.bulk import scan_columns
+
+            columns = scan_columns(_blocks(f, _BULK_BLOCK, chunk), keep)
+            chunk.tables, chunk.skipped = columns.tables, chunk.skipped + columns.cut
+            chunk.slots, chunk.records = [slot for slot, _ in columns.rest], [record for _, record in columns.rest]
+        elif size - chunk.offset >= _BULK_MIN:
             from opskit.logs.bulk import scan_blocks
 
             chunk.skipped += scan_blocks(_blocks(f, _BULK_BLOCK, chunk), chunk.records, keep)
@@ -157,11 +171,11 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
     return chunk
 
 
-def from_end(path: str | Path, attempt: Callable[[str, bool], T | None]) -> tuple[T, int]:
-    """Read a file backwards in growing blocks (64 KiB, x4 each time) until ``attempt(text, at_start)`` returns
-    something; ``text`` holds the complete lines of the block (the block's first, possibly partial, line dropped
-    unless the block starts the file). Returns (that result, byte offset after the last complete line), the offset
-    being where a follower continues.
+def from_end(path: str | Path, attempt: Callable[[str, bool], T | None], start: int = 0) -> tuple[T, int]:
+    """Read a file backwards in growing blocks (64 KiB, x4 each time), never before byte ``start`` (a line start),
+    until ``attempt(text, at_start)`` returns something; ``text`` holds the complete lines of the block (the block's
+    first, possibly partial, line dropped unless the block begins at ``start``). Returns (that result, byte offset
+    after the last complete line), the offset being where a follower continues.
 
     Raises:
         FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
@@ -170,30 +184,33 @@ def from_end(path: str | Path, attempt: Callable[[str, bool], T | None]) -> tupl
         size = os.fstat(f.fileno()).st_size
         span = 1 << 16
         while True:
-            start = max(0, size - span)
-            f.seek(start)
-            data = f.read(size - start)
-            head = data.find(b"\n") + 1 if start else 0
+            begin = max(start, size - span)
+            f.seek(begin)
+            data = f.read(size - begin)
+            head = data.find(b"\n") + 1 if begin > start else 0
             end = data.rfind(b"\n") + 1
-            result = attempt(data[head:max(head, end)].decode("utf-8", errors="replace"), start == 0)
+            result = attempt(data[head:max(head, end)].decode("utf-8", errors="replace"), begin == start)
             if result is not None:
-                return result, start + end
+                return result, begin + end
             span *= 4
 
 
-def read_tail(path: str | Path, iterations: int) -> LogChunk:
-    """Records near the end of a file holding at least ``iterations`` iteration records (or all there are): a
-    multi-GB log costs a few reads (:func:`from_end`). ``offset`` is where a follower continues.
+def read_tail(path: str | Path, iterations: int, start: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
+    """Records near the end of a file, after byte ``start`` (a line start), holding at least ``iterations``
+    iteration records (or all there are): a multi-GB log costs a few reads (:func:`from_end`). ``offset`` is where a
+    follower continues; ``fields`` as in :func:`read_from`; ``skipped`` counts the cut lines of the part read.
 
     Raises:
-        FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
+        FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file; an unknown name in ``fields``.
     """
+    keep = _keep(fields)
 
     def enough(text: str, at_start: bool) -> LogChunk | None:
-        chunk = parse_text(text)
+        chunk = LogChunk()
+        chunk.skipped = scan_lines(text.split("\n"), chunk.records, keep)
         return chunk if at_start or len(chunk.iterations) >= iterations else None
 
-    chunk, offset = from_end(path, enough)
+    chunk, offset = from_end(path, enough, start)
     chunk.offset = offset
     return chunk
 
