@@ -13,6 +13,7 @@ import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 
 from opskit.fsutil import claim_file
@@ -102,12 +103,9 @@ def make_series(name: str, columns: dict[str, list], x: str, y: str, x_range=(No
     """
     check_x(x)
     x_key, low, high = X_AXES[x], *x_range
-    xs, ys = [], []
-    for at, value in zip(columns[x_key], columns[y], strict=True):
-        if at is None or value is None or (low is not None and at < low) or (high is not None and at > high):
-            continue
-        xs.append(at)
-        ys.append(value)
+    inside = [at is not None and value is not None and (low is None or at >= low) and (high is None or at <= high)
+              for at, value in zip(columns[x_key], columns[y], strict=True)]
+    xs, ys = list(compress(columns[x_key], inside)), list(compress(columns[y], inside))  # 466 k points: no appends
     peaks = {s.peak_iteration for s in spikes if s.metric == y}
     x_of = {iteration: at for iteration, at in zip(columns["iteration"], columns[x_key], strict=True)
             if iteration in peaks and at is not None} if peaks else {}
