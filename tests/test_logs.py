@@ -335,12 +335,15 @@ def test_plot_refuses_a_run_with_nothing_in_range_and_pipes_without_out(tmp_path
 
 
 def test_plot_series_smooths_ranges_and_reads_extra_fields():
-    from opskit.logs.plot import make_series, parse_range
+    from opskit.logs.parse import record_columns
+    from opskit.logs.plot import make_series, metric_value, parse_range
 
     records = read_from(FIXTURES / "malformed.txt").iterations
-    assert make_series("m", records, "iteration", "extra.moe_loss").y == [0.0125]
+    moe = record_columns(records, ("extra.moe_loss",), metric_value)
+    assert make_series("m", moe, "iteration", "extra.moe_loss").y == [0.0125]
     line = timeline(read_from(FIXTURES / "restart.txt").records)
-    series = make_series("r", line, "tokens", "lm_loss", parse_range("81920:245760"), smooth=2)
+    series = make_series("r", record_columns(line, ("consumed_tokens", "lm_loss")), "tokens", "lm_loss",
+                         parse_range("81920:245760"), smooth=2)
     assert series.x == [81920, 163840, 245760]  # iterations 10, 20, 30: 16 samples x 512 tokens each
     losses = [r["lm_loss"] for r in line if 81920 <= r["consumed_tokens"] <= 245760]
     assert series.y == [losses[0], (losses[0] + losses[1]) / 2, (losses[1] + losses[2]) / 2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import random
+import re
 
 import pytest
 from test_logs_bulk import LINE_2021, LINE_2022, ODD
@@ -132,3 +133,79 @@ def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(window,
     config = SpikeConfig(window=window, threshold=threshold)
     found = [s.as_dict() for s in find_spikes(records, config)]
     assert len(found) > 10 and repr(found) == repr(_walked_spikes(records, config))  # repr: NaN peaks compare
+
+
+def _varied_log(tmp_path):
+    """The varied log of the columnar writer's test, with a moe-loss line (an ``extra`` field) and an iteration
+    skipped by an fp16 overflow (no ``lm loss`` field) now and then."""
+    lines = _varied_lines()
+    lines[1::400] = [line.replace("| grad norm:", "| moe loss: 1.250000E-02 | grad norm:") for line in lines[1::400]]
+    lines[3::300] = [re.sub(r"lm loss: [^|]*\| ", "", line) for line in lines[3::300]]
+    log = tmp_path / "main_log.txt"
+    log.write_bytes(("\n".join(lines) + "\n").encode().replace(b"iteration 5/ 9", b"iteration 5/ 9 \xff\xfe"))
+    return log
+
+
+@pytest.mark.parametrize("fields", [None, ("lm_loss", "grad_norm", "consumed_tokens")])
+def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monkeypatch, fields):
+    """`opskit logs plot` / `spikes` read a large log's timeline column-wise: the same values, spikes and plotted
+    series as the timeline of records built one dict at a time (the path before issue 19)."""
+    from opskit.logs import spikes
+    from opskit.logs.parse import record_columns, timeline
+    from opskit.logs.plot import X_AXES, metric_value, run_series
+    from opskit.logs.sources import resolve
+
+    log = _varied_log(tmp_path)
+    monkeypatch.setattr(parse, "_BULK_MIN", 1)  # the bulk path, in several blocks
+    monkeypatch.setattr(parse, "_BULK_BLOCK", 256 << 10)
+    monkeypatch.setattr(spikes, "_COLUMNAR_MIN", 500)  # polars' windows too
+    old = parse.parse_text(log.read_bytes().decode("utf-8", errors="replace"), fields=fields).records
+    old_line = timeline(old)
+    assert len(split_segments(old)) > 5 and 1000 < len(old_line) < 3000  # restarts replaced iterations
+    source = resolve(str(log))
+    chunk = source.read(fields)
+    assert sum(table.height for table in chunk.tables) > 2500  # the common lines stayed columns
+    keys = fields or ("lm_loss", "grad_norm", "consumed_tokens", "learning_rate", "loss_scale", "extra.moe_loss")
+    line = source.timeline(keys, chunk, metric_value)
+    assert repr(line) == repr(record_columns(old_line, keys, metric_value))  # repr: NaN compares
+    assert any(v is None for v in line["lm_loss"]) and any(v is not None for v in line.get("extra.moe_loss", [0]))
+    for config in (spikes.SpikeConfig(), spikes.SpikeConfig(window=20, threshold=2.0)):
+        found = spikes.spikes_of(source.timeline(config.metrics, chunk), config)
+        assert repr(found) == repr(spikes.find_spikes(old_line, config)) and found
+    for x, y in (("iteration", "loss"), ("tokens", "grad_norm"), ("tokens", "val_loss"), ("iteration", "moe_loss")):
+        if fields and y == "moe_loss":
+            continue
+        [series] = run_series([str(log)], x, y)
+        key, x_key = {"loss": "lm_loss", "val_loss": "validation_lm_loss"}.get(y, y), X_AXES[x]
+        if key.startswith("validation"):  # at the x of their iteration in the timeline
+            x_at = {r["iteration"]: r.get(x_key) for r in old_line}
+            points = [(x_at.get(r["iteration"]), r[key]) for r in old if r["kind"] == "validation"]
+        else:
+            points = [(r.get(x_key), metric_value(r, key)) for r in old_line]
+        points = [(at, value) for at, value in points if at is not None and value is not None]
+        assert repr((series.x, series.y)) == repr(([at for at, _ in points], [value for _, value in points]))
+        assert len(points) > (2 if key.startswith(("validation", "moe")) else 1000)
+
+
+def test_plot_thins_each_line_to_its_pixel_columns_keeping_their_extremes():
+    from opskit.logs.plot import thin
+
+    rng = random.Random(5)
+    x = list(range(100_000))
+    y = [rng.gauss(2, 0.01) * (10 if rng.random() < 1e-4 else 1) for _ in x]  # spikes one point wide
+    y[777] = math.nan
+    low, high, columns = -5000.0, 105_000.0, 900
+    tx, ty = thin(x, y, low, high, columns)
+    assert len(tx) <= 4 * columns + 1 and len(tx) > columns / 2
+    at = {value: i for i, value in enumerate(x)}
+    kept = [at[value] for value in tx]
+    assert kept == sorted(set(kept)) and repr([y[i] for i in kept]) == repr(ty)  # points of the line, in order
+    column_of = [min(columns - 1, int((value - low) / (high - low) * columns)) for value in x]
+    for column in set(column_of):
+        inside = [i for i in range(len(x)) if column_of[i] == column and not math.isnan(y[i])]
+        shown = [i for i in kept if column_of[i] == column]
+        assert min(y[i] for i in inside) == min(y[i] for i in shown if not math.isnan(y[i]))
+        assert max(y[i] for i in inside) == max(y[i] for i in shown if not math.isnan(y[i]))
+        assert inside[0] in shown and inside[-1] in shown
+    assert 777 in kept and max(ty) == max(y) > 15  # the gap and the highest spike stay
+    assert thin(x[:3000], y[:3000], low, high, columns) == (x[:3000], y[:3000])  # few points: as they are

@@ -183,11 +183,11 @@ def spikes(
     """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
     --skip-train-iteration-range to restart with."""
     from opskit.logs.sources import resolve
-    from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
+    from opskit.logs.spikes import SpikeConfig, remedies, spikes_of
 
-    source = resolve(name_or_file)
-    iterations = source.timeline(None if source.events else ("lm_loss", "grad_norm"))
-    found = find_spikes(iterations, SpikeConfig(window=window, threshold=threshold))
+    source, config = resolve(name_or_file), SpikeConfig(window=window, threshold=threshold)
+    line = source.timeline(config.metrics)
+    found, iterations = spikes_of(line, config), line["iteration"]
     fixes = remedies(found, save_interval or source.save_interval,
                      None if save_interval else source.checkpoints)
     if json_output:
@@ -196,7 +196,7 @@ def spikes(
         return
     if not found:
         console.print(f"{source.path}: no spikes in {len(iterations):,} iterations "
-                      f"({iterations[0]['iteration']}-{iterations[-1]['iteration']})", markup=False)
+                      f"({iterations[0]}-{iterations[-1]})", markup=False)
         return
     table = Table(title=str(source.path))
     for header in ("metric", "first", "last", "peak at", "peak", "baseline", "back to normal at"):

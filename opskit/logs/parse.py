@@ -10,9 +10,11 @@ line to the same per-line parser (bench/log_parse.py, docs/benchmarks.md).
 
 from __future__ import annotations
 
+import bisect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -247,12 +249,50 @@ def split_segments(records: list[dict]) -> list[list[dict]]:
 def timeline(records: list[dict]) -> list[dict]:
     """The training as it stands: iteration records of the last segment that ran each iteration, in iteration
     order (what a restart re-ran replaces what it had run before)."""
-    kept: list[list[dict]] = []
-    first_later = None  # first iteration of the segments after the one being looked at
-    for segment in reversed(split_segments(records)):
-        its = [r for r in segment if r["kind"] == "iteration"]
-        if not its:
-            continue
-        kept.append([r for r in its if first_later is None or r["iteration"] < first_later])
-        first_later = its[0]["iteration"] if first_later is None else min(first_later, its[0]["iteration"])
-    return [r for segment in reversed(kept) for r in segment]
+    its = [r for r in records if r["kind"] == "iteration"]
+    return [r for start, stop in latest_runs([r["iteration"] for r in its]) for r in its[start:stop]]
+
+
+def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
+    """The index ranges [start, stop) of ``iterations`` (the iteration records' numbers, in file order) that
+    :func:`timeline` keeps, in order: segments split as :func:`split_segments` splits them (a restart: the iteration
+    goes back), each cut before the first iteration of any later segment (what the resume re-ran replaces)."""
+    if not iterations:
+        return []
+    starts = [0, *(i for i, (before, after) in enumerate(pairwise(iterations), 1) if after <= before)]
+    kept, first_later = [], None  # first_later: the lowest first iteration of the segments after the one looked at
+    for start, end in reversed(list(zip(starts, [*starts[1:], len(iterations)], strict=True))):
+        # iterations rise within a segment: the kept records are a prefix of it
+        stop = end if first_later is None else bisect.bisect_left(iterations, first_later, start, end)
+        kept.append((start, stop))
+        first_later = iterations[start] if first_later is None else min(first_later, iterations[start])
+    return [(start, stop) for start, stop in reversed(kept) if stop > start]
+
+
+def record_columns(records: list[dict], keys: Sequence[str], value: Callable[[dict, str], object] = dict.get
+                   ) -> dict[str, list]:
+    """``records`` column-wise: {key: [value(record, key) for each record]} for ``iteration`` and each of ``keys``
+    (``value`` returns None where a record lacks the key)."""
+    return {key: [value(r, key) for r in records] for key in dict.fromkeys(("iteration", *keys))}
+
+
+def timeline_columns(chunk: LogChunk, keys: Sequence[str], value: Callable[[dict, str], object] = dict.get
+                     ) -> dict[str, list]:
+    """:func:`timeline` of all of ``chunk``'s records (``tables`` included), column-wise as :func:`record_columns`
+    gives it: a read kept columnar (``read_from(..., columnar=True)``) never becomes one dict per record (issue 19:
+    plot and spikes on a 176B run's log). A key none of the tables holds is None in their rows; ``value`` reads the
+    records built one by one."""
+    if not chunk.tables:
+        return record_columns(timeline(chunk.records), keys, value)
+    import polars as pl
+
+    keys = list(dict.fromkeys(("iteration", *keys)))
+    rest = [(slot, r) for slot, r in zip(chunk.slots, chunk.records, strict=True) if r["kind"] == "iteration"]
+    parts = [pl.DataFrame({"slot": [slot for slot, _ in rest],
+                           **{key: [value(r, key) for _, r in rest] for key in keys}}, strict=False)]
+    parts += [table.select("slot", *(key for key in keys if key in table.columns)) for table in chunk.tables]
+    frame = pl.concat(parts, how="diagonal_relaxed").sort("slot")
+    frame = frame.with_columns(pl.lit(None).alias(key) for key in keys if key not in frame.columns)
+    runs = latest_runs(frame["iteration"].to_list())
+    frame = pl.concat([frame.slice(start, stop - start) for start, stop in runs]) if runs else frame.clear()
+    return {key: frame[key].to_list() for key in keys}

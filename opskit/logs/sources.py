@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.logs.parse import LogFormatError, read_from, timeline
+from opskit.logs.parse import LogChunk, LogFormatError, read_from, timeline_columns
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.runs import RunPaths
 
@@ -22,12 +23,16 @@ class LogSource:
     checkpoints: tuple[int, ...] | None = None
     planned_tokens: int | None = None
 
-    def records(self, fields: tuple[str, ...] | None = None) -> tuple[list[dict], int]:
-        """(records in file/step order, lines skipped as cut or garbled). ``fields`` as in ``read_from``."""
+    def read(self, fields: tuple[str, ...] | None = None) -> LogChunk:
+        """All records of this source (``fields`` as in ``read_from``): a large text log's common iteration lines
+        kept column-wise (``read_from(..., columnar=True)``), an event folder's records as dicts.
+
+        Raises:
+            LogFormatError: an unreadable file; an unknown name in ``fields``.
+        """
         if self.events:
-            return read_event_dir(self.path), 0
-        chunk = read_from(self.path, fields=fields)
-        return chunk.records, chunk.skipped
+            return LogChunk(records=read_event_dir(self.path))
+        return read_from(self.path, fields=fields, columnar=True)
 
     def text_log(self, command: str) -> Path:
         """The text log of this source, for commands that read text only.
@@ -40,24 +45,18 @@ class LogSource:
                                  "(plot and spikes read event folders)")
         return self.path
 
-    def timeline(self, fields: tuple[str, ...] | None = None) -> list[dict]:
-        """Iteration records as the training stands (restarts resolved), or a one-line error when there are none.
+    def timeline(self, keys: tuple[str, ...], chunk: LogChunk | None = None,
+                 value: Callable[[dict, str], object] = dict.get) -> dict[str, list]:
+        """Iteration records as the training stands (restarts resolved), column-wise: ``iteration`` and ``keys``
+        (:func:`opskit.logs.parse.timeline_columns`) of ``chunk`` (default: :meth:`read` with ``fields=keys``).
 
         Raises:
-            LogFormatError: no iteration records.
+            LogFormatError: no iteration records; an unknown name in ``keys`` (when ``chunk`` is None).
         """
-        return self.timeline_of(self.records(fields)[0])
-
-    def timeline_of(self, records: list[dict]) -> list[dict]:
-        """:meth:`timeline` of records already read from this source.
-
-        Raises:
-            LogFormatError: no iteration records.
-        """
-        iterations = timeline(records)
-        if not iterations:
+        columns = timeline_columns(self.read(keys) if chunk is None else chunk, keys, value)
+        if not columns["iteration"]:
             raise LogFormatError(f"{self.path}: no iteration lines")
-        return iterations
+        return columns
 
 
 _LOG_SUFFIXES = (".txt", ".log", ".out", ".err", ".gz", ".jsonl")
