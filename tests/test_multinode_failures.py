@@ -238,7 +238,9 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
 
 
 def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
-    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2})
+    # 30 min: task 1 must still be running after the controller's restart, however loaded the machine (CI once saw
+    # a 10-min task end its exit duration meanwhile, and task 2 start)
+    spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2, "time": "30"})
     spec_file = str(tmp_path / "spec.yaml")
     first = submit(spec)
     cluster.jobs.append(first.job_id)
