@@ -342,6 +342,14 @@ def minutes_per_iteration(exit_duration_mins: float, iterations: int) -> float:
     return exit_duration_mins / (iterations // 2 + 0.5)
 
 
+def scale_backend(spec: Spec) -> tuple[dict, list[str]]:
+    """``distributed_backend: nccl`` -> gloo: NCCL needs GPUs (the trainer's default is gloo on CPU)."""
+    if spec.megatron_args.get("distributed_backend") != "nccl":
+        return {}, []
+    return {"megatron_args": {"distributed_backend": "gloo"}}, [
+        "megatron_args.distributed_backend nccl -> gloo (NCCL needs GPUs)"]
+
+
 def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str]) -> tuple[dict, list[str]]:
     """``slurm``: cluster-only sbatch options dropped, the local node's CPUs, a job name of its own, two tasks, the
     simulated clock in ``env`` (the spec's time limit and exit margin stay: the exit duration is the production one),
@@ -356,13 +364,11 @@ def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str])
     out["array"] = 2
     # one port per rehearsal folder: two rehearsals (or a test) on this host never share torchrun's rendezvous
     out["master_port"] = 20000 + int(hashlib.sha256(str(folder).encode()).hexdigest(), 16) % 9000
-    env = {}
+    env: dict[str, str | None] = {}  # merged over the spec's env: None drops a variable
     for key, value in s.env.items():
-        unset = _unset_variables(value, environ)
-        if unset:
+        if unset := _unset_variables(value, environ):
+            env[key] = None
             said.append(f"slurm.env.{key} dropped (${unset[0]} is not set here)")
-        else:
-            env[key] = value
     clock = minutes_per_iteration(spec.exit_duration_in_mins, shape.iterations)
     env.update({"OMP_NUM_THREADS": "1", CLOCK_ENV: f"{clock:.6g}"})
     said.append(f"exit duration {spec.exit_duration_in_mins:g} min ({s.time} - {s.exit_margin_mins:g} min) kept; "
@@ -529,6 +535,7 @@ def rehearsal_spec(spec: Spec, folder: Path, data: DataPlan, nodes: int = 1,
     said: list[str] = []
     rules: list[Callable[[], tuple[dict, list[str]]]] = [
         lambda: scale_layout(spec, shape), lambda: scale_model(spec, shape), lambda: scale_precision(spec),
+        lambda: scale_backend(spec),
         lambda: scale_schedule(spec, shape), lambda: scale_slurm(spec, shape, folder, environ),
         lambda: scale_paths(spec, run, environ), lambda: (data.overrides, data.said)]
     for rule in rules:
@@ -763,12 +770,13 @@ def _task_texts(run: RunPaths, job_id: str) -> dict[str, str]:
 def _trainer_error(text: str) -> str:
     """The trainer's one-line error (``error: ...``), else the last exception line of a traceback, else the last
     line."""
-    lines = [line.split(": ", 1)[1] if re.match(r"^\d+: ", line) else line for line in text.splitlines()]
-    for line in reversed(lines):
+    # strip main_log.txt's node prefix ("0: ") and torchrun's rank prefix ("[default3]:")
+    lines = [re.sub(r"^(\d+: )?(\[default\d+\]:)?", "", line) for line in text.splitlines()]
+    for line in lines:
         if line.startswith("error: "):
             return line.removeprefix("error: ")
-    for line in reversed(lines):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line):
+    for line in lines:  # a rank's own exception comes before torchrun's ChildFailedError summary
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line) and "ChildFailedError" not in line:
             return line
     return lines[-1] if lines else "no output"
 
