@@ -739,11 +739,16 @@ def _wait(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
     return f"not done after {wait_s:g} s: cancelled"
 
 
-def _cancel(job_id: str) -> None:
+def _cancel(job_id: str, wait_s: float = 120) -> None:
+    """``scancel`` the rehearsal's array and wait (up to ``wait_s``) until no task of it is queued or completing, so a
+    red rehearsal leaves nothing behind."""
     from opskit.slurm import client
 
+    deadline = time.monotonic() + wait_s
     try:
         client.scancel([job_id])
+        while time.monotonic() < deadline and any(e.array_id == job_id for e in client.squeue()):
+            time.sleep(1)
     except client.SlurmError:
         pass
 

@@ -63,6 +63,6 @@ def _render(result) -> None:
         if key == "warnings":
             for warning in value:
                 console.print(f"  warning: {warning}", markup=False)
-        else:
-            console.print(f"  {key}: {f'{value:,}' if isinstance(value, int) and not isinstance(value, bool) else value}",
-                          markup=False)
+        elif value is not None:
+            shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else value
+            console.print(f"  {key}: {shown}", markup=False)
