@@ -823,10 +823,17 @@ def _ckpt_check(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str
 
 
 def _ckpt_convert(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
-    from opskit.ckpt.convert import convert_step
-    from opskit.ckpt.layout import resolve_step_dir
+    """``ckpt convert`` with verification; skipped (said) for a model transformers has no class for (absolute
+    positions with an embedding LayerNorm: tr8b-104B's cl, emb-norm and bnb variants), which the training does not
+    need."""
+    from opskit.ckpt.convert import ConvertError, convert_step, model_arch
+    from opskit.ckpt.layout import load_args, resolve_step_dir, scan_step_dir
 
     step = resolve_step_dir(run.checkpoints, None)
+    try:
+        model_arch(load_args(scan_step_dir(step), light=True), step)
+    except ConvertError as e:
+        return "skipped", f"no transformers model for it: {str(e).removeprefix(f'{step}: ')}"
     done = convert_step(step, run.hf_dir / step.name, verify=True)
     return "ok", (f"{done.arch}, {done.num_parameters:,} parameters, logits verified (max abs diff "
                   f"{done.max_abs_diff:.2g})")

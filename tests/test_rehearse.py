@@ -43,14 +43,18 @@ def queued(job_id: str) -> list:
     return [e for e in client.squeue() if e.array_id == job_id]
 
 
-def assert_green(result) -> None:
+def assert_green(result, converts: bool = True) -> None:
+    """Every stage green; ``converts`` False: a model transformers has no class for, whose conversion is skipped
+    with the converter's reason (absolute positions with an embedding LayerNorm)."""
     assert [s.name for s in result.stages] == STAGES
-    assert result.ok and all(s.status == "ok" for s in result.stages), [(s.name, s.status, s.reason)
-                                                                        for s in result.stages]
+    expected = {"ckpt convert": "ok" if converts else "skipped"}
+    assert result.ok and all(s.status == expected.get(s.name, "ok") for s in result.stages), [
+        (s.name, s.status, s.reason) for s in result.stages]
     stages = {s.name: s.reason for s in result.stages}
     assert "checkpoint at iteration 21" in stages["task 1: exit duration"]
     assert stages["task 2: resume"].startswith("resumed at iteration 21; training finished at iteration 40")
-    assert "logits verified" in stages["ckpt convert"]
+    assert ("logits verified" if converts else "no transformers model for it: position_embedding_type absolute "
+            "with embedding LayerNorm True") in stages["ckpt convert"]
     assert stages["logs show"].startswith("iteration 40/40, lm loss")
     assert not queued(result.job_id)
 
@@ -102,7 +106,7 @@ def test_every_preset_and_variant_rehearses_green(slurm, root, name):
     if name.endswith(":bnb") and not _bnb_runs():
         pytest.skip("bitsandbytes is not installed: the bnb variant cannot rehearse here")
     result = rehearse(load_spec(name), root=root)
-    assert_green(result)
+    assert_green(result, converts=name not in ("tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb"))
     if name.startswith("tr1-") or name.startswith("tr8"):
         assert any(s.startswith("model.precision fp16 -> bf16 (DeepSpeed's CPU accelerator has no fp16")
                    for s in result.substitutions)
