@@ -555,9 +555,9 @@ def _with_nones(raw: dict, overrides: dict) -> dict:
 
 
 def rehearsal_folder(spec: Spec, root: Path | None = None) -> Path:
-    """``<root>/<cli name with ':' -> '-'>``; ``root`` default: ``rehearsals/`` under the spec's base directory."""
-    name = Path(spec.cli_name).name.removesuffix(".yaml").replace(":", "-") if "/" in spec.cli_name else \
-        spec.cli_name.replace(":", "-")
+    """``<root>/<spec name, ':' -> '-'>`` (``tr8b-104B-cl``; the name, not a path: a spec given by path has its
+    file's name); ``root`` default: ``rehearsals/`` under the spec's base directory."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", spec.name).strip(".") or "spec"
     return Path(root if root is not None else spec.base_dir / "rehearsals").absolute() / name
 
 
