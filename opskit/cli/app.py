@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from opskit import __version__
-from opskit.cli import chain, ckpt, cron, data, logs, plan, specs, status, submit, sync, train
+from opskit.cli import chain, ckpt, cron, data, logs, plan, rehearse, specs, status, submit, sync, train
 
 app = typer.Typer(
     name="opskit",
@@ -32,6 +32,7 @@ def _root(
 
 app.command("plan")(plan.plan)
 app.command("submit")(submit.submit)
+app.command("rehearse")(rehearse.rehearse)
 app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
             add_help_option=False)(train.train)
 app.command("status")(status.status)

@@ -7,6 +7,11 @@ a ``finally`` closes TensorBoard and CodeCarbon and destroys the process groups,
 runs the same loop; the last rank prints Megatron's log lines.
 
 Run with ``torchrun --nproc_per_node N -m opskit.train ...``, or as one process without a launcher.
+
+Environment: ``OPSKIT_REHEARSAL_MINUTES_PER_ITERATION=M`` (set by ``opskit rehearse`` in the job's ``slurm.env``)
+replaces wall time in the ``--exit-duration-in-mins`` test by a simulated clock, M minutes per iteration this process
+trained, so a rehearsal stops on a production exit duration at a known iteration; the rest of the exit path (the
+all-reduce over ranks, the save, the exit line) is the real one.
 """
 
 from __future__ import annotations
@@ -610,10 +615,12 @@ class Trainer:
         if self.world.rank == 0:
             print_datetime("before the start of training step")
         exit_reason = None
+        iterations_run = 0
         while state.iteration < self.train_iters:
             if self._skip_range_at_next_iteration():
                 continue
             step = self._train_step()
+            iterations_run += 1
             inject_test_fault(state.iteration)  # tests only (OPSKIT_TEST_FAULT): a crash or hang on one node
             self._log(step)
             if self.do_valid and state.iteration % args.eval_interval == 0:
@@ -621,7 +628,8 @@ class Trainer:
             if args.save and state.iteration % args.save_interval == 0:
                 self._save()
                 self.emissions.flush()
-            exit_reason = _exit_reason(args, state.iteration, self.world.start_time, self.exit_requests)
+            exit_reason = _exit_reason(args, state.iteration, self.world.start_time, self.exit_requests,
+                                       iterations_run)
             if exit_reason:
                 break
         self._finish(exit_reason)
@@ -840,11 +848,37 @@ def _on_any_rank(*flags: bool) -> list[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
+# `opskit rehearse` runs a production spec's exit duration (BLOOM-176B: 5990 min) on a CPU model in seconds: with this
+# variable set, the minutes since the start are (iterations trained by this process) * its value, not wall time.
+REHEARSAL_CLOCK_ENV = "OPSKIT_REHEARSAL_MINUTES_PER_ITERATION"
+
+
+def _minutes_since_start(train_start_time: float, iterations_run: int) -> float:
+    """Minutes counted against ``--exit-duration-in-mins``: wall time since ``train_start_time``, or the rehearsal's
+    simulated clock (:data:`REHEARSAL_CLOCK_ENV`: ``iterations_run`` times its value in minutes), which makes the
+    exit iteration deterministic however loaded the machine is.
+
+    Raises:
+        TrainerError: the variable is set to something other than a positive number.
+    """
+    per_iteration = os.environ.get(REHEARSAL_CLOCK_ENV)
+    if not per_iteration:
+        return (time.time() - train_start_time) / 60
+    try:
+        minutes = float(per_iteration)
+    except ValueError:
+        minutes = 0.0
+    if not minutes > 0:
+        raise TrainerError(f"{REHEARSAL_CLOCK_ENV}={per_iteration!r}: expected a positive number of minutes")
+    return iterations_run * minutes
+
+
 def _exit_reason(args: argparse.Namespace, iteration: int, train_start_time: float,
-                 exit_requests: _ExitRequests) -> str | None:
+                 exit_requests: _ExitRequests, iterations_run: int = 0) -> str | None:
     """Why to save and stop after this iteration, or None. Megatron's order: duration, then interval; the kill switch
-    is checked here, before the next iteration starts."""
-    minutes = (time.time() - train_start_time) / 60
+    is checked here, before the next iteration starts. ``iterations_run``: iterations this process trained (the
+    rehearsal's simulated clock, :func:`_minutes_since_start`)."""
+    minutes = _minutes_since_start(train_start_time, iterations_run)
     kill, timed_out, usr1 = _on_any_rank(
         _kill_switch_on(args),
         args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins,
