@@ -13,7 +13,9 @@ Usage (GPU machine)::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import shlex
 import sys
 import tempfile
@@ -25,7 +27,7 @@ from trainer_throughput import BLOOM, HEADS, H, L, S, make_data  # noqa: E402
 
 
 def trainer_args(data: Path, tokenizer: Path, opts) -> list[str]:
-    iters = opts.profile_from + opts.profile_iters + 1
+    iters = opts.profile_from + opts.profile_iters + opts.host_iters + 1
     return [
         "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
         "--max-position-embeddings", str(S), "--micro-batch-size", str(opts.mbs), "--global-batch-size", str(opts.gbs),
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--time-from", type=int, default=4)
     parser.add_argument("--profile-from", type=int, default=10)
     parser.add_argument("--profile-iters", type=int, default=3)
+    parser.add_argument("--host-iters", type=int, default=0, help="Iterations after the profiled ones whose host "
+                        "time cProfile breaks down.")
     opts = parser.parse_args()
 
     import torch
@@ -79,6 +83,7 @@ def main() -> None:
     from opskit.train.main import main as train_main
 
     calls = {"n": 0}
+    host = cProfile.Profile()
     iteration_seconds: list[float] = []
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                  torch.profiler.ProfilerActivity.CUDA], with_stack=True)
@@ -99,6 +104,9 @@ def main() -> None:
             iteration_seconds.append(time.perf_counter() - start)
         if n == opts.profile_from + opts.profile_iters - 1:
             profile.stop()
+            host.enable()  # the host's time over the next iterations, the trainer's loop included
+        if n == opts.profile_from + opts.profile_iters + opts.host_iters - 1:
+            host.disable()
         return loss
 
     PipelineEngine.train_batch = train_batch
@@ -108,8 +116,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     with tempfile.TemporaryDirectory() as tmp:
-        data, tokenizer = make_data(Path(tmp), tokens=(opts.profile_from + opts.profile_iters + 3) * opts.gbs
-                                    * (S + 1) * 2)
+        iterations = opts.profile_from + opts.profile_iters + opts.host_iters + 3
+        data, tokenizer = make_data(Path(tmp), tokens=iterations * opts.gbs * (S + 1) * 2)
         train_main(trainer_args(data, tokenizer, opts))
 
     if os.environ.get("OUT"):
@@ -117,6 +125,11 @@ def main() -> None:
     print(profile.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     print_synchronizations(profile, opts.profile_iters)
+    if opts.host_iters:
+        print(f"HOST: Python functions over {opts.host_iters} iterations (cProfile, by own time)")
+        stats = pstats.Stats(host).sort_stats("tottime")
+        stats.print_stats(30)
+        stats.print_callers(r"format_stack|_lazy_call|rng_state|has_overflow_partitioned")
     busy, kernels = busy_fraction(profile, opts.profile_iters)
     iteration_ms = 1000 * sum(iteration_seconds) / len(iteration_seconds)
     print(f"\nSYNCHRONIZED: {iteration_ms:.1f} ms/iteration (mean of {len(iteration_seconds)}, MBS {opts.mbs} "
