@@ -63,6 +63,38 @@ def print_synchronizations(prof, iterations: int) -> None:
         print(f"SYNC {event.count / iterations:.1f}/iteration: {' <- '.join(frames)}")
 
 
+def print_idle_gaps(trace_file: str, iterations: int, min_gap_us: float = 20.0) -> None:
+    """Where the GPU waits for the host: each gap of at least ``min_gap_us`` between kernels, charged to the Python
+    frames (innermost first, torch's own left out) that were running when the host launched the kernel that ended it.
+    Reads the Chrome trace torch.profiler exported with ``with_stack=True``."""
+    import bisect
+    import collections
+    import json
+
+    events = json.loads(Path(trace_file).read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e["ts"] for e in events if e.get("cat") == "cuda_runtime"}
+    frames = sorted((e for e in events if e.get("cat") == "python_function"), key=lambda e: e["ts"])
+    starts = [f["ts"] for f in frames]
+    idle: collections.Counter = collections.Counter()
+    end = kernels[0]["ts"] if kernels else 0
+    for kernel in kernels:
+        gap = kernel["ts"] - end
+        end = max(end, kernel["ts"] + kernel.get("dur", 0))
+        launched = launches.get(kernel["args"].get("correlation"))
+        if gap < min_gap_us or launched is None:
+            continue
+        enclosing = [f["name"] for f in frames[max(0, bisect.bisect_right(starts, launched) - 4000):
+                                               bisect.bisect_right(starts, launched)]
+                     if f["ts"] + f.get("dur", 0) >= launched and "site-packages/torch/" not in f["name"]]
+        idle[" <- ".join(reversed(enclosing[-4:]))] += gap
+    total = sum(idle.values())
+    print(f"GPU IDLE in gaps >= {min_gap_us:.0f} us: {total / 1000 / iterations:.1f} ms/iteration, by launching frames")
+    for where, us in idle.most_common(20):
+        print(f"IDLE {us / 1000 / iterations:6.1f} ms/iteration: {where[:300]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mbs", type=int, default=4)
@@ -85,6 +117,10 @@ def main() -> None:
     calls = {"n": 0}
     host = cProfile.Profile()
     iteration_seconds: list[float] = []
+    # Over the host iterations, per iteration: inside train_batch (launching, DeepSpeed's own waits), the GPU's tail
+    # after it returns (waited for here, as the trainer's float(loss) would), and the trainer's loop until the next.
+    split: dict[str, list[float]] = {"inside": [], "tail": [], "loop": []}
+    last_return = {"t": None}
     profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                  torch.profiler.ProfilerActivity.CUDA], with_stack=True)
     inner_train_batch = PipelineEngine.train_batch
@@ -98,7 +134,16 @@ def main() -> None:
         if timed:
             torch.cuda.synchronize()
         start = time.perf_counter()
+        hosted = opts.profile_from + opts.profile_iters <= n < opts.profile_from + opts.profile_iters + opts.host_iters
+        if hosted and last_return["t"] is not None:
+            split["loop"].append(start - last_return["t"])
         loss = inner_train_batch(self, *args, **kwargs)
+        if hosted:
+            returned = time.perf_counter()
+            torch.cuda.synchronize()
+            last_return["t"] = time.perf_counter()
+            split["inside"].append(returned - start)
+            split["tail"].append(last_return["t"] - returned)
         if timed:
             torch.cuda.synchronize()
             iteration_seconds.append(time.perf_counter() - start)
@@ -120,8 +165,9 @@ def main() -> None:
         data, tokenizer = make_data(Path(tmp), tokens=iterations * opts.gbs * (S + 1) * 2)
         train_main(trainer_args(data, tokenizer, opts))
 
-    if os.environ.get("OUT"):
-        profile.export_chrome_trace(os.path.join(os.environ["OUT"], "trace.json"))
+    trace = os.path.join(os.environ.get("OUT") or tempfile.mkdtemp(), "trace.json")
+    profile.export_chrome_trace(trace)
+    print_idle_gaps(trace, opts.profile_iters)
     print(profile.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
     print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
     print_synchronizations(profile, opts.profile_iters)
@@ -129,7 +175,10 @@ def main() -> None:
         print(f"HOST: Python functions over {opts.host_iters} iterations (cProfile, by own time)")
         stats = pstats.Stats(host).sort_stats("tottime")
         stats.print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
         stats.print_callers(r"format_stack|_lazy_call|rng_state|has_overflow_partitioned")
+        print("HOST SPLIT ms/iteration: " + ", ".join(f"{k} {1000 * sum(v) / max(len(v), 1):.1f}"
+                                                      for k, v in split.items()))
     busy, kernels = busy_fraction(profile, opts.profile_iters)
     iteration_ms = 1000 * sum(iteration_seconds) / len(iteration_seconds)
     print(f"\nSYNCHRONIZED: {iteration_ms:.1f} ms/iteration (mean of {len(iteration_seconds)}, MBS {opts.mbs} "

@@ -1,0 +1,55 @@
+"""opskit.train.ds_compat.fuse_zero_overflow_check: the fused inf/NaN check gives DeepSpeed's own answer."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
+
+from opskit.train.ds_compat import fuse_zero_overflow_check  # noqa: E402
+
+
+def _optimizer(groups: list[list]) -> types.SimpleNamespace:
+    """What both checks read of a DeepSpeedZeroOptimizer: its groups and their partitioned gradients."""
+    return types.SimpleNamespace(bit16_groups=[object()] * len(groups), averaged_gradients=dict(enumerate(groups)),
+                                 device="cpu", _has_inf_or_nan=DeepSpeedZeroOptimizer._has_inf_or_nan,
+                                 has_overflow_partitioned_grads_serial=None)
+
+
+def _tensor(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+CASES = {
+    "finite": [[_tensor(1.0, -2.0), torch.full((70_000,), 3e38)], [_tensor(0.0)]],
+    "nan in the second group": [[_tensor(1.0)], [_tensor(2.0, math.nan)]],
+    "+inf": [[_tensor(math.inf, 1.0)]],
+    "-inf among many": [[torch.ones(100) for _ in range(300)] + [_tensor(-math.inf)]],
+    "None and empty gradients": [[None, torch.empty(0), _tensor(5.0)]],
+    "nothing": [[None]],
+    "a group without gradients (ZeRO releases them)": [None, [_tensor(math.nan)]],
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fused_check_equals_deepspeeds(name):
+    groups = CASES[name]
+    reference = _optimizer([g or [] for g in groups])
+    expected = DeepSpeedZeroOptimizer.has_overflow_partitioned_grads_serial(reference)
+    fused = _optimizer(groups)
+    assert fuse_zero_overflow_check(fused)
+    got = fused.has_overflow_partitioned_grads_serial()
+    assert got.shape == expected.shape == (1,)
+    assert got.dtype == torch.bool and bool(got) == bool(expected)
+
+
+def test_other_optimizers_are_left_alone():
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    assert not fuse_zero_overflow_check(optimizer)
+    assert not hasattr(optimizer, "has_overflow_partitioned_grads_serial")
