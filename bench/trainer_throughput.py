@@ -10,6 +10,7 @@ Usage (on a GPU machine, DeepSpeed and megatron-core installed)::
     python bench/trainer_throughput.py [gpt] [bloom] [hf] [hf-bloom] --iters 30 --out results.json
     python bench/trainer_throughput.py gpt-compile --mbs 8 --gpus 1 2 4        # DP weak scaling
     python bench/trainer_throughput.py bare gpt-compile --mbs 4 --gas 16       # issue 19: vs the bare model
+    python bench/trainer_throughput.py mcore bare gpt-compile --mbs 4 --gas 16 # and megatron-core's GPTModel
 """
 
 from __future__ import annotations
@@ -90,9 +91,13 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
 
 def run_hf(which: str, iters: int, mbs: int, gas: int = 1) -> dict:
     """The bare compiled model (``bare``, ``bare-bloom``: bench/bare_gpt.py) or a reference baseline run of
-    ``$GPU_BASELINE`` (``hf``, ``hf-bloom``) under the same DeepSpeed config."""
+    ``$GPU_BASELINE`` (``hf``, ``hf-bloom``) under the same DeepSpeed config, or the megatron-core peer (``mcore``,
+    ``mcore-sdpa``: bench/mcore_gpt.py, its own DDP and distributed optimizer)."""
     env = dict(os.environ, MBS=str(mbs), GAS=str(gas), STEPS=str(iters), PYTHONUNBUFFERED="1")
-    if which.startswith("bare"):
+    if which.startswith("mcore"):
+        env["ATTN"] = "sdpa" if which == "mcore-sdpa" else "local"
+        command = [sys.executable, str(REPO / "bench" / "mcore_gpt.py")]
+    elif which.startswith("bare"):
         env["ALIBI"] = "1" if which == "bare-bloom" else "0"
         command = [sys.executable, str(REPO / "bench" / "bare_gpt.py")]
     else:
