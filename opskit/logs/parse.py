@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from opskit.errors import OpskitError
-from opskit.logs.grammar import iteration_fields, scan_bytes, scan_lines
+from opskit.logs.grammar import ITERATION_WORD, iteration_fields, scan_bytes, scan_lines
 
 T = TypeVar("T")
 
@@ -208,6 +208,8 @@ def read_tail(path: str | Path, iterations: int, start: int = 0, fields: tuple[s
     keep = _keep(fields)
 
     def enough(text: str, at_start: bool) -> LogChunk | None:
+        if not at_start and text.count(ITERATION_WORD) < iterations:
+            return None  # fewer lines that could be iteration records than asked for: read more before parsing
         chunk = LogChunk()
         chunk.skipped = scan_lines(text.split("\n"), chunk.records, keep)
         return chunk if at_start or len(chunk.iterations) >= iterations else None
