@@ -200,6 +200,8 @@ def test_tail_counts_iteration_records_not_lines_with_the_word(tmp_path):
     log.write_text("\n".join(lines) + "\n")
     tail = read_tail(log, 100)
     assert [r["iteration"] for r in tail.iterations[-100:]] == list(range(311, 411))
+    # where the last lines are iteration lines, only the lines from the n-th last one on are read
+    assert [r["iteration"] for r in read_tail(log, 7).records] == list(range(404, 411))
 
 
 def test_spike_found_at_the_tr11_chronicles_range():
