@@ -140,9 +140,14 @@ def _walked_spikes(records: list[dict], config) -> list[dict]:
     return [s.as_dict() for s in sorted(found, key=lambda s: (s.first, s.metric))]
 
 
+@pytest.mark.parametrize("rough_share", [1, 10**9])  # candidates: always the median's bound alone / never
 @pytest.mark.parametrize("window,threshold", [(100, 6.0), (10, 3.0), (21, 1.0), (5, 6.0)])
-def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(window, threshold):
+def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(monkeypatch, window, threshold,
+                                                                          rough_share):
+    from opskit.logs import spikes
     from opskit.logs.spikes import _COLUMNAR_MIN, SpikeConfig, find_spikes
+
+    monkeypatch.setattr(spikes, "_ROUGH_SHARE", rough_share)
 
     rng, records = random.Random(window), []
     for i in range(_COLUMNAR_MIN + 5000):  # long enough for the column-wise windows
