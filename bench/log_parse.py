@@ -1,6 +1,9 @@
 """Parsing speed of ``opskit.logs.parse`` on a generated 1-million-line Megatron log, side by side with
 ``grep -c iteration`` and with the per-line parser (what ``read_from`` uses for reads under 16 MiB) on the same file
-(issue 6: >= 500_000 lines/s). Both opskit paths' records are checked equal first.
+(issue 6: >= 500_000 lines/s). Both opskit paths' records are checked equal first. Also timed: the columnar reads
+that ``opskit logs parse`` (``read_from(..., columnar=True)``, every field) and ``opskit logs plot`` / ``spikes``
+(the same with ``fields=``) make since issue 19, whose common iteration lines stay polars columns (no dict each);
+their iteration rows are checked to be as many as the records. End-to-end command times: bench/logs.py.
 
 The log imitates tr11-176B-ml's main_log.txt (seed 004): ``[default7]:`` iteration lines in the 2022 format with
 small noise, each followed by the ``time (ms)`` line Megatron's timers print (seed 003 shows it after the 13B's
@@ -101,8 +104,13 @@ def main() -> None:
     fields = ("lm_loss", "grad_norm", "consumed_tokens")  # what `opskit logs plot` / `spikes` read
     assert [r["lm_loss"] for r in read_from(args.file, fields=fields).iterations] == [r["lm_loss"] for r in
                                                                                    chunk.iterations]
+    for columnar in (read_from(args.file, columnar=True), read_from(args.file, fields=fields, columnar=True)):
+        rows = sum(table.height for table in columnar.tables) + len(columnar.iterations)
+        assert (rows, columnar.skipped) == (whole, chunk.skipped), (rows, columnar.skipped)
     full = best_of(args.repeat, lambda: read_from(args.file))
     some = best_of(args.repeat, lambda: read_from(args.file, fields=fields))
+    columns = best_of(args.repeat, lambda: read_from(args.file, columnar=True))
+    some_columns = best_of(args.repeat, lambda: read_from(args.file, fields=fields, columnar=True))
     python = best_of(args.repeat, lambda: per_line(args.file))
     grep = best_of(args.repeat, lambda: subprocess.run(["grep", "-c", "iteration", str(args.file)], check=False,
                                                        capture_output=True))
@@ -113,10 +121,13 @@ def main() -> None:
     print(f"{'':52s} {'wall s':>7s} {'lines/s':>12s} {'CPU s':>7s} {'lines/CPU s':>12s} {'x grep':>7s}"
           f" {'x per-line':>10s}")
     for label, (wall, cpu) in ((f"opskit, fields={','.join(fields)}", some), ("opskit, every field", full),
+                               ("opskit columnar, every field (logs parse)", columns),
+                               ("opskit columnar, fields= (logs plot, spikes)", some_columns),
                                ("opskit, every field, per-line parser (baseline)", python),
                                ("grep -c iteration", grep)):
         print(f"{label:52s} {wall:7.3f} {args.lines / wall:12,.0f} {cpu:7.3f} {args.lines / cpu:12,.0f} "
               f"{wall / grep[0]:7.1f} {python[0] / wall:10.2f}")
+
 
 if __name__ == "__main__":
     main()

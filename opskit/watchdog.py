@@ -39,6 +39,7 @@ NEW_RECORDS = 5000
 NEW_TEXT = 8 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
 _JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start", re.M)
+_JOB_WORD = "[opskit] "  # what every _JOB_HEADER line holds
 
 
 @dataclass(frozen=True)
@@ -319,8 +320,8 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
         # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
         state["last_iteration_at"] = info.st_mtime
     job_nodes = state.get("job_nodes", "") if start else ""
-    for header in _JOB_HEADER.finditer(text):
-        state["job_nodes"] = header.group(2)
+    for header in _JOB_HEADER.finditer(text) if _JOB_WORD in text else ():  # a C substring search, not a regex
+        state["job_nodes"] = header.group(2)  # scan (8 MiB on a first run)
     state.update(offset=chunk.offset, inode=info.st_ino, history=records[-keep:],
                  skipped=state.get("skipped", 0) + chunk.skipped)
     return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"), job_nodes)
@@ -474,10 +475,15 @@ def _throughput(records: list[dict], new: int, wd: WatchdogSpec) -> list[Finding
                     {"samples_per_second": recent, "baseline": baseline})]
 
 
+_CRASH_WORDS = ("rror", "memory", "Traceback", "Xid", "bus")  # what a line that may be a crash line holds
+
+
 def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     """``log.crash`` for the crash lines of ``text``, each with its node where the log says it: the job's only node,
     or for a multi-node job the node of the line's srun label. ``job_nodes``: the node list of the job running where
     ``text`` starts (its header came in an earlier read)."""
+    if not any(word in text for word in _CRASH_WORDS):  # the common case: no split of 8 MiB into lines, no import
+        return []
     from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes
 
     def expanded(nodelist: str) -> list[str]:  # the job's nodes, in srun's task order
@@ -491,7 +497,7 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     for line in lines:
         if header := _JOB_HEADER.match(line):
             nodes = expanded(header.group(2))
-        elif "rror" in line or "memory" in line or "Traceback" in line or "Xid" in line or "bus" in line:
+        elif any(word in line for word in _CRASH_WORDS):
             # A single-node job names the node of every line; a multi-node job's line names it by srun's label.
             crashes += find_crashes([line], node=nodes[0] if len(nodes) == 1 else None, nodes=nodes,
                                     signatures=SIGNATURES + SOFTWARE_ERRORS)
@@ -507,6 +513,8 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
 def _resume_fallbacks(text: str) -> list[Finding]:
     """The trainer's line when it resumed from an older step than ``latest`` named (opskit.ckpt.info.FALLBACK_LINE):
     iterations are redone, and the step it skipped is damaged."""
+    if "the newest complete step" not in text:  # the common case: no split into lines, no import
+        return []
     from opskit.ckpt.info import FALLBACK_LINE
 
     found = [m for line in text.splitlines()
@@ -524,6 +532,8 @@ def _resume_fallbacks(text: str) -> list[Finding]:
 def _save_failures(text: str) -> list[Finding]:
     """The trainer's ``error: saving global_stepN failed: ...`` lines (disk full, quota): the chain's next tasks
     would train to the same step and fail again."""
+    if "saving global_step" not in text:  # the common case: no split into lines, no import
+        return []
     from opskit.ckpt.layout import SAVE_FAILED_LINE, save_failed_message
 
     failed = [m for line in text.splitlines() if "saving global_step" in line and (m := SAVE_FAILED_LINE.search(line))]

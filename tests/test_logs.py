@@ -185,6 +185,25 @@ def test_tail_reads_only_the_end_of_a_large_log(tmp_path):
     assert tail.offset == everything.offset
 
 
+def test_tail_counts_iteration_records_not_lines_with_the_word(tmp_path):
+    # Lines that name an iteration without being iteration lines (saves, loads) outnumber the iteration lines near
+    # the end: reading only as far as the word's count reaches would give too few records.
+    def line(i: int) -> str:
+        return iteration_line(iteration=i, train_iters=1000, consumed_samples=64 * i, consumed_tokens=65536 * i,
+                              seconds_per_iteration=1.0, learning_rate=1e-4, global_batch_size=64, lm_loss=2.0,
+                              loss_scale=None, grad_norm=1.0, skipped_iterations=0, nan_iterations=0, tflops=100.0)
+
+    lines = [line(i) for i in range(1, 401)]
+    lines += [f"[default0]:saving checkpoint at iteration {i:7d} to /ckpt" for i in range(20000)]
+    lines += [line(i) for i in range(401, 411)]
+    log = tmp_path / "main_log.txt"
+    log.write_text("\n".join(lines) + "\n")
+    tail = read_tail(log, 100)
+    assert [r["iteration"] for r in tail.iterations[-100:]] == list(range(311, 411))
+    # where the last lines are iteration lines, only the lines from the n-th last one on are read
+    assert [r["iteration"] for r in read_tail(log, 7).records] == list(range(404, 411))
+
+
 def test_spike_found_at_the_tr11_chronicles_range():
     spikes = find_spikes(timeline(read_from(FIXTURES / "tr11-176B-spike.txt").records))
     assert [(s.metric, s.first, s.last, s.peak_iteration, s.recovered_at) for s in spikes] == [

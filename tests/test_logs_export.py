@@ -74,6 +74,28 @@ def test_columnar_output_is_byte_identical_to_the_records_written_one_by_one(tmp
 
 
 @pytest.mark.parametrize("output_format", ["jsonl", "csv"])
+def test_columnar_output_to_a_byte_stream_splits_one_table_at_each_restart(tmp_path, monkeypatch, output_format):
+    # Three restarts inside one block (one table): each part of the table gets its own segment; the lines go as
+    # bytes straight to a UTF-8 stream's buffer, after the text the stream already holds (csv's header).
+    iterations = [*range(100, 400), *range(150, 300), *range(290, 500), *range(10, 200)]
+    lines = [LINE_2022.replace("31217/", f"{i}/").replace("learning rate: 5.279E-05",
+                                                          f"learning rate: {i * 1e-8:.3E}") for i in iterations]
+    lines[500:500] = ["[default7]: validation loss at iteration 200 | lm loss value: 2.3E+00 | lm loss PPL: 9.9 | ",
+                      "[default7]: iteration 7/ 9 | lm loss: caf\u00e9 |", ODD[0]]
+    log = tmp_path / "main_log.txt"
+    log.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(parse, "_BULK_MIN", 1)
+    chunk = read_from(log, columnar=True)
+    assert max(table.height for table in chunk.tables) > 800  # restarts inside one table
+    stream = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", newline="")
+    write_files([(str(log), chunk)], output_format, stream)
+    stream.flush()
+    expected = _old_way([log], output_format)
+    assert stream.buffer.getvalue().decode() == expected
+    assert ('"segment": 3, "kind"' if output_format == "jsonl" else ",3,iteration,") in expected
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "csv"])
 def test_files_without_column_wise_records_are_written_as_before(tmp_path, output_format):
     log = tmp_path / "small.txt"
     log.write_text("\n".join([LINE_2022, *ODD, LINE_2021]) + "\n")
@@ -118,9 +140,14 @@ def _walked_spikes(records: list[dict], config) -> list[dict]:
     return [s.as_dict() for s in sorted(found, key=lambda s: (s.first, s.metric))]
 
 
+@pytest.mark.parametrize("rough_share", [1, 10**9])  # candidates: always the median's bound alone / never
 @pytest.mark.parametrize("window,threshold", [(100, 6.0), (10, 3.0), (21, 1.0), (5, 6.0)])
-def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(window, threshold):
+def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(monkeypatch, window, threshold,
+                                                                          rough_share):
+    from opskit.logs import spikes
     from opskit.logs.spikes import _COLUMNAR_MIN, SpikeConfig, find_spikes
+
+    monkeypatch.setattr(spikes, "_ROUGH_SHARE", rough_share)
 
     rng, records = random.Random(window), []
     for i in range(_COLUMNAR_MIN + 5000):  # long enough for the column-wise windows

@@ -112,33 +112,37 @@ class _Block:
 def _columns(data: bytes) -> tuple[bytes, _Block | None]:
     """(``data``, what polars read of it; None when polars splits its lines differently from ``bytes.split``)."""
     columns = [f"c{j}" for j in range(_WIDTH)]
-    frame = pl.read_csv(data.replace(b"\n", b"|" + _END.encode() + b"\n"), has_header=False, separator="|",
-                        quote_char=None, schema=dict.fromkeys(columns, pl.String), encoding="utf8-lossy",
-                        truncate_ragged_lines=True, missing_columns="insert", extra_columns="ignore")
-    if frame.height != data.count(b"\n"):
+    marked = data.replace(b"\n", b"|" + _END.encode() + b"\n")
+    frame = pl.read_csv(marked, has_header=False, separator="|", quote_char=None,
+                        schema=dict.fromkeys(columns, pl.String), encoding="utf8-lossy", truncate_ragged_lines=True,
+                        missing_columns="insert", extra_columns="ignore")
+    if frame.height != (len(marked) - len(data)) // (len(_END) + 1):  # the lines, counted by the replace
         return data, None
     head = pl.col("c0")  # the text before the first "|": all that decides whether a line is a record line
     lines = (frame.lazy().with_row_index("line")
              .filter(head.str.contains(ITERATION_WORD, literal=True)
                      | head.str.contains(VALIDATION_WORDS, literal=True))
              .with_row_index("slot").with_columns(*_header()).collect())
-    pending = lines.filter(pl.col("iteration").is_not_null() & pl.col("train_iters").is_not_null())
+    # pending: lines whose header is read; the first layout meets them among all candidate lines (no copy of their
+    # strings), later layouts only the lines left over
+    pending, eligible = lines, lines["iteration"].is_not_null() & lines["train_iters"].is_not_null()
     taken = pl.repeat(False, lines.height, eager=True)
     layouts = []
     for _ in range(_LAYOUTS):
-        if pending.is_empty():
+        if not eligible.any():
             break
-        names = _layout(pending.row(0, named=True))  # the first pending line defines the next layout
-        if not names:
-            pending = pending.slice(1)
-            continue
-        values = [f"v{j}" for j in range(1, len(names) + 1)]
-        table = (pending.lazy().with_columns(_value(j, name).alias(f"v{j}") for j, name in enumerate(names, 1))
-                 .select(_matching(names).alias("ok"), "slot", "iteration", "train_iters", *values).collect())
-        ok = table["ok"].fill_null(False)
-        layouts.append((names, table.filter(ok)))
-        taken = taken.scatter(table.filter(ok)["slot"], True)
-        pending = pending.filter(~ok).slice(0 if ok[0] else 1)  # only lines left over meet the next layout
+        first = eligible.arg_true()[0]
+        names = _layout(pending.row(first, named=True))  # the first pending line defines the next layout
+        if names:
+            values = [f"v{j}" for j in range(1, len(names) + 1)]
+            table = (pending.lazy().with_columns(_value(j, name).alias(f"v{j}") for j, name in enumerate(names, 1))
+                     .select((_matching(names) & pl.lit(eligible)).fill_null(False).alias("ok"), "slot", "iteration",
+                             "train_iters", *values).collect())
+            layouts.append((names, table.filter("ok")))
+            taken = taken.scatter(layouts[-1][1]["slot"], True)
+            eligible = eligible & ~table["ok"]
+        pending = pending.filter(eligible.scatter(first, False))  # done with the line that defined the layout
+        eligible = pl.repeat(True, pending.height, eager=True)
     return data, _Block(layouts, lines.filter(~taken))
 
 

@@ -2,15 +2,19 @@
 
 :func:`write_files` writes what :func:`write_jsonl` / :func:`write_csv` write for the rows ``{"file", "segment",
 **record}`` of each file, byte for byte; the records a large read kept column-wise (``read_from(..., columnar=True)``)
-are formatted by polars, a column at a time, never as one dict and one ``json.dumps`` each (issue 19: a 1M-line log
-costs ~1 s instead of ~7 s; docs/benchmarks.md). tests/test_logs_export.py holds both ways equal.
+are formatted by polars, one ``concat_str`` per table and segment, and written as bytes, never as one dict and one
+``json.dumps`` each (issue 19: a 1M-line log costs ~0.6 CPU s instead of ~7 s; docs/benchmarks.md).
+tests/test_logs_export.py holds both ways equal.
 """
 
 from __future__ import annotations
 
+import bisect
+import codecs
 import csv
 import io
 import json
+import math
 from typing import TextIO
 
 from opskit.logs.parse import LogChunk, split_segments
@@ -50,82 +54,124 @@ def write_files(files: list[tuple[str, LogChunk]], output_format: str, out: Text
     if output_format == "csv":
         out.write(_csv_text([*COLUMNS, *(f"extra.{key}" for key in extras)]) + "\n")
     for name, chunk in files:
-        lines = _columnar_lines(name, chunk, output_format, extras)
-        for start in range(0, len(lines), _SLICE):
-            out.write(lines.slice(start, _SLICE).str.join("\n").item() + "\n")
+        _write_lines(_columnar_lines(name, chunk, output_format, extras), out)
+
+
+def _write_lines(lines, out: TextIO) -> None:
+    """``lines`` (a polars Series of str), each followed by ``\\n``: straight from polars as UTF-8 bytes to a UTF-8
+    stream's buffer (no Python str of the whole text, no encoding pass), else through ``out.write``."""
+    import polars as pl
+
+    buffer = getattr(out, "buffer", None)
+    if buffer is not None and codecs.lookup(getattr(out, "encoding", None) or "ascii").name == "utf-8":
+        out.flush()
+        pl.DataFrame({"line": lines}).write_csv(buffer, include_header=False, quote_style="never")
+        return
+    for start in range(0, len(lines), _SLICE):
+        out.write(lines.slice(start, _SLICE).str.join("\n").item() + "\n")
 
 
 def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list[str]):
-    """The output lines of one file's records in file order (a polars Series). Each record's text after its segment
-    is formatted first (``rest``: Python, as :func:`write_jsonl` / :func:`write_csv` do; ``tables``: polars), then
-    segments are counted over all records in file order, as :func:`opskit.logs.parse.split_segments` counts them."""
+    """The output lines of one file's records in file order (a polars Series). Segments are counted first, over the
+    iteration numbers alone, as :func:`opskit.logs.parse.split_segments` counts them (``_restarts``); then each line
+    is formatted whole: ``records`` in Python, as :func:`write_jsonl` / :func:`write_csv` do, each table by polars,
+    one ``concat_str`` per part of it that lies in one segment."""
     import polars as pl
 
     jsonl = output_format == "jsonl"
-    rest = pl.DataFrame({"slot": chunk.slots if chunk.slots is not None else range(len(chunk.records)),
-                         "iteration": [r["iteration"] if r["kind"] == "iteration" else None for r in chunk.records],
-                         "body": [", " + json.dumps(r)[1:] if jsonl else "," + _csv_text(_row(r, extras)[2:])
-                                  for r in chunk.records]},
-                        schema={"slot": pl.Int64, "iteration": pl.Int64, "body": pl.String})
-    parts = [rest]
-    for table in chunk.tables:
-        floats = {key: _needs_repr(table[key]) if dtype == pl.Float64 else None
-                  for key, dtype in table.schema.items() if key != "slot"}
-        body = _jsonl_body(floats) if jsonl else _csv_body(floats, len(extras))
-        parts.append(table.select(pl.col("slot").cast(pl.Int64), "iteration", body.alias("body")))
-    iteration = pl.col("iteration")
-    previous = iteration.shift(1).forward_fill()  # the iteration of the last iteration record before
-    segment = (iteration <= previous).fill_null(False).cum_sum().cast(pl.String)
+    slots = chunk.slots if chunk.slots is not None else range(len(chunk.records))
+    restarts = _restarts(chunk, slots)
     head = f'{{"file": {json.dumps(name)}, "segment": ' if jsonl else _csv_text([name]) + ","
-    lines = pl.concat(parts).sort("slot").select(pl.concat_str([pl.lit(head), segment, pl.col("body")]).alias("line"))
-    return lines["line"]
+    rest = pl.DataFrame({"slot": slots,
+                         "line": [f"{head}{bisect.bisect_right(restarts, slot)}"
+                                  + (", " + json.dumps(r)[1:] if jsonl else "," + _csv_text(_row(r, extras)[2:]))
+                                  for slot, r in zip(slots, chunk.records, strict=True)]},
+                        schema={"slot": pl.Int64, "line": pl.String})
+    parts = [rest]
+    for table in (table for table in chunk.tables if table.height):
+        floats = {key: _odd_floats(table[key], jsonl) if dtype == pl.Float64 else None
+                  for key, dtype in table.schema.items() if key != "slot"}
+        slot = pl.col("slot").cast(pl.Int64)
+        first, last = table["slot"].min(), table["slot"].max()
+        for segment in range(bisect.bisect_right(restarts, first), bisect.bisect_right(restarts, last) + 1):
+            start, stop = ([None, *restarts][segment], [*restarts, None][segment])
+            inside = [slot >= start] if start is not None and start > first else []
+            inside += [slot < stop] if stop is not None and stop <= last else []
+            part = table.filter(*inside) if inside else table
+            line = (_jsonl_line if jsonl else _csv_line)(f"{head}{segment}", floats, len(extras))
+            parts.append(part.select(slot, line.alias("line")))
+    return pl.concat(parts).sort("slot")["line"]
 
 
-def _jsonl_body(floats: dict):
-    """``json.dumps`` of an iteration record after its segment: ``, "kind": "iteration", "key": value, ...}``
-    (``floats``: each key of the record's order -> None for an integer column, else :func:`_number_text`'s
-    ``fix``)."""
+def _restarts(chunk: LogChunk, slots) -> list[int]:
+    """The slots, in order, of the iteration records that begin a new segment: an iteration <= the one of the
+    iteration record before (:func:`opskit.logs.parse.split_segments`' rule)."""
     import polars as pl
 
-    pieces = [pl.lit(', "kind": "iteration"')]
-    for key, fix in floats.items():
-        pieces += [pl.lit(f", {json.dumps(key)}: "), _number_text(key, fix, nan="NaN", inf="Infinity")]
-    return pl.concat_str([*pieces, pl.lit("}")])
+    rest = [(slot, r["iteration"]) for slot, r in zip(slots, chunk.records, strict=True) if r["kind"] == "iteration"]
+    order = pl.concat([pl.DataFrame(rest, schema={"slot": pl.Int64, "iteration": pl.Int64}, orient="row"),
+                       *(table.select(pl.col("slot").cast(pl.Int64), pl.col("iteration").cast(pl.Int64))
+                         for table in chunk.tables)]).sort("slot")
+    iteration = pl.col("iteration")
+    return order.filter(iteration <= iteration.shift(1))["slot"].to_list()
 
 
-def _csv_body(floats: dict, extras: int):
-    """:func:`write_csv`'s row of an iteration record after its file and segment cells: ``,iteration,...`` (every
-    column of :data:`COLUMNS`, then ``extras`` empty cells)."""
+def _jsonl_line(head: str, floats: dict, extras: int):
+    """``json.dumps`` of the rows of an iteration table, ``head`` (``{"file": ..., "segment": N``) first
+    (``floats``: each key of the record's order -> None for an integer column, else :func:`_odd_floats`; ``extras``
+    unused: the signature of :func:`_csv_line`)."""
+    pieces: list = [f'{head}, "kind": "iteration"']
+    for key, odd in floats.items():
+        pieces[-1] += f", {json.dumps(key)}: "
+        pieces += [_number_text(key, odd), ""]
+    pieces[-1] += "}"
+    return _concat(pieces)
+
+
+def _csv_line(head: str, floats: dict, extras: int):
+    """:func:`write_csv`'s row of the rows of an iteration table, ``head`` (file and segment cells) first: every
+    column of :data:`COLUMNS`, then ``extras`` empty cells."""
+    pieces: list = [head + ",iteration"]
+    for column in COLUMNS[3:]:
+        pieces[-1] += ","
+        if column in floats:
+            pieces += [_number_text(column, floats[column]), ""]
+    pieces[-1] += "," * extras
+    return _concat(pieces)
+
+
+def _concat(pieces: list):
+    """One string expression of ``pieces``: texts (as literals; empty ones dropped) and string expressions."""
     import polars as pl
 
-    given = {"kind": pl.lit("iteration"), **{key: _number_text(key, fix, nan="nan", inf="inf")
-                                             for key, fix in floats.items()}}
-    return pl.concat_str([pl.lit("")] + [given.get(column, pl.lit("")) for column in COLUMNS[2:]]
-                         + [pl.lit("")] * extras, separator=",")
+    return pl.concat_str([pl.lit(p) if isinstance(p, str) else p for p in pieces if not isinstance(p, str) or p])
 
 
-def _needs_repr(values) -> bool:
-    """Whether polars writes some of these floats otherwise than ``repr``: below 1e-4, or not finite."""
-    return bool((((values.abs() < 1e-4) & (values != 0)) | ~values.is_finite()).any())
+def _odd_floats(values, jsonl: bool) -> dict[float, str] | None:
+    """The values of a float column that polars writes otherwise than ``json.dumps`` (``jsonl``) / ``repr``, each with
+    its text: below 1e-4 (polars: ``0.00005969`` for ``5.969e-05``, ``3e-7`` for ``3e-07``) and not finite (``NaN``,
+    ``inf``); None when there are none. Every other float polars writes with the same shortest round-trip digits."""
+    odd = values.filter(((values.abs() < 1e-4) & (values != 0)) | ~values.is_finite()).unique()
+    if odd.is_empty():
+        return None
+    spell = json.dumps if jsonl else repr  # json.dumps writes a finite float as repr does: the cheaper call
+    return {value: repr(value) if math.isfinite(value) else spell(value) for value in odd.to_list()}
 
 
-def _number_text(column: str, fix: bool | None, nan: str, inf: str):
-    """Column ``column`` as ``str`` (integers: ``fix`` None) or Python's ``repr`` (floats) writes each value: polars
-    writes the same shortest round-trip digits, but ``0.00005969`` for ``5.969e-05``, ``3e-7`` for ``3e-07``,
-    ``NaN`` for ``nan`` (``fix``: the column has such values; :func:`_needs_repr`); ``nan`` and ``inf`` spell the
-    non-finite values (json: ``NaN``, ``Infinity``; repr: ``nan``, ``inf``)."""
+def _number_text(column: str, odd: dict[float, str] | None):
+    """Column ``column`` as ``str`` (integers: ``odd`` None) or ``json.dumps`` / ``repr`` (floats) writes each value
+    (``odd``: :func:`_odd_floats`)."""
     import polars as pl
 
     value = pl.col(column)
     text = value.cast(pl.String)
-    if not fix:
+    if not odd:
         return text
-    small = (text.str.replace(r"^(-?)0\.0000([1-9])$", "${1}${2}e-05")  # repr's exponent form below 1e-4
-             .str.replace(r"^(-?)0\.0000([1-9])([0-9]+)$", "${1}${2}.${3}e-05")
-             .str.replace(r"e-([1-9])$", "e-0${1}"))
-    return (pl.when(value.abs() < 1e-4).then(small).when(value.is_nan()).then(pl.lit(nan))
-            .when(value == float("inf")).then(pl.lit(inf)).when(value == float("-inf")).then(pl.lit("-" + inf))
-            .otherwise(text))
+    nan = next((text for number, text in odd.items() if math.isnan(number)), None)
+    small = {number: text for number, text in odd.items() if not math.isnan(number)}
+    if small:
+        text = value.replace_strict(list(small), list(small.values()), default=text, return_dtype=pl.String)
+    return text if nan is None else pl.when(value.is_nan()).then(pl.lit(nan)).otherwise(text)
 
 
 def _extras(records: list[dict]) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from opskit.errors import OpskitError
-from opskit.logs.grammar import iteration_fields, scan_bytes, scan_lines
+from opskit.logs.grammar import ITERATION_WORD, iteration_fields, scan_bytes, scan_lines
 
 T = TypeVar("T")
 
@@ -200,21 +200,49 @@ def from_end(path: str | Path, attempt: Callable[[str, bool], T | None], start: 
 def read_tail(path: str | Path, iterations: int, start: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
     """Records near the end of a file, after byte ``start`` (a line start), holding at least ``iterations``
     iteration records (or all there are): a multi-GB log costs a few reads (:func:`from_end`). ``offset`` is where a
-    follower continues; ``fields`` as in :func:`read_from`; ``skipped`` counts the cut lines of the part read.
+    follower continues; ``fields`` as in :func:`read_from`; ``skipped`` counts the cut lines of the part read: all
+    that is after ``start`` where that holds too few, else from the line of the ``iterations``-th last iteration
+    record (or a little before it, where other lines name an iteration: saves, loads).
 
     Raises:
         FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file; an unknown name in ``fields``.
     """
     keep = _keep(fields)
 
-    def enough(text: str, at_start: bool) -> LogChunk | None:
+    def parsed(text: str) -> LogChunk:
         chunk = LogChunk()
         chunk.skipped = scan_lines(text.split("\n"), chunk.records, keep)
-        return chunk if at_start or len(chunk.iterations) >= iterations else None
+        return chunk
+
+    def enough(text: str, at_start: bool) -> LogChunk | None:
+        if at_start:  # all that is after start
+            return parsed(text)
+        # Every iteration line holds the word: parse back from the end, each time from the line of the word that
+        # could complete the count, each line once (the block grew 4x: most of it need not be parsed).
+        pieces, end, missing = [], len(text), iterations
+        while missing > 0:
+            begin = _line_of_last(text, ITERATION_WORD, missing, end)
+            if begin is None:
+                return None  # too few iteration lines: a larger block
+            pieces.append(parsed(text[begin:end]))
+            missing, end = missing - len(pieces[-1].iterations), begin
+        return LogChunk(records=[r for piece in reversed(pieces) for r in piece.records],
+                        skipped=sum(piece.skipped for piece in pieces))
 
     chunk, offset = from_end(path, enough, start)
     chunk.offset = offset
     return chunk
+
+
+def _line_of_last(text: str, word: str, n: int, end: int) -> int | None:
+    """Where the line begins that holds the ``n``-th last ``word`` of ``text[:end]`` (``n`` >= 1); None when there
+    are fewer."""
+    at = end
+    for _ in range(n):
+        at = text.rfind(word, 0, at)
+        if at < 0:
+            return None
+    return text.rfind("\n", 0, at) + 1
 
 
 def first_iteration(path: str | Path) -> dict | None:
