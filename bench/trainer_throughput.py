@@ -59,6 +59,20 @@ def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
     return prefix, tokenizer_dir
 
 
+def plan_gib(mbs: int, gas: int, gpus: int, extra: list[str]) -> float:
+    """``opskit plan``'s memory estimate (GiB per GPU) for the run: bench/specs/gpt2-1.3B.yaml (this file's shape) at
+    this micro-batch, global batch and DP, with BLOOM's ALiBi and embedding LayerNorm when ``extra`` has them."""
+    from opskit.plan import make_plan
+    from opskit.spec import load_spec
+
+    overrides = {"batch": {"micro_batch_size": mbs, "global_batch_size": mbs * gas * gpus,
+                           "train_samples": mbs * gas * gpus * 100},
+                 "optimizer": {"lr_warmup_samples": mbs * gas * gpus}, "parallel": {"gpus_per_node": gpus}}
+    if "alibi" in extra:
+        overrides["model"] = {"position_embedding_type": "alibi", "embed_layernorm": True}
+    return make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), overrides)).memory.total_gib_per_gpu
+
+
 def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int, gpus: int = 1,
                 gas: int = 1) -> dict:
     """One trainer run at data parallelism ``gpus`` (torchrun when > 1), global batch ``mbs * gas * gpus`` (``gas``
@@ -86,7 +100,8 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
     return {"name": name, "gpus": gpus, "mbs": mbs, "gas": gas, "s_per_iter": round(steady, 4),
             "tokens_per_s": round(gbs * S / steady),
             "mfu": round(model_flops(gbs) / gpus / steady / PEAK_FLOPS, 4), "log_tflops": steady_tflops,
-            "peak_mem_gb": round(max(float(p) for p in peak) / 1024, 1) if peak else None}
+            "peak_mem_gb": round(max(float(p) for p in peak) / 1024, 1) if peak else None,
+            "plan_mem_gb": round(plan_gib(mbs, gas, gpus, extra), 1)}
 
 
 def run_hf(which: str, iters: int, mbs: int, gas: int = 1) -> dict:
