@@ -177,8 +177,10 @@ def _varied_log(tmp_path):
 def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monkeypatch, fields):
     """`opskit logs plot` / `spikes` read a large log's timeline column-wise: the same values, spikes and plotted
     series as the timeline of records built one dict at a time (the path before issue 19)."""
+    import polars as pl
+
     from opskit.logs import spikes
-    from opskit.logs.parse import record_columns, timeline
+    from opskit.logs.parse import as_list, record_columns, timeline
     from opskit.logs.plot import X_AXES, metric_value, run_series
     from opskit.logs.sources import resolve
 
@@ -194,8 +196,10 @@ def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monke
     assert sum(table.height for table in chunk.tables) > 2500  # the common lines stayed columns
     keys = fields or ("lm_loss", "grad_norm", "consumed_tokens", "learning_rate", "loss_scale", "extra.moe_loss")
     line = source.timeline(keys, chunk, metric_value)
-    assert repr(line) == repr(record_columns(old_line, keys, metric_value))  # repr: NaN compares
-    assert any(v is None for v in line["lm_loss"]) and any(v is not None for v in line.get("extra.moe_loss", [0]))
+    assert all(isinstance(column, pl.Series) for column in line.values())  # no Python object per value
+    listed = {key: as_list(column) for key, column in line.items()}
+    assert repr(listed) == repr(record_columns(old_line, keys, metric_value))  # repr: NaN compares
+    assert any(v is None for v in listed["lm_loss"]) and any(v is not None for v in listed.get("extra.moe_loss", [0]))
     for config in (spikes.SpikeConfig(), spikes.SpikeConfig(window=20, threshold=2.0)):
         found = spikes.spikes_of(source.timeline(config.metrics, chunk), config)
         assert repr(found) == repr(spikes.find_spikes(old_line, config)) and found
@@ -210,7 +214,8 @@ def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monke
         else:
             points = [(r.get(x_key), metric_value(r, key)) for r in old_line]
         points = [(at, value) for at, value in points if at is not None and value is not None]
-        assert repr((series.x, series.y)) == repr(([at for at, _ in points], [value for _, value in points]))
+        assert repr((as_list(series.x), as_list(series.y))) == repr(([at for at, _ in points],
+                                                                     [value for _, value in points]))
         assert len(points) > (2 if key.startswith(("validation", "moe")) else 1000)
 
 

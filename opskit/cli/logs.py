@@ -152,7 +152,6 @@ def plot(
 ) -> None:
     """Plot a metric of one or more runs: an image with --out, else a terminal plot. One line per run, spikes marked
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
-    from opskit.logs import plot as plotting
     from opskit.logs.parse import LogFormatError
     from opskit.logs.plot import check_x, claim_image, draw_image, draw_text, parse_range, run_series, y_key
 
@@ -162,7 +161,6 @@ def plot(
         raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
     if out is not None:
         claim_image(out, force)  # before reading any log
-        plotting.preload_image_libraries()
     series = run_series(inputs, x, y, bounds, smooth, on_skipped=_report_skipped)
     if out is not None:
         console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}", markup=False)

@@ -87,7 +87,7 @@ def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list
                                   + (", " + json.dumps(r)[1:] if jsonl else "," + _csv_text(_row(r, extras)[2:]))
                                   for slot, r in zip(slots, chunk.records, strict=True)]},
                         schema={"slot": pl.Int64, "line": pl.String})
-    parts = [rest]
+    parts = [rest.lazy()]
     for table in (table for table in chunk.tables if table.height):
         floats = {key: _odd_floats(table[key], jsonl) if dtype == pl.Float64 else None
                   for key, dtype in table.schema.items() if key != "slot"}
@@ -97,10 +97,10 @@ def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list
             start, stop = ([None, *restarts][segment], [*restarts, None][segment])
             inside = [slot >= start] if start is not None and start > first else []
             inside += [slot < stop] if stop is not None and stop <= last else []
-            part = table.filter(*inside) if inside else table
+            part = table.lazy().filter(*inside) if inside else table.lazy()
             line = (_jsonl_line if jsonl else _csv_line)(f"{head}{segment}", floats, len(extras))
             parts.append(part.select(slot, line.alias("line")))
-    return pl.concat(parts).sort("slot")["line"]
+    return pl.concat(parts).sort("slot").collect()["line"]  # one query: polars formats the tables side by side
 
 
 def _restarts(chunk: LogChunk, slots) -> list[int]:

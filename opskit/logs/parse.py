@@ -116,15 +116,18 @@ def open_log(path: str | Path) -> BinaryIO:
 
 def _blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[bytes]:
     """Blocks of about ``size`` bytes of complete lines from ``f`` (a partial last line is left for the next read);
-    ``chunk.offset``, ``lines`` and ``unread``, when given, move past each block as it is handed out."""
-    carry = b""
+    ``chunk.offset``, ``lines`` and ``unread``, when given, move past each block as it is handed out. The partial
+    line after a block's last newline is read again with the next block (a seek back, not a copy of the block)."""
+    carry = b""  # a block without a newline: a line longer than size, joined with what follows
     while block := f.read(size):
-        block = carry + block
+        if carry:
+            block = carry + block
         end = block.rfind(b"\n") + 1
-        carry = block[end:]
         if chunk is not None:
-            chunk.unread = len(carry)
+            chunk.unread = len(block) - end
+        carry = b"" if end else block
         if end:
+            f.seek(end - len(block), os.SEEK_CUR)  # the newline lies in what was just read: so does what follows it
             if chunk is not None:
                 chunk.offset += end
                 chunk.lines += block.count(b"\n", 0, end)
@@ -285,9 +288,9 @@ def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
     """The index ranges [start, stop) of ``iterations`` (the iteration records' numbers, in file order) that
     :func:`timeline` keeps, in order: segments split as :func:`split_segments` splits them (a restart: the iteration
     goes back), each cut before the first iteration of any later segment (what the resume re-ran replaces)."""
-    if not iterations:
+    if not len(iterations):
         return []
-    starts = [0, *(i for i, (before, after) in enumerate(pairwise(iterations), 1) if after <= before)]
+    starts = [0, *_restarts(iterations)]
     kept, first_later = [], None  # first_later: the lowest first iteration of the segments after the one looked at
     for start, end in reversed(list(zip(starts, [*starts[1:], len(iterations)], strict=True))):
         # iterations rise within a segment: the kept records are a prefix of it
@@ -295,6 +298,28 @@ def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
         kept.append((start, stop))
         first_later = iterations[start] if first_later is None else min(first_later, iterations[start])
     return [(start, stop) for start, stop in reversed(kept) if stop > start]
+
+
+def _restarts(iterations: Sequence[int]) -> list[int]:
+    """The indices where the iteration goes back (<= the one before): at once for a numpy array (a large log's
+    timeline), one pair at a time otherwise."""
+    if hasattr(iterations, "dtype"):
+        import numpy as np
+
+        return (np.flatnonzero(np.diff(iterations) <= 0) + 1).tolist()
+    return [i for i, (before, after) in enumerate(pairwise(iterations), 1) if after <= before]
+
+
+def as_list(column: Sequence) -> list:
+    """A column of :func:`timeline_columns` (a list, a polars Series) or a numpy array as a list of Python values."""
+    if isinstance(column, list):
+        return column
+    return column.to_list() if hasattr(column, "to_list") else column.tolist()
+
+
+def python_value(value):
+    """A numpy scalar (an element of a column's array) as the Python number it holds; other values as they are."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def record_columns(records: list[dict], keys: Sequence[str], value: Callable[[dict, str], object] = dict.get
@@ -305,11 +330,12 @@ def record_columns(records: list[dict], keys: Sequence[str], value: Callable[[di
 
 
 def timeline_columns(chunk: LogChunk, keys: Sequence[str], value: Callable[[dict, str], object] = dict.get
-                     ) -> dict[str, list]:
-    """:func:`timeline` of all of ``chunk``'s records (``tables`` included), column-wise as :func:`record_columns`
-    gives it: a read kept columnar (``read_from(..., columnar=True)``) never becomes one dict per record (issue 19:
-    plot and spikes on a 176B run's log). A key none of the tables holds is None in their rows; ``value`` reads the
-    records built one by one."""
+                     ) -> dict[str, Sequence]:
+    """:func:`timeline` of all of ``chunk``'s records (``tables`` included), column-wise: as :func:`record_columns`
+    gives it (lists) for a chunk of records only; for a read kept columnar (``read_from(..., columnar=True)``) the
+    same values as polars Series (null for None), which never become one dict or one Python object per record
+    (issue 19: plot and spikes on a 176B run's log). A key none of the tables holds is null in their rows; ``value``
+    reads the records built one by one."""
     if not chunk.tables:
         return record_columns(timeline(chunk.records), keys, value)
     import polars as pl
@@ -321,6 +347,6 @@ def timeline_columns(chunk: LogChunk, keys: Sequence[str], value: Callable[[dict
     parts += [table.select("slot", *(key for key in keys if key in table.columns)) for table in chunk.tables]
     frame = pl.concat(parts, how="diagonal_relaxed").sort("slot")
     frame = frame.with_columns(pl.lit(None).alias(key) for key in keys if key not in frame.columns)
-    runs = latest_runs(frame["iteration"].to_list())
+    runs = latest_runs(frame["iteration"].to_numpy())
     frame = pl.concat([frame.slice(start, stop - start) for start, stop in runs]) if runs else frame.clear()
-    return {key: frame[key].to_list() for key in keys}
+    return {key: frame[key] for key in keys}

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import re
 import struct
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
 
 from opskit.fsutil import claim_file
 from opskit.logs.grammar import iteration_fields
-from opskit.logs.parse import LogFormatError, record_columns
+from opskit.logs.parse import LogFormatError, as_list, python_value, record_columns
 from opskit.logs.sources import resolve
 from opskit.logs.spikes import Spike, SpikeConfig, spikes_of
 
@@ -39,11 +38,12 @@ _PDF_MARK = b"/Creator (" + SOFTWARE.encode() + b")"
 
 @dataclass
 class Series:
-    """One run's line: ``x``/``y`` values, and the spikes to mark as (x, y) points."""
+    """One run's line: ``x``/``y`` values (lists, or numpy arrays from a large log's columns), and the spikes to mark
+    as (x, y) points."""
 
     name: str
-    x: list[float]
-    y: list[float]
+    x: Sequence[float]
+    y: Sequence[float]
     markers: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -92,10 +92,11 @@ def parse_range(text: str | None) -> tuple[float | None, float | None]:
         raise LogFormatError(f"--range {text}: expected A:B, A: or :B with numbers (e.g. 0:24e9)") from None
 
 
-def make_series(name: str, columns: dict[str, list], x: str, y: str, x_range=(None, None), smooth: int = 1,
+def make_series(name: str, columns: dict[str, Sequence], x: str, y: str, x_range=(None, None), smooth: int = 1,
                 spikes: list[Spike] = ()) -> Series:
     """The (x, y) points of records given column-wise (``columns``: ``iteration``, the x axis' record key and ``y``,
-    None where a record lacks one: :func:`opskit.logs.parse.record_columns` with :func:`metric_value`) inside
+    None where a record lacks one: :func:`opskit.logs.parse.record_columns` with :func:`metric_value`, or polars
+    Series with null: :func:`opskit.logs.parse.timeline_columns`, whose points come as numpy arrays) inside
     ``x_range``, ``y`` smoothed by a trailing mean over ``smooth`` points; spikes of metric ``y`` marked at their peak
     (raw value).
 
@@ -104,12 +105,21 @@ def make_series(name: str, columns: dict[str, list], x: str, y: str, x_range=(No
     """
     check_x(x)
     x_key, low, high = X_AXES[x], *x_range
-    inside = [at is not None and value is not None and (low is None or at >= low) and (high is None or at <= high)
-              for at, value in zip(columns[x_key], columns[y], strict=True)]
-    xs, ys = list(compress(columns[x_key], inside)), list(compress(columns[y], inside))  # 466 k points: no appends
     peaks = {s.peak_iteration for s in spikes if s.metric == y}
-    x_of = {iteration: at for iteration, at in zip(columns["iteration"], columns[x_key], strict=True)
-            if iteration in peaks and at is not None} if peaks else {}
+    if isinstance(columns[y], list):
+        inside = [at is not None and value is not None and (low is None or at >= low) and (high is None or at <= high)
+                  for at, value in zip(columns[x_key], columns[y], strict=True)]
+        xs, ys = list(compress(columns[x_key], inside)), list(compress(columns[y], inside))  # no appends
+        x_of = {iteration: at for iteration, at in zip(columns["iteration"], columns[x_key], strict=True)
+                if iteration in peaks and at is not None} if peaks else {}
+    else:  # a large log's columns: 466 k points to the axes as numpy arrays, never as Python floats
+        at, values = columns[x_key], columns[y]
+        inside = at.is_not_null() & values.is_not_null()
+        inside = inside & (at >= low) if low is not None else inside
+        inside = inside & (at <= high) if high is not None else inside
+        xs, ys = at.filter(inside).to_numpy(), values.filter(inside).to_numpy()
+        chosen = columns["iteration"].is_in(list(peaks)) & at.is_not_null()
+        x_of = dict(zip(columns["iteration"].filter(chosen).to_list(), at.filter(chosen).to_list(), strict=True))
     markers = [(x_of[s.peak_iteration], s.peak) for s in spikes
                if s.metric == y and s.peak_iteration in x_of and (low is None or x_of[s.peak_iteration] >= low)
                and (high is None or x_of[s.peak_iteration] <= high)]
@@ -145,7 +155,7 @@ def run_series(inputs: list[str], x: str, y: str, x_range=(None, None), smooth: 
         points = line if not validation else record_columns(_with_x(chunk.records, line, x_key), (x_key, key),
                                                             metric_value)
         one = make_series(source.name, points, x, key, x_range, smooth, spikes)
-        if not one.x:
+        if not len(one.x):
             raise LogFormatError(f"{item}: no '{key}' values with an x ({x}) in range")
         series.append(one)
     return series
@@ -162,7 +172,7 @@ def _fields_for(key: str, x: str) -> tuple[str, ...] | None:
 def _with_x(records: list[dict], line: dict[str, list], x_key: str) -> list[dict]:
     """The validation records (with an iteration) of ``records``, given the x (``x_key``: consumed samples/tokens)
     of the iteration record of the same iteration in ``line`` (the timeline's columns)."""
-    x_at = dict(zip(line["iteration"], line[x_key], strict=True))
+    x_at = dict(zip(as_list(line["iteration"]), as_list(line[x_key]), strict=True))
     return [{x_key: x_at.get(r["iteration"]), **r} for r in records
             if r["kind"] == "validation" and r["iteration"] is not None]
 
@@ -176,9 +186,9 @@ def metric_value(record: dict, y: str) -> float | None:
     return value if isinstance(value, (int, float)) else None
 
 
-def _trailing_mean(values: list[float], n: int) -> list[float]:
+def _trailing_mean(values: Sequence[float], n: int) -> Sequence[float]:
     if n <= 1:
-        return list(values)
+        return values
     out, total = [], 0.0
     for i, value in enumerate(values):
         total += value
@@ -281,24 +291,6 @@ def _pdf_creator(f) -> bool:
     return _PDF_MARK in f.read()
 
 
-def preload_image_libraries() -> threading.Thread:
-    """Start importing what :func:`draw_image` imports (matplotlib's Figure and Agg canvas, ~0.4 s of CPU) in a
-    second thread, so that it runs while the log is read (polars' work then leaves a core free most of the time);
-    ``draw_image``'s own import waits for it where it is not done. Returns the thread (not a daemon: never cut off
-    mid-import at exit); an ImportError is left for ``draw_image`` to report."""
-    thread = threading.Thread(target=_import_image_libraries, name="opskit-preload-matplotlib")
-    thread.start()
-    return thread
-
-
-def _import_image_libraries() -> None:
-    try:
-        import matplotlib.backends.backend_agg  # noqa: F401
-        import matplotlib.figure  # noqa: F401
-    except ImportError:
-        pass
-
-
 def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: bool = False, title: str | None = None,
                size: tuple[int, int] = (1200, 675), force: bool = False) -> Path:
     """Write an image of ``size`` pixels in the format ``out``'s suffix names (PNG, JPEG, SVG, PDF; marked as
@@ -311,6 +303,7 @@ def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: boo
     out = Path(out)
     fmt = claim_image(out, force)
     _require("matplotlib")
+    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # not pyplot: no backend switching, no figure manager (~0.04 s of import)
 
@@ -319,7 +312,7 @@ def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: boo
     fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    low, high = min(min(s.x) for s in series), max(max(s.x) for s in series)
+    low, high = min(python_value(np.min(s.x)) for s in series), max(python_value(np.max(s.x)) for s in series)
     if high > low:  # the limits autoscaling would pick, fixed first: thin() needs the axes' pixel columns
         pad = (high - low) * ax.margins()[0]
         low, high = low - pad, high + pad
@@ -349,7 +342,8 @@ def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: boo
     return out
 
 
-def thin(x: list[float], y: list[float], low: float, high: float, columns: int) -> tuple[list[float], list[float]]:
+def thin(x: Sequence[float], y: Sequence[float], low: float, high: float, columns: int
+         ) -> tuple[Sequence[float], Sequence[float]]:
     """The points of the line (``x``, ``y``) that an image ``columns`` pixels wide for x in [``low``, ``high``] needs
     to show it as the whole line shows: in each run of consecutive points within one pixel column, the first, the
     last, the lowest and the highest (the M4 rule: Jugel et al., "M4: A Visualization-Oriented Time Series Data
@@ -388,7 +382,7 @@ def draw_text(series: list[Series], x: str, y: str, log_y: bool = False, width: 
     if width and height:
         plotext.plotsize(width, height)
     for s in series:
-        plotext.plot(s.x, s.y, label=s.name)
+        plotext.plot(as_list(s.x), as_list(s.y), label=s.name)
     points = [p for s in series for p in s.markers]
     if points:
         plotext.scatter([p[0] for p in points], [p[1] for p in points], marker="x", label="spike")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +46,7 @@ class LogSource:
         return self.path
 
     def timeline(self, keys: tuple[str, ...], chunk: LogChunk | None = None,
-                 value: Callable[[dict, str], object] = dict.get) -> dict[str, list]:
+                 value: Callable[[dict, str], object] = dict.get) -> dict[str, Sequence]:
         """Iteration records as the training stands (restarts resolved), column-wise: ``iteration`` and ``keys``
         (:func:`opskit.logs.parse.timeline_columns`) of ``chunk`` (default: :meth:`read` with ``fields=keys``).
 
@@ -54,7 +54,7 @@ class LogSource:
             LogFormatError: no iteration records; an unknown name in ``keys`` (when ``chunk`` is None).
         """
         columns = timeline_columns(self.read(keys) if chunk is None else chunk, keys, value)
-        if not columns["iteration"]:
+        if not len(columns["iteration"]):
             raise LogFormatError(f"{self.path}: no iteration lines")
         return columns
 
@@ -71,11 +71,11 @@ def resolve(name_or_path: str) -> LogSource:
         LogFormatError: a folder that is neither a run nor an event folder and no spec's name; a name that can only
             be a path (a ``/`` or a log suffix) and does not exist.
     """
-    from opskit.spec import SpecError, split_variant
-
     path = Path(name_or_path)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
+    from opskit.spec import SpecError, split_variant  # not for a log file: ~0.1 s of pydantic models
+
     if path.is_dir():
         if (main_log := RunPaths(path).main_log).is_file():
             return LogSource(path.name, main_log)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import compress
 
@@ -104,17 +104,17 @@ def find_spikes(records: Iterable[dict], config: SpikeConfig = SpikeConfig()) ->
     return spikes_of(record_columns([r for r in records if r["kind"] == "iteration"], config.metrics), config)
 
 
-def spikes_of(columns: dict[str, list], config: SpikeConfig = SpikeConfig()) -> list[Spike]:
-    """:func:`find_spikes` of iteration records given column-wise (``columns["iteration"]`` and one list per metric,
-    None where a record lacks it; :func:`opskit.logs.parse.timeline_columns`)."""
+def spikes_of(columns: dict[str, Sequence], config: SpikeConfig = SpikeConfig()) -> list[Spike]:
+    """:func:`find_spikes` of iteration records given column-wise (``columns["iteration"]`` and one column per metric:
+    lists with None, or polars Series with null, where a record lacks it; :func:`opskit.logs.parse.timeline_columns`).
+    """
     spikes = [s for metric in config.metrics
               for s in _metric_spikes(columns["iteration"], columns[metric], metric, config)]
     return sorted(spikes, key=lambda s: (s.first, s.metric))
 
 
-def _metric_spikes(iterations: list[int], values: list, metric: str, config: SpikeConfig) -> list[Spike]:
-    present = [value is not None for value in values]  # compress, not (iteration, value) pairs: 3x less per value
-    iterations, values = list(compress(iterations, present)), list(compress(values, present))
+def _metric_spikes(iterations: Sequence[int], values: Sequence, metric: str, config: SpikeConfig) -> list[Spike]:
+    iterations, values = _present(iterations, values)
     flagged = _flagged(values, config, config.relative_floor(metric))
     spikes: list[Spike] = []
     current = None  # open spike: [first, last, peak_iteration, peak, baseline, recovered_at, normal records since]
@@ -131,11 +131,28 @@ def _metric_spikes(iterations: list[int], values: list, metric: str, config: Spi
             current[5] = current[5] or iteration
             current[6] += 1
             if current[6] >= config.merge_gap:
-                spikes.append(Spike(metric, *current[:6]))
+                spikes.append(_spike(metric, *current[:6]))
                 current = None
     if current is not None:
-        spikes.append(Spike(metric, *current[:6]))
+        spikes.append(_spike(metric, *current[:6]))
     return spikes
+
+
+def _present(iterations: Sequence[int], values: Sequence) -> tuple[Sequence[int], Sequence]:
+    """(iterations, values) of the records that have the metric: lists (``compress``, not (iteration, value) pairs:
+    3x less per value), or numpy arrays of polars columns (no Python object per value; the walk reads only a few)."""
+    if isinstance(values, list):
+        present = [value is not None for value in values]
+        return list(compress(iterations, present)), list(compress(values, present))
+    present = values.is_not_null()
+    return iterations.filter(present).to_numpy(), values.filter(present).to_numpy()
+
+
+def _spike(metric: str, *fields) -> Spike:
+    """A :class:`Spike` of plain Python numbers (numpy's scalars, from :func:`_present`'s arrays, become them)."""
+    from opskit.logs.parse import python_value
+
+    return Spike(metric, *map(python_value, fields))
 
 
 def _replayed(flagged: dict[int, float], merge_gap: int, n: int) -> list[int]:
@@ -144,7 +161,7 @@ def _replayed(flagged: dict[int, float], merge_gap: int, n: int) -> list[int]:
     return sorted({j for i in flagged for j in range(i, min(n, i + merge_gap + 1))})
 
 
-def _flagged(values: list[float], config: SpikeConfig, floor: float) -> dict[int, float]:
+def _flagged(values: Sequence[float], config: SpikeConfig, floor: float) -> dict[int, float]:
     """{index: baseline} of the spikes among ``values``, each value judged (:func:`_is_spike`) against the window of
     the ``config.window`` accepted (non-spike) values before it.
 
@@ -174,7 +191,7 @@ def _flagged(values: list[float], config: SpikeConfig, floor: float) -> dict[int
     return flagged
 
 
-def _candidates(values: list[float], config: SpikeConfig, floor: float) -> list[int]:
+def _candidates(values: Sequence[float], config: SpikeConfig, floor: float) -> list[int]:
     """Indices (from ``config.window`` on) of the values :func:`_is_spike` flags when the window is the ``window``
     values right before each, and of the non-finite ones: the only places where a walk that no spike has disturbed
     can find one. Quantiles as :meth:`_Window.quantile` takes them: the element of rank ``int(q * window)``, which is
