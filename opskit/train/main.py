@@ -46,7 +46,7 @@ from opskit.rules.deepspeed import (  # noqa: E402
 from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
-from opskit.train.ds_compat import fuse_zero_overflow_check  # noqa: E402
+from opskit.train.ds_compat import fuse_zero_overflow_check, release_last_stage_outputs  # noqa: E402
 from opskit.train.fault import inject_test_fault  # noqa: E402
 from opskit.train.log import (  # noqa: E402  (torch-free: torch is imported where it is used)
     IntervalStats,
@@ -505,6 +505,7 @@ def _build_engine(args: argparse.Namespace, model, ds_config: dict, rampup, stat
     )
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     fuse_zero_overflow_check(engine.optimizer)
+    release_last_stage_outputs(engine)
     return engine, optimizer
 
 

@@ -1,4 +1,5 @@
-"""opskit.train.ds_compat.fuse_zero_overflow_check: the fused inf/NaN check gives DeepSpeed's own answer."""
+"""opskit.train.ds_compat's changes to DeepSpeed's step for speed and memory: the fused inf/NaN check gives
+DeepSpeed's own answer; the last pipeline stage's logits are released after their backward."""
 
 from __future__ import annotations
 
@@ -10,9 +11,26 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
+from conftest import run_trainer, tiny_trainer_args  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 
 from opskit.train.ds_compat import fuse_zero_overflow_check  # noqa: E402
+
+# The trainer under a wrapper of DeepSpeed's train_batch that prints, after each iteration, whether the pipeline
+# engine still holds a micro-batch's output (the last stage's logits) in its buffers.
+OUTPUTS_AFTER_TRAIN_BATCH = """
+import sys
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from opskit.train.main import main
+inner = PipelineEngine.train_batch
+def train_batch(self, *args, **kwargs):
+    loss = inner(self, *args, **kwargs)
+    held = sum(output is not None for output in self.pipe_buffers["outputs"])
+    print(f"outputs held after train_batch: {held}", flush=True)
+    return loss
+PipelineEngine.train_batch = train_batch
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def _optimizer(groups: list[list]) -> types.SimpleNamespace:
@@ -53,3 +71,14 @@ def test_other_optimizers_are_left_alone():
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
     assert not fuse_zero_overflow_check(optimizer)
     assert not hasattr(optimizer, "has_overflow_partitioned_grads_serial")
+
+
+def test_last_stage_releases_its_logits_after_the_backward(kjv_data, tmp_path):
+    """DeepSpeed 0.19.8 keeps the last stage's logits until the next forward replaces them (at that forward's memory
+    peak); the trainer's engine drops them once their backward has run, and trains as before."""
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=24, micro_batch_size=2, global_batch_size=8,
+                             log_interval=1)
+    done = run_trainer(args, entry=("-c", OUTPUTS_AFTER_TRAIN_BATCH))
+    assert done.returncode == 0, done.stderr[-3000:]
+    held = [line for line in done.stdout.splitlines() if line.startswith("outputs held after train_batch")]
+    assert held == ["outputs held after train_batch: 0"] * 3
