@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import sys
+from pathlib import Path
 
 os.environ.setdefault("RANK", "0")
 os.environ.setdefault("WORLD_SIZE", "1")
@@ -26,19 +27,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-L, H, NH, S, V = 24, 2048, 16, 2048, 50304
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_throughput import HEADS as NH  # noqa: E402
+from trainer_throughput import H, L, S, median_step_seconds, step_result  # noqa: E402
+
+V = 50304  # the padded vocabulary (model_flops' default)
 MBS = int(os.environ.get("MBS", "4"))
 GAS = int(os.environ.get("GAS", "1"))
 STEPS = int(os.environ.get("STEPS", "12"))
 WARM = 4
-PEAK = float(os.environ.get("PEAK", "989e12"))
 ALIBI = os.environ.get("ALIBI") == "1"
 PROFILE = int(os.environ.get("PROFILE", "0"))
-
-
-def flops_per_step(samples: int) -> float:
-    """Megatron's model FLOPs without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (Narayanan et al. 2021)."""
-    return 72 * samples * S * L * H * H * (1 + S / (6 * H) + V / (12 * L * H))
 
 
 def alibi_attention():
@@ -110,18 +109,8 @@ def main() -> None:
             engine.step()
         return loss
 
-    times = []
-    for _ in range(WARM + STEPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    seconds = sorted(times[WARM:])[len(times[WARM:]) // 2]
-    result = {"name": "bare-bloom" if ALIBI else "bare-gpt", "mbs": MBS, "gas": GAS, "s_per_iter": round(seconds, 4),
-              "tokens_per_s": round(MBS * GAS * S / seconds),
-              "mfu": round(flops_per_step(MBS * GAS) / seconds / PEAK, 4),
-              "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(loss.item(), 3)}
+    seconds, loss = median_step_seconds(step, WARM, STEPS)
+    result = step_result("bare-bloom" if ALIBI else "bare-gpt", MBS, GAS, seconds, loss)
     if PROFILE:
         from profile_step import busy_fraction
 

@@ -27,21 +27,19 @@ import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_throughput import HEADS, H, L, S, model_flops  # noqa: E402
+from trainer_throughput import HEADS, H, L, S, median_step_seconds, step_result  # noqa: E402
 
 V = 50304  # the padded vocabulary of bench/bare_gpt.py and model_flops
 MBS = int(os.environ.get("MBS", "4"))
 GAS = int(os.environ.get("GAS", "1"))
 STEPS = int(os.environ.get("STEPS", "12"))
 WARM = 4
-PEAK = float(os.environ.get("PEAK", "989e12"))
 SDPA = os.environ.get("ATTN") == "sdpa"
 
 
@@ -127,19 +125,8 @@ def main() -> None:
         assert ok, "megatron-core's optimizer skipped the step"
         return torch.stack([d["lm loss"] for d in losses]).mean()
 
-    times = []
-    for _ in range(WARM + STEPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    seconds = sorted(times[WARM:])[len(times[WARM:]) // 2]
-    print(json.dumps({"name": "mcore-gpt-sdpa" if SDPA else "mcore-gpt", "mbs": MBS, "gas": GAS,
-                      "s_per_iter": round(seconds, 4), "tokens_per_s": round(MBS * GAS * S / seconds),
-                      "mfu": round(model_flops(MBS * GAS, V) / seconds / PEAK, 4),
-                      "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                      "loss": round(loss.item(), 3)}), flush=True)
+    seconds, loss = median_step_seconds(step, WARM, STEPS)
+    print(json.dumps(step_result("mcore-gpt-sdpa" if SDPA else "mcore-gpt", MBS, GAS, seconds, loss)), flush=True)
 
 
 if __name__ == "__main__":

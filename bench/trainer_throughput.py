@@ -38,6 +38,33 @@ def model_flops(batch: int, padded_vocab: int = 50304) -> float:
     return 72 * batch * S * L * H * H * (1 + S / (6 * H) + padded_vocab / (12 * L * H))
 
 
+def median_step_seconds(step, warm: int, steps: int):
+    """Run ``step()`` ``warm + steps`` times, each between two device synchronizes; the median seconds of the last
+    ``steps`` and the last step's return value (the bare and peer models of bench/bare_gpt.py, bench/mcore_gpt.py)."""
+    import time
+
+    import torch
+
+    times, result = [], None
+    for _ in range(warm + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times[warm:])[len(times[warm:]) // 2], result
+
+
+def step_result(name: str, mbs: int, gas: int, seconds: float, loss) -> dict:
+    """The JSON line of a model timed by :func:`median_step_seconds`: tokens/s, MFU (``model_flops``), peak memory."""
+    import torch
+
+    return {"name": name, "mbs": mbs, "gas": gas, "s_per_iter": round(seconds, 4),
+            "tokens_per_s": round(mbs * gas * S / seconds),
+            "mfu": round(model_flops(mbs * gas) / seconds / PEAK_FLOPS, 4),
+            "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(loss.item(), 3)}
+
+
 def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
     """Random tokens as one indexed dataset, and a word-level tokenizer.json with VOCAB entries."""
     import numpy as np
