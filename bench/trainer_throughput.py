@@ -172,7 +172,8 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.iters < 11 and any(which in TRAINER_VARIANTS for which in opts.which):
         # The trainer's speed is read from its 5-iteration log windows after the first (compilation, warm-up).
-        parser.error("--iters must be at least 11 for a trainer variant (two log windows of 5 after warm-up)")
+        parser.error("--iters must be at least 11 for a trainer variant "
+                     "(a 5-iteration log window after the first, which holds compilation)")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         data, tokenizer = make_data(Path(tmp), tokens=(opts.iters + 5) * opts.mbs * opts.gas * max(opts.gpus)
