@@ -17,7 +17,7 @@ import json
 import math
 from typing import TextIO
 
-from opskit.logs.parse import LogChunk, split_segments
+from opskit.logs.parse import LogChunk, restart_indices, split_segments
 
 # CSV columns in this order, then ``extra.KEY`` for every unknown field met.
 COLUMNS = ("file", "segment", "kind", "iteration", "train_iters", "consumed_samples", "consumed_tokens",
@@ -112,8 +112,7 @@ def _restarts(chunk: LogChunk, slots) -> list[int]:
     order = pl.concat([pl.DataFrame(rest, schema={"slot": pl.Int64, "iteration": pl.Int64}, orient="row"),
                        *(table.select(pl.col("slot").cast(pl.Int64), pl.col("iteration").cast(pl.Int64))
                          for table in chunk.tables)]).sort("slot")
-    iteration = pl.col("iteration")
-    return order.filter(iteration <= iteration.shift(1))["slot"].to_list()
+    return order["slot"].gather(restart_indices(order["iteration"].to_numpy())).to_list()
 
 
 def _jsonl_line(head: str, floats: dict, extras: int):

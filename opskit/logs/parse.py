@@ -290,7 +290,7 @@ def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
     goes back), each cut before the first iteration of any later segment (what the resume re-ran replaces)."""
     if not len(iterations):
         return []
-    starts = [0, *_restarts(iterations)]
+    starts = [0, *restart_indices(iterations)]
     kept, first_later = [], None  # first_later: the lowest first iteration of the segments after the one looked at
     for start, end in reversed(list(zip(starts, [*starts[1:], len(iterations)], strict=True))):
         # iterations rise within a segment: the kept records are a prefix of it
@@ -300,9 +300,10 @@ def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop in reversed(kept) if stop > start]
 
 
-def _restarts(iterations: Sequence[int]) -> list[int]:
-    """The indices where the iteration goes back (<= the one before): at once for a numpy array (a large log's
-    timeline), one pair at a time otherwise."""
+def restart_indices(iterations: Sequence[int]) -> list[int]:
+    """The indices where the iteration goes back (<= the one before: :func:`split_segments`' restart rule), for the
+    iteration records' numbers in file order: at once for a numpy array (a large log's), one pair at a time
+    otherwise."""
     if hasattr(iterations, "dtype"):
         import numpy as np
 
