@@ -513,12 +513,12 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
 def _resume_fallbacks(text: str) -> list[Finding]:
     """The trainer's line when it resumed from an older step than ``latest`` named (opskit.ckpt.info.FALLBACK_LINE):
     iterations are redone, and the step it skipped is damaged."""
-    if "the newest complete step" not in text:  # the common case: no split into lines, no import
+    word = "the newest complete step"  # in every FALLBACK_LINE line: tested on the text, then on each line
+    if word not in text:  # the common case: no split into lines, no import
         return []
     from opskit.ckpt.info import FALLBACK_LINE
 
-    found = [m for line in text.splitlines()
-             if "the newest complete step" in line and (m := FALLBACK_LINE.search(line))]
+    found = [m for line in text.splitlines() if word in line and (m := FALLBACK_LINE.search(line))]
     if not found:
         return []
     last = found[-1]
@@ -532,11 +532,12 @@ def _resume_fallbacks(text: str) -> list[Finding]:
 def _save_failures(text: str) -> list[Finding]:
     """The trainer's ``error: saving global_stepN failed: ...`` lines (disk full, quota): the chain's next tasks
     would train to the same step and fail again."""
-    if "saving global_step" not in text:  # the common case: no split into lines, no import
+    word = "saving global_step"  # in every SAVE_FAILED_LINE line: tested on the text, then on each line
+    if word not in text:  # the common case: no split into lines, no import
         return []
     from opskit.ckpt.layout import SAVE_FAILED_LINE, save_failed_message
 
-    failed = [m for line in text.splitlines() if "saving global_step" in line and (m := SAVE_FAILED_LINE.search(line))]
+    failed = [m for line in text.splitlines() if word in line and (m := SAVE_FAILED_LINE.search(line))]
     if not failed:
         return []
     tag, reason = failed[-1].groups()
