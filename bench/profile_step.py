@@ -85,6 +85,7 @@ def print_idle_gaps(trace_file: str, iterations: int, min_gap_us: float = 20.0) 
         launched = launches.get(kernel["args"].get("correlation"))
         if gap < min_gap_us or launched is None:
             continue
+        # the innermost frames started shortly before the launch: the 4,000 frames before it hold them
         enclosing = [f["name"] for f in frames[max(0, bisect.bisect_right(starts, launched) - 4000):
                                                bisect.bisect_right(starts, launched)]
                      if f["ts"] + f.get("dur", 0) >= launched and "site-packages/torch/" not in f["name"]]

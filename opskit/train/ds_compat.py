@@ -1,4 +1,6 @@
-"""Work-arounds for DeepSpeed defects the trainer meets, each switched on only on the versions that have it.
+"""Work-arounds for DeepSpeed defects the trainer meets: the optimizer-state load only on the versions that have
+that defect; the two changes to the training step (same results, less time and memory) wherever the method they
+replace exists.
 
 bf16 + ZeRO-0 on DeepSpeed 0.18.5-0.19.8 (:func:`opskit.rules.deepspeed.bf16_zero0_optimizer_load_broken`): the
 engine saves BF16_Optimizer's states in one ``bf16_zero_pp_rank_D_mp_rank_MM_optim_states.pt`` per rank, as it
