@@ -29,9 +29,9 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_throughput import HEADS as NH  # noqa: E402
+from trainer_throughput import PADDED_VOCAB as V  # noqa: E402
 from trainer_throughput import H, L, S, median_step_seconds, step_result  # noqa: E402
 
-V = 50304  # the padded vocabulary (model_flops' default)
 MBS = int(os.environ.get("MBS", "4"))
 GAS = int(os.environ.get("GAS", "1"))
 STEPS = int(os.environ.get("STEPS", "12"))

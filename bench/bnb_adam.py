@@ -113,8 +113,10 @@ def child(argv: list[str]) -> int:
     return code
 
 
-def run(name: str, argv: list[str], cpu: bool, iters: int, tokens_per_iter: int) -> dict:
-    """One run in its own process (a fresh GPU for its peak memory); its log read back with opskit's log grammar."""
+def run(name: str, argv: list[str], cpu: bool, iters: int, tokens_per_iter: int, flops_per_iteration: float
+        ) -> dict:
+    """One run in its own process (a fresh GPU for its peak memory); its log read back with opskit's log grammar.
+    ``flops_per_iteration``: Megatron-DeepSpeed's estimate, from which the log's TFLOPs were computed."""
     from opskit.logs.grammar import parse_iteration_line
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {}))
@@ -127,8 +129,9 @@ def run(name: str, argv: list[str], cpu: bool, iters: int, tokens_per_iter: int)
     records = {r["iteration"]: r for r in map(parse_iteration_line, lines) if r}
     losses = [records[i]["lm_loss"] for i in range(1, iters + 1) if "lm_loss" in records.get(i, {})]
     window = range(max(2, min(11, iters // 2)), iters + 1)  # after warm-up: compilation, allocator, first step
-    steady = statistics.median(records[i]["elapsed_time_per_iteration_s"] for i in window)
     tflops = statistics.median(records[i]["tflops"] for i in window)
+    # The log's TFLOPs (2 decimals) is more precise than its seconds (10 ms): back to seconds by its own rule.
+    steady = flops_per_iteration / (tflops * 1e12)
     peak = [line.split("max allocated: ")[1].split()[0] for line in lines if "max allocated: " in line]
     state = json.loads(next(line for line in lines if line.startswith(STATE_LINE))[len(STATE_LINE):])
     return {"name": name, "iterations_with_loss": len(losses), "skipped_iterations": sum(
@@ -154,6 +157,7 @@ def main() -> None:
 
     from opskit.corpus import prepare_data
     from opskit.errors import OpskitError
+    from opskit.rules.model import megatron_flops_per_iteration
 
     try:  # rebuilt from the folder's kjv.jsonl where its path moved (its manifest has absolute paths)
         data = prepare_data("kjv", opts.data, vocab_size=VOCAB, name="kjv", force=True)
@@ -162,6 +166,8 @@ def main() -> None:
                  "--iters 4, then carry it)")
     shape = SHAPES["tiny" if opts.tiny else "gpu"]
     tokens_per_iter = shape["global_batch_size"] * shape["seq_length"]
+    flops_per_iteration = megatron_flops_per_iteration(shape["global_batch_size"], shape["seq_length"],
+                                                       shape["num_layers"], shape["hidden_size"], VOCAB, False)
     runs = [(name, extra, 1) for name, extra in RUNS.items()]
     runs += [("fp32-adam-seed2", RUNS["fp32-adam"], 2)] if opts.control else []
     results = []
@@ -170,7 +176,7 @@ def main() -> None:
         ds_config.write_text('{"zero_allow_untested_optimizer": true}')  # tr8b-104B-bnb.slurm's JSON
         for name, extra, seed in runs:
             argv = [*trainer_args(shape, data, opts.iters, opts.device == "gpu", ds_config, seed), *extra]
-            results.append(run(name, argv, opts.device == "cpu", opts.iters, tokens_per_iter))
+            results.append(run(name, argv, opts.device == "cpu", opts.iters, tokens_per_iter, flops_per_iteration))
             print(json.dumps(results[-1]), flush=True)
     if any("error" in r for r in results):
         sys.exit(1)

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_throughput import HEADS, H, L, S, median_step_seconds, step_result  # noqa: E402
+from trainer_throughput import PADDED_VOCAB as V  # noqa: E402
 
-V = 50304  # the padded vocabulary of bench/bare_gpt.py and model_flops
 MBS = int(os.environ.get("MBS", "4"))
 GAS = int(os.environ.get("GAS", "1"))
 STEPS = int(os.environ.get("STEPS", "12"))

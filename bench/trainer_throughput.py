@@ -26,14 +26,15 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-L, H, HEADS, S, VOCAB = 24, 2048, 16, 2048, 50257  # padded to 50304 by the trainer
+L, H, HEADS, S, VOCAB = 24, 2048, 16, 2048, 50257
+PADDED_VOCAB = 50304  # the trainer's padding of VOCAB (multiple of 128)
 PEAK_FLOPS = float(os.environ.get("PEAK", "989e12"))
 BLOOM = ["--position-embedding-type", "alibi", "--embed-layernorm"]
 TRAINER_VARIANTS = {"gpt": [], "gpt-compile": ["--torch-compile"], "bloom": BLOOM,
                     "bloom-compile": [*BLOOM, "--torch-compile"]}
 
 
-def model_flops(batch: int, padded_vocab: int = 50304) -> float:
+def model_flops(batch: int, padded_vocab: int = PADDED_VOCAB) -> float:
     """Megatron's FLOPs per iteration without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
     return 72 * batch * S * L * H * H * (1 + S / (6 * H) + padded_vocab / (12 * L * H))
 
@@ -119,10 +120,13 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
     if done.returncode != 0:
         print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
         return {"name": name, "gpus": gpus, "error": f"exit {done.returncode}"}
-    # The log's TFLOPs (model FLOPs per GPU without recompute, 2 decimals) is more precise than its seconds.
+    # The log's TFLOPs (2 decimals) is more precise than its seconds; it is Megatron-DeepSpeed's estimate (a V/(16lh)
+    # vocabulary term), so the seconds come back through that same rule, not through model_flops (V/(12lh)).
+    from opskit.rules.model import megatron_flops_per_iteration
+
     tflops = [float(t) for t in re.findall(r"TFLOPs: ([\d.]+)", done.stdout)]
     steady_tflops = statistics.median(tflops[1:]) if len(tflops) > 1 else tflops[0]  # window 1 holds warm-up
-    steady = model_flops(gbs) / (steady_tflops * 1e12 * gpus)
+    steady = megatron_flops_per_iteration(gbs, S, L, H, PADDED_VOCAB, False) / (steady_tflops * 1e12 * gpus)
     peak = re.findall(r"max allocated: ([\d.]+)", done.stdout)
     return {"name": name, "gpus": gpus, "mbs": mbs, "gas": gas, "s_per_iter": round(steady, 4),
             "tokens_per_s": round(gbs * S / steady),
