@@ -4,6 +4,7 @@ DeepSpeed's own answer; the last pipeline stage's logits are released after thei
 from __future__ import annotations
 
 import math
+import re
 import types
 
 import pytest
@@ -82,3 +83,32 @@ def test_last_stage_releases_its_logits_after_the_backward(kjv_data, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     held = [line for line in done.stdout.splitlines() if line.startswith("outputs held after train_batch")]
     assert held == ["outputs held after train_batch: 0"] * 3
+
+
+# The trainer, then the number of graphs torch.compile made (dynamo's count of distinct frames it compiled).
+GRAPHS_AFTER_TRAINING = """
+import sys
+import torch._dynamo.utils
+from opskit.train.main import main
+code = main(sys.argv[1:])
+print(f"unique graphs: {torch._dynamo.utils.counters['stats']['unique_graphs']}", flush=True)
+sys.exit(code)
+"""
+LOSS = re.compile(r" iteration +(\d+)/.*? lm loss: (\S+) \|")
+
+
+@pytest.mark.parametrize("layout", [{"position_embedding_type": "alibi"}, {"position_embedding_type": "absolute",
+                                                                          "embed_layernorm": None}])
+def test_compiled_stage_is_one_graph_with_eager_losses(kjv_data, tmp_path, layout):
+    """--torch-compile at TP = PP = 1 compiles the stage (embedding to LM head) as one graph and the loss as another,
+    not one per transformer layer, and trains to the eager losses (fp32 on CPU), BLOOM and GPT-2 alike."""
+    losses = {}
+    for mode, extra in (("eager", {}), ("compiled", {"torch_compile": True})):
+        args = tiny_trainer_args(kjv_data, tmp_path / mode, train_samples=24, num_layers=3, **layout, **extra)
+        done = run_trainer(args, entry=("-c", GRAPHS_AFTER_TRAINING))
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[mode] = [float(loss) for _, loss in LOSS.findall(done.stdout)]
+        graphs = re.search(r"unique graphs: (\d+)", done.stdout).group(1)
+        assert int(graphs) == (2 if mode == "compiled" else 0), done.stdout[-2000:]
+    assert len(losses["eager"]) == 3
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)

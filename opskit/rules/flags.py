@@ -129,7 +129,7 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "type:transformer|embedding, BLOOM-176B's)"),
         Flag("--abort-on-unmet-fused-kernel-constraints", switch=True,
              help="accepted, no effect: this trainer has no fused softmax kernels whose constraints could fail"),
-        Flag("--torch-compile", switch=True, help="opskit extension: torch.compile each transformer layer (GPUs)"),
+        Flag("--torch-compile", switch=True, help="opskit extension: torch.compile the model (GPUs)"),
         Flag("--distributed-backend", choices=("nccl", "gloo"), help="default: nccl with CUDA, gloo on CPU"),
     )),
     ("batch and schedule", (

@@ -438,7 +438,7 @@ def _build_model(args: argparse.Namespace, world: World):
     import torch
 
     from opskit.train.model import GPTConfig
-    from opskit.train.pipe import GPTModelPipe, compile_transformer_layers, make_topology
+    from opskit.train.pipe import GPTModelPipe, compile_stage, make_topology
 
     cfg = GPTConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
@@ -453,7 +453,7 @@ def _build_model(args: argparse.Namespace, world: World):
                          activation_checkpoint_interval=1 if args.checkpoint_activations else 0,
                          partition_method=args.pp_partition_method or TRAINER_PARTITION_METHOD)
     if args.torch_compile:
-        compile_transformer_layers(model)
+        compile_stage(model)
     if torch.cuda.is_available():
         model.cuda()  # before the optimizer: fused AdamW wants its parameters on the GPU already
     return model

@@ -109,20 +109,32 @@ class _NoExtraState:
             unexpected_keys.remove(f"{prefix}_extra_state")
 
 
+class _PlainAtOneRank:
+    """megatron-core's Column/RowParallelLinear returning only the output, and at TP = 1 computed as ``F.linear``
+    (the same product: no rank to gather from or reduce over). megatron-core's own autograd function adds the bias
+    and sums its gradient in separate passes over ``[b, s, out]``; ``F.linear`` lets torch.compile put the bias in
+    the GEMM's epilogue (measured on an H100: docs/benchmarks.md, issue 19 note 9)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.one_rank = self.tp_group is None or self.tp_group.size() == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_rank:
+            return F.linear(x, self.weight, self.bias)
+        return super().forward(x)[0]
+
+
 @lru_cache(maxsize=1)
 def _parallel_linears() -> tuple[type, type]:
-    """megatron-core's Column/RowParallelLinear returning only the output (they return ``(output, bias)``);
-    built on first use so that importing this module does not import megatron-core."""
+    """megatron-core's Column/RowParallelLinear (:class:`_PlainAtOneRank`), built on first use so that importing this
+    module does not import megatron-core."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    class Column(_NoExtraState, ColumnParallelLinear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x)[0]
+    class Column(_PlainAtOneRank, _NoExtraState, ColumnParallelLinear):
+        pass
 
-    class Row(_NoExtraState, RowParallelLinear):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x)[0]
-
+    class Row(_PlainAtOneRank, _NoExtraState, RowParallelLinear):
         def _forward_impl(self, *args, **kwargs):
             # megatron-core 0.16's RowParallelLinear passes tp_group=None here, which makes it warn on every call:
             # a graph break in each torch.compile'd layer. Its own group is the same one.
@@ -227,9 +239,12 @@ def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     the model's dtype (:func:`lm_loss` takes them to fp32). Under TP the input passes megatron-core's copy region:
     identity forward, all-reduce backward."""
     if embedding.tensor_parallel:
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
-        hidden = copy_to_tensor_model_parallel_region(hidden)
+        # the group given, as megatron-core wants it soon: without one it warns on every call, a graph break under
+        # torch.compile
+        hidden = copy_to_tensor_model_parallel_region(hidden, parallel_state.get_tensor_model_parallel_group())
     return F.linear(hidden, embedding.word_embeddings.weight)
 
 
@@ -349,7 +364,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_parallel: bool = F
     """Mean token cross-entropy in fp32 (Megatron's default, without ``--fp16-lm-cross-entropy``): logits
     ``[b, s, V_pad / TP]`` in any float dtype, labels ``[b, s]`` -> scalar (nats per token). With ``vocab_parallel``
     (TP > 1), megatron-core's vocab-parallel cross-entropy combines the ranks' vocabulary slices; at TP = 1 plain
-    cross-entropy computes the same, and under ``torch.compile`` (``compile_transformer_layers``) fuses into a few
+    cross-entropy computes the same, and under ``torch.compile`` (``pipe.compile_stage``) fuses into a few
     passes over the logits instead of materialising their fp32 copy and softmax."""
     if vocab_parallel:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy

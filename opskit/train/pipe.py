@@ -86,10 +86,41 @@ def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
-def compile_transformer_layers(model: GPTModelPipe) -> None:
-    """``torch.compile`` every transformer block of this stage in place (same parameters, same state-dict keys), and
-    the loss function (at TP = 1 it then fuses the fp32 cross-entropy into a few passes over the logits)."""
+def compile_stage(model: GPTModelPipe) -> None:
+    """``torch.compile`` this pipeline stage in place (same parameters, same state-dict keys) and its loss function
+    (at TP = 1 the fp32 cross-entropy then fuses into a few passes over the logits).
+
+    At TP = 1 without activation checkpointing the stage's layers, embedding and LM head included, become one graph,
+    as a bare model compiles: one graph entry per micro-batch instead of one per layer, and fusions across layer
+    boundaries (measured on an H100, docs/benchmarks.md, issue 19 note 8). DeepSpeed's per-layer seeding becomes one
+    seed per micro-batch, its first layer's; dropout under torch.compile draws from its own generator anyway.
+    Otherwise (megatron-core's TP layers, or DeepSpeed's checkpointed layer ranges) each transformer block is compiled
+    on its own."""
     model.loss_fn = torch.compile(model.loss_fn)
+    if model.activation_checkpoint_interval == 0 and model.topology().get_dim("model") == 1:
+        model.forward = partial(_run_whole_stage, model, torch.compile(_layers_in_order(model.forward_funcs)))
+        return
     for layer in model.forward_funcs:
         if isinstance(layer, ParallelTransformerLayerPipe):
             layer.compile()
+
+
+def _layers_in_order(layers: list):
+    """The stage's layers as one function of the stage input (a closure: its own code, so its compiled graph does
+    not share a cache entry with the compiled ``partial`` of the loss)."""
+    layers = tuple(layers)
+
+    def run_layers(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return run_layers
+
+
+def _run_whole_stage(model: GPTModelPipe, run_layers, x: torch.Tensor) -> torch.Tensor:
+    """``PipelineModule.forward`` without checkpointing, its seeding kept once per micro-batch (DeepSpeed's seed for
+    the stage's first layer: ``base_seed * (micro_offset + 1) + first layer index``)."""
+    model.micro_offset += 1
+    model.seed_fn(model.base_seed * (model.micro_offset + 1) + model._local_start)
+    return run_layers(x)
