@@ -25,9 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from opskit.rules.model import padded_vocab_size
+
 REPO = Path(__file__).resolve().parents[1]
 L, H, HEADS, S, VOCAB = 24, 2048, 16, 2048, 50257
-PADDED_VOCAB = 50304  # the trainer's padding of VOCAB (multiple of 128)
+PADDED_VOCAB = padded_vocab_size(VOCAB, 128, 1)  # the trainer's: 50304 at TP=1, Megatron's default multiple
 PEAK_FLOPS = float(os.environ.get("PEAK", "989e12"))
 BLOOM = ["--position-embedding-type", "alibi", "--embed-layernorm"]
 TRAINER_VARIANTS = {"gpt": [], "gpt-compile": ["--torch-compile"], "bloom": BLOOM,

@@ -15,6 +15,7 @@ pytest.importorskip("deepspeed")
 from conftest import run_trainer, tiny_trainer_args  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 
+from opskit.logs.grammar import parse_iteration_line  # noqa: E402
 from opskit.train.ds_compat import fuse_zero_overflow_check  # noqa: E402
 
 # The trainer under a wrapper of DeepSpeed's train_batch that prints, after each iteration, whether the pipeline
@@ -94,7 +95,6 @@ code = main(sys.argv[1:])
 print(f"unique graphs: {torch._dynamo.utils.counters['stats']['unique_graphs']}", flush=True)
 sys.exit(code)
 """
-LOSS = re.compile(r" iteration +(\d+)/.*? lm loss: (\S+) \|")
 
 
 @pytest.mark.parametrize("layout", [{"position_embedding_type": "alibi"}, {"position_embedding_type": "absolute",
@@ -107,7 +107,7 @@ def test_compiled_stage_is_one_graph_with_eager_losses(kjv_data, tmp_path, layou
         args = tiny_trainer_args(kjv_data, tmp_path / mode, train_samples=24, num_layers=3, **layout, **extra)
         done = run_trainer(args, entry=("-c", GRAPHS_AFTER_TRAINING))
         assert done.returncode == 0, done.stderr[-3000:]
-        losses[mode] = [float(loss) for _, loss in LOSS.findall(done.stdout)]
+        losses[mode] = [r["lm_loss"] for line in done.stdout.splitlines() if (r := parse_iteration_line(line))]
         graphs = re.search(r"unique graphs: (\d+)", done.stdout).group(1)
         assert int(graphs) == (2 if mode == "compiled" else 0), done.stdout[-2000:]
     assert len(losses["eager"]) == 3
