@@ -174,6 +174,28 @@ def test_sigkill_during_saves_resumes_from_a_complete_step_with_the_same_losses(
           f"{sorted(round(k['written'], 2) for k in kills)}")
 
 
+# --------------------------------------------------------------------------- SIGKILL during start-up
+
+
+def test_a_start_killed_while_torch_extensions_was_locked_does_not_hang_the_next_start(kjv_data, tmp_path,
+                                                                                       monkeypatch):
+    """torch's JIT extension loader leaves ``<TORCH_EXTENSIONS_DIR>/<op>/lock`` behind when its process is killed
+    while holding it, and waits for ever on it afterwards; DeepSpeed took it for its CPU shared-memory op at every
+    start (a cancelled job or a killed test hung all later trainer starts of the machine). The trainer starts, trains
+    and leaves that file alone (not opskit's)."""
+    extensions = tmp_path / "torch_extensions"
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    args = tiny_trainer_args(kjv_data, tmp_path / "run", train_samples=2 * GBS, save=None, load=None,
+                             save_interval=None, tensorboard_dir=None)
+    done = run_trainer(args, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(losses(done.stdout)) == [1, 2]
+    assert lock.exists()
+
+
 # --------------------------------------------------------------------------- disk full during a save
 
 

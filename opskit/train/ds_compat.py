@@ -17,6 +17,10 @@ GPT) while the GPU waits on the result; one multi-tensor norm gives the same ans
 The pipeline engine's last stage keeps each micro-batch's output, the logits, in its buffer after that micro-batch's
 backward, until the next forward replaces it (:func:`release_last_stage_outputs`): two micro-batches' logits are then
 alive at the next forward's peak.
+
+On CPUs DeepSpeed's communication backend JIT-loads its shared-memory all-reduce op at start-up
+(:func:`skip_inference_shm_op`) under torch's lock file in ``TORCH_EXTENSIONS_DIR``: a process killed in that window
+(a cancelled job, a killed test) leaves the lock, and every later start on that home folder waits on it for ever.
 """
 
 from __future__ import annotations
@@ -55,6 +59,21 @@ def load_bf16_zero0_optimizer(engine, step_dir: Path, universal: Path | None) ->
             dp_rank = torch.distributed.get_rank(group=optimizer.dp_process_group)
             optimizer.load_state_dict({dp_rank: saved}, load_optimizer_states=True, load_from_fp32_weights=True)
     optimizer.update_lp_params()
+
+
+def skip_inference_shm_op() -> None:
+    """Make DeepSpeed's ``TorchBackend`` start without its shared-memory all-reduce op. DeepSpeed 0.19.8 loads it on
+    CPU accelerators for ``inference_all_reduce`` only (training's collectives are torch.distributed's), through torch's
+    ``cpp_extension.load``, which takes the lock file ``deepspeed_shm_comm/lock`` of ``TORCH_EXTENSIONS_DIR``
+    (``~/.cache/torch_extensions``) even when the op is built already and waits, without a limit, while that file
+    exists: a process killed holding it hung every later trainer start on the machine. Call before
+    ``deepspeed.init_distributed``; a no-op on versions without ``build_shm_op``."""
+    import importlib
+
+    # by name: the package deepspeed.comm exports the torch module itself under the same attribute
+    backend_module = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(backend_module, "build_shm_op"):
+        backend_module.build_shm_op = lambda: None
 
 
 def fuse_zero_overflow_check(optimizer) -> bool:

@@ -46,7 +46,11 @@ from opskit.rules.deepspeed import (  # noqa: E402
 from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
-from opskit.train.ds_compat import fuse_zero_overflow_check, release_last_stage_outputs  # noqa: E402
+from opskit.train.ds_compat import (  # noqa: E402
+    fuse_zero_overflow_check,
+    release_last_stage_outputs,
+    skip_inference_shm_op,
+)
 from opskit.train.fault import inject_test_fault  # noqa: E402
 from opskit.train.log import (  # noqa: E402  (torch-free: torch is imported where it is used)
     IntervalStats,
@@ -133,6 +137,7 @@ def _init_distributed(args: argparse.Namespace) -> None:
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    skip_inference_shm_op()
     deepspeed.init_distributed(dist_backend=backend)
 
 
