@@ -548,6 +548,15 @@ def test_missing_data_path(kjv_data, tmp_path):
     one_line_error(done, "--data-path", str(missing))
 
 
+def test_empty_data_file_is_a_one_line_error(kjv_data, tmp_path):
+    """A .bin left empty by a preprocessing that died: one line naming it, no traceback of megatron-core's."""
+    prefix = tmp_path / "empty_text_document"
+    Path(f"{prefix}.bin").touch()
+    shutil.copy(f"{kjv_data.data_prefix}.idx", f"{prefix}.idx")
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, data_path=prefix, save=None, load=None))
+    one_line_error(done, "--data-path", f"{prefix}.bin is empty")
+
+
 @pytest.mark.parametrize("seed", [0, 2**32])
 def test_seed_numpy_cannot_take_is_a_one_line_error(kjv_data, tmp_path, seed):
     """Megatron's rule (a positive seed) and NumPy's range (below 2**32), rather than NumPy's traceback."""

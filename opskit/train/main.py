@@ -156,7 +156,8 @@ def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
 
 
 def _check_data_files(args: argparse.Namespace) -> None:
-    """megatron-core only asserts on a missing dataset (and its ``__del__`` then prints a traceback): check first."""
+    """megatron-core only asserts on a missing or empty dataset (and its ``__del__`` then prints a traceback): check
+    first."""
     if args.data_path is None:  # (flag naming the file, prefix) of every weighted group entry
         sources = [(f"{flag} {path}", prefix) for flag, path in (
             ("--train-weighted-split-paths-path", args.train_weighted_split_paths_path),
@@ -167,8 +168,11 @@ def _check_data_files(args: argparse.Namespace) -> None:
                    for _, prefix in parse_data_path(args.data_path)]
     for where, prefix in sources:
         for suffix in (".idx", ".bin"):
-            if not Path(prefix + suffix).is_file():
-                raise TrainerError(f"{where}: no {prefix}{suffix}")
+            file = Path(prefix + suffix)
+            if not file.is_file():
+                raise TrainerError(f"{where}: no {file}")
+            if file.stat().st_size == 0:  # megatron-core's mmap fails, and its __del__ prints tracebacks
+                raise TrainerError(f"{where}: {file} is empty (no documents)")
 
 
 def _load_vocab_size(args: argparse.Namespace) -> int:
