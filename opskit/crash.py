@@ -35,6 +35,8 @@ _NODELIST_ITEM = re.compile(r"(?:[^,\[\]]|\[[^\[\]]*\])+")
 _NODELIST = re.compile(rf"{_NODELIST_ITEM.pattern}(?:,{_NODELIST_ITEM.pattern})*")
 # srun --label's prefix: "3: ..." is task 3 (with one task per node, node 3 of the job's node list).
 _TASK_PREFIX = re.compile(r"^\s*(\d+): ")
+# torchrun --tee's prefix after it: "[default3]:" is the worker of local rank 3 (GPU 3 of its node).
+_WORKER_PREFIX = re.compile(r"^(?:\s*\d+: )?\[[A-Za-z_-]*(\d+)\]:")
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -67,11 +69,19 @@ def _range_names(ranges: str, nodelist: str) -> list[str]:
 
 
 class Crash(NamedTuple):
-    """One crash line, ``(node, signature, line)``: the node is None when nothing names it."""
+    """One crash line, ``(node, signature, line, local_rank)``: the node is None when nothing names it; the local
+    rank (the worker's GPU on its node) comes from torchrun's ``[defaultN]:`` prefix, None without one."""
 
     node: str | None
     signature: str
     line: str
+    local_rank: int | None = None
+
+    @property
+    def where(self) -> str:
+        """``node2, local rank 1``, ``node2``, ``local rank 1``, or "" for a line that names neither."""
+        rank = None if self.local_rank is None else f"local rank {self.local_rank}"
+        return ", ".join(part for part in (self.node, rank) if part)
 
 
 def signature_of(line: str, signatures: Sequence[tuple[str, re.Pattern]] = SIGNATURES) -> str | None:
@@ -94,7 +104,7 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         signatures: what to look for; ``SIGNATURES + SOFTWARE_ERRORS`` for every error the watchdog reports.
 
     Returns:
-        one :class:`Crash` per matching line, in order.
+        one :class:`Crash` per matching line, in order, with the local rank of torchrun's prefix where it has one.
     """
     found = []
     for raw in lines:
@@ -105,5 +115,6 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         where = node
         if where is None and (label := _TASK_PREFIX.match(line)) and int(label.group(1)) < len(nodes):
             where = nodes[int(label.group(1))]
-        found.append(Crash(where, signature, line))
+        worker = _WORKER_PREFIX.match(line)
+        found.append(Crash(where, signature, line, int(worker.group(1)) if worker else None))
     return found

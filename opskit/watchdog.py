@@ -504,7 +504,7 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     if not crashes:
         return []
     first = crashes[0]
-    where = f" on {first.node}" if first.node else ""
+    where = f" on {first.where}" if first.where else ""
     return [Finding("log.crash", "alert", f"{len(crashes)} crash line(s) since the last check, first: "
                     f"{first.signature}{where}: {first.line.strip()[:200]}",
                     {"crashes": [c._asdict() for c in crashes[:20]]})]

@@ -65,7 +65,8 @@ def ledger(run: RunPaths) -> list[tuple[str, str]]:
 
 def test_crash_signatures_and_their_nodes():
     crashes = find_crashes(BLOOM_CRASH.splitlines(), node="r7i5n2")
-    assert crashes == [("r7i5n2", "CUDA error: unknown error", "[default3]:  what():  CUDA error: unknown error")]
+    assert crashes == [("r7i5n2", "CUDA error: unknown error", "[default3]:  what():  CUDA error: unknown error", 3)]
+    assert crashes[0].where == "r7i5n2, local rank 3"
     # srun --label prefixes map to the job's node list; a software error that mentions CUDA is no hardware crash.
     lines = ["0: iteration 10 | lm loss 3.2", "1: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1191",
              "0: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
@@ -73,6 +74,10 @@ def test_crash_signatures_and_their_nodes():
              "2: NVRM: Xid (PCI:0000:07:00): 79, GPU has fallen off the bus."]
     assert [(c.node, c.signature) for c in find_crashes(lines, nodes=["r7i5n2", "r7i5n6"])] == [
         ("r7i5n6", "NCCL error"), ("r7i5n6", "NCCL watchdog timeout"), (None, "GPU fell off the bus")]
+    # torchrun --tee's worker prefix, after srun's label or alone, names the GPU of the node; a bare line does not.
+    lines = ["1: [default7]:RuntimeError: NCCL error in: x", "[trainer12]:NVRM: Xid 79", "[default]:NCCL error"]
+    assert [(c.where, c.local_rank) for c in find_crashes(lines, nodes=["a", "b"])] == [
+        ("b, local rank 7", 7), ("local rank 12", 12), ("", None)]
 
 
 @pytest.mark.parametrize("nodelist, names", [
@@ -344,6 +349,24 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
     bad = cli("nodes", "add", str(tmp_path / "spec.yaml"), "r7i5n2;reboot")
     assert (bad.returncode, bad.stderr) == (1, "error: node 'r7i5n2;reboot': expected a host name (letters, digits, "
                                                 ". _ -)\n")
+
+
+def test_a_crash_on_one_gpu_of_a_node_ends_the_job_and_status_names_its_local_rank(kjv_data, tmp_path, slurm,
+                                                                                     cancel_after):
+    """Two workers on one node (DP = 2), the one of local rank 1 dies as a broken GPU does (the test-only fault hook):
+    torchrun ends the other, the task fails instead of hanging, and the watchdog's crash alert names node and GPU."""
+    name = f"opskit-gpu-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 50, parallel={"gpus_per_node": 2}, array=1,
+                      env={"OMP_NUM_THREADS": "1", "OPSKIT_TEST_FAULT": "crash:localhost:iteration=2:local_rank=1"})
+    sub = submit(spec)
+    cancel_after.append(sub.job_id)
+    wait_gone(name, sub.job_id)
+    assert [(r.state, r.exit_code) for r in chain.read_ledger(sub.run)] == [("FAILED", 1)]
+    status = cli("status", str(tmp_path / "spec.yaml"), "--json")
+    crash = next(f for f in json.loads(status.stdout)["findings"] if f["key"] == "log.crash")
+    assert re.match(r"\d+ crash line\(s\) since the last check, first: CUDA launch failure on localhost, local rank "
+                    r"1: 0: \[default1\]:  what\(\):  \[Rank 1\] NCCL watchdog", crash["message"]), crash
+    assert crash["data"]["crashes"][0]["local_rank"] == 1
 
 
 def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, cancel_after):

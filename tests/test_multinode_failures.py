@@ -281,10 +281,12 @@ def test_fault_hook_fires_only_on_its_node_iteration_and_task():
 
     here = {"SLURMD_NODENAME": "node2", "SLURM_ARRAY_TASK_ID": "1"}
     for fault, iteration in (("crash:node1:iteration=5", 5), ("crash:node2:iteration=5", 4),
-                             ("crash:node2:iteration=5:task=2", 5), ("", 5), ("nonsense", 5)):
-        assert inject_test_fault(iteration, {**here, "OPSKIT_TEST_FAULT": fault}) is None  # nothing happened
+                             ("crash:node2:iteration=5:task=2", 5), ("crash:node2:iteration=5:local_rank=1", 5),
+                             ("", 5), ("nonsense", 5)):
+        assert inject_test_fault(iteration, {**here, "LOCAL_RANK": "0", "OPSKIT_TEST_FAULT": fault}) is None
     code = "from opskit.train.fault import inject_test_fault as f; f(5); print('survived')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
-                          env={**os.environ, **here, "OPSKIT_TEST_FAULT": "crash:node2:iteration=5:task=1"})
-    assert done.returncode == 1 and "survived" not in done.stdout
+                          env={**os.environ, **here, "LOCAL_RANK": "1", "RANK": "9",
+                               "OPSKIT_TEST_FAULT": "crash:node2:iteration=5:task=1:local_rank=1"})
+    assert done.returncode == 1 and "survived" not in done.stdout and "[Rank 9] NCCL watchdog" in done.stderr
     assert [c.signature for c in find_crashes(done.stderr.splitlines(), node="node2")] == ["CUDA launch failure"]

@@ -151,7 +151,7 @@ def test_crash_lines_name_their_node(tmp_path):
     crash = only(check_log(read_log(run, {}), WatchdogSpec(), NOW, None), "log.crash")
     assert crash.severity == "alert"
     assert crash.message.startswith("1 crash line(s) since the last check, first: CUDA error: unknown error on "
-                                    "jean-zay-iam52: [default3]:  what():  CUDA error: unknown error")
+                                    "jean-zay-iam52, local rank 3: [default3]:  what():  CUDA error: unknown error")
     # An OOM traceback is reported too (no node named: an unlabelled line of a multi-node job does not say which).
     with open(run.main_log, "a") as f:
         f.write("[opskit] 2026-11-21 08:00:00 job 9 (array task 8_1) nodes n[1-2]: start\n"
@@ -167,7 +167,8 @@ def test_crash_lines_name_their_node(tmp_path):
     with open(run.main_log, "a") as f:
         f.write("1: [default0]:RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1191\n")
     crash = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
-    assert crash.message.startswith("1 crash line(s) since the last check, first: NCCL error on n2: 1: [default0]:")
+    assert crash.message.startswith("1 crash line(s) since the last check, first: NCCL error on n2, local rank 0: "
+                                    "1: [default0]:")
 
 
 def test_failed_save_is_an_alert_of_its_own(tmp_path):

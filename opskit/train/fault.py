@@ -1,8 +1,9 @@
 """TEST ONLY: a fault injected on one node, so the node-failure story can be tested on a cluster without broken GPUs.
 
-``OPSKIT_TEST_FAULT="KIND:NODE:iteration=N[:task=T]"`` (set through the spec's ``slurm.env``, which the job script
-exports on every node) makes the trainer on node ``NODE`` (``$SLURMD_NODENAME``, else the host name), right after
-iteration ``N`` (and only in array task ``T`` when given):
+``OPSKIT_TEST_FAULT="KIND:NODE:iteration=N[:task=T][:local_rank=R]"`` (set through the spec's ``slurm.env``, which
+the job script exports on every node) makes the trainer on node ``NODE`` (``$SLURMD_NODENAME``, else the host name),
+right after iteration ``N`` (only in array task ``T``, and only in the worker of local rank ``R``, one GPU of the
+node, when given):
 
 - ``crash``: print the lines a GPU that broke mid-training leaves (``CUDA error: an illegal memory access was
   encountered`` raised from NCCL's watchdog, as :mod:`opskit.crash` recognises) and exit 1 at once, as a dead rank does;
@@ -21,8 +22,8 @@ from collections.abc import Mapping
 
 CRASH_LINES = (
     "terminate called after throwing an instance of 'c10::DistBackendError'",
-    "  what():  [Rank 0] NCCL watchdog thread terminated with exception: CUDA error: an illegal memory access was "
-    "encountered",
+    "  what():  [Rank {rank}] NCCL watchdog thread terminated with exception: CUDA error: an illegal memory access "
+    "was encountered",
 )
 HANG_S = 3600
 
@@ -34,11 +35,12 @@ def inject_test_fault(iteration: int, environ: Mapping[str, str] = os.environ) -
     node, _, options = rest.partition(":")
     wanted = dict(option.partition("=")[::2] for option in options.split(":") if option)
     here = environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if node != here or wanted.get("iteration") != str(iteration) or \
-            wanted.get("task", environ.get("SLURM_ARRAY_TASK_ID")) != environ.get("SLURM_ARRAY_TASK_ID"):
+    if node != here or wanted.get("iteration") != str(iteration) or any(
+            wanted.get(option, environ.get(variable)) != environ.get(variable)
+            for option, variable in (("task", "SLURM_ARRAY_TASK_ID"), ("local_rank", "LOCAL_RANK"))):
         return
     if kind == "crash":
-        print("\n".join(CRASH_LINES), file=sys.stderr, flush=True)
+        print("\n".join(CRASH_LINES).format(rank=environ.get("RANK", "0")), file=sys.stderr, flush=True)
         os._exit(1)
     if kind == "hang":
         print(f"OPSKIT_TEST_FAULT: hanging in iteration {iteration + 1} on {here}", flush=True)
