@@ -841,4 +841,4 @@ def test_the_table_quotes_log_lines_literally(slurm, tmp_path):
     done = status_cli(spec, env={"COLUMNS": "400"})
     assert done.returncode == 1, done.stdout + done.stderr
     crash_row = next(line for line in done.stdout.splitlines() if "log.crash" in line)
-    assert "jean-zay-iam52: [default3]:  what():  CUDA error: unknown error" in crash_row
+    assert "jean-zay-iam52, local rank 3: [default3]:  what():  CUDA error: unknown error" in crash_row
