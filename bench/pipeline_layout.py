@@ -28,12 +28,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_throughput import BLOOM, REPO, VOCAB, make_data  # noqa: E402
+from trainer_throughput import BLOOM, PEAK_FLOPS, REPO, VOCAB, make_data  # noqa: E402
 
 from opskit.logs.grammar import parse_iteration_line  # noqa: E402
 from opskit.rules.model import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
-
-PEAK_FLOPS = float(os.environ.get("PEAK", "989e12"))  # H100/H200 dense bf16
 
 
 def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, iters: int, tp: int,

@@ -35,8 +35,8 @@ _NODELIST_ITEM = re.compile(r"(?:[^,\[\]]|\[[^\[\]]*\])+")
 _NODELIST = re.compile(rf"{_NODELIST_ITEM.pattern}(?:,{_NODELIST_ITEM.pattern})*")
 # srun --label's prefix: "3: ..." is task 3 (with one task per node, node 3 of the job's node list).
 _TASK_PREFIX = re.compile(r"^\s*(\d+): ")
-# torchrun --tee's prefix after it: "[default3]:" is the worker of local rank 3 (GPU 3 of its node).
-_WORKER_PREFIX = re.compile(r"^(?:\s*\d+: )?\[[A-Za-z_-]*(\d+)\]:")
+# torchrun --tee's prefix, after that label if any: "[default3]:" is the worker of local rank 3 (GPU 3 of its node).
+_WORKER_PREFIX = re.compile(r"\[[A-Za-z_-]*(\d+)\]:")
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -112,9 +112,10 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         signature = signature_of(line, signatures)
         if signature is None:
             continue
+        label = _TASK_PREFIX.match(line)
         where = node
-        if where is None and (label := _TASK_PREFIX.match(line)) and int(label.group(1)) < len(nodes):
+        if where is None and label and int(label.group(1)) < len(nodes):
             where = nodes[int(label.group(1))]
-        worker = _WORKER_PREFIX.match(line)
+        worker = _WORKER_PREFIX.match(line, label.end() if label else 0)
         found.append(Crash(where, signature, line, int(worker.group(1)) if worker else None))
     return found
