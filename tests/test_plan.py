@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -694,6 +695,24 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     assert json.loads(job.ds_config)["zero_optimization"] == {"stage": 1}
     [missing] = data_problems(spec)  # one line for the three files `opskit data prepare` writes
     assert re.fullmatch(r".*tokenizer\.json is missing: run `opskit data prepare tiny` first", missing)
+
+
+@pytest.mark.parametrize(("spec_env", "caller", "expected"), [
+    ({}, None, "expandable_segments:True"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, None, "max_split_size_mb:512"),
+    ({}, "garbage_collection_threshold:0.8", "garbage_collection_threshold:0.8"),
+])
+def test_the_job_lets_pytorch_reuse_fragmented_memory_unless_told_otherwise(in_tmp, spec_env, caller, expected):
+    """The job script's environment part, run by bash: expandable segments by default (MBS 16 of the 1.3B model
+    ran out of memory without them); the spec's slurm.env or the caller's environment (sbatch exports it) wins."""
+    spec = load_spec("tiny", {"slurm": {"env": spec_env}})
+    script = render_job(spec, RunPaths(in_tmp / "run")).script
+    preamble = script[:script.index('TASK="')]  # exports only: nothing is started before the task id
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env.update({"PYTORCH_CUDA_ALLOC_CONF": caller} if caller else {})
+    done = subprocess.run(["bash", "-c", preamble + 'echo "$PYTORCH_CUDA_ALLOC_CONF"'], capture_output=True,
+                          text=True, env=env, cwd=in_tmp)
+    assert (done.returncode, done.stdout.strip().splitlines()[-1]) == (0, expected), done.stderr
 
 
 def test_tr11_renders_the_real_cluster_job(jean_zay):
