@@ -112,10 +112,19 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         signature = signature_of(line, signatures)
         if signature is None:
             continue
-        label = _TASK_PREFIX.match(line)
+        task, local_rank, _ = line_source(line)
         where = node
-        if where is None and label and int(label.group(1)) < len(nodes):
-            where = nodes[int(label.group(1))]
-        worker = _WORKER_PREFIX.match(line, label.end() if label else 0)
-        found.append(Crash(where, signature, line, int(worker.group(1)) if worker else None))
+        if where is None and task is not None and task < len(nodes):
+            where = nodes[task]
+        found.append(Crash(where, signature, line, local_rank))
     return found
+
+
+def line_source(line: str) -> tuple[int | None, int | None, str]:
+    """``(task, local_rank, text)`` of a training log line: srun ``--label``'s task id (``3: ...``; with one task per
+    node, the node's index in the job's node list), torchrun's worker prefix's local rank (``[default1]:``), each
+    None when absent, and the text after both prefixes."""
+    label = _TASK_PREFIX.match(line)
+    worker = _WORKER_PREFIX.match(line, label.end() if label else 0)
+    end = worker.end() if worker else label.end() if label else 0
+    return (int(label.group(1)) if label else None, int(worker.group(1)) if worker else None, line[end:])

@@ -37,6 +37,8 @@ HISTORY = 300  # iteration records kept in the state file (at least): the spike 
 # A first run on a months-old log (or one after a long pause) judges only its end: older events are no news.
 NEW_RECORDS = 5000
 NEW_TEXT = 8 << 20
+# Bytes of main_log.txt's end searched for the stacks of a hang: tr11's 384 ranks at ~10 KiB of stacks each.
+STACK_TEXT = 16 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
 _JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start", re.M)
 _JOB_WORD = "[opskit] "  # what every _JOB_HEADER line holds
@@ -392,6 +394,40 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
                     {"silent_s": round(silent), "interval_s": interval, "last_iteration": last})]
 
 
+def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: int = STACK_TEXT) -> Finding:
+    """The ``log.hang`` finding with the rank(s) the others wait for, from the stacks every rank printed after
+    ``--stack-dump-after-mins`` (:mod:`opskit.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as it
+    was when no stacks are there. ``job_nodes``: the running job's node list when its header is not in that tail.
+    ``data["stuck"]``: one ``{"node", "local_rank", "frame"}`` per named rank."""
+    from opskit.crash import expand_nodelist
+    from opskit.stacks import rank_stacks, stuck_ranks
+
+    try:
+        with open(main_log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return hang
+    headers = list(_JOB_HEADER.finditer(text))
+    nodelist = headers[-1].group(2) if headers else job_nodes
+    try:
+        nodes = expand_nodelist(nodelist) if nodelist else []
+    except ValueError:
+        nodes = []
+    stacks = rank_stacks(text.splitlines(), nodes)
+    if not stacks:
+        return hang
+    stuck = stuck_ranks(stacks)
+    if not stuck:
+        told = f"the stacks of {len(stacks)} rank(s) single out none (innermost: {stacks[0].innermost})"
+    else:
+        others = [s for s in stacks if s not in stuck]
+        told = "; ".join(f"{s.where} is in {s.innermost}" for s in stuck) + (
+            f" while {len(others)} other rank(s) wait in {others[0].innermost}" if others else "")
+    return Finding(hang.key, hang.severity, f"{hang.message}; stacks: {told}", {**hang.data, "stuck": [
+        {"node": s.node, "local_rank": s.local_rank, "frame": s.innermost} for s in stuck]})
+
+
 def act_on_hang(hang: Finding, running: list[QueueEntry], cancel: bool) -> Finding:
     """The ``log.hang`` finding with what ends the hung task (``scancel`` of the running task: the chain's next
     task resumes from the last save); with ``cancel`` (``watchdog.cancel_hung``), done here.
@@ -677,8 +713,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
-        findings = [act_on_hang(f, running, spec.watchdog.cancel_hung) if f.key == "log.hang" else f
-                    for f in findings]
+        findings = [act_on_hang(with_stuck_ranks(f, run.main_log, state.get("job_nodes", "")), running,
+                                spec.watchdog.cancel_hung) if f.key == "log.hang" else f for f in findings]
     if not run_missing:
         findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval), state)

@@ -369,6 +369,31 @@ def test_a_crash_on_one_gpu_of_a_node_ends_the_job_and_status_names_its_local_ra
     assert crash["data"]["crashes"][0]["local_rank"] == 1
 
 
+def test_a_hang_on_one_gpu_prints_every_ranks_stacks_and_status_names_it_and_ends_the_job(kjv_data, tmp_path, slurm,
+                                                                                        cancel_after):
+    """Two workers on one node (DP = 2), the one of local rank 1 stops inside iteration 3 (the test-only hook): the
+    other waits for it in a collective, both print their stacks after --stack-dump-after-mins (half the watchdog's
+    hang floor), and ``opskit status`` names local rank 1 and the frame it is stuck in, then cancels the task."""
+    name = f"opskit-hung-{uuid.uuid4().hex[:8]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 50, parallel={"gpus_per_node": 2}, array=1, log_interval=1,
+                      watchdog={"hang_min_minutes": 0.1, "cancel_hung": True},
+                      env={"OMP_NUM_THREADS": "1", "OPSKIT_TEST_FAULT": "hang:localhost:iteration=2:local_rank=1"})
+    sub = submit(spec)
+    cancel_after.append(sub.job_id)
+    wait_for(lambda: sub.run.main_log.exists() and sub.run.main_log.read_text().partition(
+        "OPSKIT_TEST_FAULT: hanging")[2].count("Timeout (0:00:03)!") == 2, 180, "no two stack dumps after the hang")
+    time.sleep(max(0.0, sub.run.main_log.stat().st_mtime + 7 - time.time()))  # the watchdog's floor is 6 s
+    status = cli("status", str(tmp_path / "spec.yaml"), "--json")
+    hang = next(f for f in json.loads(status.stdout)["findings"] if f["key"] == "log.hang")
+    [stuck] = hang["data"]["stuck"]
+    assert (stuck["node"], stuck["local_rank"]) == ("localhost", 1), hang
+    assert re.fullmatch(r"opskit/train/fault\.py:\d+ in inject_test_fault", stuck["frame"]), hang
+    assert re.search(r"; stacks: localhost, local rank 1 is in opskit/train/fault\.py:\d+ in inject_test_fault while "
+                     r"1 other rank\(s\) wait in torch/distributed/\S+:\d+ in \S+; cancelled", hang["message"]), hang
+    wait_gone(name, sub.job_id)
+    assert [r.state for r in chain.read_ledger(sub.run)] == ["CANCELLED"]
+
+
 def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, cancel_after):
     name, _, spec_path, sub = long_chain(tmp_path, kjv_data, "cancel", cancel_after)
 

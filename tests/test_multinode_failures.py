@@ -217,6 +217,9 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
     hang = wait_for(hang_finding, 240, "no log.hang finding", interval=2)
     hung_at = time.monotonic()
     assert hang["severity"] == "alert" and hang["data"]["last_iteration"] in (29, 30), hang
+    # Both ranks printed their stacks after 7.5 s (--stack-dump-after-mins: half the floor); node1's waits in a
+    # collective, so the rank named is node2's.
+    assert [(s["node"], s["local_rank"]) for s in hang["data"]["stuck"]] == [("node2", 0)], hang
     assert hang["message"].endswith(f"; `scancel {first}` moves the chain on (watchdog.cancel_hung: true does it)")
     print(f"\nlog.hang after {hang['data']['silent_s']} s without an iteration line (threshold: 15 s)")
     assert [row[:2] for row in queue(cluster, sub.job_id) if row[0] == first] == [(first, "RUNNING")]

@@ -40,16 +40,16 @@ HEADER = re.compile(r"^\[opskit\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d job (\S+) \(arr
 
 
 def chain_spec(folder: Path, data, job_name: str, iterations: int, output: Path | None = None,
-               parallel: dict | None = None, **slurm):
-    """The tiny preset shrunk to MODEL, ``iterations`` long, checkpointing only when a task exits; ``parallel``
-    merged into its parallel section."""
+               parallel: dict | None = None, log_interval: int = 50, watchdog: dict | None = None, **slurm):
+    """The tiny preset shrunk to MODEL, ``iterations`` long, checkpointing only when a task exits; ``parallel`` and
+    ``watchdog`` merged into those sections."""
     settings = {"job_name": job_name, "cpus_per_task": 1, "master_port": random.randint(20000, 29000),
                 "array": 2, "env": {"OMP_NUM_THREADS": "1"}, **slurm}
     path = write_spec(
         folder / "spec.yaml", data, output or folder / "run", model=MODEL,
         batch={"micro_batch_size": 4, "global_batch_size": GBS, "train_samples": iterations * GBS},
-        optimizer={"lr_warmup_samples": 32}, checkpoint={"save_interval": 100_000, "log_interval": 50},
-        parallel=parallel or {}, slurm=settings)
+        optimizer={"lr_warmup_samples": 32}, checkpoint={"save_interval": 100_000, "log_interval": log_interval},
+        parallel=parallel or {}, watchdog=watchdog or {}, slurm=settings)
     return load_spec(str(path))
 
 

@@ -136,6 +136,82 @@ def test_hang_while_running(tmp_path):
     assert "log.hang" in keys(check_log(log, wd, last_line_at + timedelta(minutes=40), NOW - timedelta(hours=5)))
 
 
+# A process whose main thread sits in `where` (a function of a file at `path`) when faulthandler's timer fires, with a
+# second thread asleep: the dump a trainer rank prints after --stack-dump-after-mins.
+DUMPING = """\
+import faulthandler, importlib.util, sys, threading, time
+threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+spec = importlib.util.spec_from_file_location("waiting", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+faulthandler.dump_traceback_later(0.3, file=sys.stderr)
+module.wait()
+"""
+
+
+def stack_dump(tmp_path: Path, path: str) -> list[str]:
+    """Real faulthandler output of a process stuck in ``wait()`` of ``tmp_path / path``."""
+    source = tmp_path / path
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_text("import time\n\ndef wait():\n    time.sleep(1)\n")
+    done = subprocess.run([sys.executable, "-c", DUMPING, str(source)], capture_output=True, text=True, timeout=30)
+    assert done.stderr.startswith("Timeout (0:00:00.300000)!\n"), done.stderr
+    return done.stderr.splitlines()
+
+
+def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
+    """Three ranks on two nodes print their stacks at once (lines interleaved, as tee writes them): two wait in a
+    collective, node2's local rank 1 does not; an older dump of a rank is replaced by its newest."""
+    from opskit.stacks import rank_stacks, stuck_ranks
+    from opskit.watchdog import Finding, with_stuck_ranks
+
+    waiting = stack_dump(tmp_path, "site-packages/torch/distributed/distributed_c10d.py")
+    stuck = stack_dump(tmp_path, "opskit/train/data.py")
+    dumps = [[f"0: [default0]:{line}" for line in waiting], [f"0: [default1]:{line}" for line in waiting],
+             [f"1: [default1]:{line}" for line in stuck]]
+    old = [f"1: [default1]:{line}" for line in waiting]  # an earlier dump of the same rank (a long checkpoint save)
+    lines = ["[opskit] 2026-11-25 01:00:00 job 7 (array task 6_1) nodes node[1-2]: start", *old,
+             *(line for group in zip(*dumps, strict=False) for line in group)]
+    stacks = rank_stacks(lines, ["node1", "node2"])
+    assert [(s.node, s.local_rank, s.waiting) for s in stacks] == [
+        ("node1", 0, True), ("node1", 1, True), ("node2", 1, False)]
+    assert stacks[0].innermost == "torch/distributed/distributed_c10d.py:4 in wait"
+    assert [s.where for s in stuck_ranks(stacks)] == ["node2, local rank 1"]
+    assert stuck_ranks(stacks)[0].innermost == "opskit/train/data.py:4 in wait"
+
+    main_log = tmp_path / "main_log.txt"
+    main_log.write_text("\n".join(lines) + "\n")
+    hang = Finding("log.hang", "alert", "no new iteration line for 40 min", {"silent_s": 2400})
+    named = with_stuck_ranks(hang, main_log)
+    assert named.message == ("no new iteration line for 40 min; stacks: node2, local rank 1 is in "
+                             "opskit/train/data.py:4 in wait while 2 other rank(s) wait in "
+                             "torch/distributed/distributed_c10d.py:4 in wait")
+    assert named.data == {"silent_s": 2400, "stuck": [
+        {"node": "node2", "local_rank": 1, "frame": "opskit/train/data.py:4 in wait"}]}
+    # Without the job header in the searched tail, the node list comes from the watchdog's state.
+    assert with_stuck_ranks(hang, main_log, "node[1-2]", tail=len(main_log.read_bytes()) - 80).data == named.data
+    main_log.write_text("no stacks here\n")
+    assert with_stuck_ranks(hang, main_log) == hang
+
+
+def test_stacks_that_single_out_no_rank_name_none():
+    """NCCL's collectives are asynchronous: on GPUs every rank may wait outside torch.distributed. The odd one out is
+    then named by its innermost frame; a tie or one rank names nobody."""
+    from opskit.stacks import RankStack, stuck_ranks
+
+    def rank(local: int, frame: str, collective: bool = False) -> RankStack:
+        path = "/x/site-packages/torch/distributed/c10d.py" if collective else f"/x/site-packages/{frame}.py"
+        return RankStack("n1", local, ((path, 1, "f"), ("/x/opskit/train/main.py", 9, "<module>")))
+
+    synced = [rank(0, "torch/cuda/sync"), rank(1, "torch/cuda/sync"), rank(2, "torch/cuda/sync"),
+              rank(3, "opskit/train/data")]
+    assert [s.local_rank for s in stuck_ranks(synced)] == [3]
+    assert stuck_ranks(synced[:2]) == []  # all alike
+    assert stuck_ranks([rank(0, "a"), rank(1, "b")]) == []  # a tie
+    assert [s.local_rank for s in stuck_ranks([rank(0, "c", True), rank(1, "a")])] == [1]
+    assert stuck_ranks([rank(0, "c", True)]) == []
+
+
 def test_malformed_and_cut_lines_are_counted(tmp_path):
     run = run_with_log(tmp_path, "malformed.txt")
     log = read_log(run, {})

@@ -203,6 +203,9 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--finished-flag-path", derived=_RUN_DIR,
              help="opskit extension: write this file when training completes, so the chain's later tasks exit at "
                   "start"),
+        Flag("--stack-dump-after-mins", type=float, derived="watchdog.hang_min_minutes (half of it)",
+             help="opskit extension: when one iteration takes this long, every rank prints its Python stacks (the "
+                  "watchdog names the rank a hang waits for); default off"),
         Flag("--skip-train-iteration-range", nargs="+", metavar="START-END",
              help="skip the global batches of data these iterations would have trained on (e.g. 101-200 251-300); "
                   "iteration, LR and consumed samples do not advance"),

@@ -61,6 +61,8 @@ def _derived_flags(spec: Spec, run: RunPaths) -> dict[str, object]:
         "deepspeed_config": run.ds_config, "save": run.checkpoints, "load": run.checkpoints,
         "exit_duration_in_mins": spec.exit_duration_in_mins, "kill_switch_path": run.kill_switch,
         "finished_flag_path": run.finished_flag, "tensorboard_dir": run.tensorboard,
+        # the stacks are in the log before the watchdog's hang floor passes
+        "stack_dump_after_mins": spec.watchdog.hang_min_minutes / 2 or None,
     }
 
 

@@ -62,6 +62,7 @@ from opskit.train.log import (  # noqa: E402  (torch-free: torch is imported whe
     validation_lines,
 )
 from opskit.train.schedules import AnnealingLR, SeqlenCurriculum  # noqa: E402
+from opskit.train.stacks import arm_stack_dump, disarm_stack_dump  # noqa: E402
 from opskit.train.state import TrainState  # noqa: E402
 
 
@@ -345,6 +346,7 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
         trainer.train()
         return 0
     finally:
+        disarm_stack_dump()
         if trainer is not None:
             trainer.close()
         _destroy_distributed()
@@ -629,6 +631,7 @@ class Trainer:
         exit_reason = None
         iterations_run = 0
         while state.iteration < self.train_iters:
+            arm_stack_dump(args.stack_dump_after_mins)  # a hung iteration prints every rank's stacks
             if self._skip_range_at_next_iteration():
                 continue
             step = self._train_step()
