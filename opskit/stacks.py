@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from opskit.crash import line_source
 
 _DUMP_START = re.compile(r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$")  # faulthandler's first line of a timed dump
-_THREAD = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
+_THREAD = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+(?: \[[^\]]*\])? \(most recent call first\):$")
 _FRAME = re.compile(r'\s+File "(.*)", line (\d+) in (\S+)$')
 # Frames of a rank that waits for the others: a collective, or DeepSpeed's and torch's wrappers of one.
 _COLLECTIVE = re.compile(r"/torch/distributed/|/deepspeed/comm/")

@@ -227,3 +227,19 @@ def test_train_passes_flags_to_the_trainer(tmp_path):
     assert done.returncode == 2
     assert "error: the following arguments are required: --hidden-size" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("minutes", ["-1", "nan", "inf"])
+def test_a_stack_dump_time_that_faulthandler_would_refuse_is_one_error_line(minutes, capsys):
+    """faulthandler raises at the first iteration for a negative, NaN or infinite timeout: refused at start."""
+    from opskit.train.args import parse_args
+
+    flags = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+             "--global-batch-size 1 --train-samples 1 --lr 1e-4 --data-path d --tokenizer-name-or-path t").split()
+    assert parse_args([*flags, "--stack-dump-after-mins", "0"]).stack_dump_after_mins == 0  # off
+    with pytest.raises(SystemExit) as stopped:
+        parse_args([*flags, "--stack-dump-after-mins", minutes])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m opskit.train: error: --stack-dump-after-mins must be a number of minutes >= 0 (0: off), got "
+        f"{float(minutes)} (python -m opskit.train --help lists the flags)")

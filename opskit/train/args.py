@@ -100,5 +100,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problems.append(f"--eval-interval must be > 0, got {args.eval_interval}")
     if args.eval_iters < 0:
         problems.append(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.stack_dump_after_mins is not None and not 0 <= args.stack_dump_after_mins < 1e6:  # NaN fails too
+        problems.append(f"--stack-dump-after-mins must be a number of minutes >= 0 (0: off), got "
+                        f"{args.stack_dump_after_mins}")
     if problems:  # the first, as argparse reports one error
         parser.error(problems[0])
