@@ -80,8 +80,13 @@ class Crash(NamedTuple):
     @property
     def where(self) -> str:
         """``node2, local rank 1``, ``node2``, ``local rank 1``, or "" for a line that names neither."""
-        rank = None if self.local_rank is None else f"local rank {self.local_rank}"
-        return ", ".join(part for part in (self.node, rank) if part)
+        return place(self.node, self.local_rank)
+
+
+def place(node: str | None, local_rank: int | None) -> str:
+    """``node2, local rank 1``: the parts that are known, "" for neither."""
+    rank = None if local_rank is None else f"local rank {local_rank}"
+    return ", ".join(part for part in (node, rank) if part)
 
 
 def signature_of(line: str, signatures: Sequence[tuple[str, re.Pattern]] = SIGNATURES) -> str | None:

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from opskit.crash import line_source
+from opskit.crash import line_source, place
 
 _DUMP_START = re.compile(r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$")  # faulthandler's first line of a timed dump
 _THREAD = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+(?: \[[^\]]*\])? \(most recent call first\):$")
@@ -36,8 +36,7 @@ class RankStack:
     @property
     def where(self) -> str:
         """``node2, local rank 1`` (the parts the log gave)."""
-        rank = None if self.local_rank is None else f"local rank {self.local_rank}"
-        return ", ".join(part for part in (self.node, rank) if part) or "a rank the log does not name"
+        return place(self.node, self.local_rank) or "a rank the log does not name"
 
     @property
     def waiting(self) -> bool:
