@@ -484,8 +484,9 @@ class WatchdogSpec(_Section):
     """Warn when the last queued task would end within this many hours (submit more tasks)."""
     hang_factor: float = Field(default=10, gt=1)
     """Alert when no iteration line came for this many times the usual time between two of them, while running."""
-    hang_min_minutes: float = Field(default=30, ge=0)
-    """...and never before this many minutes (start-up, checkpoint loading, evaluation)."""
+    hang_min_minutes: float = Field(default=30, ge=0, le=10**6)
+    """...and never before this many minutes (start-up, checkpoint loading, evaluation). Half of it is the trainer's
+    ``--stack-dump-after-mins`` (which takes at most 10^6)."""
     cancel_hung: bool = False
     """``scancel`` the running task when its hang is found, so the chain moves on (it resumes from the last save)."""
     spike_window: int = Field(default=100, ge=5)

@@ -697,6 +697,23 @@ def test_tiny_still_renders_and_the_trainer_accepts_it(in_tmp):
     assert re.fullmatch(r".*tokenizer\.json is missing: run `opskit data prepare tiny` first", missing)
 
 
+def test_the_hang_floor_sets_when_every_rank_prints_its_stacks(in_tmp):
+    """Half of watchdog.hang_min_minutes is the trainer's --stack-dump-after-mins (0: no flag, no dumps); a floor the
+    trainer's flag could not take is refused in the spec, in one line."""
+    def flags(minutes: float) -> list[str]:
+        args = trainer_args(load_spec("tiny", {"watchdog": {"hang_min_minutes": minutes}}), RunPaths(in_tmp / "run"))
+        return args[args.index("--stack-dump-after-mins"):][:2] if "--stack-dump-after-mins" in args else []
+
+    assert flags(30) == ["--stack-dump-after-mins", "15.0"] and flags(0.25) == ["--stack-dump-after-mins", "0.125"]
+    assert flags(0) == []
+    assert parse_args(trainer_args(load_spec("tiny", {"watchdog": {"hang_min_minutes": 10**6}}),
+                                   RunPaths(in_tmp / "run"))).stack_dump_after_mins == 5 * 10**5
+    raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+    for bad in (10**7, float("nan"), -1):
+        raw["watchdog"] = {"hang_min_minutes": bad}
+        assert "watchdog.hang_min_minutes: Input should be" in refused(write(in_tmp / "bad.yaml", raw))
+
+
 @pytest.mark.parametrize(("spec_env", "caller", "expected"), [
     ({}, None, "expandable_segments:True"),
     ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, None, "max_split_size_mb:512"),
