@@ -399,7 +399,6 @@ def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: i
     ``--stack-dump-after-mins`` (:mod:`opskit.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as it
     was when no stacks are there. ``job_nodes``: the running job's node list when its header is not in that tail.
     ``data["stuck"]``: one ``{"node", "local_rank", "frame"}`` per named rank."""
-    from opskit.crash import expand_nodelist
     from opskit.stacks import rank_stacks, stuck_ranks
 
     try:
@@ -409,12 +408,9 @@ def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: i
     except OSError:
         return hang
     headers = list(_JOB_HEADER.finditer(text))
-    nodelist = headers[-1].group(2) if headers else job_nodes
-    try:
-        nodes = expand_nodelist(nodelist) if nodelist else []
-    except ValueError:
-        nodes = []
-    stacks = rank_stacks(text.splitlines(), nodes)
+    if headers:  # the running job's stacks only: an earlier job's ranks are not this hang's
+        text, job_nodes = text[headers[-1].start():], headers[-1].group(2)
+    stacks = rank_stacks(text.splitlines(), _task_nodes(job_nodes))
     if not stacks:
         return hang
     stuck = stuck_ranks(stacks)
@@ -514,25 +510,29 @@ def _throughput(records: list[dict], new: int, wd: WatchdogSpec) -> list[Finding
 _CRASH_WORDS = ("rror", "memory", "Traceback", "Xid", "bus")  # what a line that may be a crash line holds
 
 
+def _task_nodes(nodelist: str) -> list[str]:
+    """A job header's node list in srun's task order (what its ``N:`` labels index); [] for none or a garbled one."""
+    from opskit.crash import expand_nodelist
+
+    try:
+        return expand_nodelist(nodelist) if nodelist else []
+    except ValueError:
+        return []
+
+
 def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     """``log.crash`` for the crash lines of ``text``, each with its node where the log says it: the job's only node,
     or for a multi-node job the node of the line's srun label. ``job_nodes``: the node list of the job running where
     ``text`` starts (its header came in an earlier read)."""
     if not any(word in text for word in _CRASH_WORDS):  # the common case: no split of 8 MiB into lines, no import
         return []
-    from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes
+    from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, find_crashes
 
-    def expanded(nodelist: str) -> list[str]:  # the job's nodes, in srun's task order
-        try:
-            return expand_nodelist(nodelist)
-        except ValueError:
-            return []
-
-    crashes, nodes = [], expanded(job_nodes) if job_nodes else []
+    crashes, nodes = [], _task_nodes(job_nodes)
     lines = text.splitlines()
     for line in lines:
         if header := _JOB_HEADER.match(line):
-            nodes = expanded(header.group(2))
+            nodes = _task_nodes(header.group(2))
         elif any(word in line for word in _CRASH_WORDS):
             # A single-node job names the node of every line; a multi-node job's line names it by srun's label.
             crashes += find_crashes([line], node=nodes[0] if len(nodes) == 1 else None, nodes=nodes,

@@ -190,6 +190,10 @@ def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
         {"node": "node2", "local_rank": 1, "frame": "opskit/train/data.py:4 in wait"}]}
     # Without the job header in the searched tail, the node list comes from the watchdog's state.
     assert with_stuck_ranks(hang, main_log, "node[1-2]", tail=len(main_log.read_bytes()) - 80).data == named.data
+    # The stacks of an earlier job are not this hang's: the next job's header ends them.
+    main_log.write_text("\n".join([*lines, "[opskit] 2026-11-25 02:00:00 job 8 (array task 6_2) nodes node[1-2]: "
+                                             "start"]) + "\n")
+    assert with_stuck_ranks(hang, main_log) == hang
     main_log.write_text("no stacks here\n")
     assert with_stuck_ranks(hang, main_log) == hang
 
