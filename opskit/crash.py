@@ -105,7 +105,7 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         lines: log lines (with or without their newline).
         node: the node all lines come from (a per-node log file such as ``logs/nodes/<job>-<node>.log``).
         nodes: the job's node list in task order (``scontrol show hostnames``), to map srun ``--label`` prefixes
-            (``3: ...``) to nodes; a prefix beyond the list names no node.
+            (``3: ...``) to nodes (:func:`task_node`; a job of one node names every line).
         signatures: what to look for; ``SIGNATURES + SOFTWARE_ERRORS`` for every error the watchdog reports.
 
     Returns:
@@ -118,11 +118,16 @@ def find_crashes(lines: Iterable[str], node: str | None = None, nodes: Sequence[
         if signature is None:
             continue
         task, local_rank, _ = line_source(line)
-        where = node
-        if where is None and task is not None and task < len(nodes):
-            where = nodes[task]
-        found.append(Crash(where, signature, line, local_rank))
+        found.append(Crash(node if node is not None else task_node(task, nodes), signature, line, local_rank))
     return found
+
+
+def task_node(task: int | None, nodes: Sequence[str]) -> str | None:
+    """The node of a line from srun task ``task`` (its ``--label``; None without one): a job's only node whatever
+    the label, else the task's entry of ``nodes`` (srun's task order); None when neither says."""
+    if len(nodes) == 1:
+        return nodes[0]
+    return nodes[task] if task is not None and task < len(nodes) else None
 
 
 def line_source(line: str) -> tuple[int | None, int | None, str]:

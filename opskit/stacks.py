@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from opskit.crash import line_source, place
+from opskit.crash import line_source, place, task_node
 
 _DUMP_START = re.compile(r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$")  # faulthandler's first line of a timed dump
 _THREAD = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+(?: \[[^\]]*\])? \(most recent call first\):$")
@@ -77,8 +77,7 @@ def rank_stacks(lines: Iterable[str], nodes: Sequence[str] = ()) -> list[RankSta
     for (task, local_rank), threads in dumps.items():
         main = next((frames for frames in threads if any(function == "<module>" for _, _, function in frames)), None)
         if main:
-            node = nodes[0] if len(nodes) == 1 else nodes[task] if task is not None and task < len(nodes) else None
-            stacks.append(RankStack(node, local_rank, tuple(main)))
+            stacks.append(RankStack(task_node(task, nodes), local_rank, tuple(main)))
     return stacks
 
 

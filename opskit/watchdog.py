@@ -534,9 +534,7 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
         if header := _JOB_HEADER.match(line):
             nodes = _task_nodes(header.group(2))
         elif any(word in line for word in _CRASH_WORDS):
-            # A single-node job names the node of every line; a multi-node job's line names it by srun's label.
-            crashes += find_crashes([line], node=nodes[0] if len(nodes) == 1 else None, nodes=nodes,
-                                    signatures=SIGNATURES + SOFTWARE_ERRORS)
+            crashes += find_crashes([line], nodes=nodes, signatures=SIGNATURES + SOFTWARE_ERRORS)
     if not crashes:
         return []
     first = crashes[0]
