@@ -155,7 +155,7 @@ def test_read_from_takes_the_bulk_path_for_large_reads_and_resumes_at_its_offset
     lines = [LINE_2022.replace("31217/", f"{i}/") for i in range(1, 3001)]
     log.write_text("\n".join(lines[:2000]) + "\n" + lines[2000][:50])  # a partial last line
     monkeypatch.setattr(parse, "_BULK_MIN", 1)
-    monkeypatch.setattr(parse, "_BULK_BLOCK", 64 << 10)  # several blocks, so the two-thread pipeline runs
+    monkeypatch.setattr(parse, "_BULK_BLOCK", 64 << 10)  # several blocks, so the read-ahead threads run
     calls, finish = [], bulk._finish
     monkeypatch.setattr(bulk, "_finish", lambda *args: calls.append(1) or finish(*args))
     first = parse.read_from(log)

@@ -38,6 +38,7 @@ _HEADER = ITERATION_WORD + r" *([0-9]+)/ *([0-9]+) *$"  # ASCII digits: read as 
 _END = "~"  # every line gets "|~" appended: a whole line then has an empty field before it, a cut one does not
 _LAYOUTS = 4  # layouts tried per block; lines of further layouts go through parse_record
 _WIDTH = 20  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to parse_record
+_AHEAD = 2  # blocks polars reads at once while the caller uses one: one left cores idle (docs/benchmarks.md)
 _SPACES = " \t\r"  # what may follow the last "|" (a subset of str.isspace, which the per-line parser uses)
 
 
@@ -86,16 +87,16 @@ def scan_columns(blocks: Iterable[bytes], keep: frozenset[str] | None) -> Column
 
 
 def _read_ahead(blocks: Iterable[bytes]) -> Iterator[tuple[bytes, _Block | None]]:
-    """:func:`_columns` of each block, polars reading block k+1 in a second thread while the caller uses block k."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        ahead = None
+    """:func:`_columns` of each block, polars reading blocks k+1 .. k+_AHEAD in other threads while the caller uses
+    block k (each holds a block and its frames: ~80 MB more peak memory per block ahead on the 1M-line log)."""
+    with ThreadPoolExecutor(max_workers=_AHEAD) as pool:
+        ahead: deque = deque()
         for data in blocks:
-            future = pool.submit(_columns, data)
-            if ahead is not None:
-                yield ahead.result()
-            ahead = future
-        if ahead is not None:
-            yield ahead.result()
+            ahead.append(pool.submit(_columns, data))
+            if len(ahead) > _AHEAD:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
 
 
 @dataclass
