@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from opskit.crash import line_source
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, read_marker, write_marker
 from opskit.rules import checks
@@ -775,8 +776,7 @@ def _task_texts(run: RunPaths, job_id: str) -> dict[str, str]:
 def _trainer_error(text: str) -> str:
     """The trainer's one-line error (``error: ...``), else the last exception line of a traceback, else the last
     line."""
-    # strip main_log.txt's node prefix ("0: ") and torchrun's rank prefix ("[default3]:")
-    lines = [re.sub(r"^(\d+: )?(\[default\d+\]:)?", "", line) for line in text.splitlines()]
+    lines = [line_source(line)[2] for line in text.splitlines()]  # without srun's and torchrun's prefixes
     for line in lines:
         if line.startswith("error: "):
             return line.removeprefix("error: ")
