@@ -37,6 +37,10 @@ _NODELIST = re.compile(rf"{_NODELIST_ITEM.pattern}(?:,{_NODELIST_ITEM.pattern})*
 _TASK_PREFIX = re.compile(r"^\s*(\d+): ")
 # torchrun --tee's prefix, after that label if any: "[default3]:" is the worker of local rank 3 (GPU 3 of its node).
 _WORKER_PREFIX = re.compile(r"\[[A-Za-z_-]*(\d+)\]:")
+# The line slurm_templates/train.slurm writes as each array task starts; the lines after it, up to the next one, are
+# that task's: ``job`` (SLURM_JOB_ID), ``task`` (``<array job>_<task id>``), ``nodes`` (its compressed node list).
+JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (?P<job>\d+) \(array task (?P<task>\S+)\) "
+                        r"nodes (?P<nodes>\S+): start$", re.M)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

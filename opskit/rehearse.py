@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from opskit.crash import line_source
+from opskit.crash import JOB_HEADER, line_source
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, read_marker, write_marker
 from opskit.rules import checks
@@ -754,19 +754,16 @@ def _cancel(job_id: str, wait_s: float = 120) -> None:
         pass
 
 
-_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job \S+ \(array task (\S+)\) nodes \S+: start$", re.M)
-
-
 def _task_texts(run: RunPaths, job_id: str) -> dict[str, str]:
     """Each array task's section of main_log.txt, by task id (``1``, ``2``)."""
     try:
         log = run.main_log.read_text(errors="replace")
     except OSError:
         return {}
-    starts = list(_HEADER.finditer(log))
+    starts = list(JOB_HEADER.finditer(log))
     out = {}
     for i, m in enumerate(starts):
-        task = m.group(1)
+        task = m["task"]
         if task.startswith(f"{job_id}_"):
             out[task.removeprefix(f"{job_id}_")] = log[m.start():starts[i + 1].start() if i + 1 < len(starts)
                                                       else len(log)]

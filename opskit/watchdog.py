@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from opskit.crash import JOB_HEADER
 from opskit.fsutil import atomic_write_text
 from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
@@ -40,8 +40,7 @@ NEW_TEXT = 8 << 20
 # Bytes of main_log.txt's end searched for the stacks of a hang: tr11's 384 ranks at ~10 KiB of stacks each.
 STACK_TEXT = 16 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
-_JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (\d+) .*? nodes (\S+): start", re.M)
-_JOB_WORD = "[opskit] "  # what every _JOB_HEADER line holds
+_JOB_WORD = "[opskit] "  # what every JOB_HEADER line holds
 
 
 @dataclass(frozen=True)
@@ -322,8 +321,8 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
         # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
         state["last_iteration_at"] = info.st_mtime
     job_nodes = state.get("job_nodes", "") if start else ""
-    for header in _JOB_HEADER.finditer(text) if _JOB_WORD in text else ():  # a C substring search, not a regex
-        state["job_nodes"] = header.group(2)  # scan (8 MiB on a first run)
+    for header in JOB_HEADER.finditer(text) if _JOB_WORD in text else ():  # a C substring search, not a regex
+        state["job_nodes"] = header["nodes"]  # scan (8 MiB on a first run)
     state.update(offset=chunk.offset, inode=info.st_ino, history=records[-keep:],
                  skipped=state.get("skipped", 0) + chunk.skipped)
     return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"), job_nodes)
@@ -407,9 +406,9 @@ def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: i
             text = f.read().decode("utf-8", errors="replace")
     except OSError:
         return hang
-    headers = list(_JOB_HEADER.finditer(text))
+    headers = list(JOB_HEADER.finditer(text))
     if headers:  # the running job's stacks only: an earlier job's ranks are not this hang's
-        text, job_nodes = text[headers[-1].start():], headers[-1].group(2)
+        text, job_nodes = text[headers[-1].start():], headers[-1]["nodes"]
     stacks = rank_stacks(text.splitlines(), _task_nodes(job_nodes))
     if not stacks:
         return hang
@@ -531,8 +530,8 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     crashes, nodes = [], _task_nodes(job_nodes)
     lines = text.splitlines()
     for line in lines:
-        if header := _JOB_HEADER.match(line):
-            nodes = _task_nodes(header.group(2))
+        if header := JOB_HEADER.match(line):
+            nodes = _task_nodes(header["nodes"])
         elif any(word in line for word in _CRASH_WORDS):
             crashes += find_crashes([line], nodes=nodes, signatures=SIGNATURES + SOFTWARE_ERRORS)
     if not crashes:
