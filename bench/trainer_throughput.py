@@ -11,6 +11,7 @@ Usage (on a GPU machine, DeepSpeed and megatron-core installed)::
     python bench/trainer_throughput.py gpt-compile --mbs 8 --gpus 1 2 4        # DP weak scaling
     python bench/trainer_throughput.py bare gpt-compile --mbs 4 --gas 16       # issue 19: vs the bare model
     python bench/trainer_throughput.py mcore bare gpt-compile --mbs 4 --gas 16 # and megatron-core's GPTModel
+    python bench/trainer_throughput.py titan gpt-compile --mbs 4 --gas 16      # and torchtitan's Llama 3 1B
 """
 
 from __future__ import annotations
@@ -140,9 +141,12 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
 def run_hf(which: str, iters: int, mbs: int, gas: int = 1) -> dict:
     """The bare compiled model (``bare``, ``bare-bloom``: bench/bare_gpt.py) or a reference baseline run of
     ``$GPU_BASELINE`` (``hf``, ``hf-bloom``) under the same DeepSpeed config, or the megatron-core peer (``mcore``,
-    ``mcore-sdpa``: bench/mcore_gpt.py, its own DDP and distributed optimizer)."""
+    ``mcore-sdpa``: bench/mcore_gpt.py, its own DDP and distributed optimizer) or torchtitan's Llama 3 1B
+    (``titan``: bench/titan_llama.py, its own FSDP2 and compile)."""
     env = dict(os.environ, MBS=str(mbs), GAS=str(gas), STEPS=str(iters), PYTHONUNBUFFERED="1")
-    if which.startswith("mcore"):
+    if which == "titan":
+        command = [sys.executable, str(REPO / "bench" / "titan_llama.py")]
+    elif which.startswith("mcore"):
         env["ATTN"] = "sdpa" if which == "mcore-sdpa" else "local"
         command = [sys.executable, str(REPO / "bench" / "mcore_gpt.py")]
     elif which.startswith("bare"):
