@@ -142,7 +142,7 @@ def run_hf(which: str, iters: int, mbs: int, gas: int = 1) -> dict:
     """The bare compiled model (``bare``, ``bare-bloom``: bench/bare_gpt.py) or a reference baseline run of
     ``$GPU_BASELINE`` (``hf``, ``hf-bloom``) under the same DeepSpeed config, or the megatron-core peer (``mcore``,
     ``mcore-sdpa``: bench/mcore_gpt.py, its own DDP and distributed optimizer) or torchtitan's Llama 3 1B
-    (``titan``: bench/titan_llama.py, its own FSDP2 and compile)."""
+    (``titan``: bench/titan_llama.py, its own compile and one-GPU bf16 autocast)."""
     env = dict(os.environ, MBS=str(mbs), GAS=str(gas), STEPS=str(iters), PYTHONUNBUFFERED="1")
     if which == "titan":
         command = [sys.executable, str(REPO / "bench" / "titan_llama.py")]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from opskit.crash import JOB_HEADER
+from opskit.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes
 from opskit.fsutil import atomic_write_text
 from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
@@ -511,8 +511,6 @@ _CRASH_WORDS = ("rror", "memory", "Traceback", "Xid", "bus")  # what a line that
 
 def _task_nodes(nodelist: str) -> list[str]:
     """A job header's node list in srun's task order (what its ``N:`` labels index); [] for none or a garbled one."""
-    from opskit.crash import expand_nodelist
-
     try:
         return expand_nodelist(nodelist) if nodelist else []
     except ValueError:
@@ -523,10 +521,8 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     """``log.crash`` for the crash lines of ``text``, each with its node where the log says it: the job's only node,
     or for a multi-node job the node of the line's srun label. ``job_nodes``: the node list of the job running where
     ``text`` starts (its header came in an earlier read)."""
-    if not any(word in text for word in _CRASH_WORDS):  # the common case: no split of 8 MiB into lines, no import
+    if not any(word in text for word in _CRASH_WORDS):  # the common case: no split of 8 MiB into lines
         return []
-    from opskit.crash import SIGNATURES, SOFTWARE_ERRORS, find_crashes
-
     crashes, nodes = [], _task_nodes(job_nodes)
     lines = text.splitlines()
     for line in lines:
