@@ -6,6 +6,7 @@ slurm.max_failures failures; plus crash signatures, queue parsing and the ledger
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -84,11 +85,16 @@ def test_crash_signatures_and_their_nodes():
     ("jean-zay-iam52", ["jean-zay-iam52"]), ("node[9-10]", ["node9", "node10"]),
     ("r7i5n[2-3],r8i0n7", ["r7i5n2", "r7i5n3", "r8i0n7"]), ("n[08-10,12]", ["n08", "n09", "n10", "n12"]),
     ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"])])
-def test_node_lists_expand_in_srun_task_order(nodelist, names):
-    """The order srun --label's task ids follow; SLURM's own expansion agrees where SLURM is installed."""
+def test_node_lists_expand_in_srun_task_order(nodelist, names, tmp_path):
+    """The order srun --label's task ids follow; SLURM's own expansion agrees where SLURM is installed. scontrol reads
+    a configuration even to expand a list: a minimal one of the test's own, so that the check does not depend on a
+    local cluster having been set up on this machine (on a fresh one scontrol looks for its controller in DNS)."""
     assert expand_nodelist(nodelist) == names
     if shutil.which("scontrol"):
-        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+        conf = tmp_path / "slurm.conf"
+        conf.write_text("ClusterName=expand\nSlurmctldHost=localhost\n")
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "SLURM_CONF": str(conf)})
         assert done.stdout.split() == names, done.stderr
 
 
