@@ -424,3 +424,48 @@ def test_which_layout_changes_need_conversion_or_are_refused():
                 needs_conversion(dp2, target, 0, precision)
     assert needs_conversion(dp2, dp2, 0, "bf16") is False
     assert all(needs_conversion(dp2, target, 0, "bf16") for target in (dp1, tp2, pp2))
+
+
+# ---------------------------------------------------------------------------------------------------------- placement
+
+def _placement(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.device, torch.dtype]]:
+    return [(key, value.device, value.dtype) for group in optimizer.param_groups for p in group["params"]
+            for key, value in optimizer.state[p].items() if torch.is_tensor(value)]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_states_after_a_load_are_placed_as_a_fresh_step_places_them(fused):
+    """DeepSpeed's universal load writes ``step`` and the Adam moments as ``torch.load`` returned them (on the CPU,
+    in the saved dtype), bypassing torch's placement rule; fused AdamW on a GPU then refused its first step. Here the
+    states are put in the wrong dtype (the part of the rule a CPU can show) and ``place_optimizer_states`` restores
+    what a fresh step makes; the step then gives the same parameters as an optimizer that was never disturbed. The
+    device part is checked on GPUs by bench/gpu_acceptance.py's layout-change rows."""
+    from opskit.train.checkpointing import place_optimizer_states
+
+    def stepped() -> tuple[list[torch.Tensor], torch.optim.AdamW]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        optimizer = torch.optim.AdamW(params, lr=0.1, fused=fused)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return params, optimizer
+
+    params, optimizer = stepped()
+    fresh = _placement(optimizer)
+    assert fresh and all(device == torch.device("cpu") for _, device, _ in fresh)
+    for p in params:  # as a loader that bypassed torch's rule may leave them
+        state = optimizer.state[p]
+        state["step"] = state["step"].to(torch.float64)
+        state["exp_avg"] = state["exp_avg"].to(torch.float64)
+    moved = place_optimizer_states(optimizer)
+    want_step_dtype = torch.float32 if fused else torch.float64  # torch leaves a non-fused step as it was loaded
+    assert moved == (4 if fused else 2)
+    assert _placement(optimizer) == [(key, device, want_step_dtype if key == "step" else dtype)
+                                     for key, device, dtype in fresh]
+    assert place_optimizer_states(optimizer) == 0
+    optimizer.step()
+    reference_params, reference = stepped()
+    reference.step()
+    for got, want in zip(params, reference_params, strict=True):
+        assert torch.equal(got, want)

@@ -254,6 +254,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load it")
     if by_hand:
         load_bf16_zero0_optimizer(engine, step_dir, plan.universal)
+    place_optimizer_states(base_optimizer(engine))
     _set_rng_state(saved)
     saved_args = saved["args"]
     state.iteration = saved["iteration"]
@@ -265,6 +266,47 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
     state.reshaped_from = f"{tag} at {plan.saved}" if plan.reshaped else saved.get("reshaped_from")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
+
+
+def base_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch (or bitsandbytes) optimizer that holds the states: the one DeepSpeed's BF16_Optimizer,
+    FP16_Optimizer or ZeRO optimizer wraps, or the engine's own optimizer where it wraps none (fp32 ZeRO-0)."""
+    wrapper = engine.optimizer
+    return getattr(wrapper, "optimizer", wrapper)
+
+
+def place_optimizer_states(optimizer: torch.optim.Optimizer) -> int:
+    """Put every state tensor where the optimizer's own ``load_state_dict`` would: ``step`` as float32 on its
+    parameter's device for fused or capturable groups (left as it is otherwise), floating-point states in the
+    parameter's dtype on its device, other tensors on its device. The rule is torch's
+    (``Optimizer._process_value_according_to_param_policy``, torch 2.x); DeepSpeed's universal checkpoint load
+    bypasses it, writing ``step`` and the fragments as ``torch.load`` gave them (on the CPU), and torch's fused AdamW
+    then refuses the first step on a GPU ("state_steps is on cpu, different from other tensors on cuda:0").
+
+    Returns:
+        The number of tensors moved or cast (0 when all were in place already).
+    """
+    moved = 0
+    for group in optimizer.param_groups:
+        step_on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if not torch.is_tensor(value):
+                    continue
+                placed = _placed_state(key, value, param, step_on_device)
+                if placed is not value:
+                    state[key] = placed
+                    moved += 1
+    return moved
+
+
+def _placed_state(key, value: torch.Tensor, param: torch.Tensor, step_on_device: bool) -> torch.Tensor:
+    if key == "step":
+        return value.to(dtype=torch.float32, device=param.device) if step_on_device else value
+    if value.is_floating_point() and param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
 
 
 def _agreed_resume_point(directory: str) -> ResumePoint:
