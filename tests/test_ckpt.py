@@ -369,3 +369,15 @@ def test_tensor_rows_copied_file_to_file_are_exact(tmp_path, monkeypatch, mapped
     assert torch.equal(out["a"], source["a"])
     assert torch.equal(out["c"], torch.cat([source["c0"], source["c1"]], dim=1))
     assert torch.equal(load_file(tmp_path / "b.safetensors")["b"], source["b"].float())
+
+
+def test_check_json_of_a_bf16_step_is_json_alone(kjv_data, tmp_path):
+    """A bf16 ZeRO-0 pipeline step's (tr11's) mp_rank files pickle DeepSpeed objects (BF16_Optimizer's fragments);
+    unpickling them imports DeepSpeed, whose logger prints its accelerator line to stdout at import: `--json` output
+    must stay parseable (that line went to stdout before)."""
+    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=16, save_interval=2, bf16=True,
+                                         zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=2), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checked = cli("check", str(tmp_path / "checkpoints"), "--json")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert json.loads(checked.stdout)["ok"] is True

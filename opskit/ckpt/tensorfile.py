@@ -17,9 +17,11 @@ location, numel)``, tensors rebuilt by ``torch._utils._rebuild_tensor_v2(storage
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
+import sys
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -435,7 +437,10 @@ class _LazyUnpickler(pickle.Unpickler):
         if self.light and module.split(".")[0] in ("torch", "numpy", "deepspeed", "megatron"):
             return _missing_class(module, name)
         try:
-            return super().find_class(module, name)
+            # Importing a class's module can print: DeepSpeed's logger writes its accelerator line to stdout at import
+            # (a bf16 pipeline step pickles DeepSpeed objects), which would break `--json` output.
+            with contextlib.redirect_stdout(sys.stderr):
+                return super().find_class(module, name)
         except (ImportError, AttributeError):
             return _missing_class(module, name)
 
