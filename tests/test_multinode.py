@@ -150,4 +150,4 @@ def test_stop_leaves_nothing_behind(slurm_cluster):
 
 def test_scripts_pass_shellcheck(shellcheck):
     scripts = Path(__file__).resolve().parents[1] / "scripts"
-    shellcheck(scripts / "local-slurm.sh", scripts / "demo-multinode.sh")
+    shellcheck(scripts / "local-slurm.sh", scripts / "demo-multinode.sh", scripts / "fresh-ci.sh")
