@@ -197,6 +197,9 @@ def test_one_rule_names_the_spec_field_or_the_flag():
      "megatron_args.skip_train_iteration_range: '9-3': the end of a skip range cannot be smaller than its start",
      ["--skip-train-iteration-range", "9-3"],
      "--skip-train-iteration-range: '9-3': the end of a skip range cannot be smaller than its start"),
+    ({"megatron_args": {"skip_train_iteration_range": 1}},  # a scalar, as the fuzz test wrote it: a traceback before
+     "megatron_args.skip_train_iteration_range: '1' is not START-END",
+     ["--skip-train-iteration-range", "1"], "--skip-train-iteration-range: '1' is not START-END"),
     ({"parallel": {"pp_partition_method": "layers"}},
      "parallel.pp_partition_method 'layers': use parameters, uniform or type:REGEX",
      ["--pp-partition-method", "layers"], "--pp-partition-method 'layers': use parameters, uniform or type:REGEX"),

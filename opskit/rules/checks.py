@@ -267,8 +267,9 @@ def training_flag_problems(values: Mapping[str, Any], name: Namer) -> list[str]:
             parse_split(split)
         except ValueError as e:
             problems.append(f"{name('split')} {e}")
-    try:
-        parse_skip_ranges(values.get("skip_train_iteration_range") or [])
+    ranges = values.get("skip_train_iteration_range") or []
+    try:  # a spec may give one range as a scalar, rendered as one value (flags.flag_problem); argparse gives strings
+        parse_skip_ranges([str(r) for r in (ranges if isinstance(ranges, list) else [ranges])])
     except ValueError as e:
         problems.append(f"{name('skip_train_iteration_range')}: {e}")
     if values.get("override_lr_scheduler") and values.get("use_checkpoint_lr_scheduler"):
