@@ -1,15 +1,25 @@
-"""``opskit ckpt backup`` and ``opskit ckpt verify``: copy checkpoint steps to a target with a CRC32C manifest.
+"""``opskit ckpt backup``, ``verify`` and ``restore``: copy checkpoint steps to a target with a CRC32C manifest, and
+back.
 
 Layout at the target (any :mod:`opskit.targets` target): ``global_stepN/<files>`` as in the checkpoint dir,
 ``manifests/global_stepN.json`` = ``{"step", "source": {"dir", "host"}, "weights_only", "complete", "files":
-[{"path", "size", "crc32c"}]}``, and ``latest`` when the step it names is backed up. By default the ZeRO optimizer
-shards (``*_optim_states.pt``) stay behind, as BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args
-and RNG are enough to convert or to restart with a fresh optimizer); ``weights_only=False`` copies them too.
+[{"path", "size", "crc32c"}], "left_out": [names of the step's files not copied]}``, and ``latest`` when the step it
+names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``) stay behind (``left_out``), as
+BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args and RNG are enough to convert or to restart with
+a fresh optimizer); ``weights_only=False`` copies them too.
 
-Only complete steps (:func:`opskit.ckpt.info.describe_step`, optimizer shards included) are copied: an incomplete
-one is reported with its first problem, copies nothing and is not recorded as backed up. Per step: files are hashed
-and copied by a thread pool; an object already at the target with the same size and CRC32C is not copied again, so an
-interrupted backup resumes where it stopped.
+Only complete steps (:func:`opskit.ckpt.info.describe_step`, optimizer shards included) whose files pass ``ckpt
+check``'s CRC-32 rule (:func:`opskit.ckpt.check.crc_problem`: bytes flipped inside tensor data) are copied: an
+incomplete or corrupt one is reported with its first problem, copies nothing and is not recorded as backed up. Per
+step: files are CRC-32-checked, then hashed and copied, by a thread pool; an object already at the target with the same
+size and CRC32C is not copied again, so an interrupted backup resumes where it stopped.
+
+A file:// target must be a second copy: the filesystem root, the checkpoint dir itself, a folder inside it or one
+holding it is refused in one line before anything is written (pruning the source would delete such a "backup").
+
+What each kind serves: a weights-only backup (the default) holds what ``ckpt convert``/``inspect`` read, not a
+resume; a ``--with-optim`` backup holds every file of the step, so it can resume it, and only such a backup lets
+``opskit ckpt prune`` delete the local step (:func:`backup_problem`).
 
 The target may be shared (a folder holding other people's files): a backup writes only its own keys, and replaces
 only objects that its manifests list (or that already hold the same bytes). Before anything is copied, an object at
@@ -22,12 +32,22 @@ source, is adopted only when every object it would replace holds the same bytes.
 ``complete: false`` first; every object is then re-read from the target and checked against it, and only then is
 the manifest marked complete and the step recorded locally in ``<checkpoint dir>/.opskit-backups.json`` (which
 ``opskit ckpt prune`` reads to know where to look: :func:`backup_problem` then checks at the target that the step's
-manifest is still there, complete, names this checkpoint dir, and that every object it lists exists with its size).
+manifest is still there, complete, names this checkpoint dir, lists every file of the step, and that every object it
+lists exists with its size).
+
+``opskit ckpt restore`` (:func:`restore`) copies a step back from a verified manifest into a hidden folder beside
+where it belongs, checks it as ``backup`` checked it (sizes and CRC32C against the manifest, complete, CRC-32s), and
+only then renames it to ``global_stepN``; it never replaces a step that is there.
+
+``opskit ckpt verify`` re-checks every step folder at the target: one with a manifest against it, one without (an
+interrupted first backup, a copy made by something else) as unverifiable, and a ``latest`` naming no step there.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -35,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
+from opskit.ckpt.layout import STEP_DIR, CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import open_target
@@ -86,10 +106,14 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
         CheckpointFormatError: no such checkpoint dir, or an asked step that does not exist. TargetError: an
             unusable URL. BackupError: a corrupt ``.opskit-backups.json``.
         OutputRefusedError: an object at the target that this backup would replace and opskit did not write, or
-            another checkpoint dir's step at the same key (see the module's docstring); nothing is copied then.
+            another checkpoint dir's step at the same key (see the module's docstring); a file:// target that is no
+            second copy (:func:`overlap_problem`); nothing is copied then.
     """
     checkpoint_dir = existing_checkpoint_dir(checkpoint_dir)
     target = open_target(url)
+    if problem := overlap_problem(checkpoint_dir, target):
+        raise OutputRefusedError(f"--to {url}: {problem}; back up to a folder outside it (a copy there is no second "
+                                 "copy: pruning the checkpoint dir would delete it)")
     read_record(checkpoint_dir)  # a corrupt record is refused before anything is copied, not after
     available = step_dirs(checkpoint_dir)
     chosen = list(available) if steps is None else steps
@@ -110,6 +134,26 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
     if latest and any(r.tag == latest and r.verified for r in results) and target.read_text("latest") != latest:
         target.write_text("latest", latest)
     return results
+
+
+def overlap_problem(checkpoint_dir: Path, target: Target) -> str | None:
+    """Why ``target`` is no second copy of ``checkpoint_dir`` (one line), or None: a file:// target that is the
+    filesystem root, the checkpoint dir itself, inside it, or a folder holding it (symbolic links resolved). Other
+    targets are never local folders."""
+    from opskit.targets.file import FileTarget
+
+    if not isinstance(target, FileTarget):
+        return None
+    root, source = target.root.resolve(), Path(checkpoint_dir).resolve()
+    if root == Path(root.anchor):
+        return "the filesystem root"
+    if root == source:
+        return f"the checkpoint dir {source} itself"
+    if root.is_relative_to(source):
+        return f"inside the checkpoint dir {source}"
+    if source.is_relative_to(root):
+        return f"holds the checkpoint dir {source}"
+    return None
 
 
 def source_of(checkpoint_dir: Path) -> dict:
@@ -200,6 +244,7 @@ def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool
 
 def _backup_step(folder: Path, target: Target, weights_only: bool, source: dict, pool: ThreadPoolExecutor,
                  progress: Callable[[str, int], None] | None) -> StepBackup:
+    from opskit.ckpt.check import crc_problem
     from opskit.ckpt.info import describe_step
 
     result = StepBackup(folder.name)
@@ -207,7 +252,14 @@ def _backup_step(folder: Path, target: Target, weights_only: bool, source: dict,
     if not info.complete:
         result.problems.append(f"incomplete, not backed up: {info.problems[0]}")
         return result
-    futures = [pool.submit(_copy_one, f, f"{folder.name}/{f.name}", target) for f in backup_files(folder, weights_only)]
+    files = backup_files(folder, weights_only)
+    # All of the step's CRC-32s before any copy: a corrupt step leaves no objects behind at the target.
+    needed = set(info.files)
+    corrupt = [p for p, _ in pool.map(crc_problem, [f for f in files if f in needed]) if p]
+    if corrupt:
+        result.problems.append(f"corrupt, not backed up: {corrupt[0]}")
+        return result
+    futures = [pool.submit(_copy_one, f, f"{folder.name}/{f.name}", target) for f in files]
     entries = []
     try:
         for future in futures:
@@ -221,7 +273,7 @@ def _backup_step(folder: Path, target: Target, weights_only: bool, source: dict,
         for future in futures:  # an interruption stops the queue; copies in flight finish atomically
             future.cancel()
     manifest = {"step": folder.name, "source": source, "weights_only": weights_only, "complete": False,
-                "files": entries}
+                "files": entries, "left_out": [f.name for f in backup_files(folder, False) if f not in files]}
     manifest_key = f"manifests/{folder.name}.json"
     target.write_text(manifest_key, json.dumps(manifest, indent=1))
     result.problems = verify_manifest(target, manifest)
@@ -246,16 +298,22 @@ def verify_manifest(target: Target, manifest: dict) -> list[str]:
 
 
 def verify(url: str) -> dict[str, list[str]]:
-    """Re-check a backup against its manifests: step tag -> problems (empty when the step is intact).
+    """Re-check a backup: step tag -> problems (empty when the step is intact), for every manifest and every
+    ``global_stepN`` folder at ``url`` (one without a manifest is unverifiable: a problem), ascending by step; and
+    ``"latest"`` -> problems when ``latest`` names no step of the backup.
 
     Raises:
-        TargetError: an unusable URL. CheckpointFormatError: no manifests at ``url``.
+        TargetError: an unusable URL. CheckpointFormatError: neither manifests nor step folders at ``url``.
     """
     target = open_target(url, option="verify")
     keys = [k for k in target.keys("manifests") if k.endswith(".json")]
-    if not keys:
+    folders = {top for k in target.keys() if (top := k.split("/", 1)[0]) != k and STEP_DIR.match(top)}
+    if not keys and not folders:
         raise CheckpointFormatError(f"{url}: no manifests/*.json (not a backup made by opskit ckpt backup)")
     report = {}
+    for tag in folders - {Path(k).stem for k in keys}:
+        report[tag] = [f"{tag}/: no manifests/{tag}.json, cannot be verified (an interrupted first backup, or not "
+                       "copied by opskit ckpt backup): back it up again"]
     for key in keys:
         tag = Path(key).stem
         manifest = _our_manifest(target, tag)
@@ -266,6 +324,10 @@ def verify(url: str) -> dict[str, list[str]]:
         if not manifest.get("complete"):
             problems.insert(0, f"{key}: backup never completed (interrupted before verification)")
         report[tag] = problems
+    report = dict(sorted(report.items(), key=lambda item: (len(item[0]), item[0])))  # global_step5 before ..10
+    latest = (target.read_text("latest") or "").strip()
+    if latest and latest not in report:
+        report["latest"] = [f"latest: names {latest[:40]!r}, which is no step of this backup"]
     return report
 
 
@@ -300,17 +362,19 @@ def _record(checkpoint_dir: Path, url: str, result: StepBackup) -> None:
 
 
 def backup_problem(folder: Path) -> str | None:
-    """Why the step ``folder`` may not be deleted for want of a backup (one line), or None when a backup recorded in
-    its checkpoint dir's ``.opskit-backups.json`` still holds it: at the target, its manifest is there, complete,
-    names this checkpoint dir, lists every file of the step, and every object it lists exists with the listed size
-    (sizes only, no read: ``opskit ckpt verify`` is the full CRC32C check). An unreachable target holds nothing.
+    """Why the step ``folder`` may not be deleted for want of a backup that can resume it (one line), or None when a
+    backup recorded in its checkpoint dir's ``.opskit-backups.json`` still holds all of it: the target is a second
+    copy (:func:`overlap_problem`), its manifest is there, complete, names this checkpoint dir, lists every file of
+    the step (optimizer shards included: a weights-only backup cannot resume the step), and every object it lists
+    exists with the listed size (sizes only, no read: ``opskit ckpt verify`` is the full CRC32C check). An unreachable
+    target holds nothing.
 
     Raises:
         BackupError: a corrupt ``.opskit-backups.json``.
     """
     urls = [url for url, steps in read_record(folder.parent).items() if folder.name in steps]
     if not urls:
-        return "not backed up (use --force to delete anyway)"
+        return "not backed up"
     problems = []
     for url in urls:
         try:
@@ -320,10 +384,12 @@ def backup_problem(folder: Path) -> str | None:
         if problem is None:
             return None
         problems.append(f"backup {url}: {problem}")
-    return "; ".join(problems) + " (use --force to delete anyway)"
+    return "; ".join(problems)
 
 
 def _held_problem(target: Target, folder: Path) -> str | None:
+    if overlap := overlap_problem(folder.parent, target):
+        return f"no second copy (the target is {overlap})"
     manifest_key = f"manifests/{folder.name}.json"
     manifest = _our_manifest(target, folder.name)
     if manifest is None:
@@ -334,11 +400,84 @@ def _held_problem(target: Target, folder: Path) -> str | None:
     if source != source_of(folder.parent)["dir"]:
         return f"{manifest_key} names {f'another checkpoint dir ({source})' if source else 'no source (older opskit)'}"
     listed = {entry["path"]: entry["size"] for entry in manifest["files"]}
-    for path in backup_files(folder, manifest.get("weights_only") is not False):
-        if listed.get(f"{folder.name}/{path.name}") != path.stat().st_size:
-            return f"{folder.name}/{path.name} not in the backup as it is here"
+    for path in backup_files(folder, weights_only=False):
+        key = f"{folder.name}/{path.name}"
+        if key not in listed and manifest.get("weights_only") is not False and path.name.endswith(OPTIMIZER_SUFFIX):
+            return "weights only (no optimizer states): serves convert/inspect, cannot resume the step; back it up " \
+                   "with --with-optim"
+        if listed.get(key) != path.stat().st_size:
+            return f"{key} not in the backup as it is here"
     for key, size in listed.items():
         found = target.size(key)
         if found != size:
             return f"{key}: missing" if found is None else f"{key}: {found} bytes, manifest says {size}"
     return None
+
+
+@dataclass
+class Restored:
+    """What :func:`restore` wrote: the step folder, its file count and bytes, and ``latest`` of the checkpoint dir
+    (unchanged by a restore; the trainer resumes from the step only when ``latest`` names it)."""
+
+    step: Path
+    files: int
+    bytes_total: int
+    latest: str | None
+
+
+def restore(url: str, checkpoint_dir: str | Path, step: int | None = None) -> Restored:
+    """Copy one backed-up step from ``url`` to ``<checkpoint_dir>/global_stepN`` (created, with its parents, when
+    missing), verified and resumable (module docstring); ``step`` None: the one the backup's ``latest`` names.
+    Objects are read one at a time, whole, into memory (the target interface reads bytes).
+
+    Raises:
+        TargetError: an unusable URL, a failed read. CheckpointFormatError: no such step at the backup (or no
+            ``latest`` to follow), a manifest that is not opskit's or fails verification, or a restored copy that is
+            not a complete, CRC-intact step; a weights-only backup that left files out (its optimizer shards);
+            nothing is left behind then. OutputRefusedError: ``global_stepN`` exists locally.
+    """
+    from opskit.ckpt.check import crc_problem
+    from opskit.ckpt.info import describe_step
+
+    target = open_target(url, option="restore")
+    tag = f"global_step{step}" if step is not None else (target.read_text("latest") or "").strip()
+    if not STEP_DIR.match(tag):
+        raise CheckpointFormatError(f"{url.rstrip('/')}/latest: missing or not a global_stepN tag; give --step N")
+    manifest = _our_manifest(target, tag)
+    if manifest is None:
+        raise CheckpointFormatError(f"{url.rstrip('/')}/manifests/{tag}.json: missing or not a manifest of opskit ckpt "
+                                    f"backup ({MANIFEST_SHAPE}); nothing restored")
+    problems = ([] if manifest["complete"] else ["backup never completed"]) + verify_manifest(target, manifest)
+    if problems:
+        raise CheckpointFormatError(f"{url.rstrip('/')}: {tag} fails verification ({problems[0]}); nothing restored")
+    left_out = manifest.get("left_out", ["its optimizer states"] if manifest.get("weights_only") else [])
+    if left_out:  # an older manifest does not say what a weights-only backup left out: assume the shards
+        raise CheckpointFormatError(f"{url.rstrip('/')}/manifests/{tag}.json: a weights-only backup (without "
+                                    f"{left_out[0]}{', ...' if len(left_out) > 1 else ''}): it serves convert/inspect, "
+                                    "not a resume; restore from a --with-optim backup; nothing restored")
+    directory = Path(checkpoint_dir)
+    final = directory / tag
+    if final.exists() or final.is_symlink():
+        raise OutputRefusedError(f"{final}: exists; restore never replaces a step (move it away first)")
+    directory.mkdir(parents=True, exist_ok=True)
+    staging = directory / f".{tag}.restoring-{os.getpid()}"
+    staging.mkdir()
+    try:
+        for entry in manifest["files"]:
+            local = staging / Path(entry["path"]).name
+            local.write_bytes(target.read_from(entry["path"], 0) or b"")
+            if local.stat().st_size != entry["size"] or crc32c_of_file(local) != entry["crc32c"]:
+                raise CheckpointFormatError(f"{url.rstrip('/')}/{entry['path']}: changed while it was restored (size "
+                                            "or CRC32C differs from the manifest); nothing restored, run it again")
+        info = describe_step(staging)
+        why = info.problems[0] if info.problems else next(
+            (p for p, _ in map(crc_problem, info.files) if p), None)
+        if why:
+            raise CheckpointFormatError(f"{final}: the restored copy is not a complete step: "
+                                        f"{why.replace(str(staging), str(final))}; nothing restored")
+        os.replace(staging, final)
+    finally:
+        if staging.exists():  # this restore's own folder (made above with its pid)
+            shutil.rmtree(staging)
+    latest, _ = latest_state(directory)
+    return Restored(final, len(manifest["files"]), sum(e["size"] for e in manifest["files"]), latest)

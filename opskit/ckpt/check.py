@@ -132,12 +132,25 @@ def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport
     return report
 
 
+def crc_problem(path: Path) -> tuple[str | None, int]:
+    """The CRC-32 rule of ``ckpt check`` (and of ``ckpt backup``, which must not call a corrupt step verified) for one
+    file of a step: read every record to its end against the zip directory's CRC-32.
+
+    Returns:
+        (None, bytes read) when intact, else (one line naming the file and the failing record or the read error, 0).
+    """
+    try:
+        return None, verify_crc(path)
+    except (TensorFileError, OSError) as e:
+        return (str(e) if isinstance(e, TensorFileError) else f"{path}: unreadable ({e})"), 0
+
+
 def _check_crcs(report: CheckReport, files: list[Path], progress) -> None:
     readable = [f for f in files if f.is_file() and not any(p.startswith(f"{f}: ") for p in report.problems)]
     for done, f in enumerate(readable, start=1):
-        try:
-            report.crc_bytes += verify_crc(f)
-        except (TensorFileError, OSError) as e:
-            report.corrupt.append(str(e) if isinstance(e, TensorFileError) else f"{f}: unreadable ({e})")
+        problem, nbytes = crc_problem(f)
+        report.crc_bytes += nbytes
+        if problem:
+            report.corrupt.append(problem)
         if progress:
             progress(done, len(readable))

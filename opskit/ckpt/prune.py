@@ -13,7 +13,9 @@ Keep-rules (a step is kept if any rule keeps it):
 Rules count complete steps only (:func:`opskit.ckpt.info.describe_step`): ``last:2`` keeps the two newest steps a
 resume can read, however many broken ones lie between. Never deleted (even with ``force``): the step ``latest``
 points to, the newest complete step, and an incomplete step newer than every complete one (a save in progress?);
-unless ``force``, a step that no backup still holds, checked at the target (:func:`opskit.ckpt.backup.backup_problem`).
+unless ``force``, a step that no backup able to resume it still holds (a ``--with-optim`` backup, checked at the
+target: :func:`opskit.ckpt.backup.backup_problem`; a weights-only backup serves convert/inspect, not a resume). With
+``force`` such a step is deleted and named in ``PrunePlan.unbacked`` (the CLI warns, one line per step).
 A deleted step is first renamed to a hidden name, then removed, so no reader ever sees a half-deleted
 ``global_stepN``; a step that is a symbolic link (opskit's trainer never writes one) refuses the whole prune. A deleted
 step's universal form (``global_stepN_universal``, :mod:`opskit.ckpt.reshape`) goes with it when opskit's marker says
@@ -95,18 +97,20 @@ def parse_keep(text: str) -> KeepRule:
 @dataclass
 class PrunePlan:
     """``keep``: step -> why (rules, ``latest``); ``delete``: steps to remove; ``protected``: step -> why a step no
-    rule keeps is kept anyway (not backed up); ``universal``: the universal folders of deleted steps that go with
-    them (module docstring)."""
+    rule keeps is kept anyway (no backup can resume it); ``unbacked``: step -> why no backup can resume a step that
+    ``force`` deletes anyway; ``universal``: the universal folders of deleted steps that go with them (module
+    docstring)."""
 
     directory: Path
     keep: dict[int, list[str]] = field(default_factory=dict)
     delete: list[int] = field(default_factory=list)
     protected: dict[int, str] = field(default_factory=dict)
+    unbacked: dict[int, str] = field(default_factory=dict)
     universal: list[Path] = field(default_factory=list)
 
     def as_json(self) -> dict:
         return {"dir": str(self.directory), "keep": self.keep, "delete": self.delete, "protected": self.protected,
-                "universal": [str(p) for p in self.universal]}
+                "unbacked": self.unbacked, "universal": [str(p) for p in self.universal]}
 
 
 def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False) -> PrunePlan:
@@ -114,9 +118,10 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
 
     Raises:
         CheckpointFormatError: no such checkpoint dir; ``latest`` is unusable (the step it protects cannot be known).
-        PruneError: a step to delete is a symbolic link. BackupError: a corrupt ``.opskit-backups.json``.
+        PruneError: a step to delete is a symbolic link. BackupError: a corrupt ``.opskit-backups.json`` (without
+            ``force``; with it, the record's problem is the warning).
     """
-    from opskit.ckpt.backup import backup_problem
+    from opskit.ckpt.backup import BackupError, backup_problem
     from opskit.ckpt.info import describe_step
 
     directory = existing_checkpoint_dir(directory)
@@ -138,9 +143,18 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
             continue
         elif step > newest_complete:
             plan.protected[step] = "incomplete, and newer than every complete step (a save in progress?)"
-        elif not force and (problem := backup_problem(steps[step])):
-            plan.protected[step] = problem
         else:
+            try:
+                problem = backup_problem(steps[step])
+            except BackupError as e:
+                if not force:
+                    raise
+                problem = str(e)
+            if problem and not force:
+                plan.protected[step] = f"{problem} (use --force to delete anyway)"
+                continue
+            if problem:
+                plan.unbacked[step] = problem
             plan.delete.append(step)
     plan.keep = dict(sorted(plan.keep.items()))
     _refuse_symlinked_steps(plan)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from opskit.runs import RunPaths
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
-                       "generate.",
+                       "restore, generate.",
                   no_args_is_help=True)
 
 
@@ -297,16 +297,20 @@ def prune(
     keep: list[str] = typer.Option(..., "--keep", help="Keep-rule, repeatable: last:K, every:N, steps:N[,N...], "
                                                        "schedule:1-100/10,101-1000/18,1001-/1500 or schedule:tr1-13B."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
-    force: bool = typer.Option(False, "--force", help="Also delete steps no backup still holds (never latest)."),
+    force: bool = typer.Option(False, "--force", help="Also delete steps that no backup able to resume them (made "
+                                                      "with --with-optim) still holds, with a warning (never latest)."),
     json_output: JsonOutput = False,
 ) -> None:
     """Delete the steps no keep-rule keeps (and the universal form opskit converted from a deleted step); never the
-    step 'latest' names, nor (without --force) unbacked-up steps."""
+    step 'latest' names, nor (without --force) a step that no --with-optim backup still holds."""
     from opskit.ckpt.prune import parse_keep
     from opskit.ckpt.prune import prune as prune_steps
 
     directory, _ = _checkpoint_dir(run_or_dir)
     plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force)
+    for step, problem in plan.unbacked.items():
+        err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
+                          f"can resume it ({problem})", markup=False)
     if json_output:
         print_json({**plan.as_json(), "dry_run": dry_run})
         return
@@ -377,7 +381,8 @@ def verify(
     url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup` (gs://bucket/prefix or file:///path)."),
     json_output: JsonOutput = False,
 ) -> None:
-    """Re-check every object of a backup against its manifests; exit 1 on anything missing or corrupted."""
+    """Re-check every object of a backup against its manifests, and report every step folder without one as
+    unverifiable; exit 1 on anything missing, corrupted or unverifiable."""
     from opskit.ckpt.backup import verify as verify_backup
 
     report = verify_backup(url)
@@ -390,6 +395,32 @@ def verify(
                 console.print(f"  {problem}", markup=False)
     if any(report.values()):
         raise typer.Exit(1)
+
+
+@app.command("restore")
+@friendly_errors
+def restore(
+    url: str = typer.Argument(..., help="A backup made by `opskit ckpt backup --with-optim` (gs://... or file:///...)."),
+    run_or_dir: str = typer.Argument(..., help="Spec name or checkpoint dir to restore into."),
+    step: int = typer.Option(None, "--step", help="The step to restore (default: the one the backup's latest names)."),
+    json_output: JsonOutput = False,
+) -> None:
+    """Copy a backed-up step back as global_stepN, verified (CRC32C against its manifest, complete, CRC-32s) before it
+    is renamed into place; never replaces a step. 'latest' is left as it is."""
+    from opskit.ckpt.backup import restore as restore_step
+
+    directory, _ = _checkpoint_dir(run_or_dir)
+    result = restore_step(url, directory, step)
+    if json_output:
+        print_json({"step": str(result.step), "files": result.files, "bytes": result.bytes_total,
+                    "latest": result.latest})
+        return
+    console.print(f"restored {result.step}: {result.files} files, {_human(result.bytes_total)}, verified, complete",
+                  markup=False)
+    if result.latest != result.step.name:
+        iteration = result.step.name.removeprefix("global_step")
+        console.print(f"latest names {result.latest or 'no step'}: `opskit ckpt set-latest {directory} {iteration}` "
+                      "to resume from it", markup=False)
 
 
 @app.command("publish")
