@@ -247,11 +247,15 @@ def _headline(message: str) -> str:
 def _tail(path: Path, count: int) -> list[str]:
     from opskit.logs.parse import from_end
 
-    def enough(text: str, at_start: bool) -> list[str] | None:
-        lines = text.splitlines()
-        return lines[-count:] if at_start or len(lines) >= count else None
+    lines: list[str] = []
 
-    return from_end(path, enough)[0]
+    def take(text: str, at_start: bool) -> bool:
+        nonlocal lines
+        lines = (text.splitlines() + lines)[-count:]  # blocks end at a newline: split each, keep count at most
+        return len(lines) >= count
+
+    from_end(path, take)
+    return lines
 
 
 # --------------------------------------------------------------------------- de-duplication

@@ -21,12 +21,18 @@ vendors and torch.cuda count it), seconds, days of 86 400 s, FLOPs (not FLOP/s) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
+from opskit.errors import OpskitError
 from opskit.rules.checks import batch_sizes_of, valid_node_counts
 from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.spec import Spec, deepspeed_resume_problem, padded_vocab_size
+
+
+class PlanError(OpskitError, ValueError):
+    """An argument of ``opskit plan`` the planner cannot use (one line naming the option)."""
 
 GIB = 2**30
 SECONDS_PER_DAY = 86_400
@@ -619,12 +625,13 @@ def make_plan(spec: Spec, tflops: float | None = None, gpus: int | None = None) 
         gpus: GPUs for the time estimate (default: the layout's nodes * gpus_per_node).
 
     Raises:
-        ValueError: ``tflops`` or ``gpus`` not positive.
+        PlanError: ``tflops`` not a positive finite number (``inf`` would print days 0 and non-JSON ``Infinity``),
+            ``gpus`` not positive.
     """
-    if tflops is not None and tflops <= 0:
-        raise ValueError(f"--tflops {tflops}: expected a positive number of TFLOPs per GPU")
+    if tflops is not None and not (math.isfinite(tflops) and tflops > 0):
+        raise PlanError(f"--tflops {tflops}: expected a positive finite number of TFLOPs per GPU")
     if gpus is not None and gpus <= 0:
-        raise ValueError(f"--gpus {gpus}: expected a positive number of GPUs")
+        raise PlanError(f"--gpus {gpus}: expected a positive number of GPUs")
     warnings: list[str] = []
     b, m = spec.batch, spec.model
     params = _parameter_plan(spec)

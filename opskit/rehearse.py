@@ -36,7 +36,7 @@ from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.model import padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.runs import RunPaths
-from opskit.spec import Spec, SpecError, deep_merge, validate_spec
+from opskit.spec import Spec, SpecError, deep_merge, unset_variables, validate_spec
 
 COMMAND = "rehearse"
 DEFAULT_RANKS_PER_NODE = 4
@@ -367,7 +367,7 @@ def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str])
     out["master_port"] = 20000 + int(hashlib.sha256(str(folder).encode()).hexdigest(), 16) % 9000
     env: dict[str, str | None] = {}  # merged over the spec's env: None drops a variable
     for key, value in s.env.items():
-        if unset := _unset_variables(value, environ):
+        if unset := unset_variables(value, environ):
             env[key] = None
             said.append(f"slurm.env.{key} dropped (${unset[0]} is not set here)")
     clock = minutes_per_iteration(spec.exit_duration_in_mins, shape.iterations)
@@ -379,14 +379,6 @@ def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str])
     return {"slurm": out}, said
 
 
-def _unset_variables(value: Any, environ: dict[str, str]) -> list[str]:
-    """``$VAR`` / ``${VAR}`` names in ``value`` (a string or a list of them) not set in ``environ``."""
-    values = value if isinstance(value, list) else [value]
-    return [a or b for v in values if isinstance(v, str)
-            for a, b in re.findall(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))", v)
-            if (a or b) not in environ]
-
-
 def scale_paths(spec: Spec, run: RunPaths, environ: dict[str, str]) -> tuple[dict, list[str]]:
     """``paths.output`` -> the rehearsal's run directory; ``megatron_args`` paths naming unset variables -> a folder of
     the rehearsal run (others naming unset variables dropped); no sync targets."""
@@ -394,7 +386,7 @@ def scale_paths(spec: Spec, run: RunPaths, environ: dict[str, str]) -> tuple[dic
     out: dict[str, Any] = {"paths": {"output": str(run.root)}}
     args = {}
     for key, value in spec.megatron_args.items():
-        if not (unset := _unset_variables(value, environ)):
+        if not (unset := unset_variables(value, environ)):
             continue
         if key.endswith(("_dir", "_path")):
             args[key] = str(run.root / key.removesuffix("_dir").removesuffix("_path"))

@@ -707,22 +707,26 @@ class Spec(_Section):
 
     def expand(self, value: str, field: str, environ: Mapping[str, str] | None = None) -> str:
         """``value`` with ``$VAR`` / ``${VAR}`` replaced from ``environ`` (default: ``os.environ``); in a
-        :meth:`with_placeholders` copy an unset one stays as written and is recorded with ``field``.
+        :meth:`with_placeholders` copy an unset or empty one stays as written and is recorded with ``field``.
 
         Raises:
-            SpecError: naming the file, ``field`` and the variable when it is not set (not in a
-                :meth:`with_placeholders` copy).
+            SpecError: naming the file, ``field`` and the variable when it is not set or set but empty (not in a
+                :meth:`with_placeholders` copy): ``$six_ALL_CCFRSCRATCH/checkpoints`` must never become
+                ``/checkpoints``.
         """
         env = os.environ if environ is None else environ
 
         def substitute(match: re.Match) -> str:
             var = _var_of(match)
-            if var in env:
+            if _has_value(env, var):
                 return env[var]
+            state = "not set" if var not in env else "set but empty"
             if self._unsettled is None:
-                raise SpecError(f"{self._file or self.name}: {field}: ${var} is not set in this environment; export "
+                raise SpecError(f"{self._file or self.name}: {field}: ${var} is {state} in this environment; export "
                                 "it (as on the cluster's login node) or write the path out")
             self._unsettled.unset.setdefault(var, {})[field] = None
+            if var in env:
+                self._unsettled.empty.add(var)
             return match.group(0)
 
         return _ENV_VAR.sub(substitute, value)
@@ -765,17 +769,19 @@ class Spec(_Section):
         for var, fields in self._unsettled.unset.items():
             where = (f"or write it into your copy: opskit specs new mine --from {self.cli_name} --set {var}=/path"
                      if preset else f"or write the value into {self._file}")
-            problems.append(f"${var} is not set here (used by {', '.join(fields)}): export it as on the cluster's "
+            state = "set but empty" if var in self._unsettled.empty else "not set"
+            problems.append(f"${var} is {state} here (used by {', '.join(fields)}): export it as on the cluster's "
                             f"login node, {where}")
         return problems + list(self._unsettled.refused.values())
 
 
 @dataclass
 class _Unsettled:
-    """What a :meth:`Spec.with_placeholders` copy met: unset variable -> fields using it (in order of use), and
-    field -> why its path was refused."""
+    """What a :meth:`Spec.with_placeholders` copy met: unset (or empty) variable -> fields using it (in order of use),
+    the empty ones among them, and field -> why its path was refused."""
 
     unset: dict[str, dict[str, None]] = dataclasses.field(default_factory=dict)
+    empty: set[str] = dataclasses.field(default_factory=set)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -974,9 +980,18 @@ def resolve_spec(name_or_path: str, overrides: Mapping | None = None) -> Resolve
     """
     base, variant = split_variant(name_or_path)
     path = find_spec(base)
-    raw = _read_yaml(path)
-    variants = _variants_of(path, raw)
-    raw = {k: v for k, v in raw.items() if k != "variants"}
+    return _resolved(path, _read_yaml(path), variant, overrides)
+
+
+def _resolved(path: Path, whole: dict, variant: str | None, overrides: Mapping | None = None) -> ResolvedSpec:
+    """The mapping of spec file ``path`` (its top-level mapping ``whole``) with ``variant`` and then ``overrides``
+    applied: the one rule :func:`resolve_spec` and :func:`list_specs` share.
+
+    Raises:
+        SpecError: a malformed ``variants`` mapping, or no variant ``variant``.
+    """
+    variants = _variants_of(path, whole)
+    raw = {k: v for k, v in whole.items() if k != "variants"}
     if variant is not None:
         if variant not in variants:
             known = ", ".join(variants) or "none"
@@ -1083,13 +1098,15 @@ class SpecEntry:
     source: Path
     origin: Literal["preset", "trainings"]
     error: str | None = None
-    """Why the file cannot be read (one line naming it); such an entry has no variants and no description."""
+    """Why the file cannot be read or the spec does not validate (one line naming the file); such an entry has no
+    description, and one for an unreadable file no variants."""
 
 
 def list_specs() -> list[SpecEntry]:
     """Every spec and variant that a name finds: the user's ``trainings/*.yaml`` (first) and the bundled presets they
-    do not shadow. A file that cannot be read is one entry carrying its one-line error: the others are listed as
-    usual."""
+    do not shadow, each validated as :func:`load_spec` validates it (what ``opskit plan`` and ``submit`` would
+    refuse is no good spec here either). A file that cannot be read, or a spec or variant that does not validate, is
+    one entry carrying its one-line error: the others are listed as usual."""
     entries = []
     candidates = _candidates()
     user = {name for name, path in candidates.items() if path.parent == USER_SPEC_DIR}
@@ -1097,14 +1114,21 @@ def list_specs() -> list[SpecEntry]:
         path = candidates[name]
         origin: Literal["preset", "trainings"] = "trainings" if name in user else "preset"
         try:
-            raw = _read_yaml(path)
-            variants = _variants_of(path, raw)
+            whole = _read_yaml(path)
+            variants = _variants_of(path, whole)
         except SpecError as e:
             entries.append(SpecEntry(name, "", path, origin, error=str(e)))
             continue
-        entries.append(SpecEntry(name, str(raw.get("description", "")), path, origin))
-        for variant, overlay in variants.items():
-            entries.append(SpecEntry(f"{name}:{variant}", str(overlay.get("description", "")), path, origin))
+        for variant in (None, *variants):
+            entry_name = name if variant is None else f"{name}:{variant}"
+            try:
+                resolved = _resolved(path, whole, variant)
+                validate_spec(resolved.raw, resolved.path, resolved.variant)
+            except SpecError as e:
+                entries.append(SpecEntry(entry_name, "", path, origin, error=str(e)))
+                continue
+            described = whole if variant is None else variants[variant]  # a variant's own description, or none
+            entries.append(SpecEntry(entry_name, str(described.get("description", "")), path, origin))
     return entries
 
 
@@ -1119,11 +1143,13 @@ class CreatedSpec:
     written_out: list[str] = dataclasses.field(default_factory=list)
     """Environment variables whose ``$VAR`` the file now holds as their value (``--set``, the prompt)."""
     still_unset: list[str] = dataclasses.field(default_factory=list)
-    """Variables the file still uses that are not set in this environment (``opskit submit`` would warn)."""
+    """Variables the file still uses that are not set, or empty, in this environment (``opskit submit`` would
+    warn)."""
 
 
 class SettingError(SpecError):
-    """A bad ``--set VAR=VALUE`` of ``opskit specs new`` (a usage error: the command line, not a file)."""
+    """A bad ``--set VAR=VALUE`` of ``opskit specs new`` (the command line's mistake, not a file's; refused like
+    any spec error: one line, exit 1)."""
 
 
 MAX_SPEC_NAME = 200  # trainings/NAME.yaml must fit a file name (255 bytes on Linux file systems)
@@ -1171,6 +1197,19 @@ def variables_used(value: Any) -> list[str]:
         return [_var_of(m) for m in _ENV_VAR.finditer(value)]
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
     return list(dict.fromkeys(var for item in items for var in variables_used(item)))
+
+
+def unset_variables(value: Any, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The variables of :func:`variables_used` that ``environ`` (default: ``os.environ``) does not set, or sets to
+    the empty string: those :meth:`Spec.expand` refuses."""
+    env = os.environ if environ is None else environ
+    return [var for var in variables_used(value) if not _has_value(env, var)]
+
+
+def _has_value(env: Mapping[str, str], var: str) -> bool:
+    """Whether ``$var`` expands to something: set and not empty (an empty one would turn
+    ``$six_ALL_CCFRSCRATCH/checkpoints`` into ``/checkpoints``)."""
+    return bool(env.get(var))
 
 
 def _written_out(value: Any, values: Mapping[str, str]) -> Any:
@@ -1235,7 +1274,7 @@ def create_user_spec(name: str, source: str, force: bool = False, values: Mappin
               "value.\n")
     text = header + yaml.safe_dump(raw, sort_keys=False, width=120)
     created = CreatedSpec(target, resolved.path, renamed, still, [v for v in used if v in values],
-                          [v for v in used if v not in values and v not in os.environ])
+                          [v for v in unset_variables(raw) if v not in values])
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():  # claimed: opskit's own, and --force
         atomic_write_text(target, text)

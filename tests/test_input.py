@@ -134,11 +134,18 @@ def test_logs_parse_goes_on_past_a_folder_and_says_what_each_file_gave(tmp_path)
                       cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
-    assert records and {r["file"] for r in records} == {str(good)}  # the good file's records, before and after
+    # the good files' records, before and after; a gzip log is read as its text (issue 31 item 15a)
+    assert records and {r["file"] for r in records} == {str(good), "log.gz"}
+    from opskit.logs.parse import read_from
+
+    plain = read_from(FIXTURES / "tr8b-104B.txt")
+    assert [{k: v for k, v in r.items() if k not in ("file", "segment")} for r in records
+            if r["file"] == "log.gz"] == plain.records and len(plain.records) == 7
     err = done.stderr.splitlines()
     assert err[0] == "error: a-folder: a folder, not a log file"
     assert err[1].startswith("binary.bin: 0 records, 8 lines skipped (not a training log?)"), err
-    assert err[2].startswith("log.gz: 0 records,") and "(not a training log?)" in err[2], err
+    assert err[2] == plain.summary("log.gz") == "log.gz: 1 iteration/validation line(s) skipped (cut, wrapped or " \
+        "garbled)", err  # what the plain file gives: its one cut line
     assert err[3] == "empty.txt: empty, 0 records"
     assert err[4].startswith("error: missing.txt: no such file"), err
     assert len(err) == 5, err
@@ -394,3 +401,30 @@ def test_generate_on_a_corrupt_config_is_one_line(tmp_path):
     (model / "config.json").write_text('{"model_type": "bloom", "n_layer": ')
     line = one_error_line(opskit_cli("ckpt", "generate", str(model), cwd=tmp_path), 1)
     assert str(model / "config.json") in line or str(model) in line, line
+
+def test_specs_list_refuses_what_plan_refuses(in_tmp):
+    """Issue 31 item 8: `specs list` validates each spec with plan's loader, names each bad file, exit 1."""
+    (in_tmp / "trainings").mkdir()
+    (in_tmp / "trainings" / "good.yaml").write_text(PRESET.read_text())
+    foreign, badtype = tiny(), tiny()
+    foreign["mine"] = 1
+    badtype["model"]["num_layers"] = True
+    (in_tmp / "trainings" / "foreign.yaml").write_text(yaml.safe_dump(foreign))
+    (in_tmp / "trainings" / "badtype.yaml").write_text(yaml.safe_dump(badtype))
+    entries = {e.name: e for e in list_specs()}
+    assert entries["good"].error is None
+    for name in ("foreign", "badtype"):
+        with pytest.raises(SpecError) as info:
+            load_spec(name)
+        assert entries[name].error == str(info.value)  # the one rule: the message plan/submit/status give
+
+    done = opskit_cli("specs", "list", cwd=in_tmp)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "good" in done.stdout and "tiny" in done.stdout
+    assert "foreign" not in done.stdout and "badtype" not in done.stdout
+    assert "Traceback" not in done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 2 and all(line.startswith("error: trainings/") for line in errors), errors
+    assert any(line.startswith("error: trainings/foreign.yaml: mine: unknown key") for line in errors), errors
+    assert any(line.startswith("error: trainings/badtype.yaml: model.num_layers: Input should be a valid integer")
+               for line in errors), errors

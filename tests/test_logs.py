@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -405,3 +408,89 @@ def test_cli_tail_follows_the_published_copy(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+_BOUNDED_READS = r'''
+import json, sys, time
+from pathlib import Path
+from typer.testing import CliRunner
+from opskit.cli.app import app
+from opskit.logs import follow, parse
+from opskit.runs import RunPaths
+from opskit.watchdog import read_log
+
+log = Path(sys.argv[1])
+began = time.monotonic()
+whole = parse.read_from(log)
+columnar = parse.read_from(log, columnar=True)  # the bulk (polars) path: the file is over 16 MiB
+tail = parse.read_tail(log, 200)
+status = read_log(RunPaths(log.parent.parent), {})  # what `opskit status` reads
+shown = CliRunner().invoke(app, ["logs", "show", str(log), "--json"])
+print(json.dumps({
+    "iterations": len(whole.iterations), "long_lines": whole.long_lines, "lines": whole.lines,
+    "offset": whole.offset, "summary": whole.summary("log"),
+    "columnar": sum(t.height for t in columnar.tables) + len(columnar.iterations),
+    "tail": len(tail.iterations), "tail_long": tail.long_lines,
+    "first": parse.first_iteration(log)["iteration"],
+    "last_lines": follow.last_lines(log, 3)[0], "new_lines": len(follow.new_lines(log, 0)[0]),
+    "status": len(status.new), "show": [shown.exit_code, json.loads(shown.stdout)["records"][-1]["iteration"]],
+    "seconds": time.monotonic() - began,
+    # VmHWM: this process's own peak; ru_maxrss also keeps the forking parent's (pytest's) from before the exec
+    "peak_mb": int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024}))
+'''
+
+
+def test_a_long_run_without_newline_is_skipped_in_bounded_memory_and_time(tmp_path):
+    """Issue 31 item 13: a sparse hole (`truncate -s 2G f; cat good.log >> f`) before and between real lines: every
+    reader skips it (counted), parses the lines after it, in linear time and bounded memory (peak RSS measured)."""
+    good = (FIXTURES / "tr11-176B-spike.txt").read_bytes()
+    hole = 64 << 20
+    log = tmp_path / "run" / "logs" / "main_log.txt"
+    log.parent.mkdir(parents=True)
+    with open(log, "wb") as f:  # hole, lines, hole, lines: sparse, so cheap on disk
+        f.truncate(hole)
+        f.seek(hole)
+        f.write(good)
+        f.truncate(2 * hole + len(good))
+        f.seek(2 * hole + len(good))
+        f.write(good)
+    assert os.stat(log).st_size == 2 * (hole + len(good))  # each hole far over the 1 MiB cap (parse.MAX_LINE)
+    done = subprocess.run([sys.executable, "-c", _BOUNDED_READS, str(log)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    its = len(read_from(FIXTURES / "tr11-176B-spike.txt").iterations)
+    assert (got["iterations"], got["columnar"], got["long_lines"]) == (2 * its, 2 * its, 2), got
+    # the hole has no newline: it ends with the first line of what was appended (a comment line of the fixture)
+    assert got["lines"] == 2 * good.count(b"\n") and got["offset"] == os.stat(log).st_size
+    assert got["summary"] == "log: 2 line(s) longer than 1 MiB skipped (no newline for that long: a sparse hole or " \
+        "binary data?)"
+    assert got["tail"] >= 200 and got["tail_long"] == 1  # read back over the second hole only
+    last = good.decode().splitlines()
+    assert got["last_lines"] == last[-3:] and got["new_lines"] == 2 * (len(last) - 1)  # less the holes' lines
+    assert got["first"] == fixture_first_iteration() and got["status"] == 2 * its
+    assert got["show"] == [0, read_from(FIXTURES / "tr11-176B-spike.txt").iterations[-1]["iteration"]]
+    assert got["peak_mb"] < 300, got
+    assert got["seconds"] < 30, got  # ~1-3 s measured on 2 shared cores; the quadratic read took minutes
+
+
+def fixture_first_iteration() -> int:
+    return read_from(FIXTURES / "tr11-176B-spike.txt").iterations[0]["iteration"]
+
+
+def test_logs_show_reads_a_gzip_log(tmp_path):
+    """Issue 31 item 15a: a .gz log is read as its text; a corrupt one is one line."""
+    import gzip
+
+    plain = FIXTURES / "tr11-176B-spike.txt"
+    packed = tmp_path / "main_log.txt.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    done = invoke("logs", "show", str(packed), "--json")
+    assert done.exit_code == 0, done.output
+    expected = json.loads(invoke("logs", "show", str(plain), "--json").stdout)
+    assert json.loads(done.stdout)["records"] == expected["records"] and expected["records"]
+    assert read_from(packed).records == read_from(plain).records
+    packed.write_bytes(gzip.compress(plain.read_bytes())[:200])  # cut short
+    done = runner.invoke(app, ["logs", "show", str(packed)])
+    assert done.exit_code == 1 and done.output.count("\n") == 1, done.output
+    assert f"{packed}: gzip: cannot decompress (truncated)" in done.output

@@ -910,7 +910,7 @@ def test_specs_new_writes_the_environment_variables_out(in_tmp, monkeypatch):
         "/scratch/here/checkpoints/asked", "$six_ALL_CCFRWORK/datasets-custom/oscar-en/meg-gpt2_text_document")
     assert "warning: trainings/asked.yaml uses $six_ALL_CCFRWORK, not set here: export it" in done.stderr
 
-    # A bad --set is the command line's mistake: one line, exit 2, nothing written.
+    # A bad --set: one line, exit 1 as every refusal (docs/operations.md), nothing written.
     before = sorted(p.name for p in (in_tmp / "trainings").iterdir())
     for args, message in [
             (["--set", "six_ALL_CCFRWORK=/a", "--set", "six_ALL_CCFRWORK=/b"],
@@ -924,7 +924,7 @@ def test_specs_new_writes_the_environment_variables_out(in_tmp, monkeypatch):
             (["--set", "HOME=/a"], "--set HOME: tr11 does not use $HOME (it uses $six_ALL_CCFRWORK, "
                                    "$six_ALL_CCFRSCRATCH)")]:
         done = new("bad", "--from", "tr11", *args)
-        assert (done.exit_code, done.stdout, done.stderr) == (2, "", f"error: {message}\n"), args
+        assert (done.exit_code, done.stdout, done.stderr) == (1, "", f"error: {message}\n"), args
     assert sorted(p.name for p in (in_tmp / "trainings").iterdir()) == before
 
 
@@ -951,6 +951,22 @@ def test_plan_command(cli):
                            "elsewhere (data.train_weighted_split_paths_path); `opskit data prepare` only builds a "
                            "data.corpus: prepare it with Megatron's tools/preprocess_data.py, or give the spec a "
                            "corpus and dir\n")
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999"])
+def test_plan_refuses_a_non_finite_tflops_in_one_line(cli, value):
+    """Issue 31 item 15b: --tflops inf printed `Infinity` under --json, which is not JSON."""
+    done = cli("plan", "tiny", "--tflops", value, "--json")
+    assert (done.exit_code, done.stdout) == (1, ""), done.output
+    assert done.stderr == "error: --tflops inf: expected a positive finite number of TFLOPs per GPU\n"
+
+
+def test_specs_new_bad_set_exits_as_documented(cli, in_tmp):
+    """Issue 31 item 15c: docs/operations.md gives every refusal exit 1; `specs new --set` said 2."""
+    assert "Every refusal is one `error:` line" in (REPO / "docs" / "operations.md").read_text()
+    done = cli("specs", "new", "bad", "--from", "tr11", "--set", "six_ALL_CCFRWORK=")
+    assert (done.exit_code, done.stdout) == (1, "")
+    assert done.stderr.startswith("error: --set six_ALL_CCFRWORK=: expected a value") and done.stderr.count("\n") == 1
 
 
 def test_plan_json_keys_are_documented(in_tmp):

@@ -272,3 +272,18 @@ def test_unquoted_sbatch_times_stay_times(in_tmp):
     assert spec.exit_duration_in_mins == 20 * 60 - spec.slurm.exit_margin_mins
     minutes = load_spec(str(write(in_tmp / "minutes.yaml", text.replace("time: 20:00:00", "time: 90"))))
     assert minutes.slurm.time_minutes == 90
+
+
+def test_an_empty_variable_is_refused_like_an_unset_one(in_tmp, monkeypatch):
+    """Issue 31 item 12: an exported but empty $six_ALL_CCFRSCRATCH must not render the run at /checkpoints/..."""
+    from opskit.runs import RunPaths
+
+    monkeypatch.setenv("six_ALL_CCFRSCRATCH", "")
+    with pytest.raises(SpecError) as info:
+        RunPaths.of(load_spec("tr11"))
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert "paths.output: $six_ALL_CCFRSCRATCH is set but empty in this environment" in message, message
+    spec = load_spec("tr11").with_placeholders()  # what `opskit submit` renders with: kept literal, listed
+    assert RunPaths.of(spec).root == Path("$six_ALL_CCFRSCRATCH/checkpoints/tr11-176B-ml")
+    assert spec.problems[0].startswith("$six_ALL_CCFRSCRATCH is set but empty here (used by paths.output)")

@@ -17,8 +17,9 @@ app = typer.Typer(help="List, show and create training specs.", no_args_is_help=
 @app.command("list")
 @friendly_errors
 def list_() -> None:
-    """Every spec a NAME finds: trainings/*.yaml first, then the bundled presets, with their variants. A file that
-    cannot be read gets one `error:` line on stderr (exit 1), the others are listed."""
+    """Every spec a NAME finds: trainings/*.yaml first, then the bundled presets, with their variants, each validated
+    as `opskit plan` validates it. A file that cannot be read, or a spec or variant that does not validate, gets one
+    `error:` line on stderr (exit 1), the others are listed."""
     from opskit.spec import list_specs
 
     table = Table(title="specs (NAME or NAME:VARIANT)", title_justify="left")
@@ -70,14 +71,11 @@ def new(
 ) -> None:
     """Start a spec of your own from a preset (an existing file is kept, unless --force and opskit created it), with
     its environment variables ($six_ALL_CCFRWORK, ...) written out."""
-    from opskit.spec import SettingError, create_user_spec, parse_settings
+    from opskit.spec import create_user_spec, parse_settings
 
-    try:
-        created = create_user_spec(name, source, force, parse_settings(settings),
-                                   ask=None if settings or not _interactive() else _ask)
-    except SettingError as e:  # the command line's mistake: a usage error
-        err_console.print(f"error: {e}", markup=False)
-        raise typer.Exit(2) from None
+    # A bad --set is a SpecError like any other refusal: one `error:` line, exit 1 (docs/operations.md).
+    created = create_user_spec(name, source, force, parse_settings(settings),
+                               ask=None if settings or not _interactive() else _ask)
     console.print(f"wrote {created.path} (from {created.source})", markup=False)
     if created.renamed:
         console.print(f"  renamed for {name}: {', '.join(created.renamed)}", markup=False)

@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from opskit.logs.parse import LogFormatError, from_end, open_log
+from opskit.logs.parse import LogChunk, LogFormatError, from_end, line_blocks, open_log
 
 if TYPE_CHECKING:
     from opskit.targets.base import Target
 
 TAIL_WINDOW = 64 * 1024  # first range read of a remote tail; doubled until it holds the asked lines
+TAIL_BLOCK = 8 << 20  # bytes per read of a local log's new part
 
 
 def last_lines(path: str | Path, n: int) -> tuple[list[str], int]:
@@ -25,15 +26,21 @@ def last_lines(path: str | Path, n: int) -> tuple[list[str], int]:
         FileNotFoundError: no such file.
     """
 
-    def enough(text: str, at_start: bool) -> list[str] | None:
-        lines = text.split("\n")[:-1]
-        return (lines[-n:] if n else []) if at_start or len(lines) >= n else None
+    lines: list[str] = []
 
-    return from_end(path, enough)
+    def take(text: str, at_start: bool) -> bool:
+        nonlocal lines
+        if n:
+            lines = (text.split("\n")[:-1] + lines)[-n:]  # never more than n kept: a block's lines, then n
+        return len(lines) >= n
+
+    offset = from_end(path, take)
+    return lines, offset
 
 
 def new_lines(path: str | Path, offset: int) -> tuple[list[str], int]:
-    """(complete lines after byte ``offset``, the offset after them); from 0 when the file became shorter.
+    """(complete lines after byte ``offset``, the offset after them); from 0 when the file became shorter. Read in
+    blocks; a line longer than :data:`opskit.logs.parse.MAX_LINE` is skipped (a sparse hole is never held whole).
 
     Raises:
         FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
@@ -42,7 +49,10 @@ def new_lines(path: str | Path, offset: int) -> tuple[list[str], int]:
         if os.fstat(f.fileno()).st_size < offset:
             offset = 0
         f.seek(offset)
-        return complete_lines(f.read(), offset)
+        chunk = LogChunk(offset=offset)
+        lines = [line for block in line_blocks(f, TAIL_BLOCK, chunk)
+                 for line in block.decode("utf-8", errors="replace").split("\n")[:-1]]
+        return lines, chunk.offset
 
 
 def follow(path: str | Path, n: int, interval: float, sleep: Callable[[float], None],

@@ -6,12 +6,23 @@ cut, wrapped or garbled record lines are counted in ``LogChunk.skipped``, never 
 Speed: a read under 16 MiB goes line by line through :func:`opskit.logs.grammar.scan_lines`; a larger one through
 :mod:`opskit.logs.bulk`, which builds the common iteration lines' records column-wise with polars and sends every other
 line to the same per-line parser (bench/log_parse.py, docs/benchmarks.md).
+
+Bounds, on any input: files are read in blocks (8 MiB, 16 MiB on the bulk path, backwards from 64 KiB growing to
+8 MiB), never whole, and a line longer than :data:`MAX_LINE` (1 MiB) is garbage (no Megatron line is near it: a sparse
+hole, binary data): it is dropped, unread past the cap, and counted in ``LogChunk.long_lines``; the lines after it are
+read as usual. So every reader here holds at most a few blocks plus the records asked for (the bulk path: a few
+blocks ahead, ~80 MB each), and its time is linear in the bytes it reads. A ``.gz`` file is read through a
+decompressed temporary copy (:func:`open_log`).
 """
 
 from __future__ import annotations
 
 import bisect
+import gzip
 import os
+import shutil
+import tempfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -31,6 +42,10 @@ class LogFormatError(OpskitError, ValueError):
 _BLOCK = 8 << 20  # bytes per read: per-read costs vanish, memory stays bounded
 _BULK_BLOCK = 16 << 20  # bytes per read on the bulk path: polars reads one block while Python builds the last
 _BULK_MIN = 16 << 20  # reads this large go through opskit.logs.bulk (smaller ones do not pay for importing polars)
+_FIRST_BACK = 64 << 10  # the first block read from a file's end: what `logs show` and `status` usually need
+MAX_LINE = 1 << 20
+"""Bytes a line may have (its newline not counted); a longer one is garbage, skipped and counted (module doc)."""
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass
@@ -52,6 +67,8 @@ class LogChunk:
     """With ``tables``: the slot of each of ``records``; slots give the file order of both."""
     unread: int = 0
     """Bytes after the last complete line, left for the next read (by :func:`read_from`)."""
+    long_lines: int = 0
+    """Lines longer than :data:`MAX_LINE`, dropped unparsed (counted in ``lines`` too)."""
 
     @property
     def iterations(self) -> list[dict]:
@@ -61,13 +78,16 @@ class LogChunk:
         """One line for stderr saying what a read of file ``name`` skipped, or None when it gave records and skipped
         nothing: a binary, compressed or unrelated file must not pass for a log with no iterations yet."""
         tail = f"; {self.unread:,} bytes after the last newline not read" if self.unread else ""
+        long = (f"{self.long_lines:,} line(s) longer than {MAX_LINE >> 20} MiB skipped (no newline for that long: a "
+                "sparse hole or binary data?)" if self.long_lines else "")
         if not self.records and not self.tables:
             if not self.lines and not self.unread:
                 return f"{name}: empty, 0 records"
-            return f"{name}: 0 records, {self.lines:,} lines skipped (not a training log?){tail}"
-        if self.skipped:
-            return f"{name}: {self.skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)"
-        return None
+            return f"{name}: 0 records, {self.lines:,} lines skipped (not a training log?){tail}" + \
+                (f"; {long}" if long else "")
+        said = [f"{self.skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)"] * bool(self.skipped)
+        said += [long] * bool(long)
+        return f"{name}: {'; '.join(said)}" if said else None
 
 
 def _keep(fields: tuple[str, ...] | None) -> frozenset[str] | None:
@@ -99,39 +119,136 @@ def parse_text(text: str, chunk: LogChunk | None = None, fields: tuple[str, ...]
 
 
 def open_log(path: str | Path) -> BinaryIO:
-    """``path`` opened for reading bytes.
+    """``path`` opened for reading bytes; a gzip file (a ``.gz`` name and gzip's magic bytes: ``main_log.txt.gz``)
+    as its decompressed bytes, in an unnamed temporary file (disk: the decompressed size; time: linear), so that
+    offsets, sizes and reads from the end mean the same as for a plain log.
 
     Raises:
-        FileNotFoundError: no such file (followers wait for it). LogFormatError: a folder, or not readable.
+        FileNotFoundError: no such file (followers wait for it). LogFormatError: a folder, not readable, or a corrupt
+            or truncated gzip file.
     """
     try:
-        return open(path, "rb")
+        f = open(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise LogFormatError(f"{path}: a folder, not a log file") from None
     except OSError as e:
         raise LogFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+    # Only a .gz name: a log still being written (main_log.txt, read from offsets) is never decompressed.
+    if not str(path).endswith(".gz") or f.read(len(_GZIP_MAGIC)) != _GZIP_MAGIC:
+        f.seek(0)
+        return f
+    with f:
+        return _decompressed(f, path)
 
 
-def _blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[bytes]:
-    """Blocks of about ``size`` bytes of complete lines from ``f`` (a partial last line is left for the next read);
-    ``chunk.offset``, ``lines`` and ``unread``, when given, move past each block as it is handed out. The partial
-    line after a block's last newline is read again with the next block (a seek back, not a copy of the block)."""
-    carry = b""  # a block without a newline: a line longer than size, joined with what follows
-    while block := f.read(size):
-        if carry:
-            block = carry + block
+def _decompressed(f: BinaryIO, path: str | Path) -> BinaryIO:
+    """The gzip stream ``f`` decompressed into an unnamed temporary file, at its start.
+
+    Raises:
+        LogFormatError: corrupt or truncated gzip data; no room for the copy.
+    """
+    copy = tempfile.TemporaryFile()
+    try:
+        f.seek(0)
+        with gzip.GzipFile(fileobj=f, mode="rb") as stream:
+            shutil.copyfileobj(stream, copy, _BLOCK)
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        copy.close()
+        why = "truncated" if isinstance(e, EOFError) else (getattr(e, "strerror", None) or str(e))
+        raise LogFormatError(f"{path}: gzip: cannot decompress ({why})") from None
+    copy.seek(0)
+    return copy
+
+
+def line_blocks(f: BinaryIO, size: int, chunk: LogChunk | None = None) -> Iterator[bytes]:
+    """Blocks of about ``size`` bytes of complete lines from ``f``'s position on (a partial last line is left for the
+    next read); a line longer than :data:`MAX_LINE` is dropped from them (read only up to the cap, then searched for
+    its end). ``chunk.offset`` (``f``'s starting position), ``lines``, ``long_lines`` and ``unread``, when given,
+    move past each block as it is handed out. The partial line after a block's last newline is read again with the
+    next block (a seek back, not a copy of the block). Memory: one block (a read grows to MAX_LINE + 1 bytes at most
+    to tell a long line); time: linear."""
+    chunk = chunk if chunk is not None else LogChunk(offset=f.tell())
+    want = size
+    while True:
+        at = f.tell()
+        block = f.read(want)
+        if not block:
+            return
         end = block.rfind(b"\n") + 1
-        if chunk is not None:
-            chunk.unread = len(block) - end
-        carry = b"" if end else block
-        if end:
-            f.seek(end - len(block), os.SEEK_CUR)  # the newline lies in what was just read: so does what follows it
-            if chunk is not None:
-                chunk.offset += end
-                chunk.lines += block.count(b"\n", 0, end)
-            yield block[:end]
+        if not end:  # no line ends in this block
+            if len(block) > MAX_LINE:  # garbage: skipped up to its newline, never held whole
+                after = _newline_after(f)
+                if after is None:  # it runs to the end of the file: the partial last line
+                    chunk.unread = f.tell() - chunk.offset
+                    return
+                chunk.offset, chunk.unread = after, 0
+                chunk.lines += 1
+                chunk.long_lines += 1
+                f.seek(after)
+                want = size
+            elif len(block) < want:  # the file's partial last line
+                chunk.unread = len(block)
+                return
+            else:  # a line longer than this read: read again, larger, until it ends or passes the cap
+                f.seek(at)
+                want = min(want * 4, max(size, MAX_LINE + 1))
+            continue
+        f.seek(at + end)  # the newline lies in what was just read: so does what follows it
+        data, long = _without_long_lines(block[:end])
+        chunk.offset, chunk.unread = at + end, len(block) - end
+        chunk.lines += block.count(b"\n", 0, end)
+        chunk.long_lines += long
+        want = size
+        yield data
+
+
+def _newline_after(f: BinaryIO) -> int | None:
+    """The position just after the first newline at or after ``f``'s position (read in blocks), None at the end of
+    the file (``f`` is left there)."""
+    while block := f.read(_BLOCK):
+        if (found := block.find(b"\n")) >= 0:
+            return f.tell() - len(block) + found + 1
+    return None
+
+
+def _line_start_before(f: BinaryIO, pos: int, start: int) -> int:
+    """Just after the last newline in ``[start, pos)``, else ``start``: where the (partial) line that ends at ``pos``
+    begins (read backwards in blocks from 64 KiB growing to 8 MiB)."""
+    span = _FIRST_BACK
+    while pos > start:
+        begin = max(start, pos - span)
+        f.seek(begin)
+        found = f.read(pos - begin).rfind(b"\n")
+        if found >= 0:
+            return begin + found + 1
+        pos, span = begin, min(span * 4, _BLOCK)
+    return start
+
+
+def _without_long_lines(data: bytes) -> tuple[bytes, int]:
+    """``data`` (complete lines) without its lines longer than :data:`MAX_LINE`, and how many there were. Such a line
+    holds a whole window of MAX_LINE // 2 bytes without a newline, so only windows are searched (one ``find`` each,
+    that stops at the first newline): a few C calls per block of a normal log, a copy only when a line is dropped."""
+    if len(data) <= MAX_LINE:
+        return data, 0
+    window, at, kept, begin, count = MAX_LINE // 2, 0, [], 0, 0
+    while at + window <= len(data):
+        if data.find(b"\n", at, at + window) >= 0:
+            at += window
+            continue
+        line = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at + window)
+        end = len(data) if end < 0 else end
+        if end - line > MAX_LINE:
+            kept.append(data[begin:line])
+            begin, count = end + 1, count + 1
+        at = end + 1
+    if not count:
+        return data, 0
+    kept.append(data[begin:])
+    return b"".join(kept), count
 
 
 def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None = None,
@@ -163,41 +280,54 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
         if size - chunk.offset >= _BULK_MIN and columnar:
             from opskit.logs.bulk import scan_columns
 
-            columns = scan_columns(_blocks(f, _BULK_BLOCK, chunk), keep)
+            columns = scan_columns(line_blocks(f, _BULK_BLOCK, chunk), keep)
             chunk.tables, chunk.skipped = columns.tables, chunk.skipped + columns.cut
             chunk.slots, chunk.records = [slot for slot, _ in columns.rest], [record for _, record in columns.rest]
         elif size - chunk.offset >= _BULK_MIN:
             from opskit.logs.bulk import scan_blocks
 
-            chunk.skipped += scan_blocks(_blocks(f, _BULK_BLOCK, chunk), chunk.records, keep)
+            chunk.skipped += scan_blocks(line_blocks(f, _BULK_BLOCK, chunk), chunk.records, keep)
         else:
-            for block in _blocks(f, _BLOCK, chunk):
+            for block in line_blocks(f, _BLOCK, chunk):
                 chunk.skipped += scan_bytes(block, chunk.records, keep)
     return chunk
 
 
-def from_end(path: str | Path, attempt: Callable[[str, bool], T | None], start: int = 0) -> tuple[T, int]:
-    """Read a file backwards in growing blocks (64 KiB, x4 each time), never before byte ``start`` (a line start),
-    until ``attempt(text, at_start)`` returns something; ``text`` holds the complete lines of the block (the block's
-    first, possibly partial, line dropped unless the block begins at ``start``). Returns (that result, byte offset
-    after the last complete line), the offset being where a follower continues.
+def from_end(path: str | Path, take: Callable[[str, bool], bool], start: int = 0,
+             chunk: LogChunk | None = None) -> int:
+    """Read a file backwards, never before byte ``start`` (a line start), in blocks of complete lines (64 KiB, x4
+    each time up to 8 MiB): ``take(text, at_start)`` gets each block's text, the latest first, until it returns
+    True or the block that begins at ``start`` (``at_start``; an empty text when nothing is left) was given. A line
+    longer than :data:`MAX_LINE` is never in a block: it is skipped and counted in ``chunk.long_lines`` (when given).
+    Returns the byte offset after the last complete line, where a follower continues. Memory: one block (what
+    ``take`` keeps aside); time: linear in the bytes read.
 
     Raises:
         FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
     """
+    chunk = chunk if chunk is not None else LogChunk()
     with open_log(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        span = 1 << 16
-        while True:
-            begin = max(start, size - span)
-            f.seek(begin)
-            data = f.read(size - begin)
-            head = data.find(b"\n") + 1 if begin > start else 0
-            end = data.rfind(b"\n") + 1
-            result = attempt(data[head:max(head, end)].decode("utf-8", errors="replace"), begin == start)
-            if result is not None:
-                return result, begin + end
-            span *= 4
+        offset = hi = _line_start_before(f, os.fstat(f.fileno()).st_size, start)
+        span = _FIRST_BACK
+        while hi > start:
+            lo = max(start, hi - span)
+            f.seek(lo)
+            data = f.read(hi - lo)
+            cut = data.find(b"\n") + 1 if lo > start else 0  # the first line may begin before lo
+            if cut == len(data):  # the block is the end of one line that begins before it
+                if len(data) <= MAX_LINE:
+                    span = min(span * 4, _BLOCK)  # a long line, not yet too long: a larger block
+                    continue
+                hi = _line_start_before(f, lo, start)  # garbage: skipped, unread
+                chunk.long_lines += 1
+                continue
+            data, long = _without_long_lines(data[cut:])
+            chunk.long_lines += long
+            if take(data.decode("utf-8", errors="replace"), lo == start) or lo == start:
+                return offset
+            hi, span = lo + cut, min(span * 4, _BLOCK)
+        take("", True)
+        return offset
 
 
 def read_tail(path: str | Path, iterations: int, start: int = 0, fields: tuple[str, ...] | None = None) -> LogChunk:
@@ -211,29 +341,36 @@ def read_tail(path: str | Path, iterations: int, start: int = 0, fields: tuple[s
         FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file; an unknown name in ``fields``.
     """
     keep = _keep(fields)
+    pieces: list[LogChunk] = []  # parsed parts, the latest first
+    missing = iterations
 
-    def parsed(text: str) -> LogChunk:
-        chunk = LogChunk()
-        chunk.skipped = scan_lines(text.split("\n"), chunk.records, keep)
-        return chunk
+    def parse(text: str) -> int:
+        piece = LogChunk()
+        piece.skipped = scan_lines(text.split("\n"), piece.records, keep)
+        pieces.append(piece)
+        return len(piece.iterations)
 
-    def enough(text: str, at_start: bool) -> LogChunk | None:
+    def take(text: str, at_start: bool) -> bool:
+        nonlocal missing
         if at_start:  # all that is after start
-            return parsed(text)
-        # Every iteration line holds the word: parse back from the end, each time from the line of the word that
-        # could complete the count, each line once (the block grew 4x: most of it need not be parsed).
-        pieces, end, missing = [], len(text), iterations
+            parse(text)
+            return True
+        # Every iteration line holds the word: parse back from the block's end, each time from the line of the word
+        # that could complete the count, each line once; a block with too few words is parsed whole.
+        end = len(text)
         while missing > 0:
             begin = _line_of_last(text, ITERATION_WORD, missing, end)
             if begin is None:
-                return None  # too few iteration lines: a larger block
-            pieces.append(parsed(text[begin:end]))
-            missing, end = missing - len(pieces[-1].iterations), begin
-        return LogChunk(records=[r for piece in reversed(pieces) for r in piece.records],
-                        skipped=sum(piece.skipped for piece in pieces))
+                missing -= parse(text[:end])
+                return False
+            missing -= parse(text[begin:end])
+            end = begin
+        return True
 
-    chunk, offset = from_end(path, enough, start)
-    chunk.offset = offset
+    chunk = LogChunk()
+    chunk.offset = from_end(path, take, start, chunk)
+    chunk.records = [r for piece in reversed(pieces) for r in piece.records]
+    chunk.skipped = sum(piece.skipped for piece in pieces)
     return chunk
 
 
@@ -255,7 +392,7 @@ def first_iteration(path: str | Path) -> dict | None:
         FileNotFoundError: no such file. LogFormatError: a folder or an unreadable file.
     """
     with open_log(path) as f:
-        for block in _blocks(f, 1 << 16):
+        for block in line_blocks(f, _FIRST_BACK):
             chunk = LogChunk()
             chunk.skipped += scan_bytes(block, chunk.records, None)
             if chunk.iterations:
