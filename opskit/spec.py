@@ -1126,6 +1126,8 @@ def list_specs() -> list[SpecEntry]:
                 validate_spec(resolved.raw, resolved.path, resolved.variant)
             except SpecError as e:
                 entries.append(SpecEntry(entry_name, "", path, origin, error=str(e)))
+                if variant is None:  # the variants inherit the base's problem: the file is named once
+                    break
                 continue
             described = whole if variant is None else variants[variant]  # a variant's own description, or none
             entries.append(SpecEntry(entry_name, str(described.get("description", "")), path, origin))
