@@ -226,11 +226,8 @@ class BatchSpec(_Section):
     @model_validator(mode="after")
     def _one_length(self) -> BatchSpec:
         if self.rampup_batch_size is not None:
-            start, incr, samples = self.rampup_batch_size
-            if start <= 0 or samples <= 0:
-                raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: the start batch size and the "
-                                 "ramp-up samples must be > 0 (Megatron divides the samples by the increments)")
-            if samples // start > MAX_ITERATIONS:
+            start, _, samples = self.rampup_batch_size
+            if start > 0 and samples // start > MAX_ITERATIONS:  # start <= 0: checks.rampup_problems (spec's rules)
                 raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: {samples} ramp-up samples at a "
                                  f"start batch of {start} is up to {samples // start:,} iterations of ramp-up (more "
                                  f"than {MAX_ITERATIONS:,}: a typo?)")

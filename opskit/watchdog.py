@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from opskit.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes
+from opskit.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
 from opskit.fsutil import atomic_write_text
 from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
@@ -506,9 +506,6 @@ def _throughput(records: list[dict], new: int, wd: WatchdogSpec) -> list[Finding
                     {"samples_per_second": recent, "baseline": baseline})]
 
 
-_CRASH_WORDS = ("rror", "memory", "Traceback", "Xid", "bus")  # what a line that may be a crash line holds
-
-
 def _task_nodes(nodelist: str) -> list[str]:
     """A job header's node list in srun's task order (what its ``N:`` labels index); [] for none or a garbled one."""
     try:
@@ -521,14 +518,14 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     """``log.crash`` for the crash lines of ``text``, each with its node where the log says it: the job's only node,
     or for a multi-node job the node of the line's srun label. ``job_nodes``: the node list of the job running where
     ``text`` starts (its header came in an earlier read)."""
-    if not any(word in text for word in _CRASH_WORDS):  # the common case: no split of 8 MiB into lines
+    if not may_hold_crash(text):  # the common case: no split of 8 MiB into lines
         return []
     crashes, nodes = [], _task_nodes(job_nodes)
     lines = text.splitlines()
     for line in lines:
         if header := JOB_HEADER.match(line):
             nodes = _task_nodes(header["nodes"])
-        elif any(word in line for word in _CRASH_WORDS):
+        elif may_hold_crash(line):
             crashes += find_crashes([line], nodes=nodes, signatures=SIGNATURES + SOFTWARE_ERRORS)
     if not crashes:
         return []

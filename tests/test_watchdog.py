@@ -251,6 +251,28 @@ def test_crash_lines_name_their_node(tmp_path):
                                     "1: [default0]:")
 
 
+@pytest.mark.parametrize(("line", "signature"), [
+    ("[default2]:[rank2]:[E ProcessGroupNCCL.cpp:607] [Rank 2] Watchdog caught collective operation timeout: "
+     "WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.", "NCCL watchdog timeout"),
+    ("NVRM: GPU at PCI:0000:3b:00: GPU-1234: GPU is lost", "GPU fell off the bus"),
+    ("[default0]:DRIVER: ECC ERROR DETECTED ON DEVICE 0", "uncorrectable ECC error"),
+])
+def test_the_status_check_sees_every_line_the_crash_finder_sees(tmp_path, line, signature):
+    """Issue 32: the watchdog's pre-filter was a word list of its own ("rror", "bus", ...) and skipped these lines,
+    which opskit.crash.find_crashes names; it is now derived from the signatures (crash.NEEDLES)."""
+    from opskit.crash import NEEDLES, SIGNATURES, SOFTWARE_ERRORS, find_crashes
+
+    assert [name for name, _ in SIGNATURES + SOFTWARE_ERRORS] == list(NEEDLES)
+    assert [c.signature for c in find_crashes([line])] == [signature]
+    run = run_with_log(tmp_path, "crash.txt")
+    state: dict = {}
+    read_log(run, state)
+    with open(run.main_log, "a") as f:
+        f.write(line + "\n")
+    crash = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
+    assert crash.data["crashes"][0]["signature"] == signature
+
+
 def test_failed_save_is_an_alert_of_its_own(tmp_path):
     """The trainer's one line for a failed save (no traceback, no crash signature) under torchrun's rank prefix: an
     alert keyed log.save_failed, not a crash; only new lines count."""

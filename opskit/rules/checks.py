@@ -106,11 +106,15 @@ def pad_vocab_problems(pad_vocab_size_to: int | None, make_vocab_size_divisible_
 
 
 def rampup_problems(global_batch_size: int, rampup: tuple[int, int, int] | list[int] | None, name: Namer) -> list[str]:
-    """``--rampup-batch-size start incr samples``: Megatron's RampupBatchsizeNumMicroBatches asserts that
-    ``GBS - start`` is a positive multiple of the increment (megatron/microbatches.py)."""
+    """``--rampup-batch-size start incr samples``: Megatron's RampupBatchsizeNumMicroBatches asserts that the start
+    batch and the ramp-up samples are > 0 (it divides the samples by the increments; a start of 0 walks for ever)
+    and that ``GBS - start`` is a positive multiple of the increment (megatron/microbatches.py)."""
     if rampup is None:
         return []
-    start, incr, _ = rampup
+    start, incr, samples = rampup
+    if start <= 0 or samples <= 0:
+        return [f"{name('rampup_batch_size')} {' '.join(map(str, rampup))}: the start batch size and the ramp-up "
+                "samples must be > 0 (Megatron divides the samples by the increments)"]
     if incr <= 0 or start > global_batch_size or (global_batch_size - start) % incr:
         return [f"{name('rampup_batch_size')}: global_batch_size - start = {global_batch_size - start} must be a "
                 f"positive multiple of the increment {incr}"]
