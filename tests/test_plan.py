@@ -112,8 +112,9 @@ ALL_SPECS = ["tiny", "tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-1
 
 
 def test_every_preset_and_variant_is_listed_and_valid(in_tmp):
-    assert [e.name for e in list_specs()] == ["tiny", "tiny:gpu", "tr1-13B", "tr11-176B-ml", "tr11-176B-ml:24n", "tr8-104B",
-                                              "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb"]
+    assert [e.name for e in list_specs()] == ["tiny", "tiny:gpu", "tr1-13B", "tr11-176B-ml", "tr11-176B-ml:24n",
+                                              "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm",
+                                              "tr8b-104B:bnb"]
     for entry in list_specs():
         spec = load_spec(entry.name)
         assert spec.name == entry.name and entry.description and entry.origin == "preset"

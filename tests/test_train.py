@@ -239,6 +239,19 @@ def test_resume_is_exact(baseline, kjv_data, tmp_path):
     assert latest(save) == f"global_step{TRAIN_SAMPLES // GBS}"
 
 
+def test_an_exit_request_at_the_last_iteration_still_finishes_the_run(kjv_data, tmp_path):
+    """--exit-interval 4 of 8 iterations (the tiny:gpu chain's hand-over): the exit at 8 is the end of training, so
+    the finished flag is written and the chain's later tasks stop; before, the exit request won and no flag came."""
+    flag = tmp_path / "finished"
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, exit_interval=4,
+                                                   save_interval=4, finished_flag_path=flag, load=None)))
+    assert max(records(done.stdout)) == 4 and not flag.exists()
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, exit_interval=4,
+                                                   save_interval=4, finished_flag_path=flag)))
+    assert max(records(done.stdout)) == 8 and "after training is done" in done.stdout
+    assert flag.read_text().split(" training finished at ")[1].startswith("iteration 8,")
+
+
 # ---------------------------------------------------------------------------------------------------------- 3. layout
 
 def _load(path: Path) -> dict:

@@ -647,6 +647,8 @@ class Trainer:
                                        iterations_run)
             if exit_reason:
                 break
+        if state.iteration >= self.train_iters:  # the last iteration: the run is finished whatever else asked it to
+            exit_reason = None                   # stop there (--exit-interval 250 of 500): final validation, flag
         self._finish(exit_reason)
 
     def _skip_range_at_next_iteration(self) -> bool:
