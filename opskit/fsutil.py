@@ -11,6 +11,7 @@ wrote it, and only while it holds nothing beyond the entries its marker lists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -63,7 +64,8 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
         staging.unlink(missing_ok=True)
 
 
-def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, source: dict | None = None) -> None:
+def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, source: dict | None = None,
+                 digests: bool = False) -> None:
     """Mark ``folder`` as written by opskit's ``what`` (e.g. ``"ckpt convert"``): ``<folder>/.opskit``.
 
     Args:
@@ -71,13 +73,56 @@ def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, 
             replace the folder only while it holds nothing else); None for a folder whose contents grow (a run
             directory), which is never replaced.
         source: what the folder was made from (JSON-able), for the command's own up-to-date test.
+        digests: also record each entry's size (bytes) and SHA-256 (``files``), which :func:`damaged_entries`
+            checks: a folder that is reused rather than rebuilt must prove its bytes intact, not only present.
     """
     marker = {"written_by": "opskit", "command": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if entries is not None:
         marker["entries"] = sorted(entries)
+        if digests:
+            marker["files"] = {name: {"size": (Path(folder) / name).stat().st_size,
+                                      "sha256": file_sha256(Path(folder) / name)} for name in marker["entries"]}
     if source is not None:
         marker["source"] = source
     atomic_write_text(Path(folder) / MARKER, json.dumps(marker) + "\n")
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 8 MiB blocks.
+
+    Raises:
+        OSError: the file is unreadable.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 * 1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def damaged_entries(folder: Path, marker: dict) -> list[str] | None:
+    """The entries of ``folder`` whose bytes are not those ``marker`` recorded (:func:`write_marker` with
+    ``digests``), each as ``"name (why)"``: missing, another size, or another SHA-256 (read only where the sizes
+    agree); [] when all hold, None when the marker records no digests (an older opskit's: nothing to prove)."""
+    files = marker.get("files")
+    if not isinstance(files, dict) or set(files) != set(marker.get("entries") or ()):
+        return None
+    folder, damaged, same_size = Path(folder), [], []
+    for name, recorded in sorted(files.items()):
+        path = folder / name
+        if not isinstance(recorded, dict) or path.is_symlink() or not path.is_file():
+            damaged.append(f"{name} (missing)")
+        elif (size := path.stat().st_size) != recorded.get("size"):
+            damaged.append(f"{name} ({size} bytes, {recorded.get('size')} written)")
+        else:
+            same_size.append((name, path, recorded))
+    for name, path, recorded in same_size:  # the cheap test first: a damaged folder is told without hashing it all
+        try:
+            if file_sha256(path) != recorded.get("sha256"):
+                damaged.append(f"{name} (bytes changed: SHA-256 differs)")
+        except OSError as e:
+            damaged.append(f"{name} (unreadable: {e.strerror})")
+    return damaged
 
 
 def folder_entries(folder: Path) -> list[str]:

@@ -168,7 +168,7 @@ def test_convert_all_skips_only_an_intact_conversion_of_the_same_save(small_chec
     shard.unlink()
     done = opskit(*convert_all)
     assert "already converted" not in done.stdout
-    assert f"{step}: damaged conversion (missing {shard.name})" in done.stderr
+    assert f"{step}: damaged conversion: {shard.name} (missing)" in done.stderr
     assert not shard.exists()  # reported; only --force converts it again
     assert opskit(*convert_all, "--force").returncode == 0 and shard.is_file()
 

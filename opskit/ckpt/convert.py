@@ -50,7 +50,15 @@ from opskit.ckpt.layout import (
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
 from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.errors import OpskitError
-from opskit.fsutil import claim_dir, folder_entries, has_marker, read_marker, replace_dir, write_marker
+from opskit.fsutil import (
+    claim_dir,
+    damaged_entries,
+    folder_entries,
+    has_marker,
+    read_marker,
+    replace_dir,
+    write_marker,
+)
 from opskit.rules.model import has_embedding_layernorm
 
 # What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
@@ -145,8 +153,8 @@ def hf_config(arch: str, args: argparse.Namespace, vocab_size: int, dtype: str, 
               eos_token_id: int | None = None) -> dict:
     """``config.json`` of ``GPT2LMHeadModel`` or ``BloomForCausalLM`` from the saved args (sizes, epsilon, dropouts,
     activation), written as JSON without importing transformers (which fills every other field with its defaults
-    when it loads it); GPT-2's single special token (bos = eos) is the tokenizer's ``eos_token_id``, 50256 when it has
-    none.
+    when it loads it); GPT-2's single special token (bos = eos) is the tokenizer's ``eos_token_id``; when it has none,
+    GPT-2's own 50256 where the vocabulary has that row, else none (null: an id past the vocabulary is no token).
 
     Raises:
         ConvertError: BLOOM with an FFN other than 4h or an exact-erf GELU (BLOOM's MLP is fixed: 4h, tanh GELU).
@@ -155,7 +163,7 @@ def hf_config(arch: str, args: argparse.Namespace, vocab_size: int, dtype: str, 
               "dtype": DTYPES[dtype]}
     epsilon = getattr(args, "layernorm_epsilon", 1e-5)
     if arch == "gpt2":
-        special = 50256 if eos_token_id is None else eos_token_id
+        special = eos_token_id if eos_token_id is not None else (50256 if vocab_size > 50256 else None)
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab_size,
                 "n_positions": n_positions, "n_embd": args.hidden_size, "n_layer": args.num_layers,
                 "n_head": args.num_attention_heads, "n_inner": args.ffn_hidden_size,
@@ -373,6 +381,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     averaged: list[str] = []
     tensors = plan_tensors(scanned, args, arch, keep_rows, averaged)
     n_positions = next((t.shape[0] for t in tensors if t.name.endswith("wpe.weight")), None)
+    if problem := tokenizer.vocabulary_problem(tensors[0].shape[0]):
+        raise ConvertError(problem)
     config = hf_config(arch, args, tensors[0].shape[0], dtype, n_positions, tokenizer.eos_token_id)
     parameters = sum(numel(t.shape) for t in tensors)
     if verify_layers is None and parameters > VERIFY_WHOLE_MAX_PARAMETERS:
@@ -388,7 +398,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
             max_abs_diff = verify_conversion(step_path, staging, dtype, verify_layers) if verify else None
         except ConvertError as e:
             raise ConvertError(f"{e}; nothing was written to {out_dir}") from None
-        write_marker(staging, CONVERT_COMMAND, folder_entries(staging), conversion_source(step_path, info.iteration))
+        write_marker(staging, CONVERT_COMMAND, folder_entries(staging), conversion_source(step_path, info.iteration),
+                     digests=True)
         # again: something may have been written there during the conversion
         claim_dir(out_dir, force, command=CONVERT_COMMAND)
         replace_dir(staging, out_dir)
@@ -423,11 +434,17 @@ def _write_shards(folder: Path, tensors: list[OutTensor], dtype: str, max_shard_
 @dataclass(frozen=True)
 class RunTokenizer:
     """The run's tokenizer as the converted folder gets it: the files of ``folder`` copied as they are, or (runs
-    with ``--vocab-file``/``--merge-file``) ``fast``, a transformers tokenizer saved with ``save_pretrained``."""
+    with ``--vocab-file``/``--merge-file``) ``fast``, a transformers tokenizer saved with ``save_pretrained``.
+    ``special_ids``: each special token -> the id transformers gives it when it loads the converted folder (a token
+    the tokenizer's vocabulary lacks is added after its last id); ``size``: ids in use, added tokens included;
+    ``source``: what was read, for messages."""
 
     eos_token_id: int | None
     folder: Path | None = None
     fast: object = None
+    special_ids: dict[str, int] = field(default_factory=dict)
+    size: int = 0
+    source: str = ""
 
     def save(self, out: Path) -> None:
         if self.fast is not None:
@@ -437,11 +454,33 @@ class RunTokenizer:
             if (self.folder / name).is_file():
                 shutil.copyfile(self.folder / name, out / name)
 
+    def vocabulary_problem(self, vocab_size: int) -> str | None:
+        """Why this tokenizer cannot drive a model of ``vocab_size`` embedding rows (None when it can): a special
+        token, or any token, with an id at or past ``vocab_size`` (a prompt holding it would index past the
+        embedding: IndexError in transformers)."""
+        outside = {token: i for token, i in self.special_ids.items() if not 0 <= i < vocab_size}
+        if outside:
+            token, i = next(iter(outside.items()))
+            return (f"{self.source}: special token {token!r} has id {i}, outside the model's vocabulary of "
+                    f"{vocab_size} (ids 0-{vocab_size - 1}): the run never trained such a token; pass --tokenizer DIR "
+                    "with a tokenizer whose special tokens are in the vocabulary")
+        if self.size > vocab_size:
+            return (f"{self.source}: {self.size} tokens (added ones included), more than the model's vocabulary of "
+                    f"{vocab_size}: pass --tokenizer DIR with the tokenizer the run trained with")
+        return None
+
+
+# GPT-2's one special token (unk = bos = eos), which transformers' GPT-2 tokenizers add when the vocabulary lacks it.
+GPT2_SPECIAL = "<|endoftext|>"
+
 
 def load_tokenizer(args: argparse.Namespace, tokenizer_dir: str | Path | None = None) -> RunTokenizer:
     """The run's tokenizer: ``tokenizer_dir``, else the saved ``--tokenizer-name-or-path`` (PretrainedFromHF), else
     the saved ``--vocab-file``/``--merge-file`` (GPT2BPETokenizer, as tr1-13B ran). A tokenizer folder is not loaded:
-    its files are copied (transformers' import alone costs ~2 s), and the eos token is looked up with ``tokenizers``.
+    its files are copied (transformers' import alone costs ~2 s), and its special tokens are looked up with
+    ``tokenizers``. GPT-2 BPE files become a transformers tokenizer of exactly Megatron's GPT2BPETokenizer
+    vocabulary: GPT-2's ``<|endoftext|>`` is its special token only where the vocabulary holds it (transformers
+    would otherwise add it past the last id, outside the model's embedding).
 
     Raises:
         ConvertError: none of them is readable here.
@@ -451,34 +490,61 @@ def load_tokenizer(args: argparse.Namespace, tokenizer_dir: str | Path | None = 
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
             raise ConvertError(f"{folder}: no tokenizer.json (pass --tokenizer DIR)")
-        return RunTokenizer(_eos_token_id(folder), folder=folder)
+        eos, special_ids, size = _folder_special_tokens(folder)
+        return RunTokenizer(eos, folder=folder, special_ids=special_ids, size=size, source=str(folder))
     vocab, merges = getattr(args, "vocab_file", None), getattr(args, "merge_file", None)
     if vocab and merges and Path(vocab).is_file() and Path(merges).is_file():
         from transformers import GPT2TokenizerFast
 
+        try:
+            special = GPT2_SPECIAL if GPT2_SPECIAL in json.loads(Path(vocab).read_text(encoding="utf-8")) else None
+        except (ValueError, TypeError):
+            raise ConvertError(f"--vocab-file {vocab}: not a GPT-2 vocab.json (a JSON object of tokens)") from None
         with tempfile.TemporaryDirectory() as folder:  # the file names every transformers version reads
             shutil.copy(vocab, Path(folder) / "vocab.json")
             shutil.copy(merges, Path(folder) / "merges.txt")
-            fast = GPT2TokenizerFast.from_pretrained(folder)
-            return RunTokenizer(fast.eos_token_id, fast=fast)
+            fast = GPT2TokenizerFast.from_pretrained(folder, unk_token=special, bos_token=special, eos_token=special)
+            return RunTokenizer(fast.eos_token_id, fast=fast, size=len(fast), source=f"--vocab-file {vocab}",
+                                special_ids={t: fast.convert_tokens_to_ids(t) for t in fast.all_special_tokens})
     raise ConvertError(f"the run's tokenizer is not readable here (tokenizer_name_or_path None, vocab_file {vocab}, "
                        f"merge_file {merges}); pass --tokenizer DIR")
 
 
-def _eos_token_id(folder: Path) -> int | None:
-    """Id of the eos token that ``special_tokens_map.json`` or else ``tokenizer_config.json`` names (transformers'
-    precedence), looked up in ``tokenizer.json``; None when there is none."""
-    eos = None
+def _folder_special_tokens(folder: Path) -> tuple[int | None, dict[str, int], int]:
+    """(eos id, special token -> id, ids in use) of a tokenizer folder, as transformers numbers them: the special
+    tokens ``special_tokens_map.json`` or else ``tokenizer_config.json`` names (transformers' precedence), each
+    looked up in ``tokenizer.json``, one it lacks added after the last id. Without ``tokenizer.json``: (None, {},
+    0), nothing to check."""
+    named: dict[str, object] = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         if (folder / name).is_file():
-            eos = json.loads((folder / name).read_text()).get("eos_token") or eos
-    if isinstance(eos, dict):  # a serialized AddedToken
-        eos = eos.get("content")
-    if eos is None or not (folder / "tokenizer.json").is_file():
-        return None
+            try:
+                config = json.loads((folder / name).read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                raise ConvertError(f"{folder / name}: not a JSON object") from None
+            if not isinstance(config, dict):
+                raise ConvertError(f"{folder / name}: not a JSON object")
+            named.update({k: v for k, v in config.items() if k.endswith("_token") or k == "additional_special_tokens"})
+    if not (folder / "tokenizer.json").is_file():
+        return None, {}, 0
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    roles: dict[str, str] = {}  # token -> its first role, in the order transformers adds missing ones
+    for role, value in named.items():
+        for token in value if isinstance(value, list) else [value]:
+            token = token.get("content") if isinstance(token, dict) else token  # a serialized AddedToken
+            if isinstance(token, str):
+                roles.setdefault(token, role)
+    special_ids: dict[str, int] = {}
+    for token in roles:
+        found = tokenizer.token_to_id(token)
+        if found is None:
+            found, size = size, size + 1
+        special_ids[token] = found
+    eos = next((t for t, role in roles.items() if role == "eos_token"), None)
+    return (special_ids[eos] if eos is not None else None), special_ids, size
 
 
 def _write_side_files(folder: Path, config: dict, tokenizer: RunTokenizer) -> None:
@@ -527,15 +593,22 @@ def conversion_source(step_path: Path, iteration: int | None) -> dict:
 
 def conversion_problem(out: Path, step_path: Path, iteration: int | None) -> str | None:
     """Why ``out`` is not an intact conversion of the step at ``step_path`` (None when it is): no conversion marker,
-    one made from another step or an earlier save of it, or a file the marker lists missing."""
+    one made from another step or an earlier save of it, or a file the marker lists missing, of another size or with
+    other bytes than it recorded (:func:`opskit.fsutil.damaged_entries`: every file is read); a marker without
+    recorded digests (an older opskit's) cannot prove its files intact."""
     marker = read_marker(out)
     if marker is None or marker.get("command") != CONVERT_COMMAND:
         return "no conversion by opskit"
     if marker.get("source") != conversion_source(step_path, iteration):
         return f"converted from another checkpoint than {step_path} as saved now (stale)"
-    missing = [name for name in marker.get("entries") or () if not (out / name).is_file()]
-    if missing or "entries" not in marker:
-        return f"damaged conversion (missing {', '.join(missing) or 'its file list'})"
+    if "entries" not in marker:
+        return "damaged conversion (its marker lists no files)"
+    damaged = damaged_entries(out, marker)
+    if damaged is None:
+        return "conversion without recorded file digests (an older opskit): its files cannot be proven intact"
+    if damaged:
+        shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        return f"damaged conversion: {shown}"
     return None
 
 
@@ -567,17 +640,39 @@ def verification_tokens(args: argparse.Namespace, tokenizer_dir: Path, count: in
     return torch.tensor([ids[i * 7:i * 7 + length] for i in range(count)], dtype=torch.long)
 
 
+def special_tokens_row(folder: Path, vocab_size: int, length: int):
+    """``[1, <= length]`` token ids of a prompt holding every special token of the tokenizer written to ``folder``,
+    encoded by that tokenizer as ``ckpt generate`` encodes a prompt (``"In the beginning<|endoftext|>And"``).
+
+    Raises:
+        ConvertError: the tokenizer gives an id (for the prompt, a special token or its last token) at or past
+            ``vocab_size``.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("In the beginning" + "".join(f"{t}And" for t in tokenizer.all_special_tokens))["input_ids"]
+    outside = sorted({i for i in [*ids, *tokenizer.all_special_ids, len(tokenizer) - 1] if not 0 <= i < vocab_size})
+    if outside:
+        raise ConvertError(f"{folder}: verification failed: the written tokenizer gives token ids {outside}, "
+                           f"outside the model's vocabulary of {vocab_size} (special tokens "
+                           f"{tokenizer.all_special_tokens})")
+    return torch.tensor([ids[:length]], dtype=torch.long)
+
+
 def verify_conversion(step_path: Path, folder: Path, dtype: str, num_layers: int | None = None) -> float:
     """Max abs difference between transformers' logits of ``folder`` and the checkpoint's own forward
-    (:class:`opskit.train.inference.GPTModel`, weights rounded to ``dtype`` like the conversion, computed in fp32).
+    (:class:`opskit.train.inference.GPTModel`, weights rounded to ``dtype`` like the conversion, computed in fp32), on
+    real text and on a prompt with every special token through the written tokenizer (:func:`special_tokens_row`).
 
     Args:
         num_layers: compare models cut after this many blocks (same embedding, final LayerNorm and head), for models
             that do not fit twice in memory in fp32; None: the whole model.
 
     Raises:
-        ConvertError: keys missing when transformers loads the folder, or a difference above
-        ``max(1e-4, 1e-5 * max |logit|)``.
+        ConvertError: keys missing when transformers loads the folder, a token id of the written tokenizer outside the
+        model's vocabulary, or a difference above ``max(1e-4, 1e-5 * max |logit|)``.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -595,12 +690,16 @@ def verify_conversion(step_path: Path, folder: Path, dtype: str, num_layers: int
     unexpected = [k for k in loading["unexpected_keys"] if not cut or not _block_index(k) >= num_layers]
     if missing or unexpected:
         raise ConvertError(f"{folder}: transformers reports missing keys {missing}, unexpected {unexpected}")
+    special = special_tokens_row(folder, model.config.vocab_size, tokens.shape[1])
     reference = GPTModel.from_checkpoint(step_path, num_layers=num_layers).to(getattr(torch, DTYPES[dtype])).float()
+    diff, largest = 0.0, 0.0
     with torch.no_grad():
-        theirs = model.eval()(tokens).logits
-        ours = reference(tokens)[..., : theirs.shape[-1]]
-    diff = (theirs - ours).abs().max().item()
-    tolerance = max(VERIFY_ATOL, VERIFY_RTOL * ours.abs().max().item())  # fp32 sums in another order, large logits
+        for batch in (tokens, special):
+            theirs = model.eval()(batch).logits
+            ours = reference(batch)[..., : theirs.shape[-1]]
+            diff = max(diff, (theirs - ours).abs().max().item())
+            largest = max(largest, ours.abs().max().item())
+    tolerance = max(VERIFY_ATOL, VERIFY_RTOL * largest)  # fp32 sums in another order, large logits
     if not diff <= tolerance:
         raise ConvertError(f"{step_path}: verification failed: transformers' logits differ from the checkpoint's own "
                            f"forward by {diff:.3g} (> {tolerance:.3g}) on {tokens.shape[0]} sequences of "

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from opskit.errors import OpskitError
+from opskit.errors import MissingExtraError, OpskitError, extra_for
 
 # soft_wrap: log-like lines (PULSE, iteration lines) stay one line each in pipes and files, so grep finds them.
 # emoji=False: rich would print ":b:" of "--range a:b:" or a "NAME:VARIANT:..." path as an emoji, even without markup.
@@ -23,12 +23,17 @@ SpecName = Annotated[str, typer.Argument(help="Spec name, unique prefix or YAML 
 JsonOutput = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
-def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:
+def friendly_errors(command: Callable | None = None, *, exit_code: int = 1, extra: str | None = None) -> Callable:
     """Turn the library's errors (:class:`~opskit.errors.OpskitError`), and any OSError (an unwritable or immutable
     folder, a full disk), into ``error: <one line>`` and exit 1 (or ``exit_code``: ``opskit status`` keeps 1 for its
-    ALERT); ``OPSKIT_DEBUG=1`` shows tracebacks. Use as ``@friendly_errors`` or ``@friendly_errors(exit_code=2)``."""
+    ALERT); ``OPSKIT_DEBUG=1`` shows tracebacks. Use as ``@friendly_errors`` or ``@friendly_errors(exit_code=2)``.
+
+    A module of an optional extra that is not installed (:class:`~opskit.errors.MissingExtraError`, or a
+    ModuleNotFoundError for a module an extra lists) is one line naming the extra, exit 2 as the trainer's
+    (docs/operations.md): every command that imports torch, transformers, tokenizers... inside says the same.
+    ``extra``: the command's own extra, named for a module several extras list (:func:`opskit.errors.extra_for`)."""
     if command is None:
-        return lambda function: friendly_errors(function, exit_code=exit_code)
+        return lambda function: friendly_errors(function, exit_code=exit_code, extra=extra)
 
     @wraps(command)
     def wrapper(*args, **kwargs):
@@ -36,6 +41,14 @@ def friendly_errors(command: Callable | None = None, *, exit_code: int = 1) -> C
             return command(*args, **kwargs)
         except typer.Exit:
             raise  # an exit code, not an error
+        except (MissingExtraError, ModuleNotFoundError) as e:
+            if os.environ.get("OPSKIT_DEBUG") == "1":
+                raise
+            if isinstance(e, ModuleNotFoundError) and (not e.name or extra_for(e.name) is None):
+                raise  # no extra's module (a broken installation, or a bug): the traceback says where
+            message = e if isinstance(e, MissingExtraError) else MissingExtraError.of(e.name, prefer=extra)
+            err_console.print(f"error: {message}", markup=False, soft_wrap=True)
+            raise typer.Exit(2) from None
         except (OpskitError, OSError) as e:
             if os.environ.get("OPSKIT_DEBUG") == "1":
                 raise

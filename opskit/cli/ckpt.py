@@ -180,7 +180,7 @@ def check(
 
 
 @app.command("convert")
-@friendly_errors
+@friendly_errors(extra="convert")
 def convert(
     run_or_dir: str = typer.Argument(..., help="Spec name, checkpoint dir (with 'latest') or global_stepN folder."),
     step: int = typer.Option(None, "--step", help="Convert global_stepN instead of 'latest'."),
@@ -455,7 +455,7 @@ def publish(
 
 
 @app.command("generate")
-@friendly_errors
+@friendly_errors(extra="convert")
 def generate(
     model_dir: Path = typer.Argument(..., help="A Hugging Face model folder (e.g. from `opskit ckpt convert`)."),
     prompt: str = typer.Option("And God said", "--prompt"),

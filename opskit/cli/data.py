@@ -10,7 +10,7 @@ app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
 
 
 @app.command("prepare")
-@friendly_errors
+@friendly_errors(extra="train")  # megatron-core's dataset builder, torch, numpy and tokenizers: the trainer's
 def prepare(
     name: SpecName,
     force: bool = typer.Option(False, "--force", help="Rebuild over a dataset opskit prepared in data.dir for other "

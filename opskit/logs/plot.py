@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
 
+from opskit.errors import MissingExtraError
 from opskit.fsutil import claim_file
 from opskit.logs.grammar import iteration_fields
 from opskit.logs.parse import LogFormatError, as_list, python_value, record_columns
@@ -202,8 +203,8 @@ def _labels(x: str, y: str) -> tuple[str, str]:
     return ("consumed " + x if x != "iteration" else x), y.replace("_", " ")
 
 
-class PlotUnavailable(LogFormatError):
-    """matplotlib or plotext is not installed (they come with ``pip install 'opskit[plot]'``)."""
+class PlotUnavailable(MissingExtraError, LogFormatError):
+    """matplotlib or plotext is not installed (they come with the ``plot`` extra: opskit.errors' one rule)."""
 
 
 def _require(module: str):
@@ -212,7 +213,7 @@ def _require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise PlotUnavailable(f"{module} is not installed: pip install 'opskit[plot]'") from None
+        raise PlotUnavailable.of(module) from None
 
 
 def image_format(out: Path) -> str:

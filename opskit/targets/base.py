@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from opskit.errors import OpskitError
+from opskit.errors import MissingExtraError, OpskitError
 
 CHUNK = 8 * 1024 * 1024
 
@@ -32,6 +32,11 @@ class TargetError(OpskitError, ValueError):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class TargetUnavailable(MissingExtraError, TargetError):
+    """The client library a target needs (an optional extra) is not installed here; one line naming the extra
+    (:func:`opskit.errors.missing_module_message`)."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ def crc32c_of_file(path: str | Path) -> str:
     try:
         import google_crc32c
     except ImportError:
-        raise TargetError("CRC32C needs the google-crc32c package: pip install 'opskit[backup]'") from None
+        raise TargetUnavailable.of("google_crc32c", "CRC32C checksums") from None
     checksum = google_crc32c.Checksum()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):

@@ -13,7 +13,14 @@ import os
 import threading
 from pathlib import Path
 
-from opskit.targets.base import BatchResult, TargetError, TargetOptions, crc32c_of_file, put_parallel, with_retries
+from opskit.targets.base import (
+    BatchResult,
+    TargetOptions,
+    TargetUnavailable,
+    crc32c_of_file,
+    put_parallel,
+    with_retries,
+)
 
 CHUNK_SIZE = 8 * 1024 * 1024  # resumable upload chunk (a multiple of 256 KiB, as the API requires)
 
@@ -29,7 +36,7 @@ class GcsTarget:
         try:
             import google.cloud.storage  # noqa: F401 - fail here, in one line, not at the first upload
         except ImportError:
-            raise TargetError(f"{url}: gs:// targets need google-cloud-storage: pip install 'opskit[gcs]'") from None
+            raise TargetUnavailable.of("google.cloud.storage", f"gs:// targets: {url}") from None
         self.url, self.bucket_name, self.prefix, self.options = url, bucket, prefix, options
         self._local = threading.local()
 

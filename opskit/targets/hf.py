@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from opskit.targets.base import BatchResult, TargetError, TargetOptions, with_retries
+from opskit.targets.base import BatchResult, TargetError, TargetOptions, TargetUnavailable, with_retries
 
 REPO_TYPES = {"datasets": "dataset", "spaces": "space", "models": "model"}
 
@@ -39,7 +39,7 @@ class HfTarget:
         try:
             from huggingface_hub import HfApi, get_token
         except ImportError:
-            raise TargetError(f"{url}: hf:// targets need huggingface_hub: pip install 'opskit[hub]'") from None
+            raise TargetUnavailable.of("huggingface_hub", f"hf:// targets: {url}") from None
         self.url, self.options = url, options
         self.repo_type, self.repo_id, self.prefix = parse_hf_url(url)
         self._api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=get_token())
