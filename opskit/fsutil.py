@@ -65,7 +65,7 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
 
 
 def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, source: dict | None = None,
-                 digests: bool = False) -> None:
+                 digests: str | None = None) -> None:
     """Mark ``folder`` as written by opskit's ``what`` (e.g. ``"ckpt convert"``): ``<folder>/.opskit``.
 
     Args:
@@ -73,15 +73,20 @@ def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, 
             replace the folder only while it holds nothing else); None for a folder whose contents grow (a run
             directory), which is never replaced.
         source: what the folder was made from (JSON-able), for the command's own up-to-date test.
-        digests: also record each entry's size (bytes) and SHA-256 (``files``), which :func:`damaged_entries`
-            checks: a folder that is reused rather than rebuilt must prove its bytes intact, not only present.
+        digests: ``"sha256"``: also record each entry's size (bytes) and SHA-256 (``files``), which
+            :func:`damaged_entries` checks: a folder that is reused rather than rebuilt must prove its bytes intact,
+            not only present; ``"size"``: the sizes alone (a folder of terabytes, where hashing would cost more than
+            rebuilding: a deleted or truncated file is still told).
     """
     marker = {"written_by": "opskit", "command": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if entries is not None:
         marker["entries"] = sorted(entries)
+        if digests not in (None, "size", "sha256"):
+            raise ValueError(f"digests={digests!r}: expected None, 'size' or 'sha256'")
         if digests:
             marker["files"] = {name: {"size": (Path(folder) / name).stat().st_size,
-                                      "sha256": file_sha256(Path(folder) / name)} for name in marker["entries"]}
+                                      **({"sha256": file_sha256(Path(folder) / name)} if digests == "sha256" else {})}
+                               for name in marker["entries"]}
     if source is not None:
         marker["source"] = source
     atomic_write_text(Path(folder) / MARKER, json.dumps(marker) + "\n")
@@ -103,7 +108,8 @@ def file_sha256(path: Path) -> str:
 def damaged_entries(folder: Path, marker: dict) -> list[str] | None:
     """The entries of ``folder`` whose bytes are not those ``marker`` recorded (:func:`write_marker` with
     ``digests``), each as ``"name (why)"``: missing, another size, or another SHA-256 (read only where the sizes
-    agree); [] when all hold, None when the marker records no digests (an older opskit's: nothing to prove)."""
+    agree and one was recorded); [] when all hold, None when the marker records no digests (an older opskit's:
+    nothing to prove)."""
     files = marker.get("files")
     if not isinstance(files, dict) or set(files) != set(marker.get("entries") or ()):
         return None
@@ -117,6 +123,8 @@ def damaged_entries(folder: Path, marker: dict) -> list[str] | None:
         else:
             same_size.append((name, path, recorded))
     for name, path, recorded in same_size:  # the cheap test first: a damaged folder is told without hashing it all
+        if "sha256" not in recorded:
+            continue
         try:
             if file_sha256(path) != recorded.get("sha256"):
                 damaged.append(f"{name} (bytes changed: SHA-256 differs)")

@@ -29,7 +29,7 @@ import pytest
 import torch
 from conftest import REPO, run_trainer, tiny_trainer_args
 from test_convert import hf_logits, tokens  # noqa: F401  (tokens: test_convert's fixture, used here)
-from test_train import records, succeeded
+from test_train import one_line_error, records, succeeded
 
 from opskit.ckpt.info import saved_files_digest
 from opskit.ckpt.reshape import Layout, ReshapeError, convert_to_universal, needs_conversion, universal_origin
@@ -284,6 +284,39 @@ def test_a_killed_conversion_leaves_the_step_untouched_and_the_next_one_complete
         for kind in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(load(universal / "zero" / name / f"{kind}.pt")["param"],
                                load(dp_changes.universal / "zero" / name / f"{kind}.pt")["param"]), (name, kind)
+
+
+@pytest.mark.parametrize("damage", ["parameter folder deleted", "fp32.pt truncated"])
+def test_a_damaged_universal_folder_is_not_reused(dp_changes, kjv_data, tmp_path, damage):
+    """Issue 31 item 4: a reused universal folder is checked as a step is (its files and their sizes as written, each
+    torch file's headers); before, `ckpt reshape` called such a folder "reused ... verified" and the resume died
+    with a FileNotFoundError or PytorchStreamReader traceback on every rank. The trainer's resume says one line."""
+    checkpoints = copy_of(dp_changes.step, tmp_path / "checkpoints")
+    step = checkpoints / "global_step15"
+    universal = convert_to_universal(step)
+    victim = universal / "zero" / "3.mlp.dense_h_to_4h.weight"
+    if damage == "parameter folder deleted":
+        shutil.rmtree(victim)
+    else:
+        with open(victim / "fp32.pt", "r+b") as f:
+            f.truncate(100)
+    with pytest.raises(ReshapeError, match=r"damaged \(zero/3\.mlp\.dense_h_to_4h\.weight/"):
+        convert_to_universal(step)
+    if damage == "fp32.pt truncated":  # the trainer's resume at DP=1 (the step was saved at DP=2): one line
+        done = run_trainer(tiny_trainer_args(kjv_data, tmp_path / "run", train_samples=ITERATIONS * GBS,
+                                             micro_batch_size=2, load=checkpoints, **BLOOM))
+        one_line_error(done, "global_step15_universal: damaged (zero/3.mlp.dense_h_to_4h.weight/fp32.pt")
+
+
+def test_conversion_leftovers_without_opskits_marker_are_left_alone(dp_changes, tmp_path):
+    """Issue 31 item 15: a `.global_stepN_universal.tmp-<pid>` folder of a process that is gone is removed only when
+    opskit's marker says it made it; a folder of that name the user made stays."""
+    step = copy_of(dp_changes.step, tmp_path / "checkpoints") / "global_step15"
+    theirs = step.with_name(".global_step15_universal.tmp-999999999")
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    convert_to_universal(step)
+    assert (theirs / "notes.txt").read_text() == "mine"
 
 
 # ---------------------------------------------------------------------------------------------------------- PP

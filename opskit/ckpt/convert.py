@@ -399,7 +399,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         except ConvertError as e:
             raise ConvertError(f"{e}; nothing was written to {out_dir}") from None
         write_marker(staging, CONVERT_COMMAND, folder_entries(staging), conversion_source(step_path, info.iteration),
-                     digests=True)
+                     digests="sha256")
         # again: something may have been written there during the conversion
         claim_dir(out_dir, force, command=CONVERT_COMMAND)
         replace_dir(staging, out_dir)

@@ -31,7 +31,7 @@ from pathlib import Path
 from opskit.ckpt.info import StepInfo, describe_step, saved_files_digest
 from opskit.ckpt.layout import MP_RANK_FILE, load_args, scan_step_dir, universal_checkpoint_info
 from opskit.errors import OpskitError
-from opskit.fsutil import process_alive, read_marker, write_marker
+from opskit.fsutil import damaged_entries, folder_entries, has_marker, process_alive, read_marker, write_marker
 
 UNIVERSAL_SUFFIX = "_universal"
 MARKER_COMMAND = "ckpt reshape"
@@ -122,6 +122,9 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
               "files": saved_files_digest(step_dir)}
     origin = universal_origin(out)
     if origin is not None and {key: origin.get(key) for key in source} == source:  # (+ verified_tensors)
+        if problem := universal_problem(out):
+            raise ReshapeError(f"{out}: damaged ({problem}); remove it, and the next resume or `opskit ckpt "
+                               f"reshape` converts {step_dir.name} again")
         return out
     if origin is not None:
         raise ReshapeError(f"{out}: converted from another save ({origin.get('step')} at {origin.get('layout')}) than "
@@ -138,6 +141,7 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
     staging = hidden / out.name
     try:
         hidden.mkdir()
+        write_marker(hidden, MARKER_COMMAND)  # _remove_leftovers removes only hidden folders of ours
         try:
             with _readable_by_ds_to_universal(step_dir, args, hidden) as readable:
                 _ds_to_universal(readable, staging, workers)
@@ -147,7 +151,8 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
                 from None
         if verify:
             source["verified_tensors"] = verify_universal(step_dir, staging)
-        write_marker(staging, MARKER_COMMAND, source=source)
+        # sizes, not digests: a universal folder is as large as the step; a deleted or truncated file is still told
+        write_marker(staging, MARKER_COMMAND, folder_entries(staging), source=source, digests="size")
         os.replace(staging, out)
     finally:
         shutil.rmtree(hidden, ignore_errors=True)
@@ -155,11 +160,31 @@ def convert_to_universal(step_dir: Path, out: Path | None = None, workers: int =
 
 
 def _remove_leftovers(out: Path) -> None:
-    """Hidden staging folders of earlier conversions to ``out`` whose process is gone (ours by name)."""
+    """Hidden staging folders of earlier conversions to ``out`` whose process is gone: ours by name and by the
+    marker written into each as it was made (a folder of that name without it is left alone)."""
     for stale in out.parent.glob(f".{out.name}.tmp-*"):
         pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not process_alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)) and has_marker(stale, MARKER_COMMAND):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def universal_problem(folder: Path) -> str | None:
+    """Why the universal folder ``folder`` cannot be resumed from (one line), or None. Checked as a step is
+    (:func:`opskit.ckpt.info.describe_step`: every file there, each torch file's zip directory and pickle readable,
+    no tensor data read): every file its marker lists is there with the size written (a deleted parameter folder, a
+    truncated ``fp32.pt``), and every ``.pt`` below it loads lazily. A marker of an older opskit lists no files:
+    only the files present are read then."""
+    from opskit.ckpt.layout import CheckpointFormatError, load_state
+
+    damaged = damaged_entries(folder, read_marker(folder) or {})
+    if damaged:
+        return f"{damaged[0]}{f' and {len(damaged) - 1} more' if len(damaged) > 1 else ''}"
+    for path in sorted(Path(folder).rglob("*.pt")):
+        try:
+            load_state(path, light=True)
+        except CheckpointFormatError as e:
+            return str(e)
+    return None
 
 
 @contextlib.contextmanager
