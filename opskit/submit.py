@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,12 +68,47 @@ _MAKES = {
 }
 
 
-def trainer_problems(spec: Spec) -> list[str]:
-    """A job this DeepSpeed could not resume (the spec's flags are the trainer's: validated when read): the DeepSpeed
-    version's problem with the spec's precision, ZeRO stage and pipeline, or nothing."""
+def trainer_problems(spec: Spec, python: str = sys.executable) -> list[str]:
+    """Why the job's trainer would not start or resume (the spec's flags are the trainer's: validated when read):
+    the job's Python cannot import it (:func:`job_python_problem`), or the DeepSpeed version's problem with the spec's
+    precision, ZeRO stage and pipeline; else nothing."""
+    problems = [problem] if (problem := job_python_problem(python)) else []
     if problem := deepspeed_resume_problem(spec):
-        return [f"{spec.file or spec.name}: {problem} (or pin parallel.deepspeed_version to the cluster's)"]
-    return []
+        problems.append(f"{spec.file or spec.name}: {problem} (or pin parallel.deepspeed_version to the cluster's)")
+    return problems
+
+
+# Run by the job's Python: the first module it cannot find, if any (find_spec imports no module but a parent package).
+_FIND_MODULES = """import importlib.util, sys
+for name in sys.argv[1:]:
+    try:
+        found = importlib.util.find_spec(name)
+    except ImportError:
+        found = None
+    if found is None:
+        print(name)
+        break
+"""
+
+
+def job_python_problem(python: str) -> str | None:
+    """Why ``python`` (the job script's interpreter: this one, as rendered) cannot start the trainer, one line, or
+    None: opskit's trainer package and each module it needs (:data:`opskit.train.REQUIRED_MODULES`) looked up by
+    that Python in a subprocess (``importlib.util.find_spec``: nothing is imported, ~0.1 s). Without the check, a
+    wheel installed without its ``train`` extra submits cleanly and every task fails at start."""
+    from opskit.train import REQUIRED_MODULES
+
+    try:
+        done = subprocess.run([python, "-c", _FIND_MODULES, "opskit.train", *REQUIRED_MODULES], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the job's Python {python} does not run here ({e})"
+    if done.returncode != 0:
+        return f"the job's Python {python} exits {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}"
+    if missing := done.stdout.strip():
+        return (f"the job's Python {python} cannot import {missing}: every task would fail at start; pip install "
+                "'opskit[train]' there (torch first: the README says which build)")
+    return None
 
 
 def check_resume_layout(spec: Spec, run: RunPaths) -> list[str]:

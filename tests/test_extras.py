@@ -84,3 +84,28 @@ def test_the_rule_maps_modules_to_pyproject_extras():
     assert extra_for("google.cloud.storage") == "gcs" and extra_for("google_crc32c") == "backup"
     assert extra_for("huggingface_hub") == "hub" and extra_for("plotext") == "plot"
     assert extra_for("PIL") is None and extra_for("opskit.nothing") is None  # no extra's: a traceback, not a hint
+
+
+def test_submit_checks_that_the_jobs_python_can_import_the_trainer(tmp_path):
+    """Issue 31 item 9: from an install without the train extra, `submit --dry-run` was clean and every task failed
+    at start with "No module named 'torch'". The job's Python (this one, as rendered) is asked now; a sitecustomize
+    hides torch from it as such an install would."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Hide())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hide'}{os.pathsep}{REPO}"}
+    opskit = [sys.executable, "-m", "opskit.cli.app", "submit", "tiny", "--executor", "local"]  # no queue to ask
+    dry = subprocess.run([*opskit, "--dry-run"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert dry.returncode == 0 and "Traceback" not in dry.stderr, dry.stderr
+    want = f"the job's Python {sys.executable} cannot import torch: every task would fail at start"
+    assert want in dry.stdout + dry.stderr
+    real = subprocess.run(opskit, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert real.returncode == 1 and want in real.stderr and not (tmp_path / "runs").exists(), real.stderr
+    fine = subprocess.run([*opskit, "--dry-run"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "cannot import" not in fine.stdout + fine.stderr

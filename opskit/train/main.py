@@ -109,7 +109,9 @@ def _missing_extra(args: argparse.Namespace) -> str | None:
     first, so ``--help`` and flag errors need none of them (a login node without torch)."""
     import importlib
 
-    for module in ("torch", "deepspeed", "megatron.core", "tokenizers", "numpy"):
+    from opskit.train import REQUIRED_MODULES
+
+    for module in REQUIRED_MODULES:
         try:
             importlib.import_module(module)
         except ImportError as e:
