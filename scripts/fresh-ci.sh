@@ -46,6 +46,8 @@ move_aside() {  # path: moved into $ASIDE when it exists (a symlink is moved as 
 restore() {
     local i pair
     set +e
+    # an interrupted run: its .ci/run (make, pytest, the trainers) goes first, before its clone and state do
+    [[ -n ${CI_PID:-} ]] && kill -- -"$CI_PID" 2>/dev/null && sleep 2
     # the clone's own clusters (the tests start them from the clone's scripts) go before the state is put back
     for args in "" "--nodes 3"; do
         # shellcheck disable=SC2086
@@ -88,8 +90,12 @@ echo "fresh-ci: clone in $WORK/clone${SEED:+, random order seed $SEED}"
 export PIP_NO_CACHE_DIR=1
 ADDOPTS="${PYTEST_ADDOPTS:-}${SEED:+ --random-order-seed=$SEED}${*:+ $*}"
 set +e
-PYTEST_ADDOPTS="$ADDOPTS" CI=true bash .ci/run 2>&1 | tee "$WORK/ci.log"
-status=${PIPESTATUS[0]}
+# in a session of its own (its process group id is CI_PID), so that an interruption ends all of it
+setsid env PYTEST_ADDOPTS="$ADDOPTS" CI=true bash .ci/run > >(tee "$WORK/ci.log") 2>&1 &
+CI_PID=$!
+wait "$CI_PID"
+status=$?
+CI_PID=""
 set -e
 cp "$WORK/ci.log" "/tmp/fresh-ci-last.log"
 echo "fresh-ci: .ci/run exit $status (log: /tmp/fresh-ci-last.log)"
