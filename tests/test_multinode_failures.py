@@ -241,16 +241,20 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
 
 
 def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
-    # 30 min: task 1 must still be running after the controller's restart, however loaded the machine (CI once saw
-    # a 10-min task end its exit duration meanwhile, and task 2 start)
+    # 30 min: task 1 must still be running after the controller's restart, however loaded the machine
     spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2, "time": "30"})
     spec_file = str(tmp_path / "spec.yaml")
     first = submit(spec)
     cluster.jobs.append(first.job_id)
     second = submit(spec, array=1)  # chained after the first array: --dependency=afterany
     cluster.jobs.append(second.job_id)
-    wait_for(lambda: (f"{first.job_id}_1", "RUNNING", "node[1-2]") in queue(cluster, first.job_id), 90,
-             "task 1 never started")
+    task = f"{first.job_id}_1"
+    wait_for(lambda: (task, "RUNNING", "node[1-2]") in queue(cluster, first.job_id), 90, "task 1 never started")
+    # Training, not only RUNNING: srun creates the job step through the controller, and an srun that finds it down
+    # fails the task (a loaded CI machine once stopped the controller before the batch script reached srun).
+    log = first.run.main_log
+    wait_for(lambda: log.is_file() and iterations_logged(dict(tasks_of(log.read_text())).get(task, "")), 180,
+             "task 1 never trained")
     before = queue(cluster, f"{first.job_id},{second.job_id}")
     assert cluster.run("squeue", "-h", "-j", second.job_id, "-o", "%E").stdout.strip() == \
         f"afterany:{first.job_id}_*(unfulfilled)"
