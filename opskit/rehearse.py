@@ -30,7 +30,8 @@ from typing import Any, Literal
 
 from opskit.crash import JOB_HEADER, line_source
 from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, read_marker, write_marker
+from opskit.fsutil import (OutputRefusedError, atomic_write_text, folder_entries, has_marker, read_marker,
+                           unlisted_entries, write_marker)
 from opskit.rules import checks
 from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.model import padded_vocab_size
@@ -556,11 +557,12 @@ def rehearsal_folder(spec: Spec, root: Path | None = None) -> Path:
 
 def claim_folder(spec: Spec, folder: Path, force: bool) -> None:
     """Make ``folder`` the rehearsal's: a missing or empty one, or with ``force`` one an earlier rehearsal wrote
-    (replaced). Never the production run directory, nor inside it.
+    (replaced) that holds only what its marker lists (:func:`seal_folder`). Never the production run directory, nor
+    inside it.
 
     Raises:
-        OutputRefusedError: a folder opskit's rehearse did not write, one without ``force``, or one inside the
-            production run directory.
+        OutputRefusedError: a folder opskit's rehearse did not write, one without ``force``, one holding files the
+            rehearsal did not write (named), or one inside the production run directory.
     """
     try:
         production = RunPaths.of(spec).root.resolve()
@@ -576,6 +578,14 @@ def claim_folder(spec: Spec, folder: Path, force: bool) -> None:
                                      "another --out")
         if not force:
             raise OutputRefusedError(f"{folder}: an earlier rehearsal; --force replaces it")
+        marker = read_marker(folder)
+        if "entries" not in marker:
+            raise OutputRefusedError(f"{folder}: a rehearsal that was killed before it listed its files; opskit "
+                                     "cannot tell them from yours: remove the folder yourself or choose another --out")
+        if extra := unlisted_entries(folder, marker):
+            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            raise OutputRefusedError(f"{folder}: holds entries the rehearsal did not write ({shown}); --force would "
+                                     "delete them: move them away or choose another --out")
         shutil.rmtree(folder)
     elif folder.exists() and not folder.is_dir():
         raise OutputRefusedError(f"{folder}: exists and is not a folder; choose another --out")
@@ -638,19 +648,28 @@ def rehearse(spec: Spec, nodes: int = 1, iterations: int = DEFAULT_ITERATIONS, r
         stage("spec scaled down", "failed", str(e))
         return _skip_rest(result, stage, started)
     claim_folder(spec, folder, force)
-    atomic_write_text(folder / "spec.yaml", _spec_yaml(small))
-    p = small.parallel
-    stage("spec scaled down", "ok", f"{len(result.substitutions)} substitutions; TP={p.tensor_model_parallel_size} "
-                                    f"PP={p.pipeline_model_parallel_size} DP={p.data_parallel_size}, "
-                                    f"{small.model.precision}, ZeRO-{p.zero_stage}")
     try:
-        stage("data", "ok", prepare(data))
-    except (OpskitError, OSError) as e:
-        stage("data", "failed", str(e))
-        return _skip_rest(result, stage, started)
-    _run_chain(small, result, stage, iterations, wait_s)
+        atomic_write_text(folder / "spec.yaml", _spec_yaml(small))
+        p = small.parallel
+        stage("spec scaled down", "ok", f"{len(result.substitutions)} substitutions; "
+                                        f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+                                        f"DP={p.data_parallel_size}, {small.model.precision}, ZeRO-{p.zero_stage}")
+        try:
+            stage("data", "ok", prepare(data))
+        except (OpskitError, OSError) as e:
+            stage("data", "failed", str(e))
+            return _skip_rest(result, stage, started)
+        _run_chain(small, result, stage, iterations, wait_s)
+    finally:
+        seal_folder(folder)
     result.seconds = time.monotonic() - started
     return result
+
+
+def seal_folder(folder: Path) -> None:
+    """List every file of the ended rehearsal in its marker: what a later ``--force`` may delete, and nothing a user
+    adds afterwards (a rehearsal killed before this keeps a marker listing nothing, which ``--force`` refuses)."""
+    write_marker(folder, COMMAND, entries=folder_entries(folder))
 
 
 def _spec_yaml(spec: Spec) -> str:

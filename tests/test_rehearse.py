@@ -17,6 +17,7 @@ from opskit.fsutil import OutputRefusedError, write_marker
 from opskit.rehearse import (
     Shape,
     claim_folder,
+    seal_folder,
     fit_layout,
     minutes_per_iteration,
     plan_data,
@@ -195,11 +196,27 @@ def test_folder_is_claimed_only_when_the_rehearsal_wrote_it(tmp_path):
     folder = rehearsal_folder(spec, tmp_path)
     assert folder == tmp_path.absolute() / "tiny"
     claim_folder(spec, folder, force=False)
-    (folder / "old.txt").write_text("x")
+    (folder / "run" / "logs").mkdir(parents=True)
+    (folder / "run" / "logs" / "main_log.txt").write_text("x")
+    with pytest.raises(OutputRefusedError, match="killed before it listed its files"):
+        claim_folder(spec, folder, force=True)  # a killed rehearsal: its files cannot be told from the user's
+    seal_folder(folder)
     with pytest.raises(OutputRefusedError, match="an earlier rehearsal; --force replaces it"):
         claim_folder(spec, folder, force=False)
+    # The user's notes beside an ended rehearsal: --force refuses, naming them, and deletes nothing.
+    (folder / "NOTES.md").write_text("mine")
+    (folder / "analysis").mkdir()
+    (folder / "analysis" / "a.txt").write_text("mine")
+    (folder / "run" / "mine.txt").write_text("mine")
+    with pytest.raises(OutputRefusedError, match=r"did not write \(NOTES.md, analysis, run/mine.txt\); --force "
+                                                 "would delete them"):
+        claim_folder(spec, folder, force=True)
+    assert (folder / "NOTES.md").read_text() == (folder / "run" / "mine.txt").read_text() == "mine"
+    for mine in ("NOTES.md", "analysis/a.txt", "run/mine.txt"):
+        (folder / mine).unlink()
+    (folder / "analysis").rmdir()
     claim_folder(spec, folder, force=True)
-    assert not (folder / "old.txt").exists()
+    assert not (folder / "run").exists()
     write_marker(folder, "submit")
     (folder / "x").write_text("x")
     with pytest.raises(OutputRefusedError, match="written by `opskit submit`, not `opskit rehearse`"):
