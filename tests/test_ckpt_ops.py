@@ -473,3 +473,19 @@ def test_restore_round_trip_backup_prune_restore(run, tmp_path):
     again = cli("restore", full, str(run), "--step", "100")
     assert (again.returncode, again.stderr) == (1, f"error: {run / 'global_step100'}: exists; restore never replaces "
                                                    "a step (move it away first)\n")
+
+
+def test_backup_of_a_read_only_checkpoint_dir_copies_every_step_and_says_prune_will_not_count_it(run, tmp_path,
+                                                                                                monkeypatch):
+    import opskit.ckpt.backup as backup_module
+
+    def read_only(path, text, mode=None):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(backup_module, "atomic_write_text", read_only)  # as root, a mode-555 folder is writable
+    results = backup(run, f"file://{tmp_path / 'b'}")
+    assert [(r.tag, r.verified) for r in results] == [(f"global_step{s}", True) for s in (100, 200, 300)]
+    assert all(r.unrecorded == f"not recorded in {run / '.opskit-backups.json'} (Permission denied): prune will "
+                               "not count this backup" for r in results)
+    assert not (run / ".opskit-backups.json").exists() and verify(f"file://{tmp_path / 'b'}") == {
+        "global_step100": [], "global_step200": [], "global_step300": []}

@@ -80,6 +80,7 @@ class StepBackup:
     skipped: list[str] = field(default_factory=list)
     bytes_total: int = 0
     problems: list[str] = field(default_factory=list)
+    unrecorded: str | None = None  # why a verified step is not in the checkpoint dir's record (a read-only dir)
 
     @property
     def verified(self) -> bool:
@@ -130,7 +131,7 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
             result = _backup_step(available[step], target, weights_only, source, pool, progress)
             results.append(result)
             if result.verified:
-                _record(checkpoint_dir, url, result)
+                result.unrecorded = _record(checkpoint_dir, url, result)
     if latest and any(r.tag == latest and r.verified for r in results) and target.read_text("latest") != latest:
         target.write_text("latest", latest)
     return results
@@ -352,13 +353,20 @@ def read_record(checkpoint_dir: str | Path) -> dict[str, dict[str, dict]]:
     return record
 
 
-def _record(checkpoint_dir: Path, url: str, result: StepBackup) -> None:
+def _record(checkpoint_dir: Path, url: str, result: StepBackup) -> str | None:
+    """Add the verified step to the checkpoint dir's record; why it could not (one line), or None. A read-only
+    checkpoint dir is backed up all the same: the manifests at the target are the backup's truth, the record only
+    tells ``prune`` where to look, and nothing can be pruned from a folder that cannot be written."""
     path = checkpoint_dir / RECORD
     record = read_record(checkpoint_dir)
     record.setdefault(url, {})[result.tag] = {"files": len(result.copied) + len(result.skipped),
                                               "bytes": result.bytes_total,
                                               "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True))
+    try:
+        atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True))
+    except OSError as e:
+        return f"not recorded in {path} ({e.strerror}): prune will not count this backup"
+    return None
 
 
 def backup_problem(folder: Path) -> str | None:

@@ -363,7 +363,7 @@ def backup(
                           progress=lambda key, nbytes: bar.update(task, advance=nbytes, description=key))
     if json_output:
         print_json([{"step": r.tag, "copied": r.copied, "skipped": r.skipped, "bytes": r.bytes_total,
-                     "verified": r.verified, "problems": r.problems} for r in results])
+                     "verified": r.verified, "problems": r.problems, "unrecorded": r.unrecorded} for r in results])
     else:
         for r in results:
             state = "verified" if r.verified else "FAILED verification"
@@ -371,6 +371,8 @@ def backup(
                           f"{_human(r.bytes_total)}, {state}", markup=False)
             for problem in r.problems:
                 console.print(f"  {problem}", markup=False)
+        if unrecorded := next((r.unrecorded for r in results if r.unrecorded), None):
+            console.print(f"note: {unrecorded}", markup=False)
     if not all(r.verified for r in results):
         raise typer.Exit(1)
 
