@@ -260,7 +260,8 @@ class OptimizerSpec(_Section):
 class DataSpec(_Section):
     """Where the tokens come from: a corpus that ``opskit data prepare`` turns into a tokenizer and an indexed dataset
     (``corpus`` + ``dir``), or an indexed dataset prepared elsewhere (``data_path`` or the weighted split files) with
-    its tokenizer. Paths prepared elsewhere are checked by ``opskit submit``, not when the spec is read."""
+    its tokenizer. Paths prepared elsewhere are checked by ``opskit submit``, not when the spec is read; a relative
+    one starts from the spec's base directory (``Spec.base_dir``), as ``dir`` and ``paths.output`` do."""
 
     corpus: str | list[str] | None = None
     """A named corpus (``kjv``) or a list of .txt/.jsonl files for ``opskit data prepare``."""

@@ -1098,3 +1098,25 @@ def test_planner_never_crashes_and_accepted_specs_divide(raw, tflops, gpus):
     assert sum(layers for layers, _, _ in pipeline_stages(spec)) == m.num_layers
     assert plan.memory.total_gib_per_gpu > 0 and plan.parameters.total > 0
     assert re.fullmatch(r"gpt|bloom", plan.parameters.architecture)
+
+
+def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field(in_tmp, monkeypatch):
+    """Issue 31 item 15: `--set VAR=rel/path` resolved paths.output from the project but the split files (and every
+    other data file) from the current directory, so the job read other files than submit checked."""
+    from opskit.runs import RunPaths
+    from opskit.slurm.render import data_files, trainer_args
+
+    runner = CliRunner()
+    done = runner.invoke(app, ["specs", "new", "rel", "--from", "tr11", "--set", "six_ALL_CCFRWORK=work",
+                               "--set", "six_ALL_CCFRSCRATCH=scratch"])
+    assert done.exit_code == 0, done.output
+    elsewhere = in_tmp / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    spec = load_spec(str(in_tmp / "trainings" / "rel.yaml"))
+    args = trainer_args(spec, RunPaths.of(spec))
+    data = in_tmp / "work" / "code" / "tr11-176B-ml" / "Megatron-DeepSpeed" / "data"
+    assert args[args.index("--train-weighted-split-paths-path") + 1] == str(data / "train-splits.txt")
+    assert args[args.index("--valid-weighted-split-paths-path") + 1] == str(data / "valid-splits.txt")
+    assert args[args.index("--save") + 1] == str(in_tmp / "scratch" / "checkpoints" / "rel" / "checkpoints")
+    assert ("data.train_weighted_split_paths_path", data / "train-splits.txt") in data_files(spec)

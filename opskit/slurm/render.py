@@ -73,9 +73,17 @@ def _expanded(spec: Spec, value, field: str, environ: Mapping[str, str] | None =
     return spec.expand(value, field, environ) if isinstance(value, str) else value
 
 
+# Data fields that name local files: a relative one starts from the spec's base directory, as paths.output and
+# data.dir do (``Spec.local_path``), not from wherever the command or the job happens to run.
+FILE_FIELDS = ("data_path", "train_weighted_split_paths_path", "valid_weighted_split_paths_path", "vocab_file",
+               "merge_file")
+
+
 def data_flags(spec: Spec, environ: Mapping[str, str] | None = None) -> dict[str, object]:
     """The data and tokenizer flags: what ``opskit data prepare`` wrote (a corpus: the one exception to the field ->
-    flag rule of the data section), or the data section's fields by the rule, ``$VAR`` expanded.
+    flag rule of the data section), or the data section's fields by the rule, ``$VAR`` expanded and each file
+    (:data:`FILE_FIELDS`; the prefixes of a ``data_path`` blend, not its weights; a ``tokenizer_name_or_path`` that is
+    a folder there, not a Hub name) made absolute from ``Spec.base_dir``.
 
     Raises:
         SpecError: a ``$VAR`` in a data path that is not set in this environment.
@@ -84,8 +92,22 @@ def data_flags(spec: Spec, environ: Mapping[str, str] | None = None) -> dict[str
     if d.prepared_by_opskit:
         tokenizer_dir, data_prefix = data_paths(spec, environ)
         return {"data_path": data_prefix, "tokenizer_type": "PretrainedFromHF", "tokenizer_name_or_path": tokenizer_dir}
-    return {key: _expanded(spec, value, f"data.{key}", environ) for key, flag in flags.FLAGS.items()
-            if flag.section == "data" and (value := getattr(d, key)) is not None}
+    values = {}
+    for key, flag in flags.FLAGS.items():
+        if flag.section != "data" or (value := getattr(d, key)) is None:
+            continue
+        field = f"data.{key}"
+        if key == "data_path" and isinstance(value, list) and len(value) > 1:  # WEIGHT PREFIX ...: the prefixes
+            values[key] = [_expanded(spec, v, field, environ) if i % 2 == 0 else
+                           str(spec.local_path(v, field, environ)) for i, v in enumerate(value)]
+        elif key in FILE_FIELDS:
+            values[key] = [str(spec.local_path(v, field, environ)) for v in value] if isinstance(value, list) \
+                else str(spec.local_path(value, field, environ))
+        elif key == "tokenizer_name_or_path" and (local := spec.local_path(value, field, environ)).is_dir():
+            values[key] = str(local)
+        else:
+            values[key] = _expanded(spec, value, field, environ)
+    return values
 
 
 def data_files(spec: Spec) -> list[tuple[str, Path]]:
