@@ -67,8 +67,32 @@ NODES=${NODES:-${RECORDED_NODES:-1}}
 CONF_LINK=/etc/slurm/slurm.conf
 CONF="$STATE_DIR/slurm.conf"
 CONF_MARKER="# Written by opskit scripts/local-slurm.sh"
-MUNGE_DIR="$STATE_DIR/munge"           # munged's pid/log files (the socket stays in /run/munge)
+# Whether a user other than root (munged runs as munge) can reach PATH: every existing folder on the way lets
+# others in. A clone under a mode-700 home (/root) does not.
+others_can_reach() {
+    local dir
+    dir=$(realpath -m "$1")
+    while [[ ! -d $dir ]]; do dir=$(dirname "$dir"); done
+    while :; do
+        [[ $(stat -c %A "$dir") == *[xt] ]] || return 1
+        [[ $dir == / ]] && return 0
+        dir=$(dirname "$dir")
+    done
+}
+# munged's pid/log files (the single node's socket stays in /run/munge): in the state dir where the munge user can
+# reach it, else in /run under a tag of the state dir's path (one per state dir, as stop expects).
+if others_can_reach "$STATE_DIR"; then
+    MUNGE_DIR="$STATE_DIR/munge"
+else
+    MUNGE_DIR="/run/opskit-munge-$(realpath -m "$STATE_DIR" | sha1sum | cut -c1-6)"
+fi
 MUNGE_PID="$MUNGE_DIR/munged.pid"
+# slurmd's spool holds each step's Unix socket, SPOOL/nodeN/nodeN_JOB.STEP, whose path may not pass 107 bytes: a state
+# dir deep in a home folder moves it to /run (one per state dir; stop removes it).
+SPOOL_DIR="$STATE_DIR/spool"
+if (($(realpath -m "$SPOOL_DIR" | wc -c) > 60)); then
+    SPOOL_DIR="/run/opskit-spool-$(realpath -m "$STATE_DIR" | sha1sum | cut -c1-6)"
+fi
 MUNGE_SOCKET=""                        # empty: munge's default socket (single node)
 CTLD_PID="$STATE_DIR/slurmctld.pid"
 SLURMD_PID="$STATE_DIR/slurmd.pid"
@@ -255,7 +279,7 @@ AuthType=auth/munge
 CredType=cred/munge
 $(scheduler_conf)
 StateSaveLocation=$STATE_DIR/state
-SlurmdSpoolDir=$STATE_DIR/spool
+SlurmdSpoolDir=$SPOOL_DIR
 SlurmctldPidFile=$CTLD_PID
 SlurmdPidFile=$SLURMD_PID
 SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
@@ -350,7 +374,7 @@ cmd_start() {
     refuse_foreign slurmctld "$CTLD_PID"
     refuse_foreign slurmd "$SLURMD_PID"
     local t0=$SECONDS
-    mkdir -p "$STATE_DIR/state" "$STATE_DIR/spool" "$STATE_DIR/log"
+    mkdir -p "$STATE_DIR/state" "$SPOOL_DIR" "$STATE_DIR/log"
     chmod 755 "$STATE_DIR"
     write_conf
     link_conf
@@ -428,6 +452,8 @@ cmd_stop() {
     stop_pid slurmd "$SLURMD_PID" && any=1
     stop_pid slurmctld "$CTLD_PID" && any=1
     stop_pid munged "$MUNGE_PID" && any=1
+    if [[ $MUNGE_DIR == /run/opskit-munge-* ]]; then rm -rf "$MUNGE_DIR"; fi
+    if [[ $SPOOL_DIR == /run/opskit-spool-* ]]; then rm -rf "$SPOOL_DIR"; fi
     local left
     left=$(stepd_pids)
     [[ -z $left ]] || log "warning: job step daemons still running (slurmstepd pid $left); a later start re-adopts them"
@@ -536,7 +562,7 @@ $(scheduler_conf)
 # A node whose slurmd stops answering is marked down within ~SlurmdTimeout + a ping interval.
 SlurmdTimeout=10
 StateSaveLocation=$STATE_DIR/state
-SlurmdSpoolDir=$STATE_DIR/spool/%n
+SlurmdSpoolDir=$SPOOL_DIR/%n
 SlurmctldPidFile=$CTLD_PID
 SlurmdPidFile=$STATE_DIR/slurmd-%n.pid
 SlurmctldLogFile=$STATE_DIR/log/slurmctld.log
@@ -629,7 +655,7 @@ start_node_slurmd() {
     local i=$1 ns
     [[ -n $(pid_of slurmd "$(slurmd_pidfile "$i")") ]] && return 0
     ns=$(node_netns "$i")
-    mkdir -p "$STATE_DIR/spool/node$i"
+    mkdir -p "$SPOOL_DIR/node$i"
     # shellcheck disable=SC2016  # $1..$3 are the inner sh's arguments
     if ! nsenter --net="/run/netns/$ns" unshare --uts --mount sh -c \
         'hostname "$1" && mount --bind "$2" /etc/hosts && exec slurmd -f "$3"' sh "node$i" "$HOSTS" "$CONF"; then
@@ -683,7 +709,7 @@ cmd_start_multinode() {
     fi
     refuse_foreign_multinode
     local t0=$SECONDS i
-    mkdir -p "$STATE_DIR/state" "$STATE_DIR/spool" "$STATE_DIR/log"
+    mkdir -p "$STATE_DIR/state" "$SPOOL_DIR" "$STATE_DIR/log"
     chmod 755 "$STATE_DIR"
     printf '%s\n' "$NODES" >"$NODES_FILE"
     pick_network
@@ -731,6 +757,8 @@ cmd_stop_multinode() {
     done
     stop_pid slurmctld "$CTLD_PID" && any=1
     stop_pid munged "$MUNGE_PID" && any=1
+    if [[ $MUNGE_DIR == /run/opskit-munge-* ]]; then rm -rf "$MUNGE_DIR"; fi
+    if [[ $SPOOL_DIR == /run/opskit-spool-* ]]; then rm -rf "$SPOOL_DIR"; fi
     kill_namespace_leftovers
     [[ -s $CREATED ]] && any=1
     teardown_network

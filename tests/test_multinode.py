@@ -151,3 +151,29 @@ def test_stop_leaves_nothing_behind(slurm_cluster):
 def test_scripts_pass_shellcheck(shellcheck):
     scripts = Path(__file__).resolve().parents[1] / "scripts"
     shellcheck(scripts / "local-slurm.sh", scripts / "demo-multinode.sh", scripts / "fresh-ci.sh")
+
+
+def test_a_cluster_whose_state_dir_is_under_a_mode_700_home_starts_and_runs_a_job(tmp_path):
+    """Issue 31 item 16: `make demo-multinode` from a clone under /root (mode 700) failed in 1 s: munged (user munge)
+    could not write its log in the clone's runs/.slurm-multinode. Its files go to /run then, one folder per state
+    dir, removed by stop; so does slurmd's spool of a state dir this deep (a step's socket path would pass 107
+    bytes: every srun failed)."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    home.chmod(0o700)
+    state_dir = home / "clone" / "runs" / ".slurm-multinode"
+    env = dict(os.environ, OPSKIT_SLURM_DIR=str(state_dir), SLURM_CONF=str(state_dir / "slurm.conf"))
+    script = [str(Path(__file__).parents[1] / "scripts" / "local-slurm.sh")]
+    ours = set(Path("/run").glob("opskit-munge-*")) | set(Path("/run").glob("opskit-spool-*"))
+    try:
+        done = subprocess.run([*script, "start", "--nodes", "2"], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        [munge_dir] = set(Path("/run").glob("opskit-munge-*")) - ours
+        assert (munge_dir / "munged.pid").is_file() and not (state_dir / "munge").exists()
+        job = subprocess.run(["srun", "-N", "2", "hostname"], capture_output=True, text=True, timeout=60, env=env)
+        assert (job.returncode, sorted(job.stdout.split())) == (0, ["node1", "node2"]), job.stdout + job.stderr
+    finally:
+        stopped = subprocess.run([*script, "stop", "--nodes", "2"], capture_output=True, text=True, timeout=120,
+                                 env=env)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert set(Path("/run").glob("opskit-munge-*")) | set(Path("/run").glob("opskit-spool-*")) == ours
