@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable, squeue
+from opskit.slurm.pending import HopelessWatch, PendingForever
 
 
 @dataclass(frozen=True)
@@ -75,19 +76,25 @@ def pulse_lines(job_name: str, entries: list[QueueEntry], now: datetime) -> list
 
 
 def wait_until_gone(job_name: str, job_id: str, on_pulse, interval_s: float = 5.0, timeout_s: float | None = None,
-                    sleep=None) -> bool:
+                    sleep=None, watch: HopelessWatch | None = None) -> bool:
     """Poll until no queue entry of array/job ``job_id`` named ``job_name`` is left (the chain has ended).
 
     Args:
         on_pulse: called with a :class:`Pulse` whenever a task's state or pending reason changes.
         timeout_s: give up after this long.
+        watch: says when a task is pending on a reason that never clears (default: a :class:`HopelessWatch`
+            naming no spec).
 
     Returns:
         True when the chain ended, False on timeout.
+
+    Raises:
+        PendingForever: a task has been pending on such a reason for ``watch.grace_s`` (it is left queued).
     """
     import time
 
     sleep = sleep or time.sleep
+    watch = watch or HopelessWatch()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     previous = None
     while deadline is None or time.monotonic() < deadline:
@@ -103,5 +110,7 @@ def wait_until_gone(job_name: str, job_id: str, on_pulse, interval_s: float = 5.
                 now = datetime.now()
                 on_pulse(Pulse([describe(e, now) for e in entries], alert=False))
                 previous = key
+            if stuck := watch.check(entries):
+                raise PendingForever(stuck)
         sleep(interval_s)
     return False

@@ -734,19 +734,24 @@ def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str]
 
 
 def _wait(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
-    """Until the job has left the queue: None, or why it was stopped early (a failed task, the time limit)."""
+    """Until the job has left the queue: None, or why it was stopped early (a failed task, a pending reason that
+    never clears, the time limit)."""
     from opskit.slurm import chain, client
+    from opskit.slurm.pending import HopelessWatch
 
     deadline = time.monotonic() + wait_s
+    watch = HopelessWatch(then="then rehearse again")
     while time.monotonic() < deadline:
         if failed := [r for r in chain.read_ledger(run) if r.state not in ("COMPLETED", "SKIPPED")]:
             return f"task {failed[0].task} {failed[0].state} (exit code {failed[0].exit_code})"
         try:
             queued = [e for e in client.squeue() if e.array_id == job_id]
         except client.SchedulerUnreachable:
-            queued = [True]
-        if not queued:
+            queued = None  # keep waiting: a slow controller is not an ended job
+        if queued == []:
             return None
+        if queued and (stuck := watch.check(queued)):
+            return f"{stuck} (cancelled)"
         time.sleep(1)
     return f"not done after {wait_s:g} s: cancelled"
 

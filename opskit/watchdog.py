@@ -27,6 +27,7 @@ from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
 from opskit.slurm import chain
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
+from opskit.slurm.pending import never_starts
 from opskit.spec import Spec, WatchdogSpec, parse_slurm_time
 
 SEVERITIES = ("ok", "warn", "alert")
@@ -140,8 +141,8 @@ def _minutes(text: str) -> float | None:
 
 def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: dict, now: datetime,
                     seconds_left: float | None, ledger: list[chain.TaskOutcome] = ()) -> list[Finding]:
-    """Findings from the spec's queue entries (running, pending and why, absent; the finished and stopped flags
-    when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
+    """Findings from the spec's queue entries (running, pending and why, a pending reason that never clears, absent;
+    the finished and stopped flags when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
 
     Args:
         state: the watchdog state; ``last_running`` (epoch s) is updated here.
@@ -164,6 +165,11 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
         start = _slurm_time(e.start_time)
         expected = f", expected to start {e.start_time}" if start else ""
         findings.append(Finding("scheduler.pending", "ok", f"{e.job_id} pending ({reason}{expected})", asdict(e)))
+    # No grace here, unlike a wait's HopelessWatch: hourly checks are far apart, and pending_too_long would take a day.
+    stuck = [(e.job_id, line) for e in pending if (line := never_starts(e, spec.cli_name))]
+    if stuck:
+        findings.append(Finding("scheduler.pending_forever", "alert", stuck[0][1],
+                                {"job_ids": [job_id for job_id, _ in stuck]}))
     if pending and not running:
         ended = [t.timestamp() for t in (_ledger_time(r.time) for r in ledger[-1:]) if t]
         findings += _pending_too_long(wd, pending, max([state.get("last_running", 0), *ended]), now)

@@ -265,7 +265,10 @@ EOF
 
 write_conf() {
     local cpus mem_mib tmp
-    cpus=$(nproc)
+    # The machine's online CPUs, what slurmd detects and `opskit rehearse` asks (os.cpu_count()): nproc obeys
+    # OMP_NUM_THREADS (CPUs=1 with it at 1: such a job pends forever on PartitionConfig); nproc --all counts
+    # offline CPUs too.
+    cpus=$(getconf _NPROCESSORS_ONLN)
     # Leave 10% of RAM to the OS; slurmd drains the node if RealMemory exceeds what it sees.
     mem_mib=$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)
     tmp="$CONF.tmp"

@@ -427,6 +427,35 @@ def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, canc
     assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job of {name} for {sub.run.root}\n"
 
 
+@pytest.mark.slurm
+def test_submit_wait_stops_on_a_job_asking_more_cpus_than_the_node_has(kjv_data, tmp_path, slurm, cancel_after):
+    # More CPUs per task than the node has (local-slurm.sh gives it the machine's online CPUs): SLURM accepts the job
+    # and leaves it pending on PartitionConfig forever; --wait says so within a minute instead of waiting for ever.
+    name = f"opskit-pf-{uuid.uuid4().hex[:8]}"
+    chain_spec(tmp_path, kjv_data, name, 100, cpus_per_task=(os.cpu_count() or 1) + 1)
+    spec_path = str(tmp_path / "spec.yaml")
+    started = time.monotonic()
+    done = cli("submit", spec_path, "--wait", timeout=120)
+    waited = time.monotonic() - started
+    submitted = re.search(r"-> job (\d+)\n", done.stdout)
+    assert submitted, done.stdout + done.stderr
+    job_id = submitted[1]
+    cancel_after.append(job_id)
+    assert done.returncode == 1 and waited < 60, (waited, done.stdout, done.stderr)
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert re.match(rf"error: job {job_id}\S* never starts: PartitionConfig: the job asks more than its partition "
+                    r"allows or its nodes have \(CPUs per task, memory, GPUs, nodes\); lower slurm.cpus_per_task",
+                    done.stderr), done.stderr
+    # The job stays queued (the user decides), and the watchdog says the same as an alert.
+    status = cli("status", spec_path, "--json")
+    assert status.returncode == 1, status.stdout + status.stderr
+    found = {f["key"]: f for f in json.loads(status.stdout)["findings"]}
+    assert found["scheduler.pending_forever"]["severity"] == "alert"
+    assert found["scheduler.pending_forever"]["message"].startswith(f"job {job_id}")
+    assert cli("cancel", spec_path, "--yes").returncode == 0
+    wait_gone(name, job_id)
+
+
 # A worker that hangs (a stuck collective) and ignores the SIGUSR1 that asks it to save.
 HANG = """\
 import os, signal, time

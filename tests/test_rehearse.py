@@ -8,16 +8,21 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
+from conftest import write_spec
 
 from opskit.fsutil import OutputRefusedError, write_marker
 from opskit.rehearse import (
+    Rehearsal,
     Shape,
+    Stage,
+    _run_chain,
     claim_folder,
-    seal_folder,
     fit_layout,
     minutes_per_iteration,
     plan_data,
@@ -25,8 +30,10 @@ from opskit.rehearse import (
     rehearsal_spec,
     rehearse,
     scale_schedule,
+    seal_folder,
 )
 from opskit.rules.schedule import BatchRampup
+from opskit.runs import RunPaths
 from opskit.slurm import client
 from opskit.spec import load_spec
 
@@ -141,6 +148,31 @@ def test_cli_exit_codes_and_refusals(root, tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "was written by someone else, not `opskit rehearse`" in done.stderr
     assert (folder / "mine.txt").read_text() == "the user's"
+
+
+def test_a_job_that_can_never_start_is_red_at_once_with_the_reason_and_cancelled(tmp_path, monkeypatch):
+    # A fake queue: the job pends on PartitionConfig (it asks more CPUs than the node has), which never clears.
+    fake_data = SimpleNamespace(data_prefix=tmp_path / "data" / "kjv_text_document")
+    spec = load_spec(str(write_spec(tmp_path / "pf.yaml", fake_data, tmp_path / "run",
+                                    slurm={"job_name": "rehearse-pf"})))
+    queue = [client.QueueEntry("77_[1-2%1]", "debug", "rehearse-pf", "PENDING", "0:00", "1", "N/A",
+                               "(PartitionConfig)")]
+    cancelled = []
+    monkeypatch.setattr("opskit.submit.submit", lambda *a, **k: SimpleNamespace(job_id="77", run=RunPaths.of(spec)))
+    monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: list(queue))
+    monkeypatch.setattr("opskit.slurm.client.scancel", lambda ids: (cancelled.extend(ids), queue.clear()))
+    monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 1.0)
+    result = Rehearsal(spec.name, tmp_path)
+    started = time.monotonic()
+    _run_chain(spec, result, lambda *stage: result.stages.append(Stage(*stage)), 40, wait_s=900)
+    assert time.monotonic() - started < 15  # not the 900 s wait
+    stages = {s.name: (s.status, s.reason) for s in result.stages}
+    status, reason = stages["task 1: exit duration"]
+    assert status == "failed" and reason.startswith("job 77_[1-2%1] never starts: PartitionConfig: the job asks "
+                                                    "more than its partition allows or its nodes have")
+    assert reason.endswith("or pick another slurm.partition, then rehearse again (cancelled)"), reason
+    assert stages["task 2: resume"] == ("skipped", "task 1 failed") and cancelled == ["77"]
+    assert all(stages[name][0] == "skipped" for name in STAGES[5:])
 
 
 # --------------------------------------------------------------------------- the scaling rules

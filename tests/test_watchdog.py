@@ -402,6 +402,38 @@ def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
                           "reserved for this training"]
 
 
+def test_a_job_pending_on_a_reason_that_never_clears_is_an_alert_with_the_fix(tmp_path, monkeypatch):
+    from opskit.slurm.chain import job_comment
+    from opskit.slurm.client import QueueEntry
+    from opskit.watchdog import run_checks
+
+    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-forever")))
+    run = RunPaths.of(spec)
+
+    def report(reason: str):
+        # Submitted a minute ago: far from watchdog.max_pending_hours, so only the reason can alert.
+        entry = QueueEntry("682842_[1-5%1]", "gpu_p13", spec.job_name, "PENDING", "0:00", "48", "N/A", reason,
+                           f"{NOW - timedelta(minutes=1):%Y-%m-%dT%H:%M:%S}", "20:00:00", job_comment(run),
+                           str(run.script))
+        monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: [entry])
+        return run_checks(spec, now=NOW)
+
+    stuck = report("(PartitionConfig)")
+    found = {f.key: f for f in stuck.findings}
+    assert found["scheduler.pending_forever"].severity == "alert" and stuck.exit_code == 1
+    assert found["scheduler.pending_forever"].message == (
+        "job 682842_[1-5%1] never starts: PartitionConfig: the job asks more than its partition allows or its nodes "
+        "have (CPUs per task, memory, GPUs, nodes); lower slurm.cpus_per_task, slurm.gres or parallel.nodes "
+        "(`scontrol show partition PARTITION`, `sinfo -p PARTITION -o '%c %m %G %D %l'`) or pick another "
+        f"slurm.partition, then `opskit cancel {spec.cli_name}` and `opskit submit {spec.cli_name}`")
+    assert found["scheduler.pending_forever"].data == {"job_ids": ["682842_[1-5%1]"]}
+    assert found["scheduler.pending"].severity == "ok"
+    assert "ReqNodeNotAvail: nodes it needs are DOWN" in {f.key: f for f in report(
+        "(ReqNodeNotAvail, UnavailableNodes:r7i5n[2-3])").findings}["scheduler.pending_forever"].message
+    for reason in ("(Priority)", "(Resources)", "(AssocMaxJobsLimit)"):
+        assert "scheduler.pending_forever" not in {f.key for f in report(reason).findings}, reason
+
+
 # --------------------------------------------------------------------------- the scheduler (real local SLURM)
 
 

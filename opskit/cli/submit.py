@@ -25,6 +25,7 @@ def submit(
     """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1) after the
     run's running or pending jobs."""
     from opskit.pulse import wait_until_gone
+    from opskit.slurm.pending import HopelessWatch
     from opskit.spec import load_spec
     from opskit.submit import format_command
     from opskit.submit import submit as submit_run
@@ -62,5 +63,6 @@ def submit(
     console.print(f"submitted {format_command(sub.command)} -> job {sub.job_id}")
     if wait:
         wait_until_gone(spec.job_name, sub.job_id,
-                        lambda pulse: [console.print(line, markup=False) for line in pulse.lines])
+                        lambda pulse: [console.print(line, markup=False) for line in pulse.lines],
+                        watch=HopelessWatch(spec.cli_name))
         console.print(f"job {sub.job_id} has left the queue")
