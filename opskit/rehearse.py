@@ -30,8 +30,15 @@ from typing import Any, Literal
 
 from opskit.crash import JOB_HEADER, line_source
 from opskit.errors import OpskitError
-from opskit.fsutil import (OutputRefusedError, atomic_write_text, folder_entries, has_marker, read_marker,
-                           unlisted_entries, write_marker)
+from opskit.fsutil import (
+    OutputRefusedError,
+    atomic_write_text,
+    folder_entries,
+    has_marker,
+    read_marker,
+    unlisted_entries,
+    write_marker,
+)
 from opskit.rules import checks
 from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.model import padded_vocab_size
