@@ -17,8 +17,9 @@ import pytest
 from conftest import run_trainer, tiny_trainer_args
 
 from opskit.ckpt.backup import backup
-from opskit.ckpt.convert import convert_step
-from opskit.ckpt.info import describe_step, list_steps, resume_point
+from opskit.ckpt.check import check_step
+from opskit.ckpt.convert import convert_all, convert_step
+from opskit.ckpt.info import describe_step, inspect_step, list_steps, resume_point
 from opskit.ckpt.layout import CheckpointFormatError
 from opskit.ckpt.prune import parse_keep, plan_prune, set_latest
 from opskit.runs import RunPaths
@@ -278,3 +279,100 @@ def test_a_layer_file_in_the_wrong_position_or_an_extra_shard_is_incomplete(bloo
     shutil.copy(step10 / SHARD, step10 / SHARD.replace("rank_0_", "rank_1_"))
     assert describe_step(step10).problems == [f"{step10 / SHARD.replace('rank_0_', 'rank_1_')}: not expected for "
                                               f"TP=1, PP=1, {num_layers} layers"]
+
+
+# --------------------------------------------------------------------------- backups: weights only, and the round trip
+
+
+def note(step: Path, what: str) -> str:
+    return f"note: {step}: a weights-only backup (no optimizer states): {what}; it cannot resume training\n"
+
+
+def test_a_weights_only_backups_step_converts_inspects_and_checks_with_a_note(bloom_run, tmp_path):
+    checkpoints = copy_run(bloom_run, tmp_path) / "checkpoints"
+    weights = tmp_path / "weights"
+    assert cli("ckpt", "backup", str(checkpoints), "--to", f"file://{weights}").returncode == 0  # the default kind
+    step = weights / "global_step20"
+    info = describe_step(step)
+    assert not (step / SHARD).exists() and (info.complete, info.weights_problems) == (False, [])
+
+    converted = cli("ckpt", "convert", str(step), "--out", str(tmp_path / "hf"))
+    assert (converted.returncode, converted.stderr) == (0, note(step, "converted its weights")), converted.stderr
+    assert converted.stdout.startswith(f"converted {step} (iteration 20, bloom, ") and ", verified: " in \
+        converted.stdout
+    original = convert_step(checkpoints / "global_step20", tmp_path / "hf-original", verify=False)
+    shards = sorted(p.name for p in original.out_dir.glob("*.safetensors"))
+    assert shards and all((tmp_path / "hf" / n).read_bytes() == (original.out_dir / n).read_bytes() for n in shards)
+    every = convert_all(weights, tmp_path / "hf-all", verify=False)  # --all over the backup: both steps' copies
+    assert [(c.iteration, c.weights_only_backup) for c in every] == [(10, True), (20, True)]
+
+    inspected = cli("ckpt", "inspect", str(step))
+    assert (inspected.returncode, inspected.stderr) == (0, note(step, "inspecting its weights")), inspected.stderr
+    assert "layer_03-model_00-model_states.pt\n" in inspected.stdout
+    report = json.loads(cli("ckpt", "inspect", str(weights), "--json").stdout)  # the backup's latest
+    assert (report["complete"], report["weights_only_backup"]) == (False, True)
+    assert report["problems"] == [f"{step / SHARD}: no such file"]
+
+    checked = cli("ckpt", "check", str(step))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stderr == note(step, "checked the files it has, not its 1 optimizer shard(s)")
+    assert checked.stdout.startswith(f"{step}: OK, weights only (") and "CRC-checked" in checked.stdout
+    # It stays incomplete for everything that resumes: list, set-latest, restore.
+    assert [s.complete for s in list_steps(weights)[1]] == [False, False]
+    assert cli("ckpt", "set-latest", str(weights), "20").returncode == 1
+    assert cli("ckpt", "restore", f"file://{weights}", str(tmp_path / "restored")).returncode == 1
+
+
+def test_a_step_lacking_its_optimizer_shard_is_refused_unless_its_weights_only_backup_left_it_out(bloom_run, tmp_path):
+    checkpoints = copy_run(bloom_run, tmp_path) / "checkpoints"
+    full, weights = tmp_path / "full", tmp_path / "weights"
+    assert all(r.verified for r in backup(checkpoints, f"file://{full}", weights_only=False)
+               + backup(checkpoints, f"file://{weights}"))
+    (checkpoints / "global_step20" / SHARD).unlink()  # a local step
+    (full / "global_step20" / SHARD).unlink()  # a --with-optim backup's step: its manifest lists the shard
+    manifest = weights / "manifests" / "global_step10.json"  # a manifest that does not say it left the shard out
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "left_out": []}))
+    (weights / "global_step20" / "layer_03-model_00-model_states.pt").unlink()  # a weights-only copy lacking weights
+    local = checkpoints / "global_step20"
+    converted = cli("ckpt", "convert", str(local), "--out", str(tmp_path / "hf"), "--no-verify")
+    assert (converted.returncode, converted.stderr) == (1, f"error: {local / SHARD}: no such file\n")
+    inspected = cli("ckpt", "inspect", str(local))
+    assert (inspected.returncode, inspected.stderr) == (1, f"incomplete: {local / SHARD}: no such file\n")
+    checked = cli("ckpt", "check", str(local))
+    assert checked.returncode == 1 and f"incomplete: {local / SHARD}: no such file\n" in checked.stdout
+    assert not checked.stderr
+    for step, missing in ((full / "global_step20", SHARD), (weights / "global_step10", SHARD),
+                          (weights / "global_step20", "layer_03-model_00-model_states.pt")):
+        with pytest.raises(CheckpointFormatError, match=f"^{re.escape(str(step / missing))}: no such file$"):
+            convert_step(step, tmp_path / "hf", verify=False)
+        assert not inspect_step(step)["weights_only_backup"]
+        report = check_step(step, crc=False)
+        assert not report.ok and report.left_out == [] and f"{step / missing}: no such file" in report.problems
+    assert not (tmp_path / "hf").exists()
+
+
+def test_backup_prune_restore_and_resume_gives_the_same_losses(kjv_data, bloom_run, tmp_path):
+    """The runbook's round trip, through the CLI: a --with-optim backup, prune deletes global_step10, restore brings
+    it back, set-latest, and the resume from it logs exactly the losses of a resume from the step never deleted."""
+    run, control = copy_run(bloom_run, tmp_path / "run"), copy_run(bloom_run, tmp_path / "control")
+    checkpoints, url = run / "checkpoints", f"file://{tmp_path / 'backup'}"
+    step10 = checkpoints / "global_step10"
+    backed_up = cli("ckpt", "backup", str(checkpoints), "--to", url, "--with-optim")
+    assert backed_up.returncode == 0 and backed_up.stdout.count(", verified\n") == 2, backed_up.stdout
+    pruned = cli("ckpt", "prune", str(checkpoints), "--keep", "last:1")
+    assert (pruned.returncode, pruned.stderr) == (0, "") and "deleted global_step10\n" in pruned.stdout
+    assert not step10.exists()
+    restored = cli("ckpt", "restore", url, str(checkpoints), "--step", "10")
+    assert restored.returncode == 0 and restored.stdout.startswith(f"restored {step10}: "), restored.stderr
+    moved = cli("ckpt", "set-latest", str(checkpoints), "10")
+    assert moved.returncode == 0 and (checkpoints / "latest").read_text() == "global_step10", moved.stderr
+    set_latest(control / "checkpoints", 10)
+
+    runs = {}
+    for name, out in (("restored", run), ("control", control)):
+        done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=1))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "WARNING: checkpoint" not in done.stdout
+        runs[name] = losses(done.stdout)
+    assert list(runs["restored"]) == list(range(11, 21))
+    assert runs["restored"] == runs["control"]

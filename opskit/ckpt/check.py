@@ -11,6 +11,9 @@
 - Completeness: :func:`opskit.ckpt.info.describe_step` (headers), then, with ``crc``, every byte of every file the
   step needs (optimizer shards included) against its zip record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`):
   the only check here that sees bytes flipped inside tensor data.
+- A weights-only backup's copy of a step (:func:`opskit.ckpt.backup.weights_only_copy`) is checked as a step of
+  weights: the shards its backup left out are reported in ``left_out``, not as problems (what the copy serves,
+  ``convert``/``inspect``, reads no optimizer state); every other check reads every file it has.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class CheckReport:
     """``tp_diffs``: ``{"layer": i, "key": k, "max_abs_diff": d, "ranks": [tp ranks that differ from 0]}`` for every
     replicated tensor (``d == 0`` when consistent); ``rng``: ``{"pp": s, "key": k, "agree": bool}``; ``nonfinite``:
     ``{"file": name, "key": k, "nan": n, "inf": n}``; ``problems``: missing/unreadable files; ``corrupt``: files whose
-    bytes fail their CRC-32; ``crc_bytes``: bytes read for the CRC checks."""
+    bytes fail their CRC-32; ``crc_bytes``: bytes read for the CRC checks; ``left_out``: the optimizer shards a
+    weights-only backup's copy lacks (file names; empty for any other step)."""
 
     step: Path
     tp_diffs: list[dict] = field(default_factory=list)
@@ -39,6 +43,7 @@ class CheckReport:
     problems: list[str] = field(default_factory=list)
     corrupt: list[str] = field(default_factory=list)
     crc_bytes: int = 0
+    left_out: list[str] = field(default_factory=list)
 
     @property
     def tp_mismatches(self) -> list[dict]:
@@ -52,7 +57,8 @@ class CheckReport:
     def as_json(self) -> dict:
         return {"step": str(self.step), "ok": self.ok, "tp_mismatches": self.tp_mismatches,
                 "tp_checked": len(self.tp_diffs), "rng": self.rng, "nonfinite": self.nonfinite,
-                "problems": self.problems, "corrupt": self.corrupt, "crc_bytes": self.crc_bytes}
+                "problems": self.problems, "corrupt": self.corrupt, "crc_bytes": self.crc_bytes,
+                "weights_only_backup": bool(self.left_out), "left_out": self.left_out}
 
 
 def replicated_diff(shards: list) -> tuple[float, list[int]]:
@@ -80,15 +86,20 @@ def _rng_equal(a, b) -> bool:
 
 def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport:
     """Run every check on one ``global_stepN`` folder; ``progress(done, total)`` is called per layer, then per file
-    CRC-checked (``crc``: read every file the step needs to its end).
+    CRC-checked (``crc``: read every file the step needs to its end, of a weights-only backup's copy every file it
+    has).
 
     Raises:
         CheckpointFormatError: only when ``mp_rank_00`` is unusable (everything else lands in the report).
     """
     import torch
 
+    from opskit.ckpt.backup import weights_only_copy
+
     info = describe_step(path)
     report = CheckReport(Path(path), problems=list(info.problems))
+    if not info.complete and weights_only_copy(info):
+        report.problems, report.left_out = info.weights_problems, [f.name for f in info.absent_optimizer]
     if info.tp is None:
         return report
     layers = sorted({int(m.group(1)) for f in Path(path).iterdir() if (m := LAYER_FILE.match(f.name))})

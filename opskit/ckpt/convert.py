@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.ckpt.backup import weights_only_copy
 from opskit.ckpt.check import replicated_diff
 from opskit.ckpt.info import describe_step, list_steps, saved_files_digest
 from opskit.ckpt.layout import (
@@ -94,7 +95,9 @@ class ConvertError(OpskitError, ValueError):
 class Converted:
     """One converted step. ``averaged``: replicated tensors whose TP copies differed (``"h.0.ln_1.weight (layer_03,
     max abs diff 1.2e-03)"``); ``max_abs_diff``: verification's logits difference (None when not verified);
-    ``skipped``: already converted (``--all``); ``verified_layers``: blocks the verification ran through."""
+    ``skipped``: already converted (``--all``); ``verified_layers``: blocks the verification ran through;
+    ``weights_only_backup``: converted from a weights-only backup's copy of the step (no optimizer shards:
+    :func:`opskit.ckpt.backup.weights_only_copy`)."""
 
     out_dir: Path
     step_dir: Path
@@ -107,6 +110,7 @@ class Converted:
     skipped: bool = False
     verified_layers: int | None = None
     num_layers: int = 0
+    weights_only_backup: bool = False
 
 
 # --------------------------------------------------------------------------- what the saved args say
@@ -342,7 +346,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
                  force: bool = False) -> Converted:
     """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``:
     a new or empty folder (its mode kept), or with ``force`` a folder an earlier conversion wrote (its ``.opskit``
-    marker); the folder is built beside it, marked, and renamed into place.
+    marker); the folder is built beside it, marked, and renamed into place. The step must be complete, or a
+    weights-only backup's copy of one (:func:`opskit.ckpt.backup.weights_only_copy`: the weights are all there).
 
     Args:
         dtype: ``fp32``/``fp16``/``bf16``; default: the checkpoint's own.
@@ -367,7 +372,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     claim_dir(out_dir, force, command=CONVERT_COMMAND)
     step_path = resolve_step_dir(path, step)
     info = describe_step(step_path)
-    if info.problems:
+    weights_only = not info.complete and weights_only_copy(info)
+    if info.problems and not weights_only:
         raise CheckpointFormatError(info.problems[0])
     scanned = scan_step_dir(step_path)
     client_state = load_state(scanned.mp_rank_file(), light=True)  # args only: torch need not be imported
@@ -407,7 +413,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
         shutil.rmtree(staging, ignore_errors=True)
     return Converted(out_dir, step_path, info.iteration, arch, parameters, shards, averaged, max_abs_diff,
                      verified_layers=(verify_layers or args.num_layers) if verify else None,
-                     num_layers=args.num_layers)
+                     num_layers=args.num_layers, weights_only_backup=weights_only)
 
 
 def _write_shards(folder: Path, tensors: list[OutTensor], dtype: str, max_shard_bytes: int,
@@ -557,24 +563,25 @@ def _write_side_files(folder: Path, config: dict, tokenizer: RunTokenizer) -> No
 
 def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = False,
                 **options) -> list[Converted | str]:
-    """Convert every complete step of a run into ``out_root/global_stepN``; a step whose folder holds an intact
-    conversion of that same step (:func:`conversion_problem`) is skipped (``Converted.skipped``), an incomplete step
-    gives its first problem (str), and so does a damaged or stale conversion without ``force`` (with it, the step is
-    converted again). ``force`` and ``options`` as :func:`convert_step`.
+    """Convert every complete step of a run (or of a weights-only backup: its steps' copies, as :func:`convert_step`
+    takes them) into ``out_root/global_stepN``; a step whose folder holds an intact conversion of that same step
+    (:func:`conversion_problem`) is skipped (``Converted.skipped``), an incomplete step gives its first problem (str),
+    and so does a damaged or stale conversion without ``force`` (with it, the step is converted again). ``force`` and
+    ``options`` as :func:`convert_step`.
 
     Raises:
         OutputRefusedError: before anything is converted, for the first step folder :func:`convert_step` would
             refuse (a user's folder, another command's, or one holding files the conversion did not write).
     """
     _latest, steps = list_steps(checkpoint_dir)
-    plan = [(info, Path(out_root) / info.path.name) for info in steps]
-    problems = {out: conversion_problem(out, info.path, info.iteration) for info, out in plan if info.complete}
-    for info, out in plan:  # every refusal before the first (long) conversion
-        if info.complete and problems[out] and (force or not has_marker(out, CONVERT_COMMAND)):
+    plan = [(info, Path(out_root) / info.path.name, info.complete or weights_only_copy(info)) for info in steps]
+    problems = {out: conversion_problem(out, info.path, info.iteration) for info, out, usable in plan if usable}
+    for _info, out, usable in plan:  # every refusal before the first (long) conversion
+        if usable and problems[out] and (force or not has_marker(out, CONVERT_COMMAND)):
             claim_dir(out, force, command=CONVERT_COMMAND)
     results: list[Converted | str] = []
-    for info, out in plan:
-        if not info.complete:
+    for info, out, usable in plan:
+        if not usable:
             results.append(f"incomplete step: {info.problems[0]}")
         elif problems[out] is None:
             results.append(Converted(out, info.path, info.iteration, "", 0, skipped=True))

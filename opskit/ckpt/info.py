@@ -9,7 +9,9 @@ per TP rank), the ``TP * PP`` ``mp_rank_XX`` files, and the optimizer shards Dee
 (:func:`optimizer_shards`) -- and each is readable to its end: zip directory intact, every record's local header
 where the directory says and its data inside the file (a truncated copy fails that), data.pkl's CRC-32 right and its
 pickle loadable. Bytes flipped inside tensor data pass these header checks: ``ckpt check`` also reads every file and
-compares each record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`).
+compares each record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`). A weights-only backup's copy of a step
+(no optimizer shards) stays incomplete; ``ckpt convert/inspect/check`` read its weights all the same, saying so
+(:func:`opskit.ckpt.backup.weights_only_copy`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ ZERO_FILE_SUFFIX = "_optim_states.pt"
 class StepInfo:
     """One ``global_stepN`` folder. ``size_bytes``: all its files; ``files``: every file a complete step of its layout
     has (empty when ``mp_rank_00`` is unusable); ``problems``: one line per missing or unreadable file (full path
-    first); ``dtype``: of the transformer weights (``bf16``/``fp16``/``fp32``)."""
+    first); ``absent_optimizer``: the optimizer shards among ``files`` that are not there (each also a problem);
+    ``dtype``: of the transformer weights (``bf16``/``fp16``/``fp32``)."""
 
     iteration: int
     path: Path
@@ -60,10 +63,19 @@ class StepInfo:
     latest: bool = False
     files: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    absent_optimizer: list[Path] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
         return not self.problems
+
+    @property
+    def weights_problems(self) -> list[str]:
+        """``problems`` less the absent optimizer shards: empty when every weight file (layer files, ``mp_rank_XX``)
+        is there and readable. Not a kind of complete: only a weights-only backup's copy of a step may be read
+        without its shards (:func:`opskit.ckpt.backup.weights_only_copy`), and nothing resumes from one."""
+        absent = {f"{f}: no such file" for f in self.absent_optimizer}
+        return [p for p in self.problems if p not in absent]
 
     def as_json(self) -> dict:
         return {"step": self.iteration, "path": str(self.path), "size_bytes": self.size_bytes, "tp": self.tp,
@@ -161,6 +173,8 @@ def describe_step(path: str | Path, latest: bool = False) -> StepInfo:
             continue
         if not f.is_file():
             info.problems.append(f"{f}: no such file")
+            if OPTIMIZER_FILE.match(f.name):
+                info.absent_optimizer.append(f)
             continue
         try:
             loaded = load_state(f, light=True)
@@ -295,10 +309,12 @@ def inspect_step(path: str | Path) -> dict:
 
     Returns:
         ``{"step": N, "path": str, "architecture": {...}, "reshaped_from": str | None, "complete": bool,
-        "problems": [...], "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``; the optimizer files are
-        listed by size only (their tensors are flat fp32 partitions); ``complete`` and ``problems`` as
-        :func:`describe_step` says; ``reshaped_from``: the client state's ``global_stepN at TP=.. PP=.. DP=..`` of a
-        run resumed on another layout (opskit.train.checkpointing).
+        "problems": [...], "weights_only_backup": bool, "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``;
+        the optimizer files are listed by size only (their tensors are flat fp32 partitions); ``complete`` and
+        ``problems`` as :func:`describe_step` says; ``weights_only_backup``: the step is a weights-only backup's copy
+        whose only problems are the shards it left out (:func:`opskit.ckpt.backup.weights_only_copy`);
+        ``reshaped_from``: the client state's ``global_stepN at TP=.. PP=.. DP=..`` of a run resumed on another
+        layout (opskit.train.checkpointing).
 
     Raises:
         CheckpointFormatError: no readable ``mp_rank_00_model_states.pt``.
@@ -328,8 +344,11 @@ def inspect_step(path: str | Path) -> dict:
             ((k, v) for k, v in loaded.items() if isinstance(v, TensorRef))
         files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v)} for k, v in tensors
                          if isinstance(v, TensorRef)}
-    problems = describe_step(path).problems
+    from opskit.ckpt.backup import weights_only_copy
+
+    info = describe_step(path)
     return {"step": state.get("iteration"), "path": str(path),
             "architecture": {k: args[k] for k in arch_keys if k in args},
             "consumed_samples": args.get("consumed_train_samples"), "consumed_tokens": state.get("tokens"),
-            "reshaped_from": state.get("reshaped_from"), "complete": not problems, "problems": problems, "files": files}
+            "reshaped_from": state.get("reshaped_from"), "complete": info.complete, "problems": info.problems,
+            "weights_only_backup": weights_only_copy(info), "files": files}

@@ -56,6 +56,13 @@ def _progress(in_bytes: bool = True):
                     console=err_console, transient=True, disable=not err_console.is_terminal)
 
 
+def _weights_only_note(step_dir: Path | str, what: str) -> None:
+    """The one stderr line of a command that read a weights-only backup's copy of a step
+    (:func:`opskit.ckpt.backup.weights_only_copy`)."""
+    err_console.print(f"note: {step_dir}: a weights-only backup (no optimizer states): {what}; it cannot resume "
+                      "training", markup=False)
+
+
 @app.command("list")
 @friendly_errors
 def list_(
@@ -105,7 +112,8 @@ def inspect(
 ) -> None:
     """Architecture from the saved args, and every file's tensor names, shapes and dtypes (a step saved by a run
     resumed on another layout: the step it was reshaped from); exit 1 when the step is incomplete (its problems
-    listed). A universal folder (global_stepN_universal): what it was converted from."""
+    listed), unless it is a weights-only backup's copy of a complete step (a note says so). A universal folder
+    (global_stepN_universal): what it was converted from."""
     from opskit.ckpt.info import inspect_step
     from opskit.ckpt.layout import resolve_step_dir
     from opskit.ckpt.reshape import origin_text, universal_origin
@@ -117,9 +125,12 @@ def inspect(
             console.print(f"{step_dir}: {origin_text(origin)}", markup=False)
         return
     report = inspect_step(resolve_step_dir(step_dir))
+    usable = report["complete"] or report["weights_only_backup"]
+    if report["weights_only_backup"]:
+        _weights_only_note(report["path"], "inspecting its weights")
     if json_output:
         print_json(report)
-        raise typer.Exit(0 if report["complete"] else 1)
+        raise typer.Exit(0 if usable else 1)
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
                   f"consumed tokens {report['consumed_tokens']}", markup=False)
     if report["reshaped_from"]:
@@ -133,9 +144,9 @@ def inspect(
         console.print(name, markup=False)
         for key, t in tensors.items():
             console.print(f"  {key:48s} {str(t['shape']):>16s} {t['dtype']}", markup=False)
-    for problem in report["problems"]:
-        err_console.print(f"incomplete: {problem}", markup=False)
-    if report["problems"]:
+    if not usable:
+        for problem in report["problems"]:
+            err_console.print(f"incomplete: {problem}", markup=False)
         raise typer.Exit(1)
 
 
@@ -148,7 +159,8 @@ def check(
     json_output: JsonOutput = False,
 ) -> None:
     """Completeness, every file's CRC-32s, TP consistency of replicated tensors, RNG agreement per pipeline stage,
-    NaN/Inf. Exit 1 on any problem."""
+    NaN/Inf. Exit 1 on any problem. A weights-only backup's copy of a step is checked without the optimizer shards
+    its backup left out (a note says so): exit 0 means its weights are intact, not that it can resume."""
     from opskit.ckpt.check import check_step
     from opskit.ckpt.layout import resolve_step_dir
 
@@ -156,6 +168,8 @@ def check(
         task = bar.add_task("checking", total=None)
         report = check_step(resolve_step_dir(step_dir), lambda done, total: bar.update(task, completed=done,
                                                                                            total=total), crc=crc)
+    if report.left_out:
+        _weights_only_note(report.step, f"checked the files it has, not its {len(report.left_out)} optimizer shard(s)")
     if json_output:
         print_json(report.as_json())
     else:
@@ -171,7 +185,7 @@ def check(
                 console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
         for n in report.nonfinite:
             console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf", markup=False)
-        verdict = "OK" if report.ok else "FAILED"
+        verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
         console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
                       f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
                       + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"), markup=False)
@@ -204,7 +218,8 @@ def convert(
                                                       "a folder opskit did not write)."),
 ) -> None:
     """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming. The output
-    folder must be new or empty; the folder is built beside it and renamed into place."""
+    folder must be new or empty; the folder is built beside it and renamed into place. A complete step, or a
+    weights-only backup's copy of one (a note says so)."""
     from opskit.ckpt.convert import ConvertError, convert_all, convert_step
     from opskit.ckpt.layout import resolve_step_dir
     from opskit.runs import RunPaths
@@ -235,6 +250,8 @@ def convert(
         elif result.skipped:
             console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}", markup=False)
         else:
+            if result.weights_only_backup:
+                _weights_only_note(result.step_dir, "converted its weights")
             for name in result.averaged:
                 err_console.print(f"warning: TP copies differ, averaged: {name}", markup=False)
             check = "" if result.max_abs_diff is None else \
