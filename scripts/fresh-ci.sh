@@ -88,7 +88,9 @@ cd "$WORK/clone"
 echo "fresh-ci: $(git log -1 --format='%h %s' | cut -c1-100)"
 echo "fresh-ci: clone in $WORK/clone${SEED:+, random order seed $SEED}"
 export PIP_NO_CACHE_DIR=1
-ADDOPTS="${PYTEST_ADDOPTS:-}${SEED:+ --random-order-seed=$SEED}${*:+ $*}"
+# A temporary folder of its own: pytest keeps only the newest three under /tmp/pytest-of-$USER, so any other pytest
+# run on this machine meanwhile would delete this one's (its session fixtures' data) mid-run.
+ADDOPTS="${PYTEST_ADDOPTS:-} --basetemp=$WORK/pytest${SEED:+ --random-order-seed=$SEED}${*:+ $*}"
 set +e
 # in a session of its own (its process group id is CI_PID), so that an interruption ends all of it
 setsid env PYTEST_ADDOPTS="$ADDOPTS" CI=true bash .ci/run > >(tee "$WORK/ci.log") 2>&1 &
