@@ -1,4 +1,4 @@
-"""ckpt convert (issue 31 items 7 and 10): `--all` skips a conversion only while the sizes and SHA-256s its marker
+"""ckpt convert: `--all` skips a conversion only while the sizes and SHA-256s its marker
 recorded still hold; a tokenizer whose special tokens fall outside the model's vocabulary is never written beside it
 (GPT-2 BPE files of 1024 tokens without <|endoftext|>, as `opskit rehearse` writes for tr1-13B, made transformers add
 it as id 1024 of a 1024-row model: `ckpt generate --prompt "...<|endoftext|>..."` died of an IndexError)."""

@@ -1,4 +1,4 @@
-"""Without an optional extra, every command says which one in one line (issue 31 item 14): the CLI runs in a
+"""Without an optional extra, every command says which one in one line: the CLI runs in a
 subprocess where the extra's modules cannot be imported (a meta path finder raising ModuleNotFoundError, as on a
 login node without them); one rule (opskit.errors.extra_for) maps the module to its extra of pyproject.toml."""
 
@@ -87,7 +87,7 @@ def test_the_rule_maps_modules_to_pyproject_extras():
 
 
 def test_submit_checks_that_the_jobs_python_can_import_the_trainer(tmp_path):
-    """Issue 31 item 9: from an install without the train extra, `submit --dry-run` was clean and every task failed
+    """From an install without the train extra, `submit --dry-run` was clean and every task failed
     at start with "No module named 'torch'". The job's Python (this one, as rendered) is asked now; a sitecustomize
     hides torch from it as such an install would."""
     (tmp_path / "hide").mkdir()

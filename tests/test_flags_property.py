@@ -1,4 +1,4 @@
-"""The trainer's flag table (opskit/rules/flags.py) against the spec schema, and the property of issue 15: for random
+"""The trainer's flag table (opskit/rules/flags.py) against the spec schema, and the round-trip property: for random
 valid specs, the rendered command line parses in the trainer's own parser back to the spec's values, and the DeepSpeed
 JSON the job script carries is the one the trainer builds from it. Bounded: ~50 examples per property."""
 

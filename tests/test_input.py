@@ -134,7 +134,7 @@ def test_logs_parse_goes_on_past_a_folder_and_says_what_each_file_gave(tmp_path)
                       cwd=tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     records = [json.loads(line) for line in done.stdout.splitlines()]
-    # the good files' records, before and after; a gzip log is read as its text (issue 31 item 15a)
+    # the good files' records, before and after; a gzip log is read as its text
     assert records and {r["file"] for r in records} == {str(good), "log.gz"}
     from opskit.logs.parse import read_from
 
@@ -403,7 +403,7 @@ def test_generate_on_a_corrupt_config_is_one_line(tmp_path):
     assert str(model / "config.json") in line or str(model) in line, line
 
 def test_specs_list_refuses_what_plan_refuses(in_tmp):
-    """Issue 31 item 8: `specs list` validates each spec with plan's loader, names each bad file, exit 1."""
+    """`specs list` validates each spec with plan's loader, names each bad file, exit 1."""
     (in_tmp / "trainings").mkdir()
     (in_tmp / "trainings" / "good.yaml").write_text(PRESET.read_text())
     foreign, badtype = tiny(), tiny()

@@ -154,7 +154,7 @@ def test_scripts_pass_shellcheck(shellcheck):
 
 
 def test_a_cluster_whose_state_dir_is_under_a_mode_700_home_starts_and_runs_a_job(tmp_path):
-    """Issue 31 item 16: `make demo-multinode` from a clone under /root (mode 700) failed in 1 s: munged (user munge)
+    """`make demo-multinode` from a clone under /root (mode 700) failed in 1 s: munged (user munge)
     could not write its log in the clone's runs/.slurm-multinode. Its files go to /run then, one folder per state
     dir, removed by stop; so does slurmd's spool of a state dir this deep (a step's socket path would pass 107
     bytes: every srun failed)."""

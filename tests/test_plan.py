@@ -956,14 +956,14 @@ def test_plan_command(cli):
 
 @pytest.mark.parametrize("value", ["inf", "1e999"])
 def test_plan_refuses_a_non_finite_tflops_in_one_line(cli, value):
-    """Issue 31 item 15b: --tflops inf printed `Infinity` under --json, which is not JSON."""
+    """--tflops inf printed `Infinity` under --json, which is not JSON."""
     done = cli("plan", "tiny", "--tflops", value, "--json")
     assert (done.exit_code, done.stdout) == (1, ""), done.output
     assert done.stderr == "error: --tflops inf: expected a positive finite number of TFLOPs per GPU\n"
 
 
 def test_specs_new_bad_set_exits_as_documented(cli, in_tmp):
-    """Issue 31 item 15c: docs/operations.md gives every refusal exit 1; `specs new --set` said 2."""
+    """docs/operations.md gives every refusal exit 1; `specs new --set` said 2."""
     assert "Every refusal is one `error:` line" in (REPO / "docs" / "operations.md").read_text()
     done = cli("specs", "new", "bad", "--from", "tr11", "--set", "six_ALL_CCFRWORK=")
     assert (done.exit_code, done.stdout) == (1, "")
@@ -1101,7 +1101,7 @@ def test_planner_never_crashes_and_accepted_specs_divide(raw, tflops, gpus):
 
 
 def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field(in_tmp, monkeypatch):
-    """Issue 31 item 15: `--set VAR=rel/path` resolved paths.output from the project but the split files (and every
+    """`--set VAR=rel/path` resolved paths.output from the project but the split files (and every
     other data file) from the current directory, so the job read other files than submit checked."""
     from opskit.runs import RunPaths
     from opskit.slurm.render import data_files, trainer_args

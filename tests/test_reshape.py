@@ -1,4 +1,4 @@
-"""The trainer resumes a step saved on another TP x PP x DP layout (issue 17): through DeepSpeed's universal checkpoint,
+"""The trainer resumes a step saved on another TP x PP x DP layout: through DeepSpeed's universal checkpoint,
 converted once beside the step, with the losses of a run that never changed layout.
 
 Every run is the real trainer (under torchrun for more than one process), 20 iterations of GBS 8. To keep the file's
@@ -288,7 +288,7 @@ def test_a_killed_conversion_leaves_the_step_untouched_and_the_next_one_complete
 
 @pytest.mark.parametrize("damage", ["parameter folder deleted", "fp32.pt truncated"])
 def test_a_damaged_universal_folder_is_not_reused(dp_changes, kjv_data, tmp_path, damage):
-    """Issue 31 item 4: a reused universal folder is checked as a step is (its files and their sizes as written, each
+    """A reused universal folder is checked as a step is (its files and their sizes as written, each
     torch file's headers); before, `ckpt reshape` called such a folder "reused ... verified" and the resume died
     with a FileNotFoundError or PytorchStreamReader traceback on every rank. The trainer's resume says one line."""
     checkpoints = copy_of(dp_changes.step, tmp_path / "checkpoints")
@@ -309,7 +309,7 @@ def test_a_damaged_universal_folder_is_not_reused(dp_changes, kjv_data, tmp_path
 
 
 def test_conversion_leftovers_without_opskits_marker_are_left_alone(dp_changes, tmp_path):
-    """Issue 31 item 15: a `.global_stepN_universal.tmp-<pid>` folder of a process that is gone is removed only when
+    """A `.global_stepN_universal.tmp-<pid>` folder of a process that is gone is removed only when
     opskit's marker says it made it; a folder of that name the user made stays."""
     step = copy_of(dp_changes.step, tmp_path / "checkpoints") / "global_step15"
     theirs = step.with_name(".global_step15_universal.tmp-999999999")

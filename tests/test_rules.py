@@ -200,7 +200,7 @@ def test_one_rule_names_the_spec_field_or_the_flag():
     ({"megatron_args": {"skip_train_iteration_range": 1}},  # a scalar, as the fuzz test wrote it: a traceback before
      "megatron_args.skip_train_iteration_range: '1' is not START-END",
      ["--skip-train-iteration-range", "1"], "--skip-train-iteration-range: '1' is not START-END"),
-    ({"batch": {"rampup_batch_size": [0, 4, 96]}},  # the trainer's ramp-up walk never ended (issue 32)
+    ({"batch": {"rampup_batch_size": [0, 4, 96]}},  # the trainer's ramp-up walk never ended
      "batch.rampup_batch_size 0 4 96: the start batch size and the ramp-up samples must be > 0",
      ["--rampup-batch-size", "0", "4", "96"],
      "--rampup-batch-size 0 4 96: the start batch size and the ramp-up samples must be > 0"),
@@ -209,7 +209,7 @@ def test_one_rule_names_the_spec_field_or_the_flag():
      ["--pp-partition-method", "layers"], "--pp-partition-method 'layers': use parameters, uniform or type:REGEX"),
 ])
 def test_the_trainers_flag_rules_are_the_specs(overrides, spec_says, flags, trainer_says):
-    # Before issue 15 these passed spec validation and `opskit plan`, and the job's trainer exited at start.
+    # Once these passed spec validation and `opskit plan`, and the job's trainer exited at start.
     with pytest.raises(SpecError) as refused:
         load_spec("tiny", overrides=overrides)
     assert spec_says in str(refused.value)

@@ -275,7 +275,7 @@ def test_unquoted_sbatch_times_stay_times(in_tmp):
 
 
 def test_an_empty_variable_is_refused_like_an_unset_one(in_tmp, monkeypatch):
-    """Issue 31 item 12: an exported but empty $six_ALL_CCFRSCRATCH must not render the run at /checkpoints/..."""
+    """An exported but empty $six_ALL_CCFRSCRATCH must not render the run at /checkpoints/..."""
     from opskit.runs import RunPaths
 
     monkeypatch.setenv("six_ALL_CCFRSCRATCH", "")

@@ -258,7 +258,7 @@ def test_crash_lines_name_their_node(tmp_path):
     ("[default0]:DRIVER: ECC ERROR DETECTED ON DEVICE 0", "uncorrectable ECC error"),
 ])
 def test_the_status_check_sees_every_line_the_crash_finder_sees(tmp_path, line, signature):
-    """Issue 32: the watchdog's pre-filter was a word list of its own ("rror", "bus", ...) and skipped these lines,
+    """The watchdog's pre-filter was a word list of its own ("rror", "bus", ...) and skipped these lines,
     which opskit.crash.find_crashes names; it is now derived from the signatures (crash.NEEDLES)."""
     from opskit.crash import NEEDLES, SIGNATURES, SOFTWARE_ERRORS, find_crashes
 

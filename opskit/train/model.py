@@ -113,7 +113,7 @@ class _PlainAtOneRank:
     """megatron-core's Column/RowParallelLinear returning only the output, and at TP = 1 computed as ``F.linear``
     (the same product: no rank to gather from or reduce over). megatron-core's own autograd function adds the bias
     and sums its gradient in separate passes over ``[b, s, out]``; ``F.linear`` lets torch.compile put the bias in
-    the GEMM's epilogue (measured on an H100: docs/benchmarks.md, issue 19 note 9)."""
+    the GEMM's epilogue (measured on an H100: docs/benchmarks.md)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
