@@ -121,8 +121,10 @@ def test_our_trainers_lines_parse_back_to_what_it_printed():
                           seconds_per_iteration=0.123, learning_rate=2.5e-4, global_batch_size=8, lm_loss=6.54321,
                           loss_scale=65536.0, grad_norm=1.25, skipped_iterations=1, nan_iterations=2, tflops=0.01)
     record = parse_iteration_line("[default0]:" + line)
-    # A multi-node job's main_log.txt: srun --label's task id before torchrun's prefix, the same record.
-    assert parse_iteration_line("1: [default0]:" + line) == record
+    # A multi-node job's main_log.txt: srun --label's task id before torchrun's prefix, the same record with its rank
+    # right after its kind (ids padded to the widest one's width too).
+    assert parse_iteration_line("1: [default0]:" + line) == {"kind": "iteration", "rank": 1, **record}
+    assert parse_iteration_line(" 1: [default0]:" + line) == parse_iteration_line("1: [default0]:" + line)
     assert record == {"kind": "iteration", "iteration": 7, "train_iters": 40, "consumed_samples": 56,
                       "consumed_tokens": 1792, "elapsed_time_per_iteration_s": 0.12, "learning_rate": 2.5e-4,
                       "global_batch_size": 8, "lm_loss": 6.54321, "loss_scale": 65536.0, "grad_norm": 1.25,
@@ -130,7 +132,7 @@ def test_our_trainers_lines_parse_back_to_what_it_printed():
                       "samples_per_second": 65.041, "tflops": 0.01}  # 8 / 0.123
     dashes, text, _ = validation_lines("iteration 7", 3.0)
     assert parse_line(dashes) is None
-    assert parse_line(text) == parse_line("1: [default0]:" + text) == {
+    assert parse_line(text) == {k: v for k, v in parse_line("1: [default0]:" + text).items() if k != "rank"} == {
         "kind": "validation", "iteration": 7, "dataset": "validation", "where": "iteration 7",
         "validation_lm_loss": 3.0, "validation_ppl": float(f"{math.exp(3.0):.6E}")}
 
@@ -147,6 +149,88 @@ def test_restart_segments_and_the_timeline_keeps_the_rerun():
     # the first job's 210-300 were re-run after the resume from global_step200: the re-run's values win
     assert by_iteration[250]["lm_loss"] == pytest.approx(8 * math.exp(-250 / 150) + 3.01, abs=1e-6)
     assert by_iteration[200]["lm_loss"] == pytest.approx(8 * math.exp(-200 / 150) + 3.0, abs=1e-6)
+
+
+def two_ranks_log(blocks: int = 1) -> str:
+    """A multi-node job's main_log.txt where both srun tasks print iteration lines (a trainer that logs on every
+    node): iterations 1-10, then the chain's next job resumes from the checkpoint at 5 and runs 6-12. Each job's lines
+    of both ranks interleave ``blocks`` lines at a time (srun forwards each node's output as it comes); lm loss tells
+    the rank (+0.001 on rank 1) and the job (+0.5 on the second)."""
+    lines = []
+    for job, iterations in enumerate((range(1, 11), range(6, 13))):
+        lines.append(f"[opskit] 2024-01-01 00:00:0{job} job {7 + job} (array task 7_{job}) nodes n[1-2]: start")
+        by_rank = [[f"{rank}: [default0]:" + iteration_line(
+            iteration=i, train_iters=12, consumed_samples=8 * i, consumed_tokens=256 * i, seconds_per_iteration=0.5,
+            learning_rate=1e-4, global_batch_size=8, lm_loss=5 - 0.1 * i + 0.5 * job + 0.001 * rank,
+            loss_scale=None, grad_norm=1.0, skipped_iterations=0, nan_iterations=0, tflops=1.0)
+            for i in iterations] for rank in (0, 1)]
+        for start in range(0, len(iterations), blocks):
+            lines += by_rank[0][start:start + blocks] + by_rank[1][start:start + blocks]
+        lines.append(f"1: [default0]:{validation_lines('iteration 10', 4.0)[1]}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_ranks_that_all_print_iteration_lines_restart_once_where_they_all_go_back(blocks):
+    records = read_from_text(two_ranks_log(blocks)).records
+    assert {r["rank"] for r in records} == {0, 1}
+    segments = split_segments(records)
+    assert [sorted({r["iteration"] for r in s}) for s in segments] == [list(range(1, 11)), list(range(6, 13))]
+    line = timeline(records)
+    assert [r["iteration"] for r in line] == list(range(1, 13))  # one record per iteration
+    assert {r["rank"] for r in line} == {0}  # one rank's: the one whose line came first
+    assert [r["lm_loss"] for r in line] == pytest.approx([5 - 0.1 * i + 0.5 * (i > 5) for i in range(1, 13)])
+
+
+def test_restart_rule_with_ranks_matches_its_definition_at_once_and_one_record_at_a_time():
+    import numpy as np
+
+    from opskit.logs.parse import UNLABELLED, restart_indices
+
+    def defined(iterations, ranks):
+        """A restart: the iteration <= that of the last record of its rank since the last restart, an unlabelled
+        record counting as every rank's."""
+        restarts, before_any, previous = [], None, {}  # previous: rank -> iteration; None: the last unlabelled one
+        for i, (iteration, rank) in enumerate(zip(iterations, ranks, strict=True)):
+            before = before_any if rank is None else previous.get(rank, previous.get(None))
+            if before is not None and iteration <= before:
+                restarts.append(i)
+                previous = {}
+            previous = {None: iteration} if rank is None else {**previous, rank: iteration}
+            before_any = iteration
+        return restarts
+
+    rng = np.random.default_rng(15)
+    for _ in range(300):
+        n = int(rng.integers(0, 40))
+        iterations = rng.integers(0, 12, n).tolist()
+        ranks = rng.choice([None, 0, 1, 2], n).tolist() if rng.random() < 0.7 else [rng.choice([None, 3])] * n
+        codes = np.array([UNLABELLED if r is None else r for r in ranks], dtype=np.int64)
+        expected = defined(iterations, ranks)
+        assert restart_indices(iterations, ranks) == restart_indices(np.array(iterations, dtype=np.int64),
+                                                                     codes) == expected
+    # one printer, labelled or not: where the iteration goes back, as without ranks
+    assert restart_indices([1, 2, 2, 1, 5], [4] * 5) == restart_indices([1, 2, 2, 1, 5]) == [2, 3]
+    # an unlabelled job's lines, then a labelled job that resumed before their end: a restart
+    assert restart_indices([1, 2, 3, 2, 2, 3], [None, None, None, 0, 1, 0]) == [3]
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_cli_parse_gives_two_ranks_lines_their_rank_and_one_restart(tmp_path, monkeypatch, bulk):
+    from opskit.logs import parse
+
+    log = tmp_path / "main_log.txt"
+    log.write_text(two_ranks_log(blocks=2))
+    if bulk:
+        monkeypatch.setattr(parse, "_BULK_MIN", 1)  # polars builds the common lines column-wise
+    rows = [json.loads(line) for line in invoke("logs", "parse", str(log)).stdout.splitlines()]
+    # segment = the job: its lines as written, both ranks' (two at a time), one restart where both went back
+    assert [(r["segment"], r["rank"], r["iteration"]) for r in rows if r["kind"] == "iteration"] == [
+        (job, rank, i) for job, iterations in enumerate((range(1, 11), range(6, 13)))
+        for start in range(0, len(iterations), 2) for rank in (0, 1) for i in iterations[start:start + 2]]
+    assert list(rows[0])[:5] == ["file", "segment", "kind", "rank", "iteration"]
+    header = invoke("logs", "parse", str(log), "--format", "csv").stdout.splitlines()[0]
+    assert header.startswith("file,segment,kind,rank,iteration,")
 
 
 def test_incremental_reads_return_only_new_complete_lines(tmp_path):

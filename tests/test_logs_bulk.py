@@ -109,6 +109,31 @@ def test_bulk_path_keeps_file_order_across_layouts_and_restarts():
     assert [r["iteration"] for r in json.loads(got)[0]] == [*range(1, 40), *range(20, 60)]
 
 
+# srun --label's task ids as they prefix lines (padded to the widest id), and prefixes that are no label
+LABELS = ["", "0: ", "12: ", " 3: ", "  10: ", "123456789: ", "1234567890: ", "12:", "1 2: ", " : ", "\u0663: ", "-1: ",
+          "\t1: ", "1: 2: ", "007: "]
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_bulk_path_reads_srun_labels_as_the_per_line_parser_does(label):
+    # Each odd line labelled, between common lines of two labelled ranks and unlabelled ones of the same layouts.
+    lines = []
+    for i, odd in enumerate(ODD):
+        common = LINE_2022.replace("31217/", f"{31217 + i}/")
+        lines += [f"0: {common}", label + odd, f"1: {common}", common, f"1: {LINE_2021}", LINE_2021]
+    data = ("\n".join(lines) + "\n").encode()
+    for fields in (None, ("lm_loss",)):
+        expected, got = both(data, fields)
+        assert got == expected
+    records = json.loads(got)[0]  # ODD[0] is an empty line: no record
+    assert [r.get("rank") for r in records[:3]] == [0, 1, None]
+    assert list(records[0])[:3] == ["kind", "rank", "iteration"]
+    _, block = bulk._columns(data)
+    ranked = [table for _, table in block.layouts if "rank" in table.columns]
+    assert sum(table.height for table in ranked) >= 3 * len(ODD)  # the labelled common lines were built by polars
+    assert all(table["rank"].is_not_null().all() for table in ranked)
+
+
 _EDITS = st.lists(st.tuples(st.integers(0, len(LINE_2022)), st.integers(0, 3),
                             st.text(alphabet="0123456789 .:|/eE+-naNiItr\r\t\x00\u00e9[]", max_size=3)), max_size=4)
 

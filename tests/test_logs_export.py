@@ -95,6 +95,53 @@ def test_columnar_output_to_a_byte_stream_splits_one_table_at_each_restart(tmp_p
     assert ('"segment": 3, "kind"' if output_format == "jsonl" else ",3,iteration,") in expected
 
 
+def _two_ranks_lines() -> list[str]:
+    """A job's unlabelled lines (1-400), then a multi-node chain whose two srun tasks both print iteration lines,
+    their output interleaved in blocks of 1-40 lines: iterations 401-1500, and a resume that re-runs 1001-2000. The
+    loss tells the rank; every 97th line an odd one, labelled; validation lines of both ranks."""
+    rng, lines = random.Random(31), [LINE_2022.replace("31217/", f"{i}/") for i in range(1, 401)]
+    for iterations in (range(401, 1501), range(1001, 2001)):
+        by_rank = [[f"{rank}: " + LINE_2022.replace("31217/", f"{i}/").replace(
+            "lm loss: 2.241558E+00", f"lm loss: {2 + rank / 10 + rng.random() / 100:.6E}") for i in iterations]
+            for rank in (0, 1)]
+        while by_rank[0] or by_rank[1]:
+            rank = rng.randrange(2)
+            take = rng.randint(1, 40)
+            lines += by_rank[rank][:take]
+            del by_rank[rank][:take]
+            if rng.random() < 0.05:
+                lines.append(f"{rank}: [default7]: validation loss at iteration {iterations[0]} | lm loss value: "
+                             "2.342049E+00 | lm loss PPL: 1.040253E+01 | ")
+    lines[::97] = [f"1: {ODD[i % len(ODD)]}" for i in range(len(lines[::97]))]
+    return lines
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "csv"])
+def test_columnar_output_of_two_printing_ranks_is_the_records_written_one_by_one(tmp_path, monkeypatch,
+                                                                                 output_format):
+    from opskit.logs.parse import record_columns, timeline
+    from opskit.logs.sources import resolve
+
+    log = tmp_path / "main_log.txt"
+    log.write_text("\n".join(_two_ranks_lines()) + "\n")
+    monkeypatch.setattr(parse, "_BULK_MIN", 1)  # the bulk path, in several blocks
+    monkeypatch.setattr(parse, "_BULK_BLOCK", 64 << 10)
+    chunk = read_from(log, columnar=True)
+    assert sum(table.height for table in chunk.tables if "rank" in table.columns) > 3000
+    assert sum(table.height for table in chunk.tables if "rank" not in table.columns) > 300
+    out = io.StringIO()
+    write_files([(str(log), chunk)], output_format, out)
+    assert out.getvalue() == _old_way([log], output_format)
+    assert ('"kind": "iteration", "rank": 1, "iteration"' if output_format == "jsonl" else
+            "file,segment,kind,rank,iteration,") in out.getvalue()
+    # the columnar timeline (plot, spikes) keeps what timeline() keeps: one record per iteration, one rank's
+    old = parse.parse_text(log.read_text()).records
+    keys = ("lm_loss", "grad_norm")
+    line = {key: list(column) for key, column in resolve(str(log)).timeline(keys, chunk).items()}
+    assert line == record_columns(timeline(old), keys)
+    assert len(line["iteration"]) == len(set(line["iteration"])) > 1500
+
+
 @pytest.mark.parametrize("output_format", ["jsonl", "csv"])
 def test_files_without_column_wise_records_are_written_as_before(tmp_path, output_format):
     log = tmp_path / "small.txt"

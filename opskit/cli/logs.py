@@ -36,9 +36,10 @@ def parse(
     output_format: str = typer.Option("jsonl", "--format", help="jsonl or csv."),
 ) -> None:
     """One record per iteration and validation line, with its restart segment (0, 1, ... each time the iteration
-    goes back); unknown `key: value |` fields under `extra` (csv: `extra.KEY` columns). A file that gave no records
-    or skipped lines gets one line on stderr; one that cannot be read (a folder, missing) an `error:` line, and the
-    others are still parsed (exit 1)."""
+    goes back; per srun `--label` rank, given as `rank`, when several ranks print iteration lines); unknown
+    `key: value |` fields under `extra` (csv: `extra.KEY` columns). A file that gave no records or skipped lines gets
+    one line on stderr; one that cannot be read (a folder, missing) an `error:` line, and the others are still parsed
+    (exit 1)."""
     from opskit.logs.export import write_files
     from opskit.logs.parse import LogFormatError, read_from
 

@@ -8,8 +8,8 @@ known names laid out as in one of the block's first few lines, values that polar
 odd or unknown-field lines) goes through ``grammar.parse_record`` and the records are merged back in file order.
 tests/test_logs_bulk.py checks that both paths give the same records, key order included.
 
-Why: building every-field records line by line costs ~6.7 us per iteration line in CPython (docs/benchmarks.md,
-issue 6); polars cuts the fields out and converts them in compiled code, Python only builds the dicts.
+Why: building every-field records line by line costs ~6.7 us per iteration line in CPython (docs/benchmarks.md);
+polars cuts the fields out and converts them in compiled code, Python only builds the dicts.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from opskit.logs.grammar import (
     CUT,
     FIELDS,
     ITERATION_WORD,
+    LABEL_DIGITS,
     VALIDATION_WORDS,
     keep_only,
     milliseconds,
@@ -35,6 +36,7 @@ from opskit.logs.grammar import (
 )
 
 _HEADER = ITERATION_WORD + r" *([0-9]+)/ *([0-9]+) *$"  # ASCII digits: read as int() reads them
+_LABEL = rf"^ *([0-9]{{1,{LABEL_DIGITS}}}): "  # grammar.srun_label's rule
 _END = "~"  # every line gets "|~" appended: a whole line then has an empty field before it, a cut one does not
 _LAYOUTS = 4  # layouts tried per block; lines of further layouts go through parse_record
 _WIDTH = 20  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to parse_record
@@ -54,7 +56,8 @@ def scan_blocks(blocks: Iterable[bytes], records: list, keep: frozenset[str] | N
 class Columns:
     """:func:`scan_columns`' result: the records of some blocks in file order, ``tables`` column-wise and the others
     as dicts. ``tables``: iteration records (``kind`` is ``iteration``), a frame each: ``slot``, then one column per
-    record key in the record's order; ``rest``: (slot, record) built by the per-line parser, in file order; ``cut``:
+    record key in the record's order (``rank`` first in a table of labelled lines, absent from one of unlabelled
+    lines); ``rest``: (slot, record) built by the per-line parser, in file order; ``cut``:
     record lines cut. Slots order all records of the blocks (with gaps)."""
 
     tables: list[pl.DataFrame]
@@ -102,9 +105,10 @@ def _read_ahead(blocks: Iterable[bytes]) -> Iterator[tuple[bytes, _Block | None]
 @dataclass
 class _Block:
     """What polars found among a block's candidate lines (`` loss at `` or ``iteration `` before the first ``|``;
-    ``slot`` = their order): ``layouts`` = [(names, table of ``slot``, ``iteration``, ``train_iters``, ``vJ``
-    values)] of the lines whose records are built from columns, ``rest`` = the others (``slot``, ``line`` = line
-    number in the block, fields ``cJ``), for the per-line parser."""
+    ``slot`` = their order): ``layouts`` = [(names, table of ``slot``, ``rank`` (labelled lines only), ``iteration``,
+    ``train_iters``, ``vJ`` values)] of the lines whose records are built from columns (a layout's labelled and
+    unlabelled lines in separate tables: their records have different keys), ``rest`` = the others (``slot``,
+    ``line`` = line number in the block, fields ``cJ``), for the per-line parser."""
 
     layouts: list[tuple[list[str], pl.DataFrame]]
     rest: pl.DataFrame
@@ -123,7 +127,7 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
     lines = (frame.lazy().with_row_index("line")
              .filter(head.str.contains(ITERATION_WORD, literal=True)
                      | head.str.contains(VALIDATION_WORDS, literal=True))
-             .with_row_index("slot").with_columns(*_header()).collect())
+             .with_row_index("slot").with_columns(*_header(), _rank()).collect())
     # pending: lines whose header is read; the first layout meets them among all candidate lines (no copy of their
     # strings), later layouts only the lines left over
     pending, eligible = lines, lines["iteration"].is_not_null() & lines["train_iters"].is_not_null()
@@ -137,10 +141,13 @@ def _columns(data: bytes) -> tuple[bytes, _Block | None]:
         if names:
             values = [f"v{j}" for j in range(1, len(names) + 1)]
             table = (pending.lazy().with_columns(_value(j, name).alias(f"v{j}") for j, name in enumerate(names, 1))
-                     .select((_matching(names) & pl.lit(eligible)).fill_null(False).alias("ok"), "slot", "iteration",
-                             "train_iters", *values).collect())
-            layouts.append((names, table.filter("ok")))
-            taken = taken.scatter(layouts[-1][1]["slot"], True)
+                     .select((_matching(names) & pl.lit(eligible)).fill_null(False).alias("ok"), "slot", "rank",
+                             "iteration", "train_iters", *values).collect())
+            matched = table.filter("ok").drop("ok")
+            labelled = matched.filter(pl.col("rank").is_not_null())
+            unlabelled = matched.filter(pl.col("rank").is_null()).drop("rank")
+            layouts += [(names, part) for part in (labelled, unlabelled) if part.height]
+            taken = taken.scatter(matched["slot"], True)
             eligible = eligible & ~table["ok"]
         pending = pending.filter(eligible.scatter(first, False))  # done with the line that defined the layout
         eligible = pl.repeat(True, pending.height, eager=True)
@@ -189,6 +196,11 @@ def _header() -> tuple[pl.Expr, pl.Expr]:
                  for group, key in (("1", "iteration"), ("2", "train_iters")))
 
 
+def _rank() -> pl.Expr:
+    """``rank``: srun's label as ``grammar.srun_label`` reads it (Int64; null on an unlabelled line)."""
+    return pl.col("c0").str.extract(_LABEL, 1).cast(pl.Int64).alias("rank")
+
+
 def _layout(row: dict) -> list[str] | None:
     """The field names (text before ``:``, leading space kept) of a row, when all are known and none repeats."""
     names = []
@@ -224,13 +236,15 @@ def _value(j: int, name: str) -> pl.Expr:
 
 
 def _values(frame: pl.DataFrame, names: list[str], keep: frozenset[str] | None) -> pl.DataFrame:
-    """``iteration``, ``train_iters`` and the values of rows with the layout ``names`` (columns ``vJ``) that ``keep``
-    keeps, as the per-line parser's converters give them, in columns named by their record keys."""
+    """``rank`` (in a table of labelled lines), ``iteration``, ``train_iters`` and the values of rows with the layout
+    ``names`` (columns ``vJ``) that ``keep`` keeps, as the per-line parser's converters give them, in columns named by
+    their record keys."""
     fields = [(j, name) for j, name in enumerate(names, 1) if keep is None or FIELDS[name][0] in keep]
     values = [pl.col(f"v{j}").map_elements(seconds, return_dtype=pl.Float64) if FIELDS[name][1] is milliseconds
               else pl.col(f"v{j}") for j, name in fields]
-    return frame.select("iteration", "train_iters", *(value.alias(FIELDS[name][0]) for value, (_, name) in
-                                                       zip(values, fields, strict=True)))
+    rank = ["rank"] if "rank" in frame.columns else []
+    return frame.select(*rank, "iteration", "train_iters", *(value.alias(FIELDS[name][0]) for value, (_, name) in
+                                                             zip(values, fields, strict=True)))
 
 
 def _records(frame: pl.DataFrame, names: list[str], keep: frozenset[str] | None) -> tuple[list[int], list[dict]]:

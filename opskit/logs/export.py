@@ -3,7 +3,7 @@
 :func:`write_files` writes what :func:`write_jsonl` / :func:`write_csv` write for the rows ``{"file", "segment",
 **record}`` of each file, byte for byte; the records a large read kept column-wise (``read_from(..., columnar=True)``)
 are formatted by polars, one ``concat_str`` per table and segment, and written as bytes, never as one dict and one
-``json.dumps`` each (issue 19: a 1M-line log costs ~0.6 CPU s instead of ~7 s; docs/benchmarks.md).
+``json.dumps`` each (a 1M-line log costs ~0.6 CPU s instead of ~7 s; docs/benchmarks.md).
 tests/test_logs_export.py holds both ways equal.
 """
 
@@ -17,9 +17,10 @@ import json
 import math
 from typing import TextIO
 
-from opskit.logs.parse import LogChunk, restart_indices, split_segments
+from opskit.logs.parse import UNLABELLED, LogChunk, restart_indices, split_segments
 
-# CSV columns in this order, then ``extra.KEY`` for every unknown field met.
+# CSV columns in this order (``rank`` after ``kind`` where some record has one: :func:`columns`), then ``extra.KEY``
+# for every unknown field met.
 COLUMNS = ("file", "segment", "kind", "iteration", "train_iters", "consumed_samples", "consumed_tokens",
            "elapsed_time_per_iteration_s", "learning_rate", "global_batch_size", "lm_loss", "loss_scale", "grad_norm",
            "num_zeros", "params_norm", "curriculum_seqlen", "skipped_iterations", "nan_iterations",
@@ -33,13 +34,19 @@ def write_jsonl(records: list[dict], out: TextIO) -> None:
         out.write(json.dumps(record) + "\n")
 
 
+def columns(ranked: bool) -> tuple[str, ...]:
+    """The CSV's columns before any ``extra.KEY``: :data:`COLUMNS`, with ``rank`` after ``kind`` when ``ranked`` (some
+    record has srun's label: a multi-node job's log), so that an unlabelled log's CSV has no such column."""
+    return (*COLUMNS[:3], "rank", *COLUMNS[3:]) if ranked else COLUMNS
+
+
 def write_csv(records: list[dict], out: TextIO) -> None:
     """A header and one row per record; empty cells for fields a record lacks."""
-    extras = _extras(records)
+    extras, names = _extras(records), columns(any("rank" in r for r in records))
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([*COLUMNS, *(f"extra.{key}" for key in extras)])
+    writer.writerow([*names, *(f"extra.{key}" for key in extras)])
     for r in records:
-        writer.writerow(_row(r, extras))
+        writer.writerow(_row(r, extras, names))
 
 
 def write_files(files: list[tuple[str, LogChunk]], output_format: str, out: TextIO) -> None:
@@ -51,10 +58,12 @@ def write_files(files: list[tuple[str, LogChunk]], output_format: str, out: Text
         (write_jsonl if output_format == "jsonl" else write_csv)(rows, out)
         return
     extras = _extras([r for _, chunk in files for r in chunk.records])  # column-wise records have no extra
+    names = columns(any("rank" in r for _, chunk in files for r in chunk.records)
+                    or any("rank" in table.columns for _, chunk in files for table in chunk.tables))
     if output_format == "csv":
-        out.write(_csv_text([*COLUMNS, *(f"extra.{key}" for key in extras)]) + "\n")
+        out.write(_csv_text([*names, *(f"extra.{key}" for key in extras)]) + "\n")
     for name, chunk in files:
-        _write_lines(_columnar_lines(name, chunk, output_format, extras), out)
+        _write_lines(_columnar_lines(name, chunk, output_format, extras, names), out)
 
 
 def _write_lines(lines, out: TextIO) -> None:
@@ -71,11 +80,11 @@ def _write_lines(lines, out: TextIO) -> None:
         out.write(lines.slice(start, _SLICE).str.join("\n").item() + "\n")
 
 
-def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list[str]):
+def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list[str], names: tuple[str, ...]):
     """The output lines of one file's records in file order (a polars Series). Segments are counted first, over the
     iteration numbers alone, as :func:`opskit.logs.parse.split_segments` counts them (``_restarts``); then each line
     is formatted whole: ``records`` in Python, as :func:`write_jsonl` / :func:`write_csv` do, each table by polars,
-    one ``concat_str`` per part of it that lies in one segment."""
+    one ``concat_str`` per part of it that lies in one segment (``names``: the CSV's columns, :func:`columns`)."""
     import polars as pl
 
     jsonl = output_format == "jsonl"
@@ -84,7 +93,7 @@ def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list
     head = f'{{"file": {json.dumps(name)}, "segment": ' if jsonl else _csv_text([name]) + ","
     rest = pl.DataFrame({"slot": slots,
                          "line": [f"{head}{bisect.bisect_right(restarts, slot)}"
-                                  + (", " + json.dumps(r)[1:] if jsonl else "," + _csv_text(_row(r, extras)[2:]))
+                                  + (", " + json.dumps(r)[1:] if jsonl else "," + _csv_text(_row(r, extras, names)[2:]))
                                   for slot, r in zip(slots, chunk.records, strict=True)]},
                         schema={"slot": pl.Int64, "line": pl.String})
     parts = [rest.lazy()]
@@ -98,27 +107,30 @@ def _columnar_lines(name: str, chunk: LogChunk, output_format: str, extras: list
             inside = [slot >= start] if start is not None and start > first else []
             inside += [slot < stop] if stop is not None and stop <= last else []
             part = table.lazy().filter(*inside) if inside else table.lazy()
-            line = (_jsonl_line if jsonl else _csv_line)(f"{head}{segment}", floats, len(extras))
+            line = (_jsonl_line if jsonl else _csv_line)(f"{head}{segment}", floats, len(extras), names)
             parts.append(part.select(slot, line.alias("line")))
     return pl.concat(parts).sort("slot").collect()["line"]  # one query: polars formats the tables side by side
 
 
 def _restarts(chunk: LogChunk, slots) -> list[int]:
-    """The slots, in order, of the iteration records that begin a new segment: an iteration <= the one of the
-    iteration record before (:func:`opskit.logs.parse.split_segments`' rule)."""
+    """The slots, in order, of the iteration records that begin a new segment
+    (:func:`opskit.logs.parse.split_segments`' rule, over the iteration numbers and ranks alone)."""
     import polars as pl
 
-    rest = [(slot, r["iteration"]) for slot, r in zip(slots, chunk.records, strict=True) if r["kind"] == "iteration"]
-    order = pl.concat([pl.DataFrame(rest, schema={"slot": pl.Int64, "iteration": pl.Int64}, orient="row"),
-                       *(table.select(pl.col("slot").cast(pl.Int64), pl.col("iteration").cast(pl.Int64))
-                         for table in chunk.tables)]).sort("slot")
-    return order["slot"].gather(restart_indices(order["iteration"].to_numpy())).to_list()
+    schema = {"slot": pl.Int64, "rank": pl.Int64, "iteration": pl.Int64}
+    rest = [(slot, r.get("rank"), r["iteration"]) for slot, r in zip(slots, chunk.records, strict=True)
+            if r["kind"] == "iteration"]
+    order = pl.concat([pl.DataFrame(rest, schema=schema, orient="row"),
+                       *(table.select(key for key in schema if key in table.columns) for table in chunk.tables)],
+                      how="diagonal_relaxed").sort("slot")  # a table of unlabelled lines: null ranks
+    ranks = order["rank"].fill_null(UNLABELLED).to_numpy()
+    return order["slot"].gather(restart_indices(order["iteration"].to_numpy(), ranks)).to_list()
 
 
-def _jsonl_line(head: str, floats: dict, extras: int):
+def _jsonl_line(head: str, floats: dict, extras: int, names: tuple[str, ...]):
     """``json.dumps`` of the rows of an iteration table, ``head`` (``{"file": ..., "segment": N``) first
     (``floats``: each key of the record's order -> None for an integer column, else :func:`_odd_floats`; ``extras``
-    unused: the signature of :func:`_csv_line`)."""
+    and ``names`` unused: the signature of :func:`_csv_line`)."""
     pieces: list = [f'{head}, "kind": "iteration"']
     for key, odd in floats.items():
         pieces[-1] += f", {json.dumps(key)}: "
@@ -127,11 +139,11 @@ def _jsonl_line(head: str, floats: dict, extras: int):
     return _concat(pieces)
 
 
-def _csv_line(head: str, floats: dict, extras: int):
+def _csv_line(head: str, floats: dict, extras: int, names: tuple[str, ...]):
     """:func:`write_csv`'s row of the rows of an iteration table, ``head`` (file and segment cells) first: every
-    column of :data:`COLUMNS`, then ``extras`` empty cells."""
+    column of ``names``, then ``extras`` empty cells."""
     pieces: list = [head + ",iteration"]
-    for column in COLUMNS[3:]:
+    for column in names[3:]:
         pieces[-1] += ","
         if column in floats:
             pieces += [_number_text(column, floats[column]), ""]
@@ -178,10 +190,10 @@ def _extras(records: list[dict]) -> list[str]:
     return sorted({key for r in records for key in r.get("extra", {})})
 
 
-def _row(record: dict, extras: list[str]) -> list[str]:
-    """The CSV cells of a row."""
+def _row(record: dict, extras: list[str], names: tuple[str, ...]) -> list[str]:
+    """The CSV cells of a row (``names``: the columns before the extras)."""
     extra = record.get("extra", {})
-    return [*(_cell(record.get(c)) for c in COLUMNS), *(_cell(extra.get(k)) for k in extras)]
+    return [*(_cell(record.get(c)) for c in names), *(_cell(extra.get(k)) for k in extras)]
 
 
 def _csv_text(cells: list[str]) -> str:

@@ -5,7 +5,8 @@ An iteration line gives ``{"kind": "iteration", "iteration", "train_iters", "con
 "num_zeros", "skipped_iterations", "nan_iterations", "samples_per_second", "tflops"}`` with the fields the line has
 (snake_case of the log's own names; times always in seconds), unknown ``key: value |`` fields under ``"extra"``. A
 validation line gives ``{"kind": "validation", "iteration" (None at the end of training), "dataset", "where",
-"validation_lm_loss", "validation_ppl"}``.
+"validation_lm_loss", "validation_ppl"}``. A line with srun ``--label``'s task id (``3: ...``: a multi-node job's
+main_log.txt) has it as ``"rank"`` right after ``"kind"``; an unlabelled line has no ``rank`` key.
 
 Accepted: the 2021 ``(ms)`` format, the 2022 ``(s)`` format, ``[defaultN]:`` prefixes of ``torchrun --tee``,
 timestamps and logger prefixes (anything before ``iteration``). An iteration or validation line that was wrapped, cut
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+LABEL_DIGITS = 9
+"""Most digits an srun label has here (SLURM's task ids are far shorter; a longer run of digits is no label)."""
 ITERATION_WORD = "iteration "
 """What an iteration line's header starts with (after any prefix)."""
 VALIDATION_WORDS = " loss at "
@@ -139,6 +142,21 @@ def _other(record: dict, name: str, value: str) -> None:
     record.setdefault("extra", {})[key] = number
 
 
+def srun_label(line: str) -> int | None:
+    """srun ``--label``'s task id at the start of ``line`` (``"12: "``; spaces before it pad ids to the widest one's
+    width: ``" 3: "``), None when the line has none. With one task per node, as opskit's job script runs torchrun,
+    the task id is the node's rank (``--node_rank $SLURM_PROCID``)."""
+    start = len(line) - len(line.lstrip(" ")) if line[:1] == " " else 0
+    end = line.find(": ", start, start + LABEL_DIGITS + 2)
+    digits = line[start:end] if end > start else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else None
+
+
+def _kind(kind: str, rank: int | None) -> dict:
+    """A record's first keys: ``kind``, then ``rank`` for a labelled line."""
+    return {"kind": kind} if rank is None else {"kind": kind, "rank": rank}
+
+
 def _iteration(line: str, at: int, bar: int):
     """Record of the line whose ``iteration `` word starts at ``at`` (``bar``: its first ``|``); None when it is not an
     iteration line at all (``saving checkpoint at iteration 100 to ...``), ``CUT`` when it is one but not whole."""
@@ -148,9 +166,11 @@ def _iteration(line: str, at: int, bar: int):
         cut = (done + total).strip().replace(" ", "").isdigit() and not line[:at].endswith("at ")
         return CUT if cut else None
     try:
-        record = {"kind": "iteration", "iteration": int(done), "train_iters": int(total)}
+        numbers = int(done), int(total)
     except ValueError:
         return None
+    record = _kind("iteration", srun_label(line))
+    record["iteration"], record["train_iters"] = numbers
     return _fields(record, line[bar + 1:])
 
 
@@ -164,8 +184,9 @@ def _validation(line: str, head: str, at: int):
             iteration = int(where[len(ITERATION_WORD):])
         except ValueError:
             return CUT
-    record = _fields({"kind": "validation", "iteration": iteration, "dataset": words[-1] if words else "",
-                      "where": where}, line[len(head) + 1:])
+    record = _kind("validation", srun_label(line))
+    record.update(iteration=iteration, dataset=words[-1] if words else "", where=where)
+    record = _fields(record, line[len(head) + 1:])
     if record is CUT or "validation_lm_loss" not in record:
         return CUT
     record.setdefault("validation_ppl", None)

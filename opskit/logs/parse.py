@@ -46,6 +46,8 @@ _FIRST_BACK = 64 << 10  # the first block read from a file's end: what `logs sho
 MAX_LINE = 1 << 20
 """Bytes a line may have (its newline not counted); a longer one is garbage, skipped and counted (module doc)."""
 _GZIP_MAGIC = b"\x1f\x8b"
+UNLABELLED = -1
+"""The rank of an unlabelled record in a numpy array of ranks (srun's labels are >= 0)."""
 
 
 @dataclass
@@ -103,7 +105,7 @@ def _keep(fields: tuple[str, ...] | None) -> frozenset[str] | None:
     if unknown:
         raise LogFormatError(f"unknown iteration field(s) {', '.join(unknown)}: expected some of "
                              f"{', '.join(sorted(known))}")
-    return frozenset(("kind", "iteration", "train_iters", *fields))
+    return frozenset(("kind", "rank", "iteration", "train_iters", *fields))
 
 
 def parse_text(text: str, chunk: LogChunk | None = None, fields: tuple[str, ...] | None = None) -> LogChunk:
@@ -257,8 +259,8 @@ def read_from(path: str | Path, offset: int = 0, fields: tuple[str, ...] | None 
 
     Args:
         offset: where the previous call stopped (``LogChunk.offset``), 0 for the whole file.
-        fields: keep only these iteration fields (plus ``kind``, ``iteration``, ``train_iters``; no ``extra``): what
-            plots and spike detection over a whole log use.
+        fields: keep only these iteration fields (plus ``kind``, ``rank``, ``iteration``, ``train_iters``; no
+            ``extra``): what plots and spike detection over a whole log use.
         columnar: a large read keeps the records that polars builds column-wise, in ``tables`` (no dict each):
             for writers that format columns (``opskit logs parse``).
 
@@ -401,30 +403,46 @@ def first_iteration(path: str | Path) -> dict | None:
 
 
 def split_segments(records: list[dict]) -> list[list[dict]]:
-    """Split at restarts: a new segment begins where the iteration goes back (<= the previous one), as when a job
-    chain resumes from an earlier checkpoint. Validation records stay in the segment they were printed in."""
-    segments: list[list[dict]] = [[]]
-    previous = None
-    for record in records:
-        if record["kind"] == "iteration":
-            if previous is not None and record["iteration"] <= previous:
-                segments.append([])
-            previous = record["iteration"]
-        segments[-1].append(record)
-    return [s for s in segments if s]
+    """Split at restarts: a new segment begins where the iteration goes back (:func:`restart_indices`' rule), as when
+    a job chain resumes from an earlier checkpoint. Validation records stay in the segment they were printed in."""
+    at = [i for i, r in enumerate(records) if r["kind"] == "iteration"]
+    cuts = [at[i] for i in restart_indices([records[i]["iteration"] for i in at], [records[i].get("rank") for i in at])]
+    return [records[start:stop] for start, stop in pairwise([0, *cuts, len(records)]) if stop > start]
 
 
 def timeline(records: list[dict]) -> list[dict]:
     """The training as it stands: iteration records of the last segment that ran each iteration, in iteration
-    order (what a restart re-ran replaces what it had run before)."""
+    order (what a restart re-ran replaces what it had run before); where several ranks printed them, one rank's
+    (:func:`one_rank`)."""
     its = [r for r in records if r["kind"] == "iteration"]
+    chosen = one_rank([r["iteration"] for r in its], [r.get("rank") for r in its])
+    its = its if chosen is None else [its[i] for i in chosen.tolist()]
     return [r for start, stop in latest_runs([r["iteration"] for r in its]) for r in its[start:stop]]
 
 
+def one_rank(iterations: Sequence[int], ranks: Sequence[int | None]):
+    """The indices (a numpy array) of the records a timeline reads where several ranks printed iteration lines (a
+    trainer that logs on every node): in each segment (:func:`restart_indices`), those of the rank that printed its
+    first labelled record, and any unlabelled ones; None where one printer printed them all (all are read).
+    ``iterations`` and ``ranks`` as :func:`restart_indices` takes them."""
+    codes = _rank_codes(ranks)
+    if codes is None:
+        return None
+    import numpy as np
+
+    keep = codes == UNLABELLED
+    for start, stop in pairwise([0, *_ranked_restarts(np.asarray(iterations), codes), len(codes)]):
+        segment = codes[start:stop]
+        labelled = np.flatnonzero(segment != UNLABELLED)
+        if len(labelled):
+            keep[start:stop] |= segment == segment[labelled[0]]
+    return np.flatnonzero(keep)
+
+
 def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
-    """The index ranges [start, stop) of ``iterations`` (the iteration records' numbers, in file order) that
-    :func:`timeline` keeps, in order: segments split as :func:`split_segments` splits them (a restart: the iteration
-    goes back), each cut before the first iteration of any later segment (what the resume re-ran replaces)."""
+    """The index ranges [start, stop) of ``iterations`` (the iteration records' numbers, in file order, of one
+    printer: :func:`one_rank`) that :func:`timeline` keeps, in order: segments split where the iteration goes back,
+    each cut before the first iteration of any later segment (what the resume re-ran replaces)."""
     if not len(iterations):
         return []
     starts = [0, *restart_indices(iterations)]
@@ -437,15 +455,63 @@ def latest_runs(iterations: Sequence[int]) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop in reversed(kept) if stop > start]
 
 
-def restart_indices(iterations: Sequence[int]) -> list[int]:
-    """The indices where the iteration goes back (<= the one before: :func:`split_segments`' restart rule), for the
-    iteration records' numbers in file order: at once for a numpy array (a large log's), one pair at a time
-    otherwise."""
+def restart_indices(iterations: Sequence[int], ranks: Sequence[int | None] | None = None) -> list[int]:
+    """The indices where a new segment begins (:func:`split_segments`' restart rule), for the iteration records'
+    numbers in file order and their ranks (srun's labels: None, or :data:`UNLABELLED` in a numpy array, for an
+    unlabelled record; ``ranks`` None: all unlabelled): where the iteration is <= that of the last record since the
+    last restart of the same rank, an unlabelled record counting as every rank's (it is compared with the record
+    before it, a labelled one with the last of its rank or unlabelled). So one printer's lines (Megatron's
+    last rank) restart where the iteration goes back, and ranks that all print (a trainer that logs on every node)
+    restart once where they all go back, however their lines interleave. At once for numpy arrays (a large log's),
+    one pair at a time otherwise."""
+    codes = _rank_codes(ranks)
+    if codes is not None:
+        import numpy as np
+
+        return _ranked_restarts(np.asarray(iterations), codes)
+    # one printer: the last record of the same rank is the record before
     if hasattr(iterations, "dtype"):
         import numpy as np
 
         return (np.flatnonzero(np.diff(iterations) <= 0) + 1).tolist()
     return [i for i, (before, after) in enumerate(pairwise(iterations), 1) if after <= before]
+
+
+def _rank_codes(ranks: Sequence[int | None] | None):
+    """``ranks`` as a numpy array (:data:`UNLABELLED` for None); None when all are the same (one printer) or none
+    are given."""
+    if ranks is None or not len(ranks):
+        return None
+    if hasattr(ranks, "dtype"):
+        return None if (ranks == ranks[0]).all() else ranks
+    first = ranks[0]
+    if all(rank == first for rank in ranks):
+        return None
+    import numpy as np
+
+    return np.array([UNLABELLED if rank is None else rank for rank in ranks], dtype=np.int64)
+
+
+def _ranked_restarts(iterations, ranks) -> list[int]:
+    """:func:`restart_indices` of numpy arrays of iterations and ranks (:data:`UNLABELLED` for none)."""
+    import numpy as np
+
+    index = np.arange(len(ranks))
+    unlabelled = ranks == UNLABELLED
+    # before: each record's last record of the same rank or unlabelled (unlabelled: any record), -1 for none
+    last_unlabelled = np.maximum.accumulate(np.where(unlabelled, index, -1))
+    order = np.argsort(ranks, kind="stable")  # each rank's records in file order, one rank after another
+    same = np.flatnonzero(ranks[order[1:]] == ranks[order[:-1]])
+    same_rank = np.full(len(ranks), -1)
+    same_rank[order[same + 1]] = order[same]
+    before = np.where(unlabelled, index - 1, np.maximum(same_rank, np.concatenate(([-1], last_unlabelled[:-1]))))
+    went_back = (before >= 0) & (iterations <= iterations[np.maximum(before, 0)])
+    restarts, since = [], 0
+    for i in np.flatnonzero(went_back).tolist():
+        if before[i] >= since:  # else the first of its rank since the last restart: nothing before to go back from
+            restarts.append(i)
+            since = i
+    return restarts
 
 
 def as_list(column: Sequence) -> list:
@@ -472,7 +538,7 @@ def timeline_columns(chunk: LogChunk, keys: Sequence[str], value: Callable[[dict
     """:func:`timeline` of all of ``chunk``'s records (``tables`` included), column-wise: as :func:`record_columns`
     gives it (lists) for a chunk of records only; for a read kept columnar (``read_from(..., columnar=True)``) the
     same values as polars Series (null for None), which never become one dict or one Python object per record
-    (issue 19: plot and spikes on a 176B run's log). A key none of the tables holds is null in their rows; ``value``
+    (plot and spikes on a 176B run's log). A key none of the tables holds is null in their rows; ``value``
     reads the records built one by one."""
     if not chunk.tables:
         return record_columns(timeline(chunk.records), keys, value)
@@ -480,11 +546,15 @@ def timeline_columns(chunk: LogChunk, keys: Sequence[str], value: Callable[[dict
 
     keys = list(dict.fromkeys(("iteration", *keys)))
     rest = [(slot, r) for slot, r in zip(chunk.slots, chunk.records, strict=True) if r["kind"] == "iteration"]
+    columns = list(dict.fromkeys(("rank", *keys)))  # rank: who printed each record, for one_rank
     parts = [pl.DataFrame({"slot": [slot for slot, _ in rest],
-                           **{key: [value(r, key) for _, r in rest] for key in keys}}, strict=False)]
-    parts += [table.select("slot", *(key for key in keys if key in table.columns)) for table in chunk.tables]
+                           **{key: [r.get(key) if key == "rank" else value(r, key) for _, r in rest]
+                              for key in columns}}, strict=False)]
+    parts += [table.select("slot", *(key for key in columns if key in table.columns)) for table in chunk.tables]
     frame = pl.concat(parts, how="diagonal_relaxed").sort("slot")
-    frame = frame.with_columns(pl.lit(None).alias(key) for key in keys if key not in frame.columns)
+    frame = frame.with_columns(pl.lit(None).alias(key) for key in columns if key not in frame.columns)
+    chosen = one_rank(frame["iteration"].to_numpy(), frame["rank"].fill_null(UNLABELLED).to_numpy())
+    frame = frame if chosen is None else frame[chosen]
     runs = latest_runs(frame["iteration"].to_numpy())
     frame = pl.concat([frame.slice(start, stop - start) for start, stop in runs]) if runs else frame.clear()
     return {key: frame[key] for key in keys}
