@@ -591,13 +591,14 @@ class Spec(_Section):
     @model_validator(mode="after")
     def _cluster_rules(self) -> Spec:
         p, b = self.parallel, self.batch
-        if p.world_size % p.model_parallel_size:
+        if world := checks.world_size_problems(p.world_size, p.tensor_model_parallel_size,
+                                               p.pipeline_model_parallel_size, _field_name,
+                                               f" ({p.nodes} nodes x {p.gpus_per_node})"):
             sizes = checks.batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
             nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size,
                                       p.pipeline_model_parallel_size, b.micro_batch_size, sizes)
             fix = f"valid parallel.nodes for this layout: {listed(nodes)}" if nodes else "change TP or PP"
-            raise ValueError(f"parallel: {p.world_size} processes ({p.nodes} nodes x {p.gpus_per_node}) are not "
-                             f"divisible by TP*PP = {p.model_parallel_size}; {fix}")
+            raise ValueError(f"parallel: {world[0]}; {fix}")
         problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems(),
                     *checks.training_flag_problems({**self.megatron_args, "split": self.data.split}, _field_name),
                     *checks.client_optimizer_problems(bool(self.megatron_args.get("use_bnb_optimizer")),

@@ -499,8 +499,9 @@ def test_batch_not_divisible_lists_the_valid_node_counts(in_tmp):
     with pytest.raises(SpecError) as info:  # the same through `opskit plan tr11 --nodes 7`
         load_spec("tr11", overrides={"parallel": {"nodes": 7}})
     assert str(info.value).endswith("(with parallel.nodes=7 from the command line)")
-    assert ("parallel: 56 processes (7 nodes x 8) are not divisible by TP*PP = 48; valid parallel.nodes for this "
-            "layout: 6, 12, 24, 48") in str(info.value)
+    assert ("parallel: 56 processes (7 nodes x 8) are not divisible by TP*PP = 48 (parallel.tensor_model_parallel_size "
+            "4, parallel.pipeline_model_parallel_size 12); valid parallel.nodes for this layout: 6, 12, 24, 48") in \
+        str(info.value)
 
     raw = raw_of("tiny")
     raw["batch"]["global_batch_size"] = 12

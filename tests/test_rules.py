@@ -303,3 +303,12 @@ def test_a_json_may_repeat_flags_never_contradict_them():
                                ({"bf16": {"enabled": True}}, "bf16.enabled")):
         with pytest.raises(Contradiction, match=f"^{key} is "):
             with_flags(contradicting, implied)
+
+
+def test_the_world_size_rule_is_one_for_the_spec_and_the_trainer():
+    from opskit.rules.checks import flag_name, world_size_problems
+
+    assert world_size_problems(48, 4, 12, flag_name) == []
+    assert world_size_problems(56, 4, 12, flag_name) == [
+        "56 processes are not divisible by TP*PP = 48 (--tensor-model-parallel-size 4, --pipeline-model-parallel-size "
+        "12)"]

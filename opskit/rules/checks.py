@@ -105,6 +105,15 @@ def pad_vocab_problems(pad_vocab_size_to: int | None, make_vocab_size_divisible_
     return []
 
 
+def world_size_problems(world_size: int, tp: int, pp: int, name: Namer, how: str = "") -> list[str]:
+    """Megatron's ``initialize_model_parallel``: the world size (processes, one per GPU) must be a multiple of
+    TP x PP, whose quotient is DP. ``how``: how the caller came to that many processes (`` (4 nodes x 8)``)."""
+    if world_size % (tp * pp) == 0:
+        return []
+    return [f"{world_size} processes{how} are not divisible by TP*PP = {tp * pp} "
+            f"({name('tensor_model_parallel_size', tp)}, {name('pipeline_model_parallel_size', pp)})"]
+
+
 def rampup_problems(global_batch_size: int, rampup: tuple[int, int, int] | list[int] | None, name: Namer) -> list[str]:
     """``--rampup-batch-size start incr samples``: Megatron's RampupBatchsizeNumMicroBatches asserts that the start
     batch and the ramp-up samples are > 0 (it divides the samples by the increments; a start of 0 walks for ever)

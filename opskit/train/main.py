@@ -35,7 +35,12 @@ from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from opskit.fsutil import atomic_write_text  # noqa: E402
-from opskit.rules.checks import TRAINER_PARTITION_METHOD, client_optimizer_problems, flag_name  # noqa: E402
+from opskit.rules.checks import (  # noqa: E402
+    TRAINER_PARTITION_METHOD,
+    client_optimizer_problems,
+    flag_name,
+    world_size_problems,
+)
 from opskit.rules.deepspeed import (  # noqa: E402
     Contradiction,
     deepspeed_config,
@@ -385,8 +390,8 @@ def _init_model_parallel(args: argparse.Namespace) -> World:
 
     rank, size = dist.get_rank(), dist.get_world_size()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if size % (tp * pp):
-        raise TrainerError(f"{size} processes are not divisible by TP*PP = {tp * pp}")
+    if problems := world_size_problems(size, tp, pp, flag_name):
+        raise TrainerError(problems[0])
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     _set_random_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank(), pp)
     return World(rank=rank, size=size, tp=tp, pp=pp, dp=size // (tp * pp), start_time=_agreed_start_time())
