@@ -132,21 +132,21 @@ class _Section(BaseModel):
 class ModelSpec(_Section):
     """Architecture (Megatron-DeepSpeed GPT: GPT-2 style or BLOOM style)."""
 
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    ffn_hidden_size: int | None = Field(default=None, gt=0)
+    num_layers: int = Field(**flags.bounds("num_layers"))
+    hidden_size: int = Field(**flags.bounds("hidden_size"))
+    num_attention_heads: int = Field(**flags.bounds("num_attention_heads"))
+    ffn_hidden_size: int | None = Field(default=None, **flags.bounds("ffn_hidden_size"))
     """Defaults to 4 * hidden_size, as in Megatron."""
-    seq_length: int = Field(gt=0)
-    max_position_embeddings: int = Field(gt=0)
+    seq_length: int = Field(**flags.bounds("seq_length"))
+    max_position_embeddings: int = Field(**flags.bounds("max_position_embeddings"))
     position_embedding_type: Literal["absolute", "alibi"] = "absolute"
     embed_layernorm: bool = False
     """LayerNorm right after the word embedding (BLOOM)."""
-    pad_vocab_size_to: int | None = Field(default=None, gt=0)
-    make_vocab_size_divisible_by: int = Field(default=128, gt=0)
-    init_method_std: float = Field(default=0.02, gt=0)
-    hidden_dropout: float = Field(default=0.1, ge=0, lt=1)
-    attention_dropout: float = Field(default=0.1, ge=0, lt=1)
+    pad_vocab_size_to: int | None = Field(default=None, **flags.bounds("pad_vocab_size_to"))
+    make_vocab_size_divisible_by: int = Field(default=128, **flags.bounds("make_vocab_size_divisible_by"))
+    init_method_std: float = Field(default=0.02, **flags.bounds("init_method_std"))
+    hidden_dropout: float = Field(default=0.1, **flags.bounds("hidden_dropout"))
+    attention_dropout: float = Field(default=0.1, **flags.bounds("attention_dropout"))
     precision: Literal["fp32", "fp16", "bf16"] = "bf16"
     checkpoint_activations: bool = False
     """``--checkpoint-activations``: recompute each layer's activations in the backward pass (full recompute)."""
@@ -175,12 +175,12 @@ class ParallelSpec(_Section):
     gpu_memory_gb: float | None = Field(default=None, gt=0)
     """Memory of one GPU as vendors count it (32 for a V100-32GB, 80 for an A100-80GB; GiB): ``opskit plan`` warns
     when its per-GPU estimate exceeds it."""
-    tensor_model_parallel_size: int = Field(default=1, gt=0)
-    pipeline_model_parallel_size: int = Field(default=1, gt=0)
+    tensor_model_parallel_size: int = Field(default=1, **flags.bounds("tensor_model_parallel_size"))
+    pipeline_model_parallel_size: int = Field(default=1, **flags.bounds("pipeline_model_parallel_size"))
     pp_partition_method: str | None = Field(default=None, pattern=_ONE_LINE)
     """``--pp-partition-method`` (Megatron-DeepSpeed), e.g. ``type:transformer|embedding`` (BLOOM-176B): counts the
     embeddings as layers when balancing pipeline stages, so num_layers need not be a multiple of PP."""
-    zero_stage: int = Field(default=1, ge=0, le=1)
+    zero_stage: int = Field(default=1, **flags.bounds("zero_stage"))
     """DeepSpeed ZeRO stage: 0 or 1."""
     deepspeed_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+)?([^\n]*)$")
     """DeepSpeed version the job will run with; default: the one installed where opskit runs (``opskit submit``)."""
@@ -200,22 +200,20 @@ class ParallelSpec(_Section):
         return self.world_size // self.model_parallel_size
 
 
-# Batch sizes beyond this are typos (BLOOM-176B: 2048): the node-count search and the ramp-up table grow with them.
-MAX_BATCH = 1 << 20
 # Iterations a ramp-up or a curriculum may span, beyond which a value is a typo (tr1-13B's ramp-up: 312,500 at most;
 # tr8b-104B's curriculum: 36,000): `opskit plan` replays both iteration by iteration.
 MAX_ITERATIONS = 1 << 22
 
 
 class BatchSpec(_Section):
-    micro_batch_size: int = Field(gt=0, le=MAX_BATCH)
-    global_batch_size: int = Field(gt=0, le=MAX_BATCH)
+    micro_batch_size: int = Field(**flags.bounds("micro_batch_size"))
+    global_batch_size: int = Field(**flags.bounds("global_batch_size"))
     rampup_batch_size: tuple[int, int, int] | None = None
     """[start, increment, ramp-up samples], Megatron's --rampup-batch-size."""
-    train_samples: int | None = Field(default=None, gt=0)
-    train_iters: int | None = Field(default=None, gt=0)
+    train_samples: int | None = Field(default=None, **flags.bounds("train_samples"))
+    train_iters: int | None = Field(default=None, **flags.bounds("train_iters"))
     """``--train-iters``: the alternative to train_samples, without a batch ramp-up."""
-    train_tokens: int | None = Field(default=None, gt=0)
+    train_tokens: int | None = Field(default=None, **flags.bounds("train_tokens"))
     """``--train-tokens`` (curriculum learning, Megatron-DeepSpeed): stop after this many tokens."""
 
     @field_validator("rampup_batch_size", mode="before")
@@ -243,18 +241,18 @@ class BatchSpec(_Section):
 
 
 class OptimizerSpec(_Section):
-    lr: float = Field(gt=0)
-    min_lr: float = Field(default=0.0, ge=0)
+    lr: float = Field(**flags.bounds("lr"))
+    min_lr: float = Field(default=0.0, **flags.bounds("min_lr"))
     lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
-    lr_warmup_samples: int = Field(default=0, ge=0)
-    lr_decay_samples: int | None = Field(default=None, gt=0)
-    lr_decay_tokens: int | None = Field(default=None, gt=0)
+    lr_warmup_samples: int = Field(default=0, **flags.bounds("lr_warmup_samples"))
+    lr_decay_samples: int | None = Field(default=None, **flags.bounds("lr_decay_samples"))
+    lr_decay_tokens: int | None = Field(default=None, **flags.bounds("lr_decay_tokens"))
     """``--lr-decay-tokens`` (Megatron-DeepSpeed, with curriculum learning): decay by consumed tokens."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
-    weight_decay: float = Field(default=0.01, ge=0)
-    clip_grad: float = Field(default=1.0, ge=0)
+    weight_decay: float = Field(default=0.01, **flags.bounds("weight_decay"))
+    clip_grad: float = Field(default=1.0, **flags.bounds("clip_grad"))
 
 
 class DataSpec(_Section):
@@ -320,11 +318,11 @@ class DataSpec(_Section):
 class CheckpointSpec(_Section):
     """Checkpoints, evaluation, logging and the seed."""
 
-    save_interval: int = Field(gt=0)
-    log_interval: int = Field(default=100, gt=0)
-    eval_interval: int | None = Field(default=None, gt=0)
-    eval_iters: int | None = Field(default=None, ge=0)
-    tensorboard_queue_size: int | None = Field(default=None, gt=0)
+    save_interval: int = Field(**flags.bounds("save_interval"))
+    log_interval: int = Field(default=100, **flags.bounds("log_interval"))
+    eval_interval: int | None = Field(default=None, **flags.bounds("eval_interval"))
+    eval_iters: int | None = Field(default=None, **flags.bounds("eval_iters"))
+    tensorboard_queue_size: int | None = Field(default=None, **flags.bounds("tensorboard_queue_size"))
     seed: int = 1234
 
 

@@ -55,6 +55,46 @@ def test_spec_defaults_are_the_trainers():
         assert parser.get_default(flag.dest) == flag.default, flag.option
 
 
+def _schema_bounds(section: str, name: str) -> dict:
+    """The pydantic bounds (gt/ge/lt/le) of a spec field."""
+    return {key: getattr(m, key) for m in _section_fields(section)[name].metadata for key in ("gt", "ge", "lt", "le")
+            if hasattr(m, key)}
+
+
+def _outside(flag: flags.Flag) -> list:
+    """A value just past each of the flag's bounds."""
+    step = 1 if flag.type is int else 0.5
+    return [flag.type(limit + {"gt": 0, "ge": -step, "lt": 0, "le": step}[key]) for key, limit in flag.bounds.items()]
+
+
+BOUNDED = [flag for flag in flags.FLAGS.values() if flag.bounds]
+TRAINER_BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+                "--global-batch-size 1 --train-samples 1 --lr 1e-4 --data-path d --tokenizer-name-or-path t").split()
+
+
+def test_every_bound_is_the_same_for_a_spec_field_and_its_flag():
+    """A bound applied on one side only lets a value through that the other side refuses (a spec the trainer
+    rejects at start, or a trainer flag no spec can hold): every flagged field has exactly its flag's bounds."""
+    for field, flag in flags.spec_fields().items():
+        assert _schema_bounds(*field.split(".")) == flag.bounds, field
+    assert {flag.option for flag in BOUNDED} >= {"--num-layers", "--eval-interval", "--stack-dump-after-mins"}
+
+
+@pytest.mark.parametrize("flag", BOUNDED, ids=lambda f: f.option)
+def test_a_value_past_a_bound_is_refused_by_the_trainer_and_the_spec(flag, capsys):
+    for value in _outside(flag):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args([*TRAINER_BASE, flag.option, str(value)])
+        assert stopped.value.code == 2
+        assert f"error: argument {flag.option}: must be " in capsys.readouterr().err
+        if flag.field:
+            section, name = flag.field.split(".")
+            raw = copy.deepcopy(TINY)
+            raw.setdefault(section, {})[name] = value
+            with pytest.raises(SpecError, match=rf"{section}\.{name}"):
+                validate_spec(raw, Path("bounds.yaml"))
+
+
 def test_train_iters_renders_a_flag_the_trainer_parses(tmp_path):
     """batch.train_iters passed spec validation and `opskit plan`, but the trainer refused --train-iters."""
     raw = _tiny(tmp_path)

@@ -21,11 +21,14 @@ Every other flag is free: the spec sets it under ``megatron_args`` (``key_name: 
 Megatron-DeepSpeed spells ``--deepspeed_config`` with an underscore; the table keeps that spelling.
 
 Defaults are Megatron-DeepSpeed's (the trainer keeps its flags' semantics); a spec field with a default has the same
-one, or None (the flag is left out, so the trainer's default applies): tests/test_flags_property.py checks it.
+one, or None (the flag is left out, so the trainer's default applies). Value bounds (``gt``/``ge``/``lt``/``le``)
+are the flag's too: the trainer's parser applies them and the spec field declares them with :func:`bounds`.
+tests/test_flags_property.py checks both.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +59,12 @@ class Flag:
     help: str | None = None
     section: str | None = None
     derived: str | None = None
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    """Bounds of the value (pydantic's names): the trainer's parser refuses a value outside them, and the spec field
+    of the flag takes the same (:func:`bounds`), so one side cannot accept what the other refuses."""
 
     def __post_init__(self):
         if self.switch:  # a switch left out is off
@@ -76,31 +85,65 @@ class Flag:
         """Where a spec sets this flag when not under ``megatron_args``: its field or what it is derived from."""
         return self.field or self.derived
 
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The flag's bounds as ``pydantic.Field`` keyword arguments (``{"gt": 0}``); {} when it has none."""
+        return {key: value for key in ("gt", "ge", "lt", "le") if (value := getattr(self, key)) is not None}
+
+    def bound_problem(self, value: float) -> str | None:
+        """Which bound ``value`` breaks (``must be > 0``), or None; NaN breaks every bound."""
+        for key, (sign, holds) in _BOUND_TESTS.items():
+            limit = getattr(self, key)
+            if limit is not None and not holds(value, limit):
+                return f"must be {sign} {limit:g}"
+        return None
+
     def argparse_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``ArgumentParser.add_argument`` for this flag."""
         if self.switch:
             return {"action": "store_true", "help": self.help}
-        kwargs = {"type": self.type, "default": self.default, "help": self.help}
+        kwargs = {"type": self._bounded_type() if self.bounds else self.type, "default": self.default,
+                  "help": self.help}
         kwargs.update({key: getattr(self, key) for key in ("choices", "nargs", "metavar", "required")
                        if getattr(self, key) not in (None, False)})
         return kwargs
 
+    def _bounded_type(self) -> Callable[[str], Any]:
+        """``type`` that also refuses a value outside the bounds (argparse then names the flag)."""
+        def convert(text: str):
+            value = self.type(text)
+            if problem := self.bound_problem(value):
+                raise argparse.ArgumentTypeError(f"{problem}, got {text}")
+            return value
+
+        convert.__name__ = self.type.__name__  # argparse's "invalid int value" names the type
+        return convert
+
+
+_BOUND_TESTS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
+    "gt": (">", lambda v, x: v > x), "ge": (">=", lambda v, x: v >= x),
+    "lt": ("<", lambda v, x: v < x), "le": ("<=", lambda v, x: v <= x)}
+
+MAX_BATCH = 1 << 20
+"""The largest micro or global batch (samples): beyond it a value is a typo (BLOOM-176B: 2048), and the planner's
+node-count search and ramp-up table grow with it."""
+
 
 GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     ("model", (
-        Flag("--num-layers", section="model", type=int, required=True),
-        Flag("--hidden-size", section="model", type=int, required=True),
-        Flag("--ffn-hidden-size", section="model", type=int, help="default 4 * hidden size"),
-        Flag("--num-attention-heads", section="model", type=int, required=True),
-        Flag("--seq-length", section="model", type=int, required=True),
-        Flag("--max-position-embeddings", section="model", type=int, help="default: --seq-length"),
+        Flag("--num-layers", section="model", type=int, required=True, gt=0),
+        Flag("--hidden-size", section="model", type=int, required=True, gt=0),
+        Flag("--ffn-hidden-size", section="model", type=int, gt=0, help="default 4 * hidden size"),
+        Flag("--num-attention-heads", section="model", type=int, required=True, gt=0),
+        Flag("--seq-length", section="model", type=int, required=True, gt=0),
+        Flag("--max-position-embeddings", section="model", type=int, gt=0, help="default: --seq-length"),
         Flag("--position-embedding-type", section="model", choices=("absolute", "alibi"), default="absolute"),
         Flag("--embed-layernorm", section="model", switch=True, help="LayerNorm after the word embedding (BLOOM)"),
-        Flag("--init-method-std", section="model", type=float, default=0.02),
-        Flag("--hidden-dropout", section="model", type=float, default=0.1),
-        Flag("--attention-dropout", section="model", type=float, default=0.1),
-        Flag("--make-vocab-size-divisible-by", section="model", type=int, default=128),
-        Flag("--pad-vocab-size-to", section="model", type=int),
+        Flag("--init-method-std", section="model", type=float, default=0.02, gt=0),
+        Flag("--hidden-dropout", section="model", type=float, default=0.1, ge=0, lt=1),
+        Flag("--attention-dropout", section="model", type=float, default=0.1, ge=0, lt=1),
+        Flag("--make-vocab-size-divisible-by", section="model", type=int, default=128, gt=0),
+        Flag("--pad-vocab-size-to", section="model", type=int, gt=0),
         Flag("--fp16", switch=True, derived="model.precision",
              help="fp16 with DeepSpeed's loss scaling (the DeepSpeed config's fp16 block; default dynamic, initial "
                   "scale 2^12)"),
@@ -110,8 +153,8 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "(0 = dynamic)"),
     )),
     ("parallelism", (
-        Flag("--tensor-model-parallel-size", type=int, default=1, section="parallel"),
-        Flag("--pipeline-model-parallel-size", type=int, default=1, section="parallel"),
+        Flag("--tensor-model-parallel-size", type=int, default=1, section="parallel", gt=0),
+        Flag("--pipeline-model-parallel-size", type=int, default=1, section="parallel", gt=0),
         Flag("--sync-tp-duplicated-parameters", switch=True,
              help="average the parameters every TP rank holds a copy of (LayerNorms, row-parallel biases, position "
                   "embeddings) over the TP group after every step, so they stay bitwise equal"),
@@ -119,7 +162,7 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
              help="accepted for compatibility; DeepSpeed is always used"),
         Flag("--deepspeed_config", derived="opskit (the rendered ds_config.json)",
              help="DeepSpeed JSON; missing keys are filled from the flags"),
-        Flag("--zero-stage", type=int, choices=(0, 1), default=1, section="parallel"),
+        Flag("--zero-stage", type=int, default=1, section="parallel", ge=0, le=1),
         Flag("--checkpoint-activations", section="model", switch=True),
         Flag("--deepspeed-activation-checkpointing", switch=True,
              help="accepted, no effect: --checkpoint-activations always uses DeepSpeed's (pipeline) activation "
@@ -133,20 +176,20 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--distributed-backend", choices=("nccl", "gloo"), help="default: nccl with CUDA, gloo on CPU"),
     )),
     ("batch and schedule", (
-        Flag("--micro-batch-size", type=int, required=True, section="batch"),
-        Flag("--global-batch-size", type=int, required=True, section="batch"),
+        Flag("--micro-batch-size", type=int, required=True, section="batch", gt=0, le=MAX_BATCH),
+        Flag("--global-batch-size", type=int, required=True, section="batch", gt=0, le=MAX_BATCH),
         Flag("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), section="batch"),
-        Flag("--train-samples", type=int, section="batch"),
-        Flag("--train-iters", type=int, section="batch",
+        Flag("--train-samples", type=int, section="batch", gt=0),
+        Flag("--train-iters", type=int, section="batch", gt=0,
              help="instead of --train-samples (Megatron's; not with --rampup-batch-size)"),
-        Flag("--train-tokens", type=int, section="batch",
+        Flag("--train-tokens", type=int, section="batch", gt=0,
              help="accepted, no effect, as in Megatron-DeepSpeed since its PR #177: --train-samples ends training"),
-        Flag("--lr", type=float, required=True, section="optimizer"),
-        Flag("--min-lr", type=float, default=0.0, section="optimizer"),
+        Flag("--lr", type=float, required=True, section="optimizer", gt=0),
+        Flag("--min-lr", type=float, default=0.0, section="optimizer", ge=0),
         Flag("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear", section="optimizer"),
-        Flag("--lr-warmup-samples", type=int, default=0, section="optimizer"),
-        Flag("--lr-decay-samples", type=int, section="optimizer", help="default: --train-samples"),
-        Flag("--lr-decay-tokens", type=int, section="optimizer",
+        Flag("--lr-warmup-samples", type=int, default=0, section="optimizer", ge=0),
+        Flag("--lr-decay-samples", type=int, section="optimizer", gt=0, help="default: --train-samples"),
+        Flag("--lr-decay-tokens", type=int, section="optimizer", gt=0,
              help="decay the LR over this many consumed tokens instead of samples (curriculum learning: shorter "
                   "sequences early); warmup stays in samples"),
         Flag("--override-lr-scheduler", switch=True),
@@ -159,8 +202,8 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--adam-beta1", type=float, default=0.9, section="optimizer"),
         Flag("--adam-beta2", type=float, default=0.999, section="optimizer"),
         Flag("--adam-eps", type=float, default=1e-8, section="optimizer"),
-        Flag("--weight-decay", type=float, default=0.01, section="optimizer"),
-        Flag("--clip-grad", type=float, default=1.0, section="optimizer"),
+        Flag("--weight-decay", type=float, default=0.01, section="optimizer", ge=0),
+        Flag("--clip-grad", type=float, default=1.0, section="optimizer", ge=0),
         Flag("--seed", type=int, default=1234, section="checkpoint"),
     )),
     ("data", (
@@ -188,22 +231,22 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "rule; default 969, 30, 1)"),
     )),
     ("validation", (
-        Flag("--eval-interval", type=int, section="checkpoint",
+        Flag("--eval-interval", type=int, section="checkpoint", gt=0,
              help="validate every N iterations and at the end of training (default: never)"),
-        Flag("--eval-iters", type=int, default=100, section="checkpoint",
+        Flag("--eval-iters", type=int, default=100, section="checkpoint", ge=0,
              help="global batches of the valid split per validation (default 100)"),
     )),
     ("checkpoints and exit", (
         Flag("--save", derived=_RUN_DIR),
         Flag("--load", derived=_RUN_DIR),
-        Flag("--save-interval", type=int, section="checkpoint"),
+        Flag("--save-interval", type=int, section="checkpoint", gt=0),
         Flag("--exit-interval", type=int),
         Flag("--exit-duration-in-mins", type=float, derived="slurm.time and slurm.exit_margin_mins"),
         Flag("--kill-switch-path", derived=_RUN_DIR, help="if this file exists: save and exit"),
         Flag("--finished-flag-path", derived=_RUN_DIR,
              help="opskit extension: write this file when training completes, so the chain's later tasks exit at "
                   "start"),
-        Flag("--stack-dump-after-mins", type=float, derived="watchdog.hang_min_minutes (half of it)",
+        Flag("--stack-dump-after-mins", type=float, derived="watchdog.hang_min_minutes (half of it)", ge=0, lt=1e6,
              help="opskit extension: when one iteration takes this long, every rank prints its Python stacks (the "
                   "watchdog names the rank a hang waits for); default off"),
         Flag("--skip-train-iteration-range", nargs="+", metavar="START-END",
@@ -211,9 +254,9 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "iteration, LR and consumed samples do not advance"),
     )),
     ("logging", (
-        Flag("--log-interval", type=int, default=100, section="checkpoint"),
+        Flag("--log-interval", type=int, default=100, section="checkpoint", gt=0),
         Flag("--tensorboard-dir", derived=_RUN_DIR),
-        Flag("--tensorboard-queue-size", type=int, default=1000, section="checkpoint"),
+        Flag("--tensorboard-queue-size", type=int, default=1000, section="checkpoint", gt=0),
         Flag("--log-batch-size-to-tensorboard", switch=True,
              help="accepted; batch-size/batch-size (+ vs samples) is always written"),
         Flag("--log-timers-to-tensorboard", switch=True,
@@ -230,6 +273,12 @@ order too)."""
 
 FLAGS: dict[str, Flag] = {flag.dest: flag for _, flags in GROUPS for flag in flags}
 """The table by argparse attribute / ``megatron_args`` key."""
+
+
+def bounds(key: str) -> dict[str, float]:
+    """The bounds of flag ``key`` (``num_layers``) as ``pydantic.Field`` keyword arguments: what the spec field of
+    the same name declares (:attr:`Flag.bounds`)."""
+    return FLAGS[key].bounds
 
 FIELD_EXCEPTIONS: dict[str, str] = {
     "model.precision": "--fp16 / --bf16 (fp32: neither)",

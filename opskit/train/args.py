@@ -96,12 +96,5 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                  *checks.tokenizer_problems(args.tokenizer_type, args.tokenizer_name_or_path, args.vocab_file,
                                             args.merge_file, flag_name),
                  *checks.training_flag_problems(vars(args), flag_name)]
-    if args.eval_interval is not None and args.eval_interval <= 0:
-        problems.append(f"--eval-interval must be > 0, got {args.eval_interval}")
-    if args.eval_iters < 0:
-        problems.append(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if args.stack_dump_after_mins is not None and not 0 <= args.stack_dump_after_mins < 1e6:  # NaN fails too
-        problems.append(f"--stack-dump-after-mins must be a number of minutes >= 0 (0: off), got "
-                        f"{args.stack_dump_after_mins}")
     if problems:  # the first, as argparse reports one error
         parser.error(problems[0])
