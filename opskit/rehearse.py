@@ -45,6 +45,7 @@ from opskit.rules.model import padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.runs import RunPaths
 from opskit.spec import Spec, SpecError, deep_merge, unset_variables, validate_spec
+from opskit.train import REHEARSAL_CLOCK_ENV
 
 COMMAND = "rehearse"
 DEFAULT_RANKS_PER_NODE = 4
@@ -63,7 +64,6 @@ DEMO_VOCAB = 1024
 CLUSTER_ONLY = ("partition", "account", "qos", "reservation", "constraint", "gres", "hint")
 WAIT_S = 900
 """Real seconds both tasks may take together before the rehearsal cancels them."""
-CLOCK_ENV = "OPSKIT_REHEARSAL_MINUTES_PER_ITERATION"  # opskit.train.main.REHEARSAL_CLOCK_ENV (no torch import here)
 
 Status = Literal["ok", "failed", "skipped"]
 
@@ -379,7 +379,7 @@ def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str])
             env[key] = None
             said.append(f"slurm.env.{key} dropped (${unset[0]} is not set here)")
     clock = minutes_per_iteration(spec.exit_duration_in_mins, shape.iterations)
-    env.update({"OMP_NUM_THREADS": "1", CLOCK_ENV: f"{clock:.6g}"})
+    env.update({"OMP_NUM_THREADS": "1", REHEARSAL_CLOCK_ENV: f"{clock:.6g}"})
     said.append(f"exit duration {spec.exit_duration_in_mins:g} min ({s.time} - {s.exit_margin_mins:g} min) kept; "
                 f"simulated clock: 1 iteration = {clock:.6g} min, so task 1 stops after {shape.iterations // 2 + 1} "
                 "iterations")

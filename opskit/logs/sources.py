@@ -100,13 +100,12 @@ def from_spec(name: str) -> LogSource:
     Raises:
         SpecError: no such spec.
     """
-    from opskit.ckpt.layout import STEP_DIR
+    from opskit.ckpt.layout import step_dirs
     from opskit.spec import load_spec
 
     spec = load_spec(name)
     run = RunPaths.of(spec)
-    steps = tuple(sorted(int(m.group(1)) for p in (run.checkpoints.iterdir() if run.checkpoints.is_dir() else ())
-                         if (m := STEP_DIR.match(p.name))))
+    steps = tuple(step_dirs(run.checkpoints))
     return LogSource(spec.name, run.main_log, save_interval=spec.checkpoint.save_interval,
                      checkpoints=steps or None, planned_tokens=spec.batch.samples * spec.model.seq_length)
 

@@ -50,6 +50,7 @@ from opskit.rules.deepspeed import (  # noqa: E402
 )
 from opskit.rules.formats import parse_data_path  # noqa: E402
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
+from opskit.train import REHEARSAL_CLOCK_ENV  # noqa: E402
 from opskit.train.args import parse_args  # noqa: E402
 from opskit.train.ds_compat import (  # noqa: E402
     fuse_zero_overflow_check,
@@ -874,7 +875,6 @@ def _on_any_rank(*flags: bool) -> list[bool]:
 
 # `opskit rehearse` runs a production spec's exit duration (BLOOM-176B: 5990 min) on a CPU model in seconds: with this
 # variable set, the minutes since the start are (iterations trained by this process) * its value, not wall time.
-REHEARSAL_CLOCK_ENV = "OPSKIT_REHEARSAL_MINUTES_PER_ITERATION"
 
 
 def _minutes_since_start(train_start_time: float, iterations_run: int) -> float:
