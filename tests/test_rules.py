@@ -312,3 +312,39 @@ def test_the_world_size_rule_is_one_for_the_spec_and_the_trainer():
     assert world_size_problems(56, 4, 12, flag_name) == [
         "56 processes are not divisible by TP*PP = 48 (--tensor-model-parallel-size 4, --pipeline-model-parallel-size "
         "12)"]
+
+
+def test_the_trainers_curriculum_block_meets_the_specs_rule():
+    from opskit.train.schedules import SeqlenCurriculum
+
+    block = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 64, "max_difficulty": 2048,
+             "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 36_000,
+                                                                  "difficulty_step": 8}}
+    assert SeqlenCurriculum(block, 2048).seqlen(146) == 72
+    for change, message in [
+            ({"min_difficulty": 60}, "curriculum_learning.min_difficulty 60 is not a multiple of 8"),
+            ({"max_difficulty": 4096}, "curriculum_learning.max_difficulty 4096 exceeds --seq-length 2048"),
+            ({"schedule_config": {"total_curriculum_step": 10, "difficulty_step": 12}},
+             "curriculum_learning.schedule_config.difficulty_step 12 is not a multiple of 8"),
+            ({"min_difficulty": True}, "curriculum_learning.min_difficulty is True; expected a positive integer")]:
+        with pytest.raises(ValueError, match=message):
+            SeqlenCurriculum({**block, **change}, 2048)
+
+
+def test_every_rule_is_applied_by_both_the_spec_and_the_trainer():
+    """A rule applied on one side only lets the other accept what it refuses (the ramp-up's start of 0 once hung the
+    trainer). The one exception needs the data-parallel size, which only the spec knows before the job starts."""
+    import inspect
+    from pathlib import Path
+
+    import opskit.spec
+    import opskit.train
+
+    spec_only = {"batch_problems": "needs DP; the trainer meets it at run time (rules.schedule.num_microbatches)"}
+    rules = [name for name, f in vars(checks).items() if name.endswith("_problems") and inspect.isfunction(f)]
+    spec_text = Path(opskit.spec.__file__).read_text()
+    train_text = "".join(p.read_text() for p in Path(opskit.train.__file__).parent.glob("*.py"))
+    assert len(rules) >= 14
+    for rule in rules:
+        assert f"{rule}(" in spec_text, rule
+        assert (f"{rule}(" in train_text) != (rule in spec_only), rule

@@ -196,16 +196,17 @@ def batch_problems(global_batch_size: int, rampup: tuple[int, int, int] | list[i
             f"{nodes} nodes); {fix}" for label, size in bad]
 
 
-def curriculum_problems(min_difficulty: int, max_difficulty: int, difficulty_step: int, seq_length: int,
+def curriculum_problems(min_difficulty: int, max_difficulty: int, difficulty_step: int | None, seq_length: int,
                         name: Namer) -> list[str]:
     """DeepSpeed's seqlen curriculum guide: difficulties in multiples of 8 (Tensor Core alignment), rising from
-    ``min_difficulty`` to at most ``seq_length``."""
+    ``min_difficulty`` to at most ``seq_length``; ``difficulty_step`` None for a schedule without one
+    (``fixed_discrete``)."""
     problems = []
     if min_difficulty % 8:
         problems.append(f"{name('min_difficulty', min_difficulty)} is not a multiple of 8 (Tensor Core alignment, "
                         f"DeepSpeed's curriculum guide): use {min_difficulty // 8 * 8 or 8} or "
                         f"{(min_difficulty // 8 + 1) * 8}")
-    if difficulty_step % 8:
+    if difficulty_step is not None and difficulty_step % 8:
         problems.append(f"{name('difficulty_step', difficulty_step)} is not a multiple of 8 (Tensor Core "
                         "alignment): use 8")
     if max_difficulty > seq_length:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from opskit.rules import checks
 from opskit.rules.schedule import annealing_lr
 
 # Checkpointed AnnealingLR fields that must agree with the command line unless told otherwise.
@@ -108,6 +109,13 @@ class AnnealingLR:
         self.step(0)
 
 
+def _json_key(key: str, value=None) -> str:
+    """The :data:`opskit.rules.checks.Namer` of the DeepSpeed JSON's curriculum block (``--seq-length`` is a flag)."""
+    named = checks.flag_name(key) if key == "seq_length" else f"curriculum_learning.{key}" if key in (
+        "min_difficulty", "max_difficulty") else f"curriculum_learning.schedule_config.{key}"
+    return named if value is None else f"{named} {value}"
+
+
 class SeqlenCurriculum:
     """Megatron-DeepSpeed's sequence-length curriculum (Li et al. 2021, arXiv:2108.06084) from the DeepSpeed JSON's
     top-level ``curriculum_learning`` block, as BigScience's tr8b-104B-cl wrote it::
@@ -121,8 +129,9 @@ class SeqlenCurriculum:
     a resumed run continues the schedule without saving anything.
 
     Raises:
-        ValueError: (at construction) a block that is not a seqlen curriculum DeepSpeed can schedule, or whose
-            difficulties exceed ``seq_length``; the message names the key.
+        ValueError: (at construction) a block that is not a seqlen curriculum DeepSpeed can schedule, or that breaks
+            the spec's rule (:func:`opskit.rules.checks.curriculum_problems`: multiples of 8, rising to at most
+            ``seq_length``); the message names the key.
     """
 
     def __init__(self, block: dict, seq_length: int):
@@ -134,9 +143,12 @@ class SeqlenCurriculum:
         config = {key: value for key, value in block.items() if key not in ("enabled", "curriculum_type")}
         for key in ("min_difficulty", "max_difficulty"):
             value = config.get(key)
-            if not isinstance(value, int) or not 0 < value <= seq_length:
-                raise ValueError(f"curriculum_learning.{key} is {value!r}; expected an integer in 1..--seq-length "
-                                 f"{seq_length}")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"curriculum_learning.{key} is {value!r}; expected a positive integer")
+        step = (config.get("schedule_config") or {}).get("difficulty_step")
+        if problems := checks.curriculum_problems(config["min_difficulty"], config["max_difficulty"],
+                                                  step if isinstance(step, int) else None, seq_length, _json_key):
+            raise ValueError(problems[0])
         try:
             self.scheduler = CurriculumScheduler(config)
         except (AssertionError, RuntimeError, KeyError) as e:
