@@ -21,8 +21,9 @@ What each kind serves: a weights-only backup (the default) holds what ``ckpt con
 resume; a ``--with-optim`` backup holds every file of the step, so it can resume it, and only such a backup lets
 ``opskit ckpt prune`` delete the local step (:func:`backup_problem`). ``ckpt convert``/``inspect``/``check`` read a
 weights-only backup's step folder in place (a file:// backup, or a copy of one with its ``manifests``) when its
-manifest says it left out exactly the optimizer shards missing there (:func:`weights_only_copy`); the step stays
-incomplete for everything else (``list``, ``set-latest``, the trainer's resume), and ``restore`` refuses it.
+manifest says it left out exactly the optimizer shards missing there
+(:func:`opskit.ckpt.manifest.weights_only_copy`); the step stays incomplete for everything else (``list``,
+``set-latest``, the trainer's resume), and ``restore`` refuses it.
 
 The target may be shared (a folder holding other people's files): a backup writes only its own keys, and replaces
 only objects that its manifests list (or that already hold the same bytes). Before anything is copied, an object at
@@ -57,20 +58,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from opskit.ckpt.layout import STEP_DIR, CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
+from opskit.ckpt.manifest import MANIFEST_SHAPE, is_manifest
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import open_target
 from opskit.targets.base import Target, TargetError, crc32c_of_file
 
-if TYPE_CHECKING:
-    from opskit.ckpt.info import StepInfo
-
 OPTIMIZER_SUFFIX = "_optim_states.pt"
 RECORD = ".opskit-backups.json"
-MANIFEST_SHAPE = "expected JSON {step, complete, files: [{path, size, crc32c}]}"
 
 
 class BackupError(OpskitError):
@@ -208,22 +205,7 @@ def _our_manifest(target: Target, tag: str) -> dict | None:
         manifest = json.loads(target.read_text(f"manifests/{tag}.json") or "null")
     except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
         return None
-    return manifest if _is_manifest(manifest, tag) else None
-
-
-def _is_manifest(manifest, tag: str) -> bool:
-    """The shape opskit writes (module docstring); ``source`` may be absent (an older opskit), not malformed."""
-    def entry_ok(e) -> bool:
-        return isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("size")) is int \
-            and isinstance(e.get("crc32c"), str)
-
-    if not isinstance(manifest, dict):
-        return False
-    source = manifest.get("source")
-    return manifest.get("step") == tag and isinstance(manifest.get("complete"), bool) \
-        and isinstance(manifest.get("files"), list) and all(entry_ok(e) for e in manifest["files"]) \
-        and (source is None and "source" not in manifest or isinstance(source, dict)
-             and isinstance(source.get("dir"), str))
+    return manifest if is_manifest(manifest, tag) else None
 
 
 def _same_bytes(target: Target, key: str, path: Path) -> bool:
@@ -427,34 +409,6 @@ def _held_problem(target: Target, folder: Path) -> str | None:
         if found != size:
             return f"{key}: missing" if found is None else f"{key}: {found} bytes, manifest says {size}"
     return None
-
-
-def weights_only_copy(info: StepInfo) -> bool:
-    """Whether an incomplete step folder is a weights-only backup's copy that lacks only what the backup left out:
-    ``<root>/global_stepN`` whose ``<root>/manifests/global_stepN.json`` is opskit's, complete and ``weights_only``,
-    its ``left_out`` names exactly the optimizer shards the step's layout needs and the folder lacks
-    (``info.absent_optimizer``), every other file is there and readable (``info.weights_problems`` empty), and every
-    file the manifest lists is there with its size (no read: ``ckpt check`` reads the CRC-32s). Such a folder serves
-    ``ckpt convert``/``inspect``/``check`` (the weights); it is not complete and cannot resume. Never raises: an
-    unreadable manifest is no such copy."""
-    folder = info.path
-    if not info.absent_optimizer or info.weights_problems:
-        return False
-    try:
-        manifest = json.loads((folder.parent / "manifests" / f"{folder.name}.json").read_text())
-    except (OSError, ValueError):  # missing, not JSON, not text
-        return False
-    if not (_is_manifest(manifest, folder.name) and manifest["complete"] and manifest.get("weights_only") is True):
-        return False
-    left_out = manifest.get("left_out")
-    if not (isinstance(left_out, list) and all(isinstance(name, str) for name in left_out)
-            and sorted(left_out) == sorted(f.name for f in info.absent_optimizer)):
-        return False
-    try:
-        return all(e["path"] == f"{folder.name}/{Path(e['path']).name}"
-                   and (folder / Path(e["path"]).name).stat().st_size == e["size"] for e in manifest["files"])
-    except OSError:  # a listed file is not there
-        return False
 
 
 @dataclass

@@ -11,7 +11,7 @@
 - Completeness: :func:`opskit.ckpt.info.describe_step` (headers), then, with ``crc``, every byte of every file the
   step needs (optimizer shards included) against its zip record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`):
   the only check here that sees bytes flipped inside tensor data.
-- A weights-only backup's copy of a step (:func:`opskit.ckpt.backup.weights_only_copy`) is checked as a step of
+- A weights-only backup's copy of a step (:func:`opskit.ckpt.manifest.weights_only_copy`) is checked as a step of
   weights: the shards its backup left out are reported in ``left_out``, not as problems (what the copy serves,
   ``convert``/``inspect``, reads no optimizer state); every other check reads every file it has.
 """
@@ -94,7 +94,7 @@ def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport
     """
     import torch
 
-    from opskit.ckpt.backup import weights_only_copy
+    from opskit.ckpt.manifest import weights_only_copy
 
     info = describe_step(path)
     report = CheckReport(Path(path), problems=list(info.problems))

@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.backup import weights_only_copy
 from opskit.ckpt.check import replicated_diff
 from opskit.ckpt.info import describe_step, list_steps, saved_files_digest
 from opskit.ckpt.layout import (
@@ -48,6 +47,7 @@ from opskit.ckpt.layout import (
     scan_step_dir,
     tp_rule,
 )
+from opskit.ckpt.manifest import weights_only_copy
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
 from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.errors import OpskitError
@@ -97,7 +97,7 @@ class Converted:
     max abs diff 1.2e-03)"``); ``max_abs_diff``: verification's logits difference (None when not verified);
     ``skipped``: already converted (``--all``); ``verified_layers``: blocks the verification ran through;
     ``weights_only_backup``: converted from a weights-only backup's copy of the step (no optimizer shards:
-    :func:`opskit.ckpt.backup.weights_only_copy`)."""
+    :func:`opskit.ckpt.manifest.weights_only_copy`)."""
 
     out_dir: Path
     step_dir: Path
@@ -347,7 +347,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``:
     a new or empty folder (its mode kept), or with ``force`` a folder an earlier conversion wrote (its ``.opskit``
     marker); the folder is built beside it, marked, and renamed into place. The step must be complete, or a
-    weights-only backup's copy of one (:func:`opskit.ckpt.backup.weights_only_copy`: the weights are all there).
+    weights-only backup's copy of one (:func:`opskit.ckpt.manifest.weights_only_copy`: the weights are all there).
 
     Args:
         dtype: ``fp32``/``fp16``/``bf16``; default: the checkpoint's own.

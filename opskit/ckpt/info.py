@@ -11,7 +11,7 @@ where the directory says and its data inside the file (a truncated copy fails th
 pickle loadable. Bytes flipped inside tensor data pass these header checks: ``ckpt check`` also reads every file and
 compares each record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`). A weights-only backup's copy of a step
 (no optimizer shards) stays incomplete; ``ckpt convert/inspect/check`` read its weights all the same, saying so
-(:func:`opskit.ckpt.backup.weights_only_copy`).
+(:func:`opskit.ckpt.manifest.weights_only_copy`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class StepInfo:
     def weights_problems(self) -> list[str]:
         """``problems`` less the absent optimizer shards: empty when every weight file (layer files, ``mp_rank_XX``)
         is there and readable. Not a kind of complete: only a weights-only backup's copy of a step may be read
-        without its shards (:func:`opskit.ckpt.backup.weights_only_copy`), and nothing resumes from one."""
+        without its shards (:func:`opskit.ckpt.manifest.weights_only_copy`), and nothing resumes from one."""
         absent = {f"{f}: no such file" for f in self.absent_optimizer}
         return [p for p in self.problems if p not in absent]
 
@@ -312,7 +312,7 @@ def inspect_step(path: str | Path) -> dict:
         "problems": [...], "weights_only_backup": bool, "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``;
         the optimizer files are listed by size only (their tensors are flat fp32 partitions); ``complete`` and
         ``problems`` as :func:`describe_step` says; ``weights_only_backup``: the step is a weights-only backup's copy
-        whose only problems are the shards it left out (:func:`opskit.ckpt.backup.weights_only_copy`);
+        whose only problems are the shards it left out (:func:`opskit.ckpt.manifest.weights_only_copy`);
         ``reshaped_from``: the client state's ``global_stepN at TP=.. PP=.. DP=..`` of a run resumed on another
         layout (opskit.train.checkpointing).
 
@@ -344,7 +344,7 @@ def inspect_step(path: str | Path) -> dict:
             ((k, v) for k, v in loaded.items() if isinstance(v, TensorRef))
         files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v)} for k, v in tensors
                          if isinstance(v, TensorRef)}
-    from opskit.ckpt.backup import weights_only_copy
+    from opskit.ckpt.manifest import weights_only_copy
 
     info = describe_step(path)
     return {"step": state.get("iteration"), "path": str(path),

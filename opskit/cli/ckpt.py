@@ -58,7 +58,7 @@ def _progress(in_bytes: bool = True):
 
 def _weights_only_note(step_dir: Path | str, what: str) -> None:
     """The one stderr line of a command that read a weights-only backup's copy of a step
-    (:func:`opskit.ckpt.backup.weights_only_copy`)."""
+    (:func:`opskit.ckpt.manifest.weights_only_copy`)."""
     err_console.print(f"note: {step_dir}: a weights-only backup (no optimizer states): {what}; it cannot resume "
                       "training", markup=False)
 
