@@ -38,6 +38,7 @@ test: install system-deps
 lint: install
 	$(PY) -m pip install -q ruff
 	$(VENV)/bin/ruff check opskit tests
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .venv-olah runs data .pytest_cache
