@@ -15,8 +15,9 @@ from opskit.errors import MissingExtraError, OpskitError, extra_for
 
 # soft_wrap: log-like lines (PULSE, iteration lines) stay one line each in pipes and files, so grep finds them.
 # emoji=False: rich would print ":b:" of "--range a:b:" or a "NAME:VARIANT:..." path as an emoji, even without markup.
-console = Console(highlight=False, soft_wrap=True, emoji=False)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
+# markup=False: paths, log lines and messages are printed as they are ("[default0]:", "[1, 2]"); a style is a Text's.
+console = Console(highlight=False, soft_wrap=True, emoji=False, markup=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False, markup=False)
 
 # The parameters most commands take, declared once: ``name: SpecName`` and ``json_output: JsonOutput = False``.
 SpecName = Annotated[str, typer.Argument(help="Spec name, unique prefix or YAML path.")]
@@ -47,12 +48,12 @@ def friendly_errors(command: Callable | None = None, *, exit_code: int = 1, extr
             if isinstance(e, ModuleNotFoundError) and (not e.name or extra_for(e.name) is None):
                 raise  # no extra's module (a broken installation, or a bug): the traceback says where
             message = e if isinstance(e, MissingExtraError) else MissingExtraError.of(e.name, prefer=extra)
-            err_console.print(f"error: {message}", markup=False, soft_wrap=True)
+            err_console.print(f"error: {message}", soft_wrap=True)
             raise typer.Exit(2) from None
         except (OpskitError, OSError) as e:
             if os.environ.get("OPSKIT_DEBUG") == "1":
                 raise
-            err_console.print(f"error: {_one_line(e)}", markup=False, soft_wrap=True)
+            err_console.print(f"error: {_one_line(e)}", soft_wrap=True)
             raise typer.Exit(exit_code) from None
 
     return wrapper

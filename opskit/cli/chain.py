@@ -25,9 +25,9 @@ def kill_switch(
         raise typer.BadParameter(f"{state!r}: expected on or off", param_hint="STATE")
     run = RunPaths.of(load_spec(name))
     changed = set_kill_switch(run, state == "on")
-    console.print(f"kill switch {run.kill_switch} {'is now' if changed else 'was already'} {state}", markup=False)
+    console.print(f"kill switch {run.kill_switch} {'is now' if changed else 'was already'} {state}")
     if state == "on":
-        console.print("the running task saves a checkpoint and exits; queued tasks exit at start", markup=False)
+        console.print("the running task saves a checkpoint and exits; queued tasks exit at start")
 
 
 def _control(action: str, name: str) -> list[str]:
@@ -40,10 +40,10 @@ def _control(action: str, name: str) -> list[str]:
     ids = control(run, spec.job_name, spec.slurm.group, action)
     done = {"cancel": "cancelled", "hold": "held", "release": "released"}[action]
     if ids:
-        console.print(f"{done} {spec.job_name}: job(s) {', '.join(ids)}", markup=False)
+        console.print(f"{done} {spec.job_name}: job(s) {', '.join(ids)}")
     else:
         console.print(f"nothing to {action}: no {'pending ' if action != 'cancel' else ''}job of {spec.job_name} "
-                      f"for {run.root}", markup=False)
+                      f"for {run.root}")
     return ids
 
 
@@ -90,7 +90,7 @@ def nodes_list(
     if not bad:
         console.print("no bad nodes")
     for node, why in bad.items():
-        console.print(f"{node}\t{why}", markup=False)
+        console.print(f"{node}\t{why}")
 
 
 @nodes_app.command("add")
@@ -109,7 +109,7 @@ def nodes_add(
 
     stamp = f"{datetime.now():%Y-%m-%d %H:%M:%S}"
     new = add_bad_nodes(RunPaths.of(load_spec(name)), {n: f"{stamp} {why}" for n in nodes})
-    console.print(f"added {', '.join(new)}" if new else "already on the list", markup=False)
+    console.print(f"added {', '.join(new)}" if new else "already on the list")
 
 
 @nodes_app.command("clear")
@@ -124,4 +124,4 @@ def nodes_clear(
     from opskit.spec import load_spec
 
     gone = clear_bad_nodes(RunPaths.of(load_spec(name)), nodes)
-    console.print(f"cleared {', '.join(gone)}" if gone else "nothing to clear", markup=False)
+    console.print(f"cleared {', '.join(gone)}" if gone else "nothing to clear")

@@ -60,7 +60,7 @@ def _weights_only_note(step_dir: Path | str, what: str) -> None:
     """The one stderr line of a command that read a weights-only backup's copy of a step
     (:func:`opskit.ckpt.manifest.weights_only_copy`)."""
     err_console.print(f"note: {step_dir}: a weights-only backup (no optimizer states): {what}; it cannot resume "
-                      "training", markup=False)
+                      "training")
 
 
 @app.command("list")
@@ -86,8 +86,7 @@ def list_(
                                   for step, (path, origin) in universal.items()]})
         return
     missing = " (no such step)" if latest and not any(s.latest for s in steps) else ""
-    console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}",
-                  markup=False)
+    console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}")
     console.print(f"{'step':<18} {'size':>9} {'TP':>3} {'PP':>3} {'DP':>3} {'dtype':>5} {'complete':>8} "
                   f"{'consumed samples':>16} {'consumed tokens':>16}")
     for s in steps:
@@ -96,12 +95,12 @@ def list_(
         tokens = f"{s.consumed_tokens:,}" if s.consumed_tokens is not None else "?"
         console.print(f"{s.path.name:<18} {_human(s.size_bytes):>9} {' '.join(f'{d:>3}' for d in degrees)} "
                       f"{s.dtype or '?':>5} {'yes' if s.complete else 'NO':>8} {samples:>16} {tokens:>16}"
-                      f"{'  <- latest' if s.latest else ''}", markup=False)
+                      f"{'  <- latest' if s.latest else ''}")
     for s in steps:
         for problem in s.problems:
-            console.print(f"{s.path.name}: {problem}", markup=False)
+            console.print(f"{s.path.name}: {problem}")
     for path, origin in universal.values():
-        console.print(f"{path.name}  {origin_text(origin)}", markup=False)
+        console.print(f"{path.name}  {origin_text(origin)}")
 
 
 @app.command("inspect")
@@ -122,7 +121,7 @@ def inspect(
         if json_output:
             print_json({"path": step_dir, "universal": origin})
         else:
-            console.print(f"{step_dir}: {origin_text(origin)}", markup=False)
+            console.print(f"{step_dir}: {origin_text(origin)}")
         return
     report = inspect_step(resolve_step_dir(step_dir))
     usable = report["complete"] or report["weights_only_backup"]
@@ -132,21 +131,21 @@ def inspect(
         print_json(report)
         raise typer.Exit(0 if usable else 1)
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
-                  f"consumed tokens {report['consumed_tokens']}", markup=False)
+                  f"consumed tokens {report['consumed_tokens']}")
     if report["reshaped_from"]:
-        console.print(f"  reshaped from {report['reshaped_from']} (resumed on another layout)", markup=False)
+        console.print(f"  reshaped from {report['reshaped_from']} (resumed on another layout)")
     for key, value in report["architecture"].items():
-        console.print(f"  {key}: {value}", markup=False)
+        console.print(f"  {key}: {value}")
     for name, tensors in report["files"].items():
         if "size_bytes" in tensors:
-            console.print(f"{name}  ({_human(tensors['size_bytes'])})", markup=False)
+            console.print(f"{name}  ({_human(tensors['size_bytes'])})")
             continue
-        console.print(name, markup=False)
+        console.print(name)
         for key, t in tensors.items():
-            console.print(f"  {key:48s} {str(t['shape']):>16s} {t['dtype']}", markup=False)
+            console.print(f"  {key:48s} {str(t['shape']):>16s} {t['dtype']}")
     if not usable:
         for problem in report["problems"]:
-            err_console.print(f"incomplete: {problem}", markup=False)
+            err_console.print(f"incomplete: {problem}")
         raise typer.Exit(1)
 
 
@@ -174,21 +173,21 @@ def check(
         print_json(report.as_json())
     else:
         for problem in report.problems:
-            console.print(f"incomplete: {problem}", markup=False)
+            console.print(f"incomplete: {problem}")
         for problem in report.corrupt:
-            console.print(f"corrupt: {problem}", markup=False)
+            console.print(f"corrupt: {problem}")
         for d in report.tp_mismatches:
             console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
-                          f"(TP ranks {d['ranks']} vs 0)", markup=False)
+                          f"(TP ranks {d['ranks']} vs 0)")
         for r in report.rng:
             if not r["agree"]:
                 console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
         for n in report.nonfinite:
-            console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf", markup=False)
+            console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf")
         verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
         console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
                       f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
-                      + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"), markup=False)
+                      + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -246,21 +245,21 @@ def convert(
             results = [convert_step(step_dir, out or run.hf_dir / step_dir.name, progress=progress, **options)]
     for result in results:
         if isinstance(result, str):
-            err_console.print(f"skipped: {result}", markup=False)
+            err_console.print(f"skipped: {result}")
         elif result.skipped:
-            console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}", markup=False)
+            console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}")
         else:
             if result.weights_only_backup:
                 _weights_only_note(result.step_dir, "converted its weights")
             for name in result.averaged:
-                err_console.print(f"warning: TP copies differ, averaged: {name}", markup=False)
+                err_console.print(f"warning: TP copies differ, averaged: {name}")
             check = "" if result.max_abs_diff is None else \
                 f", verified: max abs logits diff {result.max_abs_diff:.2g}"
             if result.verified_layers is not None and result.verified_layers < result.num_layers:
                 check += f" through {result.verified_layers} of {result.num_layers} blocks"
             console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
                           f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> "
-                          f"{result.out_dir}", markup=False)
+                          f"{result.out_dir}")
 
 
 @app.command("reshape")
@@ -291,20 +290,19 @@ def reshape(
     name = result.step.path.name
     if result.universal is None:
         console.print(f"{name} was saved at {result.saved}; {target} needs no conversion ({result.why_not}); "
-                      "nothing written", markup=False)
+                      "nothing written")
         return
     console.print(f"{'reused' if result.reused else 'wrote'} {result.universal}: universal, from {name} at "
-                  f"{result.saved} -> {target}; {result.verified} tensors verified against {name}'s weights",
-                  markup=False)
+                  f"{result.saved} -> {target}; {result.verified} tensors verified against {name}'s weights")
     ckpt_dir = result.step.path.parent
     if not result.beside_step:
         console.print(f"the trainer reads only {ckpt_dir / (name + '_universal')}: move the folder there to resume "
-                      "from it (or the trainer converts the step again)", markup=False)
+                      "from it (or the trainer converts the step again)")
         return
     console.print(f"resume with --load {ckpt_dir} on {target}: the trainer reads {result.universal.name}"
                   + ("" if result.latest == name else f" (latest names {result.latest or 'no step'}: "
                                                        f"`opskit ckpt set-latest {ckpt_dir} {result.step.iteration}` "
-                                                       "to resume from this one)"), markup=False)
+                                                       "to resume from this one)"))
 
 
 @app.command("prune")
@@ -327,18 +325,18 @@ def prune(
     plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force)
     for step, problem in plan.unbacked.items():
         err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
-                          f"can resume it ({problem})", markup=False)
+                          f"can resume it ({problem})")
     if json_output:
         print_json({**plan.as_json(), "dry_run": dry_run})
         return
     for step, reasons in plan.keep.items():
-        console.print(f"keep    global_step{step}  ({', '.join(reasons)})", markup=False)
+        console.print(f"keep    global_step{step}  ({', '.join(reasons)})")
     for step, reason in plan.protected.items():
-        console.print(f"keep    global_step{step}  ({reason})", markup=False)
+        console.print(f"keep    global_step{step}  ({reason})")
     for step in plan.delete:
-        console.print(f"{'would delete' if dry_run else 'deleted'} global_step{step}", markup=False)
+        console.print(f"{'would delete' if dry_run else 'deleted'} global_step{step}")
     for folder in plan.universal:
-        console.print(f"{'would delete' if dry_run else 'deleted'} {folder.name}  (its universal form)", markup=False)
+        console.print(f"{'would delete' if dry_run else 'deleted'} {folder.name}  (its universal form)")
 
 
 @app.command("set-latest")
@@ -351,7 +349,7 @@ def set_latest(
     from opskit.ckpt.prune import set_latest as point_latest
 
     previous = point_latest(checkpoint_dir, step)
-    console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> global_step{step}", markup=False)
+    console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> global_step{step}")
 
 
 @app.command("backup")
@@ -385,11 +383,11 @@ def backup(
         for r in results:
             state = "verified" if r.verified else "FAILED verification"
             console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, "
-                          f"{_human(r.bytes_total)}, {state}", markup=False)
+                          f"{_human(r.bytes_total)}, {state}")
             for problem in r.problems:
-                console.print(f"  {problem}", markup=False)
+                console.print(f"  {problem}")
         if unrecorded := next((r.unrecorded for r in results if r.unrecorded), None):
-            console.print(f"note: {unrecorded}", markup=False)
+            console.print(f"note: {unrecorded}")
     if not all(r.verified for r in results):
         raise typer.Exit(1)
 
@@ -409,9 +407,9 @@ def verify(
         print_json(report)
     else:
         for tag, problems in report.items():
-            console.print(f"{tag}: {'OK' if not problems else 'FAILED'}", markup=False)
+            console.print(f"{tag}: {'OK' if not problems else 'FAILED'}")
             for problem in problems:
-                console.print(f"  {problem}", markup=False)
+                console.print(f"  {problem}")
     if any(report.values()):
         raise typer.Exit(1)
 
@@ -434,12 +432,11 @@ def restore(
         print_json({"step": str(result.step), "files": result.files, "bytes": result.bytes_total,
                     "latest": result.latest})
         return
-    console.print(f"restored {result.step}: {result.files} files, {_human(result.bytes_total)}, verified, complete",
-                  markup=False)
+    console.print(f"restored {result.step}: {result.files} files, {_human(result.bytes_total)}, verified, complete")
     if result.latest != result.step.name:
         iteration = result.step.name.removeprefix("global_step")
         console.print(f"latest names {result.latest or 'no step'}: `opskit ckpt set-latest {directory} {iteration}` "
-                      "to resume from it", markup=False)
+                      "to resume from it")
 
 
 @app.command("publish")
@@ -465,12 +462,12 @@ def publish(
     run = run or RunPaths.above(directory)
     results = publish_steps(hf_dir or run.hf_dir, to, None if all_steps or step is None else [step],
                             card_facts(directory, run.main_log), TargetOptions(create_repo=True, private=not public),
-                            progress=lambda tag: console.print(f"publishing {tag} ...", markup=False))
+                            progress=lambda tag: console.print(f"publishing {tag} ..."))
     for result in results:
         if result.commit is None:
-            console.print(f"{result.tag}: already published, skipped", markup=False)
+            console.print(f"{result.tag}: already published, skipped")
         else:
-            console.print(f"{result.tag}: {result.files} file(s), commit {result.commit[:12]}, tagged", markup=False)
+            console.print(f"{result.tag}: {result.files} file(s), commit {result.commit[:12]}, tagged")
 
 
 @app.command("generate")
@@ -484,4 +481,4 @@ def generate(
     """Sample a continuation of PROMPT with transformers."""
     from opskit.ckpt.generate import generate as sample
 
-    console.print(sample(model_dir, prompt, max_new_tokens, seed), markup=False)
+    console.print(sample(model_dir, prompt, max_new_tokens, seed))

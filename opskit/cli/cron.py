@@ -27,18 +27,17 @@ def install(
     if dry_run:
         plan = cron.plan_install(load_spec(name), sync_to=sync_to, method=via)
         if plan.script is None:
-            console.print(f"# would add to the crontab: {plan.installed.crontab_line}", markup=False)
+            console.print(f"# would add to the crontab: {plan.installed.crontab_line}")
         else:
-            console.print(plan.script, markup=False, end="")
-            console.print(f"# would write {plan.installed.script} and run: {format_command(plan.command)}",
-                          markup=False)
+            console.print(plan.script, end="")
+            console.print(f"# would write {plan.installed.script} and run: {format_command(plan.command)}")
         return
     installed = cron.install(load_spec(name), sync_to=sync_to, method=via)
     if installed.method == "crontab":
-        console.print(f"added to the crontab: {installed.crontab_line}", markup=False)
+        console.print(f"added to the crontab: {installed.crontab_line}")
     else:
         console.print(f"submitted {installed.job_name} (job {installed.job_ids[0]}): runs now, then resubmits "
-                      f"itself every hour ({installed.script})", markup=False)
+                      f"itself every hour ({installed.script})")
 
 
 @app.command("status")
@@ -57,7 +56,7 @@ def status(
                     "lines": result.lines})
     else:
         for line in result.lines:
-            console.print(line, markup=False)
+            console.print(line)
     if not result.ok:
         raise typer.Exit(1)
 
@@ -73,4 +72,4 @@ def uninstall(
     from opskit.spec import load_spec
 
     for item in cron.uninstall(load_spec(name), dry_run=dry_run):
-        console.print(f"{'would remove' if dry_run else 'removed'} {item}", markup=False)
+        console.print(f"{'would remove' if dry_run else 'removed'} {item}")

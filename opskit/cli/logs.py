@@ -20,13 +20,12 @@ COLUMNS = (("iteration", "iteration"), ("consumed_tokens", "tokens"), ("lm_loss"
 
 
 def _report_skipped(name: str, skipped: int) -> None:
-    err_console.print(f"{name}: {skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)",
-                      markup=False)
+    err_console.print(f"{name}: {skipped} iteration/validation line(s) skipped (cut, wrapped or garbled)")
 
 
 def _note(line: str | None) -> None:
     if line:
-        err_console.print(line, markup=False)
+        err_console.print(line)
 
 
 @app.command("parse")
@@ -50,7 +49,7 @@ def parse(
         try:
             chunk = read_from(path, columnar=True)
         except (LogFormatError, FileNotFoundError) as e:
-            err_console.print(f"error: {e}", markup=False)
+            err_console.print(f"error: {e}")
             failed = True
             continue
         _note(chunk.summary(str(path)))
@@ -81,7 +80,7 @@ def show(
         if json_output:
             print_json({"file": str(path), "records": [], "progress": None})
         else:
-            console.print(f"{path}: no iteration lines yet", markup=False)
+            console.print(f"{path}: no iteration lines yet")
         return
     state = progress(records, recent=recent, planned_tokens=source.planned_tokens)
     first = first_iteration(path)
@@ -96,10 +95,10 @@ def show(
         table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c, _ in COLUMNS))
     console.print(table)
     for line in progress_lines(state, recent):
-        console.print(line, markup=False)
+        console.print(line)
     final = records[-1]
     console.print(f"lm loss: first {_loss(first)} (iteration {first['iteration']}), "
-                  f"last {_loss(final)} (iteration {final['iteration']} of {final['train_iters']})", markup=False)
+                  f"last {_loss(final)} (iteration {final['iteration']} of {final['train_iters']})")
 
 
 def _loss(record: dict) -> str:
@@ -164,7 +163,7 @@ def plot(
         claim_image(out, force)  # before reading any log
     series = run_series(inputs, x, y, bounds, smooth, on_skipped=_report_skipped)
     if out is not None:
-        console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}", markup=False)
+        console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}")
     else:
         sys.stdout.write(draw_text(series, x, key, log_y) + "\n")
 
@@ -197,7 +196,7 @@ def spikes(
         return
     if not found:
         console.print(f"{source.path}: no spikes in {len(iterations):,} iterations "
-                      f"({iterations[0]}-{iterations[-1]})", markup=False)
+                      f"({iterations[0]}-{iterations[-1]})")
         return
     table = Table(title=str(source.path))
     for header in ("metric", "first", "last", "peak at", "peak", "baseline", "back to normal at"):
@@ -208,8 +207,7 @@ def spikes(
     console.print(table)
     for fix in fixes:
         if fix.checkpoint is None:
-            console.print(f"iterations {fix.first}-{fix.end}: no checkpoint before it known (give --save-interval)",
-                          markup=False)
+            console.print(f"iterations {fix.first}-{fix.end}: no checkpoint before it known (give --save-interval)")
         else:
             console.print(f"iterations {fix.first}-{fix.end}: roll back to {fix.checkpoint} and restart with "
-                          f"--skip-train-iteration-range {fix.skip_range}", markup=False)
+                          f"--skip-train-iteration-range {fix.skip_range}")

@@ -33,7 +33,7 @@ def plan(
     for table in _tables(spec, result):
         console.print(table)
     for warning in result.warnings:
-        err_console.print(f"warning: {warning}", markup=False)
+        err_console.print(f"warning: {warning}")
 
 
 def _table(title: str) -> Table:

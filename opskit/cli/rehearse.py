@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from opskit.cli._common import JsonOutput, SpecName, console, friendly_errors, print_json
 
@@ -34,7 +35,7 @@ def rehearse(
 
     def progress(stage) -> None:
         if not json_output:
-            console.print(f"[{_STYLE[stage.status]}]{stage.status:>7}[/] {stage.name}", highlight=False)
+            console.print(Text.assemble((f"{stage.status:>7}", _STYLE[stage.status]), f" {stage.name}"))
 
     result = run_rehearsal(spec, nodes=nodes, iterations=iterations, root=out, force=force,
                            ranks_per_node=ranks, on_stage=progress)
@@ -53,16 +54,16 @@ def _render(result) -> None:
     table.add_column("why", overflow="fold")
     for stage in result.stages:
         style = _STYLE[stage.status]
-        table.add_row(stage.name, f"[{style}]{stage.status}[/]", stage.reason, style=None)
+        table.add_row(stage.name, Text(stage.status, style=style), stage.reason, style=None)
     console.print(table)
-    console.print("substitutions:", markup=False)
+    console.print("substitutions:")
     for line in result.substitutions:
-        console.print(f"  {line}", markup=False)
-    console.print("planner, full size:", markup=False)
+        console.print(f"  {line}")
+    console.print("planner, full size:")
     for key, value in result.plan.items():
         if key == "warnings":
             for warning in value:
-                console.print(f"  warning: {warning}", markup=False)
+                console.print(f"  warning: {warning}")
         elif value is not None:
             shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else value
-            console.print(f"  {key}: {shown}", markup=False)
+            console.print(f"  {key}: {shown}")

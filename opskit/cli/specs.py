@@ -33,7 +33,7 @@ def list_() -> None:
     console.print(table)
     errors = [entry.error for entry in entries if entry.error is not None]
     for error in errors:
-        err_console.print(f"error: {error}", markup=False)
+        err_console.print(f"error: {error}")
     if errors:
         raise typer.Exit(1)
 
@@ -55,7 +55,7 @@ def show(
     header = f"# {spec.cli_name} from {resolved.path}"
     if resolved.variants and resolved.variant is None:
         header += f"; variants: {', '.join(resolved.variants)} (NAME:VARIANT)"
-    console.print(header + "\n" + yaml.safe_dump(data, sort_keys=False, width=120), markup=False, end="")
+    console.print(header + "\n" + yaml.safe_dump(data, sort_keys=False, width=120), end="")
 
 
 @app.command("new")
@@ -76,19 +76,19 @@ def new(
     # A bad --set is a SpecError like any other refusal: one `error:` line, exit 1 (docs/operations.md).
     created = create_user_spec(name, source, force, parse_settings(settings),
                                ask=None if settings or not _interactive() else _ask)
-    console.print(f"wrote {created.path} (from {created.source})", markup=False)
+    console.print(f"wrote {created.path} (from {created.source})")
     if created.renamed:
-        console.print(f"  renamed for {name}: {', '.join(created.renamed)}", markup=False)
+        console.print(f"  renamed for {name}: {', '.join(created.renamed)}")
     if created.written_out:
-        console.print(f"  written out: {', '.join('$' + var for var in created.written_out)}", markup=False)
+        console.print(f"  written out: {', '.join('$' + var for var in created.written_out)}")
     if created.still_named:
         err_console.print(f"warning: still mentions {created.source.stem}: {', '.join(created.still_named)}; "
-                          "check them", markup=False)
+                          "check them")
     if created.still_unset:
         them = "them" if len(created.still_unset) > 1 else "it"
         err_console.print(f"warning: {created.path} uses {', '.join('$' + var for var in created.still_unset)}, not "
                           f"set here: export {them} before `opskit submit {name}`, or write {them} out with `opskit "
-                          f"specs new {name} --from {source} --force --set VAR=VALUE`", markup=False)
+                          f"specs new {name} --from {source} --force --set VAR=VALUE`")
 
 
 def _interactive() -> bool:

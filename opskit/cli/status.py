@@ -35,20 +35,20 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
     code = report.exit_code
     outcome = None
     if report.state_error:  # the checks stand; only the next run rereads what this one read
-        err_console.print(f"warning: watchdog state not saved: {report.state_error}", markup=False)
+        err_console.print(f"warning: watchdog state not saved: {report.state_error}")
     if alert or ack:
         from opskit.alerts import notify
         from opskit.runs import RunPaths
 
         outcome = notify(report, spec.watchdog.alerts, RunPaths.of(spec), spec.cli_name, ack=ack)
         for failure in outcome.failures:
-            err_console.print(f"error: alert not sent: {failure}", markup=False)
+            err_console.print(f"error: alert not sent: {failure}")
         code = 2 if outcome.failures else code
     if json_output:
         print_json({**report.as_dict(), "exit_code": code, "alerts": outcome.as_dict() if outcome else None})
         return code
     for line in report.pulse_lines:
-        console.print(line, markup=False)
+        console.print(line)
     from rich.table import Table
     from rich.text import Text
 
@@ -62,6 +62,5 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
     if outcome:
         sent = ", ".join(f"{kind} via {channel}" for channel, kind in outcome.sent)
         console.print("alerts: " + ("acknowledged: silent until something changes" if outcome.acked else
-                                    sent or ("silenced (--ack)" if outcome.silenced else "nothing new to send")),
-                      markup=False)
+                                    sent or ("silenced (--ack)" if outcome.silenced else "nothing new to send")))
     return code

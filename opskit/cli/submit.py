@@ -38,18 +38,18 @@ def submit(
     sub = submit_run(spec, array=array, executor=executor, dry_run=dry_run, on_local_task=on_local_task,
                      after=after, begin=begin, keep=keep, yes=yes)
     if dry_run and sub.script:
-        console.print(sub.script, markup=False, end="")
+        console.print(sub.script, end="")
     for note in sub.notes:
-        console.print(f"{'# ' if dry_run else ''}note: {note}", markup=False)
+        console.print(f"{'# ' if dry_run else ''}note: {note}")
     if sub.skipped:
-        console.print(sub.skipped, markup=False)
+        console.print(sub.skipped)
         for warning in sub.warnings:
-            console.print(f"# warning: {warning}", markup=False)
+            console.print(f"# warning: {warning}")
         return
     if dry_run:
-        console.print(f"# would run: {format_command(sub.command)}", markup=False)
+        console.print(f"# would run: {format_command(sub.command)}")
         for warning in sub.warnings:  # what a real submission refuses, all at once
-            console.print(f"# warning: {warning}", markup=False)
+            console.print(f"# warning: {warning}")
         return
     console.print(f"run directory {sub.run.root}")
     console.print(f"main log      {sub.run.main_log}")
@@ -63,6 +63,6 @@ def submit(
     console.print(f"submitted {format_command(sub.command)} -> job {sub.job_id}")
     if wait:
         wait_until_gone(spec.job_name, sub.job_id,
-                        lambda pulse: [console.print(line, markup=False) for line in pulse.lines],
+                        lambda pulse: [console.print(line) for line in pulse.lines],
                         watch=HopelessWatch(spec.cli_name))
         console.print(f"job {sub.job_id} has left the queue")

@@ -30,7 +30,7 @@ def sync(
     kinds = kinds_of(kind)
     results = []
     for result in sync_spec(load_spec(name), kinds, to, dry_run=dry_run, delete=delete, workers=workers,
-                            on_busy=lambda busy: err_console.print(str(busy), markup=False)):
+                            on_busy=lambda busy: err_console.print(str(busy))):
         results.append(result)
         if not json_output:
             _render(result)
@@ -43,18 +43,16 @@ def sync(
 def _render(result) -> None:
     verb = "would publish" if result.dry_run else "published"
     deferred = f", {len(result.deferred)} changing (next sync)" if result.deferred else ""
-    console.print(f"{result.target}: {verb} {len(result.copied)} file(s), {result.unchanged} unchanged{deferred}",
-                  markup=False)
+    console.print(f"{result.target}: {verb} {len(result.copied)} file(s), {result.unchanged} unchanged{deferred}")
     for key in result.copied:
-        console.print(f"  {key}", markup=False)
+        console.print(f"  {key}")
     if result.deleted:
-        console.print(f"{'would delete' if result.dry_run else 'deleted'} {len(result.deleted)} remote file(s):",
-                      markup=False)
+        console.print(f"{'would delete' if result.dry_run else 'deleted'} {len(result.deleted)} remote file(s):")
         for key in result.deleted:
-            console.print(f"  {key}", markup=False)
+            console.print(f"  {key}")
     by_reason: dict[str, list[str]] = {}
     for key, reason in result.failed.items():  # an hf:// commit fails as a whole: one line, not one per file
         by_reason.setdefault(reason, []).append(key)
     for reason, keys in by_reason.items():
         err_console.print(f"FAILED {len(keys)} file(s) ({keys[0]}{', ...' if len(keys) > 1 else ''}): {reason}; "
-                          "nothing lost, the next sync retries them", markup=False)
+                          "nothing lost, the next sync retries them")
