@@ -172,6 +172,22 @@ class RunPaths:
         return self.root / "hf"
 
 
+def checkpoint_dir_of(run_or_dir: str) -> tuple[Path, RunPaths | None]:
+    """``opskit ckpt``'s RUN_OR_DIR: (checkpoint dir, the spec's run or None). An existing folder is taken as is;
+    anything else (a spec name, prefix or YAML path) as a spec, whose run's ``checkpoints/`` it is.
+
+    Raises:
+        SpecError: not a folder, and no spec of that name.
+    """
+    path = Path(run_or_dir)
+    if path.is_dir():
+        return path, None
+    from opskit.spec import load_spec
+
+    run = RunPaths.of(load_spec(run_or_dir))
+    return run.checkpoints, run
+
+
 def folder_path(spec: Spec, value: str, field: str, environ: Mapping[str, str] | None = None) -> Path:
     """A folder the spec names (``Spec.local_path``), refused when it, or a folder above it, is a file: every command
     would otherwise fail on it later with an OS error of its own (``Spec.refuse``: a ``Spec.with_placeholders`` copy

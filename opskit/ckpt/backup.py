@@ -97,6 +97,20 @@ def backup_files(step: Path, weights_only: bool = True) -> list[Path]:
                   and not (weights_only and f.name.endswith(OPTIMIZER_SUFFIX)))
 
 
+def parse_steps(text: str | None) -> list[int] | None:
+    """``--steps 1000,2000`` -> ``[1000, 2000]``; None (all steps) for None or "".
+
+    Raises:
+        BackupError: anything but comma-separated whole numbers.
+    """
+    if not text:
+        return None
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise BackupError(f"--steps {text}: expected comma-separated step numbers, e.g. 1000,2000") from None
+
+
 def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None, weights_only: bool = True,
            workers: int = 4, progress: Callable[[str, int], None] | None = None) -> list[StepBackup]:
     """Back up ``steps`` (default: all) of a run's checkpoint dir to ``url``.

@@ -9,26 +9,14 @@ from typing import TYPE_CHECKING
 import typer
 
 from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
+from opskit.runs import checkpoint_dir_of
 
 if TYPE_CHECKING:
-    from opskit.runs import RunPaths
+    pass
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
                        "restore, generate.",
                   no_args_is_help=True)
-
-
-def _checkpoint_dir(run_or_dir: str) -> tuple[Path, RunPaths | None]:
-    """(checkpoint dir, the spec's run or None): an existing folder is taken as is, anything else (a spec name, prefix
-    or YAML path) as a spec."""
-    path = Path(run_or_dir)
-    if path.is_dir():
-        return path, None
-    from opskit.runs import RunPaths
-    from opskit.spec import load_spec
-
-    run = RunPaths.of(load_spec(run_or_dir))
-    return run.checkpoints, run
 
 
 def _human(nbytes: int) -> str:
@@ -75,7 +63,7 @@ def list_(
     from opskit.ckpt.layout import latest_state
     from opskit.ckpt.reshape import origin_text, universal_folders
 
-    directory, _ = _checkpoint_dir(run_or_dir)
+    directory, _ = checkpoint_dir_of(run_or_dir)
     latest, steps = list_steps(directory)
     _, unusable = latest_state(directory)
     universal = universal_folders(directory)
@@ -225,7 +213,7 @@ def convert(
 
     if to != "hf":
         raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
-    directory, run = _checkpoint_dir(run_or_dir)
+    directory, run = checkpoint_dir_of(run_or_dir)
     options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
                    verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
                    workers=workers, force=force)
@@ -321,7 +309,7 @@ def prune(
     from opskit.ckpt.prune import parse_keep
     from opskit.ckpt.prune import prune as prune_steps
 
-    directory, _ = _checkpoint_dir(run_or_dir)
+    directory, _ = checkpoint_dir_of(run_or_dir)
     plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force)
     for step, problem in plan.unbacked.items():
         err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
@@ -365,13 +353,10 @@ def backup(
 ) -> None:
     """Copy steps with a CRC32C manifest, resumably and in parallel; verify every object; exit 1 if any fails."""
     from opskit.ckpt.backup import backup as back_up
-    from opskit.ckpt.prune import PruneError
+    from opskit.ckpt.backup import parse_steps
 
-    directory, _ = _checkpoint_dir(run_or_dir)
-    try:
-        chosen = [int(s) for s in steps.split(",")] if steps else None
-    except ValueError:
-        raise PruneError(f"--steps {steps}: expected comma-separated step numbers, e.g. 1000,2000") from None
+    directory, _ = checkpoint_dir_of(run_or_dir)
+    chosen = parse_steps(steps)
     with _progress() as bar:
         task = bar.add_task("backing up", total=None)
         results = back_up(directory, to, chosen, weights_only, workers,
@@ -426,7 +411,7 @@ def restore(
     is renamed into place; never replaces a step. 'latest' is left as it is."""
     from opskit.ckpt.backup import restore as restore_step
 
-    directory, _ = _checkpoint_dir(run_or_dir)
+    directory, _ = checkpoint_dir_of(run_or_dir)
     result = restore_step(url, directory, step)
     if json_output:
         print_json({"step": str(result.step), "files": result.files, "bytes": result.bytes_total,
@@ -458,7 +443,7 @@ def publish(
     from opskit.runs import RunPaths
     from opskit.targets.base import TargetOptions
 
-    directory, run = _checkpoint_dir(run_or_dir)
+    directory, run = checkpoint_dir_of(run_or_dir)
     run = run or RunPaths.above(directory)
     results = publish_steps(hf_dir or run.hf_dir, to, None if all_steps or step is None else [step],
                             card_facts(directory, run.main_log), TargetOptions(create_repo=True, private=not public),
