@@ -79,9 +79,10 @@ others_can_reach() {
         dir=$(dirname "$dir")
     done
 }
-# munged's pid/log files (the single node's socket stays in /run/munge): in the state dir where the munge user can
-# reach it, else in /run under a tag of the state dir's path (one per state dir, as stop expects).
-if others_can_reach "$STATE_DIR"; then
+# munged's pid/log files (the single node's socket stays in /run/munge): in the state dir (made mode 755 by start)
+# where the munge user can reach it, else in /run under a tag of the state dir's path (one per state dir, as stop
+# expects).
+if others_can_reach "$(dirname "$(realpath -m "$STATE_DIR")")"; then
     MUNGE_DIR="$STATE_DIR/munge"
 else
     MUNGE_DIR="/run/opskit-munge-$(realpath -m "$STATE_DIR" | sha1sum | cut -c1-6)"
