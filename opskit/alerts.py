@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.errors import OpskitError
+from opskit.findings import Report
 from opskit.fsutil import atomic_write_text
 from opskit.runs import RunPaths
 from opskit.spec import AlertsSpec
-from opskit.watchdog import Report
 
 TIMEOUT_S = 30
 _DEFAULT_PORTS = {"none": 25, "starttls": 587, "ssl": 465}

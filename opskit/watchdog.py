@@ -17,11 +17,12 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
 from opskit.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
+from opskit.findings import Finding, Report
 from opskit.fsutil import atomic_write_text
 from opskit.pulse import pulse_lines, unreachable_line
 from opskit.runs import RunPaths
@@ -30,7 +31,6 @@ from opskit.slurm.client import QueueEntry, SchedulerUnreachable
 from opskit.slurm.pending import never_starts
 from opskit.spec import Spec, WatchdogSpec, parse_slurm_time
 
-SEVERITIES = ("ok", "warn", "alert")
 # Iteration fields the watchdog keeps.
 FIELDS = ("consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "global_batch_size", "lm_loss",
           "grad_norm", "skipped_iterations", "nan_iterations", "samples_per_second", "tflops")
@@ -42,57 +42,6 @@ NEW_TEXT = 8 << 20
 STACK_TEXT = 16 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
 _JOB_WORD = "[opskit] "  # what every JOB_HEADER line holds
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One fact about the training. ``key`` is stable across runs (``log.hang``); ``data`` holds the numbers."""
-
-    key: str
-    severity: str
-    message: str
-    data: dict = field(default_factory=dict)
-
-    @property
-    def check(self) -> str:
-        return self.key.split(".", 1)[0]
-
-
-@dataclass
-class Report:
-    """Everything one run found. ``unknown``: findings keys (prefixes) that could not be checked this time (SLURM
-    did not answer), so an alert on them is neither confirmed nor resolved."""
-
-    name: str
-    job_name: str
-    time: datetime
-    pulse_lines: list[str]
-    findings: list[Finding]
-    unreachable: bool = False
-    unknown: tuple[str, ...] = ()
-    main_log: Path | None = None
-    run_missing: bool = False
-    """The run directory does not exist here: nothing of the run could be seen (finding ``run.missing``)."""
-    state_error: str | None = None
-    """Why the watchdog state could not be saved (the next run reads the log again from where it last could)."""
-
-    @property
-    def severity(self) -> str:
-        return max((f.severity for f in self.findings), key=SEVERITIES.index, default="ok")
-
-    @property
-    def alerts(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == "alert"]
-
-    @property
-    def exit_code(self) -> int:
-        """0 ok (warnings included), 1 alert, 2 scheduler unreachable or no run directory to look at."""
-        return 2 if self.unreachable or self.run_missing else 1 if self.severity == "alert" else 0
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "job_name": self.job_name, "time": self.time.isoformat(timespec="seconds"),
-                "severity": self.severity, "alert": self.severity == "alert", "unreachable": self.unreachable,
-                "exit_code": self.exit_code, "lines": self.pulse_lines, "findings": [asdict(f) for f in self.findings]}
 
 
 # --------------------------------------------------------------------------- state

@@ -162,8 +162,9 @@ def stack_dump(tmp_path: Path, path: str) -> list[str]:
 def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
     """Three ranks on two nodes print their stacks at once (lines interleaved, as tee writes them): two wait in a
     collective, node2's local rank 1 does not; an older dump of a rank is replaced by its newest."""
+    from opskit.findings import Finding
     from opskit.stacks import rank_stacks, stuck_ranks
-    from opskit.watchdog import Finding, with_stuck_ranks
+    from opskit.watchdog import with_stuck_ranks
 
     waiting = stack_dump(tmp_path, "site-packages/torch/distributed/distributed_c10d.py")
     stuck = stack_dump(tmp_path, "opskit/train/data.py")
