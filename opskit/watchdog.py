@@ -378,6 +378,12 @@ def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: i
         {"node": s.node, "local_rank": s.local_rank, "frame": s.innermost} for s in stuck]})
 
 
+def _act(findings: list[Finding], running: list[QueueEntry], wd: WatchdogSpec) -> list[Finding]:
+    """The findings once acted on: a hang's with what ends the hung task, done when ``watchdog.cancel_hung``
+    (:func:`act_on_hang`); the others as they are."""
+    return [act_on_hang(f, running, wd.cancel_hung) if f.key == "log.hang" else f for f in findings]
+
+
 def act_on_hang(hang: Finding, running: list[QueueEntry], cancel: bool) -> Finding:
     """The ``log.hang`` finding with what ends the hung task (``scancel`` of the running task: the chain's next
     task resumes from the last save); with ``cancel`` (``watchdog.cancel_hung``), done here.
@@ -658,12 +664,14 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
-        findings = [act_on_hang(with_stuck_ranks(f, run.main_log, state.get("job_nodes", "")), running,
-                                spec.watchdog.cancel_hung) if f.key == "log.hang" else f for f in findings]
+        findings = [with_stuck_ranks(f, run.main_log, state.get("job_nodes", "")) if f.key == "log.hang" else f
+                    for f in findings]
     if not run_missing:
         findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval), state)
     findings += check_disk(run, spec.watchdog)
+    # The checks only looked; what the watchdog does about their findings happens here, once all are in.
+    findings = _act(findings, running, spec.watchdog)
     state_error = save_state(run, state)
     report = Report(spec.name, spec.job_name, now, pulse, scheduler + findings, unreachable=error is not None,
                     unknown=("scheduler", "log.hang", "checkpoint.age") if error is not None else (),
