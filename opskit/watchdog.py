@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -47,24 +47,59 @@ _JOB_WORD = "[opskit] "  # what every JOB_HEADER line holds
 # --------------------------------------------------------------------------- state
 
 
-def load_state(run: RunPaths) -> dict:
-    """The watchdog's memory of the last run ({} the first time, or when the file is unreadable or not a JSON
-    object: start over)."""
+@dataclass
+class WatchdogState:
+    """What one run of the watchdog leaves the next (``<run>/watchdog/state.json``); the readers of the log and the
+    checkpoint check bring it up to date."""
+
+    offset: int = 0
+    """Byte of main_log.txt read up to."""
+    inode: int | None = None
+    """main_log.txt's inode at ``offset``: another file (replaced) is read from its start."""
+    history: list[dict] = field(default_factory=list)
+    """Recent iteration records: the spike window and the throughput baseline."""
+    skipped: int = 0
+    """Record lines skipped so far (cut, wrapped or garbled)."""
+    last_iteration_at: float | None = None
+    """main_log.txt's mtime when it last gained an iteration line (epoch s): an upper bound for the hang check."""
+    job_nodes: str = ""
+    """The node list of the last job header seen (which node a crash line's srun label names)."""
+    events_iteration: int | None = None
+    """The last iteration read from TensorBoard events (a run without a text log)."""
+    checkpoint: str | None = None
+    """The newest complete step seen (``global_stepN``)."""
+    last_running: float | None = None
+    """When a task of the run was last seen running (epoch s)."""
+
+    @classmethod
+    def from_json(cls, data: object) -> WatchdogState:
+        """The state a JSON object holds; a key of another type than its field's, or unknown, is dropped (the
+        default: that part starts over)."""
+        if not isinstance(data, dict):
+            return cls()
+        kinds = {"offset": int, "inode": int, "history": list, "skipped": int, "last_iteration_at": (int, float),
+                 "job_nodes": str, "events_iteration": int, "checkpoint": str, "last_running": (int, float)}
+        return cls(**{key: value for key, value in data.items() if key in kinds and isinstance(value, kinds[key])
+                      and not isinstance(value, bool)})
+
+
+def load_state(run: RunPaths) -> WatchdogState:
+    """The watchdog's memory of the last run (a fresh one the first time, or when the file is unreadable or not a
+    JSON object: start over)."""
     try:
-        state = json.loads(run.watchdog_state.read_text())
+        return WatchdogState.from_json(json.loads(run.watchdog_state.read_text()))
     except (OSError, ValueError):
-        return {}
-    return state if isinstance(state, dict) else {}
+        return WatchdogState()
 
 
-def save_state(run: RunPaths, state: dict) -> str | None:
+def save_state(run: RunPaths, state: WatchdogState) -> str | None:
     """Write the state atomically; nothing when the run directory does not exist yet. Returns why it could not be
     written (``<file>: <strerror>``: a teammate without write access to the run), else None: the checks stand."""
     if not run.root.is_dir():
         return None
     try:
         run.watchdog_dir.mkdir(exist_ok=True)
-        atomic_write_text(run.watchdog_state, json.dumps(state, separators=(",", ":")))
+        atomic_write_text(run.watchdog_state, json.dumps(asdict(state), separators=(",", ":")))
     except OSError as e:
         return f"{e.filename or run.watchdog_dir}: {e.strerror or e}"
     return None
@@ -88,7 +123,7 @@ def _minutes(text: str) -> float | None:
         return None
 
 
-def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: dict, now: datetime,
+def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: WatchdogState, now: datetime,
                     seconds_left: float | None, ledger: list[chain.TaskOutcome] = ()) -> list[Finding]:
     """Findings from the spec's queue entries (running, pending and why, a pending reason that never clears, absent;
     the finished and stopped flags when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
@@ -108,7 +143,7 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
     for e in running:
         findings.append(Finding("scheduler.running", "ok", f"{e.job_id} running for {e.time_used} since "
                                 f"{e.start_time} on {e.reason} ('{e.partition}' partition)", asdict(e)))
-        state["last_running"] = now.timestamp()
+        state.last_running = now.timestamp()
     for e in pending:
         reason = e.reason.strip("()")
         start = _slurm_time(e.start_time)
@@ -121,7 +156,7 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
                                 {"job_ids": [job_id for job_id, _ in stuck]}))
     if pending and not running:
         ended = [t.timestamp() for t in (_ledger_time(r.time) for r in ledger[-1:]) if t]
-        findings += _pending_too_long(wd, pending, max([state.get("last_running", 0), *ended]), now)
+        findings += _pending_too_long(wd, pending, max([state.last_running or 0, *ended]), now)
     if not run.finished_flag.exists():
         findings += _queue_depth(spec, running, entries, seconds_left)
     return findings
@@ -248,8 +283,8 @@ class LogRead:
     names the node of a crash line before the next header."""
 
 
-def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
-    """Records and text main_log.txt gained since ``state["offset"]`` (at most the last NEW_RECORDS iteration
+def read_log(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRead | None:
+    """Records and text main_log.txt gained since ``state.offset`` (at most the last NEW_RECORDS iteration
     records and NEW_TEXT bytes of text: only the end of a large gain is read); updates ``state``. None without a log.
 
     A file that shrank or was replaced (another inode) is read again from its start. ``keep``: iteration records
@@ -261,7 +296,7 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
         info = os.stat(run.main_log)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    offset = state.get("offset", 0) if state.get("inode") == info.st_ino else 0
+    offset = state.offset if state.inode == info.st_ino else 0
     start = offset if offset <= info.st_size else 0  # shorter than where the last run stopped: replaced or truncated
     # Only the last NEW_RECORDS records count: read backwards to them, not the whole gain (a months-old log).
     chunk = read_tail(run.main_log, NEW_RECORDS, start, fields=FIELDS)
@@ -270,22 +305,22 @@ def read_log(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
         f.seek(text_from)
         text = f.read(chunk.offset - text_from).decode("utf-8", errors="replace")
     new = chunk.iterations[-NEW_RECORDS:]
-    history = [] if start == 0 else state.get("history", [])
+    history = [] if start == 0 else state.history
     records = timeline(history + new)
     if new:
         # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
-        state["last_iteration_at"] = info.st_mtime
-    job_nodes = state.get("job_nodes", "") if start else ""
+        state.last_iteration_at = info.st_mtime
+    job_nodes = state.job_nodes if start else ""
     for header in JOB_HEADER.finditer(text) if _JOB_WORD in text else ():  # a C substring search, not a regex
-        state["job_nodes"] = header["nodes"]  # scan (8 MiB on a first run)
-    state.update(offset=chunk.offset, inode=info.st_ino, history=records[-keep:],
-                 skipped=state.get("skipped", 0) + chunk.skipped)
-    return LogRead(records, new, text, chunk.skipped, state.get("last_iteration_at"), job_nodes)
+        state.job_nodes = header["nodes"]  # scan (8 MiB on a first run)
+    state.offset, state.inode, state.history = chunk.offset, info.st_ino, records[-keep:]
+    state.skipped += chunk.skipped
+    return LogRead(records, new, text, chunk.skipped, state.last_iteration_at, job_nodes)
 
 
-def read_events(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | None:
+def read_events(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRead | None:
     """For trainers that write only TensorBoard events (Megatron's tags) under ``<run>/tensorboard``: the iteration
-    records after ``state["events_iteration"]``; updates ``state``. None without event files or Megatron's loss tag.
+    records after ``state.events_iteration``; updates ``state``. None without event files or Megatron's loss tag.
 
     The event files are read whole each time (the tensorboard package cannot resume at an offset); no crash lines.
     """
@@ -298,11 +333,12 @@ def read_events(run: RunPaths, state: dict, keep: int = HISTORY) -> LogRead | No
         records = [r for r in read_event_dir(run.tensorboard) if r["kind"] == "iteration"]
     except LogFormatError:
         return None
-    new = [r for r in records if r["iteration"] > state.get("events_iteration", -1)][-NEW_RECORDS:]
+    seen = -1 if state.events_iteration is None else state.events_iteration
+    new = [r for r in records if r["iteration"] > seen][-NEW_RECORDS:]
     if new:
-        state["events_iteration"] = new[-1]["iteration"]
-        state["last_iteration_at"] = max(f.stat().st_mtime for f in run.tensorboard.rglob("*tfevents*"))
-    return LogRead(records[-keep:], new, "", 0, state.get("last_iteration_at"))
+        state.events_iteration = new[-1]["iteration"]
+        state.last_iteration_at = max(f.stat().st_mtime for f in run.tensorboard.rglob("*tfevents*"))
+    return LogRead(records[-keep:], new, "", 0, state.last_iteration_at)
 
 
 def line_interval(records: list[dict]) -> float | None:
@@ -538,7 +574,7 @@ def _save_failures(text: str) -> list[Finding]:
 
 def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
                      wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None,
-                     state: dict | None = None) -> list[Finding]:
+                     state: WatchdogState | None = None) -> list[Finding]:
     """The step the next job resumes from (:func:`opskit.ckpt.info.resume_point`, headers only): an ALERT when
     ``latest`` is unusable or names a missing or incomplete step (the next job falls back to the newest complete
     step, or fails when there is none); then that step's age against ``save_interval`` iterations at the logged
@@ -576,7 +612,7 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
                                     f"no complete checkpoint yet ({run.checkpoints / 'latest'})")]
     tag = point.step.path.name
     if state is not None:
-        state["checkpoint"] = tag
+        state.checkpoint = tag
     age = now.timestamp() - saved
     data = {"tag": tag, "age_s": round(age)}
     if not running or seconds_per_iteration is None:
@@ -664,7 +700,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
-        findings = [with_stuck_ranks(f, run.main_log, state.get("job_nodes", "")) if f.key == "log.hang" else f
+        findings = [with_stuck_ranks(f, run.main_log, state.job_nodes) if f.key == "log.hang" else f
                     for f in findings]
     if not run_missing:
         findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
@@ -681,24 +717,24 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     return report
 
 
-def _started(run: RunPaths, ledger: list[chain.TaskOutcome], state: dict) -> str | None:
+def _started(run: RunPaths, ledger: list[chain.TaskOutcome], state: WatchdogState) -> str | None:
     """Why the run must have a log by now (a ledger entry, the finished flag, iterations or a step the watchdog
     saw before), or None: it never started, so no log is no news."""
     if run.finished_flag.exists():
         return f"{run.finished_flag} is set"
     if ledger:
         return f"the ledger records {len(ledger)} task(s)"
-    seen = state.get("history") or []
+    seen = state.history
     if seen and isinstance(seen[-1], dict) and "iteration" in seen[-1]:
         return f"the watchdog saw iteration {seen[-1]['iteration']}"
-    if state.get("events_iteration") is not None:
-        return f"the watchdog saw iteration {state['events_iteration']}"
-    if state.get("checkpoint"):
-        return f"the watchdog saw {state['checkpoint']}"
+    if state.events_iteration is not None:
+        return f"the watchdog saw iteration {state.events_iteration}"
+    if state.checkpoint:
+        return f"the watchdog saw {state.checkpoint}"
     return None
 
 
-def _save_due(run: RunPaths, ledger: list[chain.TaskOutcome], state: dict, records: list[dict],
+def _save_due(run: RunPaths, ledger: list[chain.TaskOutcome], state: WatchdogState, records: list[dict],
               save_interval: int) -> str | None:
     """Why a complete step must exist by now, or None. A visible log decides (its newest iteration reached
     ``save_interval``); without one, any sign that the run started (:func:`_started`) does."""

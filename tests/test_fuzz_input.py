@@ -20,7 +20,7 @@ from opskit.logs.grammar import scan_bytes
 from opskit.plan import make_plan
 from opskit.runs import RunPaths
 from opskit.spec import SpecError, load_spec, validate_spec
-from opskit.watchdog import check_log, check_progress, read_log
+from opskit.watchdog import WatchdogState, check_log, check_progress, read_log
 
 PRESETS = sorted((REPO / "opskit" / "presets").glob("*.yaml"))
 FIXTURES = REPO / "tests" / "fixtures" / "logs"
@@ -234,7 +234,7 @@ def test_random_bytes_into_the_watchdogs_log_scan(tmp_path_factory, first, secon
     run = RunPaths(tmp_path_factory.mktemp("run"))
     run.logs.mkdir()
     run.main_log.write_bytes(first)
-    state: dict = {}
+    state = WatchdogState()
     for data in (first, second):  # a first run, then one on appended bytes
         if data is second:
             with open(run.main_log, "ab") as f:

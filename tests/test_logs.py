@@ -501,14 +501,14 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.logs import follow, parse
 from opskit.runs import RunPaths
-from opskit.watchdog import read_log
+from opskit.watchdog import WatchdogState, read_log
 
 log = Path(sys.argv[1])
 began = time.monotonic()
 whole = parse.read_from(log)
 columnar = parse.read_from(log, columnar=True)  # the bulk (polars) path: the file is over 16 MiB
 tail = parse.read_tail(log, 200)
-status = read_log(RunPaths(log.parent.parent), {})  # what `opskit status` reads
+status = read_log(RunPaths(log.parent.parent), WatchdogState())  # what `opskit status` reads
 shown = CliRunner().invoke(app, ["logs", "show", str(log), "--json"])
 print(json.dumps({
     "iterations": len(whole.iterations), "long_lines": whole.long_lines, "lines": whole.lines,

@@ -27,7 +27,7 @@ from opskit.ckpt.layout import read_latest, write_latest
 from opskit.logs.grammar import parse_iteration_line
 from opskit.runs import RunPaths
 from opskit.spec import WatchdogSpec
-from opskit.watchdog import check_log, read_log
+from opskit.watchdog import WatchdogState, check_log, read_log
 
 GBS = 8
 KILLS = 30  # kills that land inside a save
@@ -272,7 +272,7 @@ def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, referen
     run = RunPaths(tmp_path / "run")  # the job script appends the trainer's stdout and stderr to main_log.txt
     run.logs.mkdir(parents=True)
     run.main_log.write_text(second.stdout + second.stderr)
-    findings = check_log(read_log(run, {}), WatchdogSpec(), datetime.now(), None)
+    findings = check_log(read_log(run, WatchdogState()), WatchdogSpec(), datetime.now(), None)
     [finding] = [f for f in findings if f.key == "log.save_failed"]
     assert finding.severity == "alert" and finding.data["tag"] == "global_step4", finding
     assert "No space left on device" in finding.message and "log.crash" not in {f.key for f in findings}

@@ -27,7 +27,16 @@ from conftest import as_run, queued, running, unique, write_spec
 from opskit.logs.parse import read_from
 from opskit.runs import RunPaths
 from opskit.spec import WatchdogSpec, load_spec
-from opskit.watchdog import check_checkpoint, check_disk, check_log, check_progress, load_state, read_log, save_state
+from opskit.watchdog import (
+    WatchdogState,
+    check_checkpoint,
+    check_disk,
+    check_log,
+    check_progress,
+    load_state,
+    read_log,
+    save_state,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
@@ -55,7 +64,7 @@ def only(findings, key: str):
 
 def test_tr11_spike_with_rollback_and_skip_range(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
-    log = read_log(run, {})
+    log = read_log(run, WatchdogState())
     findings = check_log(log, WatchdogSpec(), NOW, running_since=None, save_interval=100)
     loss = only(findings, "log.lm_loss_spike")
     # Recovered at the real 31250 line: a warning with the chronicles' remedy, not an open alert.
@@ -78,15 +87,15 @@ def test_spike_still_open_is_an_alert(tmp_path):
     run = RunPaths(tmp_path / "run")
     run.logs.mkdir(parents=True)
     run.main_log.write_text("".join(line for line in lines if "iteration    3125" not in line))  # no recovery yet
-    loss = only(check_log(read_log(run, {}), WatchdogSpec(), NOW, None, 100), "log.lm_loss_spike")
+    loss = only(check_log(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None, 100), "log.lm_loss_spike")
     assert loss.severity == "alert" and "not recovered" in loss.message
 
 
 def test_incremental_reads_only_new_bytes(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
-    state: dict = {}
+    state = WatchdogState()
     first = read_log(run, state)
-    assert len(first.new) == 125 and state["offset"] == run.main_log.stat().st_size
+    assert len(first.new) == 125 and state.offset == run.main_log.stat().st_size
     save_state(run, state)
 
     # An hour later: two more lines and half of a third (a rank still writing it).
@@ -98,7 +107,7 @@ def test_incremental_reads_only_new_bytes(tmp_path):
     state = load_state(run)
     second = read_log(run, state)
     assert [r["iteration"] for r in second.new] == [31350, 31351]
-    assert state["offset"] == run.main_log.stat().st_size - len(partial)
+    assert state.offset == run.main_log.stat().st_size - len(partial)
     assert len(second.records) == 127 and second.text == "".join(new_lines)
     # No spike news in the new lines: the old spike is not reported again.
     assert not {"log.lm_loss_spike", "log.grad_norm_spike"} & set(keys(check_log(second, WatchdogSpec(), NOW, None)))
@@ -111,7 +120,7 @@ def test_incremental_reads_only_new_bytes(tmp_path):
 
 def test_nan_run(tmp_path):
     run = run_with_log(tmp_path, "nan.txt")
-    findings = check_log(read_log(run, {}), WatchdogSpec(), NOW, None)
+    findings = check_log(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None)
     nan = only(findings, "log.nan")
     assert nan.severity == "alert"
     assert nan.data == {"iterations": [12725], "nan_iterations": 5}
@@ -123,7 +132,7 @@ def test_hang_while_running(tmp_path):
     last_line_at = NOW - timedelta(hours=3)
     os.utime(run.main_log, (last_line_at.timestamp(),) * 2)
     wd = WatchdogSpec(hang_factor=10, hang_min_minutes=30)
-    log = read_log(run, {})
+    log = read_log(run, WatchdogState())
     hang = only(check_log(log, wd, NOW, running_since=NOW - timedelta(hours=5)), "log.hang")
     assert hang.severity == "alert" and hang.data["last_iteration"] == 12734
     assert hang.data["silent_s"] == 3 * 3600 and hang.data["interval_s"] == 105.22
@@ -219,7 +228,7 @@ def test_stacks_that_single_out_no_rank_name_none():
 
 def test_malformed_and_cut_lines_are_counted(tmp_path):
     run = run_with_log(tmp_path, "malformed.txt")
-    log = read_log(run, {})
+    log = read_log(run, WatchdogState())
     skipped = read_from(run.main_log).skipped
     assert skipped >= 4 and log.skipped == skipped
     finding = only(check_log(log, WatchdogSpec(), NOW, None), "log.skipped_lines")
@@ -229,7 +238,7 @@ def test_malformed_and_cut_lines_are_counted(tmp_path):
 
 def test_crash_lines_name_their_node(tmp_path):
     run = run_with_log(tmp_path, "crash.txt")
-    crash = only(check_log(read_log(run, {}), WatchdogSpec(), NOW, None), "log.crash")
+    crash = only(check_log(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None), "log.crash")
     assert crash.severity == "alert"
     assert crash.message.startswith("1 crash line(s) since the last check, first: CUDA error: unknown error on "
                                     "jean-zay-iam52, local rank 3: [default3]:  what():  CUDA error: unknown error")
@@ -238,7 +247,7 @@ def test_crash_lines_name_their_node(tmp_path):
         f.write("[opskit] 2026-11-21 08:00:00 job 9 (array task 8_1) nodes n[1-2]: start\n"
                 "[default0]:Traceback (most recent call last):\n"
                 "[default0]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
-    state: dict = {}
+    state = WatchdogState()
     read_log(run, state)  # everything up to here seen
     with open(run.main_log, "a") as f:
         f.write("[default1]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
@@ -266,7 +275,7 @@ def test_the_status_check_sees_every_line_the_crash_finder_sees(tmp_path, line, 
     assert [name for name, _ in SIGNATURES + SOFTWARE_ERRORS] == list(NEEDLES)
     assert [c.signature for c in find_crashes([line])] == [signature]
     run = run_with_log(tmp_path, "crash.txt")
-    state: dict = {}
+    state = WatchdogState()
     read_log(run, state)
     with open(run.main_log, "a") as f:
         f.write(line + "\n")
@@ -278,7 +287,7 @@ def test_failed_save_is_an_alert_of_its_own(tmp_path):
     """The trainer's one line for a failed save (no traceback, no crash signature) under torchrun's rank prefix: an
     alert keyed log.save_failed, not a crash; only new lines count."""
     run = run_with_log(tmp_path, "crash.txt")
-    state: dict = {}
+    state = WatchdogState()
     assert "log.save_failed" not in keys(check_log(read_log(run, state), WatchdogSpec(), NOW, None))
     with open(run.main_log, "a") as f:
         f.write("saving checkpoint at iteration      40 to /scratch/run/checkpoints\n"
@@ -295,7 +304,7 @@ def test_failed_save_is_an_alert_of_its_own(tmp_path):
 
 def test_throughput_drop(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
-    state: dict = {}
+    state = WatchdogState()
     read_log(run, state)
     last = (FIXTURES / "tr11-176B-spike.txt").read_text().splitlines()[-1]
     slow = [re.sub(r"samples per second: [\d.]+", "samples per second: 8.100", last.replace("31251", str(it)))
@@ -316,10 +325,10 @@ def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
     for it in range(1, 121):
         board.iteration(it, it * 16, it * 16 * 512, 3e-4, 16, 9.0 if it == 118 else 6.0 - it / 100, 0.5, None)
     board.close()
-    assert read_log(run, {}) is None
-    state: dict = {}
+    assert read_log(run, WatchdogState()) is None
+    state = WatchdogState()
     events = read_events(run, state)
-    assert len(events.new) == 120 and state["events_iteration"] == 120
+    assert len(events.new) == 120 and state.events_iteration == 120
     spike = only(check_log(events, WatchdogSpec(), NOW, None, save_interval=50), "log.lm_loss_spike")
     assert (spike.data["first"], spike.data["peak"], spike.data["recovered_at"]) == (118, 9.0, 119)
     assert "roll back to global_step100" in spike.message
@@ -376,7 +385,7 @@ def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
                                                "on n1), 7_3 TIMEOUT")
     spec = load_spec(str(spec_file(tmp_path, "opskit-wd-chain")))
     (run.root / "chain-stopped").write_text("2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***\n")
-    [stopped] = check_scheduler(spec, run, [], {}, NOW, None)
+    [stopped] = check_scheduler(spec, run, [], WatchdogState(), NOW, None)
     assert (stopped.key, stopped.severity) == ("scheduler.stopped", "alert")
     assert stopped.message == "the chain stopped itself: 2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***"
 
@@ -395,7 +404,7 @@ def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
     def alerts(ended_minutes_ago: float) -> list[str]:
         ledger = [TaskOutcome(f"{NOW - timedelta(minutes=ended_minutes_ago):%Y-%m-%d %H:%M:%S}", "682843",
                               "682842_1", "COMPLETED", 0, "r7i5n[2-3]")]
-        return [f.message for f in check_scheduler(spec, run, [waiting], {}, NOW, None, ledger)
+        return [f.message for f in check_scheduler(spec, run, [waiting], WatchdogState(), NOW, None, ledger)
                 if f.severity == "alert"]
 
     assert alerts(5) == []  # the hand-over between two tasks of the chain
@@ -943,7 +952,7 @@ def test_state_that_is_not_an_object_starts_over(slurm, tmp_path, content):
     (run.watchdog_dir / "state.json").write_text(content)
     done = status_cli(spec, "--json")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr  # scheduler.absent
-    assert "log.hang" not in findings_of(done) and isinstance(load_state(run), dict) and load_state(run)["offset"] > 0
+    assert "log.hang" not in findings_of(done) and load_state(run).offset > 0
 
 
 @pytest.mark.slurm
