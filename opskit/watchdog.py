@@ -123,13 +123,13 @@ def _minutes(text: str) -> float | None:
         return None
 
 
-def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state: WatchdogState, now: datetime,
+def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], last_running: float | None, now: datetime,
                     seconds_left: float | None, ledger: list[chain.TaskOutcome] = ()) -> list[Finding]:
     """Findings from the spec's queue entries (running, pending and why, a pending reason that never clears, absent;
     the finished and stopped flags when there is none) and the queued depth against ``watchdog.queue_horizon_hours``.
 
     Args:
-        state: the watchdog state; ``last_running`` (epoch s) is updated here.
+        last_running: when a task of the run was last seen running (epoch s; :attr:`WatchdogState.last_running`).
         seconds_left: the log's ETA, so a chain that covers the rest of the training is never "too short".
         ledger: the chain's task outcomes: the last one's time counts as "last seen running" (a task may start and
             end between two hourly checks).
@@ -143,7 +143,6 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
     for e in running:
         findings.append(Finding("scheduler.running", "ok", f"{e.job_id} running for {e.time_used} since "
                                 f"{e.start_time} on {e.reason} ('{e.partition}' partition)", asdict(e)))
-        state.last_running = now.timestamp()
     for e in pending:
         reason = e.reason.strip("()")
         start = _slurm_time(e.start_time)
@@ -156,7 +155,7 @@ def check_scheduler(spec: Spec, run: RunPaths, entries: list[QueueEntry], state:
                                 {"job_ids": [job_id for job_id, _ in stuck]}))
     if pending and not running:
         ended = [t.timestamp() for t in (_ledger_time(r.time) for r in ledger[-1:]) if t]
-        findings += _pending_too_long(wd, pending, max([state.last_running or 0, *ended]), now)
+        findings += _pending_too_long(wd, pending, max([last_running or 0, *ended]), now)
     if not run.finished_flag.exists():
         findings += _queue_depth(spec, running, entries, seconds_left)
     return findings
@@ -573,8 +572,7 @@ def _save_failures(text: str) -> list[Finding]:
 
 
 def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
-                     wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None,
-                     state: WatchdogState | None = None) -> list[Finding]:
+                     wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None) -> list[Finding]:
     """The step the next job resumes from (:func:`opskit.ckpt.info.resume_point`, headers only): an ALERT when
     ``latest`` is unusable or names a missing or incomplete step (the next job falls back to the newest complete
     step, or fails when there is none); then that step's age against ``save_interval`` iterations at the logged
@@ -583,7 +581,6 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
     Args:
         saved_by_now: why a complete step must exist by now (:func:`_save_due`); then none is an ALERT
             (``checkpoint.missing``), as is a checkpoint path that is a file. None: no complete step is still ok.
-        state: the watchdog state; ``checkpoint`` (the newest complete step seen) is updated here.
     """
     from opskit.ckpt.info import resume_point
 
@@ -611,8 +608,6 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
         return findings or [Finding("checkpoint.none", "ok",
                                     f"no complete checkpoint yet ({run.checkpoints / 'latest'})")]
     tag = point.step.path.name
-    if state is not None:
-        state.checkpoint = tag
     age = now.timestamp() - saved
     data = {"tag": tag, "age_s": round(age)}
     if not running or seconds_per_iteration is None:
@@ -689,7 +684,9 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     else:
         finished = not entries and run.finished_flag.exists()  # a finished run is neither running nor an alert
         pulse = [] if finished else pulse_lines(spec.job_name, entries, now)
-        scheduler = check_scheduler(spec, run, entries, state, now, seconds_left, ledger)
+        if running:
+            state.last_running = now.timestamp()
+        scheduler = check_scheduler(spec, run, entries, state.last_running, now, seconds_left, ledger)
     scheduler += check_chain(run, ledger)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
     run_missing = not run.root.is_dir()
@@ -703,8 +700,10 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
         findings = [with_stuck_ranks(f, run.main_log, state.job_nodes) if f.key == "log.hang" else f
                     for f in findings]
     if not run_missing:
-        findings += check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
-                                     _save_due(run, ledger, state, records, spec.checkpoint.save_interval), state)
+        checkpoint = check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
+                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval))
+        state.checkpoint = next((f.data["tag"] for f in checkpoint if f.key == "checkpoint.age"), state.checkpoint)
+        findings += checkpoint
     findings += check_disk(run, spec.watchdog)
     # The checks only looked; what the watchdog does about their findings happens here, once all are in.
     findings = _act(findings, running, spec.watchdog)

@@ -385,7 +385,7 @@ def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
                                                "on n1), 7_3 TIMEOUT")
     spec = load_spec(str(spec_file(tmp_path, "opskit-wd-chain")))
     (run.root / "chain-stopped").write_text("2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***\n")
-    [stopped] = check_scheduler(spec, run, [], WatchdogState(), NOW, None)
+    [stopped] = check_scheduler(spec, run, [], None, NOW, None)
     assert (stopped.key, stopped.severity) == ("scheduler.stopped", "alert")
     assert stopped.message == "the chain stopped itself: 2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***"
 
@@ -404,7 +404,7 @@ def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
     def alerts(ended_minutes_ago: float) -> list[str]:
         ledger = [TaskOutcome(f"{NOW - timedelta(minutes=ended_minutes_ago):%Y-%m-%d %H:%M:%S}", "682843",
                               "682842_1", "COMPLETED", 0, "r7i5n[2-3]")]
-        return [f.message for f in check_scheduler(spec, run, [waiting], WatchdogState(), NOW, None, ledger)
+        return [f.message for f in check_scheduler(spec, run, [waiting], None, NOW, None, ledger)
                 if f.severity == "alert"]
 
     assert alerts(5) == []  # the hand-over between two tasks of the chain
