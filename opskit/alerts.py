@@ -42,7 +42,7 @@ class ChannelError(OpskitError, RuntimeError):
 
 @dataclass(frozen=True)
 class Message:
-    """What every channel sends. ``kind`` is ``alert`` or ``resolved``; ``findings`` as in ``Report.as_dict``."""
+    """What every channel sends. ``kind`` is ``alert`` or ``resolved``; ``findings`` as in ``Report.as_json``."""
 
     kind: str
     subject: str
@@ -270,7 +270,7 @@ class Outcome:
     silenced: bool = False
     acked: bool = False
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return {"sent": [{"channel": c, "kind": k} for c, k in self.sent], "failures": self.failures,
                 "silenced": self.silenced, "acked": self.acked}
 

@@ -56,7 +56,7 @@ class Report:
         """0 ok (warnings included), 1 alert, 2 scheduler unreachable or no run directory to look at."""
         return 2 if self.unreachable or self.run_missing else 1 if self.severity == "alert" else 0
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return {"name": self.name, "job_name": self.job_name, "time": self.time.isoformat(timespec="seconds"),
                 "severity": self.severity, "alert": self.severity == "alert", "unreachable": self.unreachable,
                 "exit_code": self.exit_code, "lines": self.pulse_lines, "findings": [asdict(f) for f in self.findings]}

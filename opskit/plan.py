@@ -604,7 +604,7 @@ class Plan:
     time: TimePlan
     warnings: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         """JSON-ready: the sections above, plus the flat keys of opskit 0.1 (``parameters``, ``train_iters``, ...);
         docs/plan.md lists every key."""
         data = asdict(self)

@@ -97,7 +97,7 @@ class Rehearsal:
         """No stage failed (skipped ones are allowed)."""
         return all(s.status != "failed" for s in self.stages)
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return {**asdict(self), "folder": str(self.folder), "ok": self.ok}
 
 

@@ -74,7 +74,7 @@ class SyncResult:
     deleted: list[str] = field(default_factory=list)
     dry_run: bool = False
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return {"target": self.target, "copied": self.copied, "unchanged": self.unchanged, "deferred": self.deferred,
                 "failed": self.failed, "deleted": self.deleted, "dry_run": self.dry_run}
 

@@ -462,7 +462,7 @@ def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[F
         findings.append(Finding(f"log.{metric}_spike", severity, f"{label} spike at iterations {s.first}-{s.last} "
                                 f"(peak {s.peak:.4g} at {s.peak_iteration}, median before {s.baseline:.4g}), "
                                 + ("not recovered" if open_ else f"back to normal at {s.recovered_at}") + todo,
-                                {**s.as_dict(), "remedy": fix.as_dict()}))
+                                {**s.as_json(), "remedy": fix.as_json()}))
     return findings
 
 
@@ -648,7 +648,7 @@ def check_progress(spec: Spec, records: list[dict]) -> tuple[list[Finding], floa
     if not records or records[-1]["train_iters"] is None:  # TensorBoard events carry no train_iters
         return [], None, None
     state = progress(records, planned_tokens=spec.batch.samples * spec.model.seq_length)
-    return ([Finding("progress", "ok", "; ".join(progress_lines(state, 20)), state.as_dict())],
+    return ([Finding("progress", "ok", "; ".join(progress_lines(state, 20)), state.as_json())],
             state.seconds_left, state.seconds_per_iteration)
 
 

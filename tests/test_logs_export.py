@@ -184,7 +184,7 @@ def _walked_spikes(records: list[dict], config) -> list[dict]:
                     current = None
         if current is not None:
             found.append(Spike(metric, *current[:6]))
-    return [s.as_dict() for s in sorted(found, key=lambda s: (s.first, s.metric))]
+    return [s.as_json() for s in sorted(found, key=lambda s: (s.first, s.metric))]
 
 
 @pytest.mark.parametrize("rough_share", [1, 10**9])  # candidates: always the median's bound alone / never
@@ -205,7 +205,7 @@ def test_spikes_of_a_long_series_are_those_a_walk_over_every_value_finds(monkeyp
             loss = rng.choice((math.nan, math.inf, -math.inf))
         records.append({"kind": "iteration", "iteration": i, "lm_loss": loss, "grad_norm": abs(rng.gauss(0.2, 0.03))})
     config = SpikeConfig(window=window, threshold=threshold)
-    found = [s.as_dict() for s in find_spikes(records, config)]
+    found = [s.as_json() for s in find_spikes(records, config)]
     assert len(found) > 10 and repr(found) == repr(_walked_spikes(records, config))  # repr: NaN peaks compare
 
 

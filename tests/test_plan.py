@@ -984,7 +984,7 @@ def test_plan_json_keys_are_documented(in_tmp):
 
     found = set()
     for name in ("tr8b-104B:cl", "tr11-176B-ml"):
-        found |= set(keys(make_plan(load_spec(name)).as_dict()))
+        found |= set(keys(make_plan(load_spec(name)).as_json()))
     missing = sorted(k for k in found if f"`{k.rsplit('.', 1)[-1]}`" not in docs)
     assert not missing, missing
 
@@ -1090,7 +1090,7 @@ def test_planner_never_crashes_and_accepted_specs_divide(raw, tflops, gpus):
         num_microbatches(gbs, b.micro_batch_size, dp)
 
     plan = make_plan(spec, tflops=tflops, gpus=gpus)
-    json.dumps(plan.as_dict())
+    json.dumps(plan.as_json())
     if plan.batch.train_samples >= plan.batch.rampup_consumed_samples:
         assert sum(r.iterations for r in plan.batch.rows) == plan.batch.train_iters
     else:  # the run ends inside the ramp-up: Megatron's train_iters counts back from the ramp's end

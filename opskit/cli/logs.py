@@ -86,7 +86,7 @@ def show(
     first = first_iteration(path)
     if json_output:
         print_json({"file": str(path), "records": records[-last:], "first": first,
-                    "progress": state.as_dict(), "skipped_in_tail": chunk.skipped})
+                    "progress": state.as_json(), "skipped_in_tail": chunk.skipped})
         return
     table = Table(title=str(path))
     for _, header in COLUMNS:
@@ -191,8 +191,8 @@ def spikes(
     fixes = remedies(found, save_interval or source.save_interval,
                      None if save_interval else source.checkpoints)
     if json_output:
-        print_json({"file": str(source.path), "spikes": [s.as_dict() for s in found],
-                    "remedies": [f.as_dict() for f in fixes]})
+        print_json({"file": str(source.path), "spikes": [s.as_json() for s in found],
+                    "remedies": [f.as_json() for f in fixes]})
         return
     if not found:
         console.print(f"{source.path}: no spikes in {len(iterations):,} iterations "

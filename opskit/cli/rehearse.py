@@ -40,7 +40,7 @@ def rehearse(
     result = run_rehearsal(spec, nodes=nodes, iterations=iterations, root=out, force=force,
                            ranks_per_node=ranks, on_stage=progress)
     if json_output:
-        print_json(result.as_dict())
+        print_json(result.as_json())
     else:
         _render(result)
     if not result.ok:

@@ -45,7 +45,7 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
             err_console.print(f"error: alert not sent: {failure}")
         code = 2 if outcome.failures else code
     if json_output:
-        print_json({**report.as_dict(), "exit_code": code, "alerts": outcome.as_dict() if outcome else None})
+        print_json({**report.as_json(), "exit_code": code, "alerts": outcome.as_json() if outcome else None})
         return code
     for line in report.pulse_lines:
         console.print(line)

@@ -35,7 +35,7 @@ def sync(
         if not json_output:
             _render(result)
     if json_output:
-        print_json([r.as_dict() for r in results])
+        print_json([r.as_json() for r in results])
     if any(r.failed for r in results):
         raise typer.Exit(1)
 

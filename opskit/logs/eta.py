@@ -37,7 +37,7 @@ class Progress:
     def days_left(self) -> float | None:
         return None if self.seconds_left is None else self.seconds_left / (3600 * 24)
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return {**asdict(self), "iterations_left": self.iterations_left, "days_left": self.days_left}
 
 

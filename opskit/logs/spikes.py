@@ -51,7 +51,7 @@ class Spike:
     baseline: float
     recovered_at: int | None
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return asdict(self)
 
 
@@ -69,7 +69,7 @@ class Remedy:
     def checkpoint(self) -> str | None:
         return None if self.rollback_to is None else f"global_step{self.rollback_to}"
 
-    def as_dict(self) -> dict:
+    def as_json(self) -> dict:
         return {**asdict(self), "checkpoint": self.checkpoint}
 
 
