@@ -218,3 +218,21 @@ def test_wait_until_gone_reports_changes_and_the_end(jobs):
     # One pulse per change of a task's state or reason (~15 polls over the ~3 s the array takes): at most
     # [1-2%1] pending, then 1 running + 2 throttled, then 2 running (+ COMPLETING states).
     assert 1 <= len(pulses) <= 6, lines
+
+
+NO_CONFIG = ("squeue: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host\n"
+             "squeue: error: fetch_config: DNS SRV lookup failed\n"
+             "squeue: error: _establish_config_source: failed to fetch config\n"
+             "squeue: fatal: Could not establish a configuration source")
+
+
+def test_a_machine_without_a_slurm_conf_is_unreachable_and_a_dry_run_goes_on(tmp_path, monkeypatch):
+    """squeue's words on a machine with no slurm.conf (a fresh CI machine before the local SLURM starts): the
+    scheduler is unreachable, not a failed command, so a dry run still renders the job (with a note)."""
+    monkeypatch.setenv("PATH", fake_squeue(tmp_path / "bin", f"printf '{NO_CONFIG}\\n' >&2; exit 1"))
+    with pytest.raises(client.SchedulerUnreachable, match="Could not establish a configuration source"):
+        client.squeue()
+    done = subprocess.run([str(Path(sys.executable).with_name("opskit")), "submit", "tiny", "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.startswith("#!/bin/bash\n"), done.stderr
+    assert "SLURM did not answer" in done.stdout + done.stderr

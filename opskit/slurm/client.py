@@ -23,9 +23,11 @@ SEPARATOR = "\x1f"
 SQUEUE_FORMAT = SEPARATOR.join(("%i", "%P", "%j", "%T", "%M", "%D", "%S", "%R", "%V", "%l", "%k", "%o"))
 
 
-# What SLURM's commands print when slurmctld is down, unreachable or too slow (MessageTimeout).
+# What SLURM's commands print when slurmctld is down, unreachable or too slow (MessageTimeout), or when this machine
+# has no slurm.conf and no configless controller to fetch one from (a laptop, a fresh machine).
 _UNREACHABLE = ("Unable to contact slurm controller", "Connection refused", "Socket timed out",
-                "Zero Bytes were transmitted or received")
+                "Zero Bytes were transmitted or received", "Could not establish a configuration source",
+                "Unable to process configuration file")
 
 
 class SlurmError(OpskitError, RuntimeError):
