@@ -184,7 +184,7 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
              help="instead of --train-samples (Megatron's; not with --rampup-batch-size)"),
         Flag("--train-tokens", type=int, section="batch", gt=0,
              help="accepted, no effect, as in Megatron-DeepSpeed since its PR #177: --train-samples ends training"),
-        Flag("--lr", type=float, required=True, section="optimizer", gt=0),
+        Flag("--lr", type=float, required=True, section="optimizer", ge=0),  # 0 as in Megatron: a frozen model
         Flag("--min-lr", type=float, default=0.0, section="optimizer", ge=0),
         Flag("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear", section="optimizer"),
         Flag("--lr-warmup-samples", type=int, default=0, section="optimizer", ge=0),
