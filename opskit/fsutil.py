@@ -171,6 +171,11 @@ def unlisted_entries(folder: Path, marker: dict) -> list[str]:
     return extra
 
 
+def brief(names: list[str], most: int = 5) -> str:
+    """The first ``most`` of ``names``, comma-separated, and how many more there are: what one refusal line names."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def claim_dir(target: Path, force: bool, flag: str = "--out", command: str | None = None) -> None:
     """Check that ``target`` may become (or be replaced by) an output folder of opskit's ``command``.
 
@@ -202,8 +207,7 @@ def claim_dir(target: Path, force: bool, flag: str = "--out", command: str | Non
     if not force:
         raise OutputRefusedError(f"{target}: exists (written by opskit earlier); --force replaces it")
     if command is not None and (extra := unlisted_entries(target, marker)):
-        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-        raise OutputRefusedError(f"{target}: holds entries opskit did not write ({shown}); --force would delete "
+        raise OutputRefusedError(f"{target}: holds entries opskit did not write ({brief(extra)}); --force would delete "
                                  f"them: move them away or choose another {flag}")
 
 

@@ -33,6 +33,7 @@ from opskit.errors import OpskitError
 from opskit.fsutil import (
     OutputRefusedError,
     atomic_write_text,
+    brief,
     folder_entries,
     has_marker,
     read_marker,
@@ -590,9 +591,8 @@ def claim_folder(spec: Spec, folder: Path, force: bool) -> None:
             raise OutputRefusedError(f"{folder}: a rehearsal that was killed before it listed its files; opskit "
                                      "cannot tell them from yours: remove the folder yourself or choose another --out")
         if extra := unlisted_entries(folder, marker):
-            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-            raise OutputRefusedError(f"{folder}: holds entries the rehearsal did not write ({shown}); --force would "
-                                     "delete them: move them away or choose another --out")
+            raise OutputRefusedError(f"{folder}: holds entries the rehearsal did not write ({brief(extra)}); "
+                                     "--force would delete them: move them away or choose another --out")
         shutil.rmtree(folder)
     elif folder.exists() and not folder.is_dir():
         raise OutputRefusedError(f"{folder}: exists and is not a folder; choose another --out")

@@ -98,7 +98,7 @@ def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport
 
     info = describe_step(path)
     report = CheckReport(Path(path), problems=list(info.problems))
-    if not info.complete and weights_only_copy(info):
+    if weights_only_copy(info):
         report.problems, report.left_out = info.weights_problems, [f.name for f in info.absent_optimizer]
     if info.tp is None:
         return report

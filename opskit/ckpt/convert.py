@@ -372,7 +372,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     claim_dir(out_dir, force, command=CONVERT_COMMAND)
     step_path = resolve_step_dir(path, step)
     info = describe_step(step_path)
-    weights_only = not info.complete and weights_only_copy(info)
+    weights_only = weights_only_copy(info)
     if info.problems and not weights_only:
         raise CheckpointFormatError(info.problems[0])
     scanned = scan_step_dir(step_path)

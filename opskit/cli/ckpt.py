@@ -4,15 +4,11 @@ converted model. Nothing here imports torch at import time."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
 from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
 from opskit.runs import checkpoint_dir_of
-
-if TYPE_CHECKING:
-    pass
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
                        "restore, generate.",

@@ -29,6 +29,7 @@ tests/test_flags_property.py checks both.
 from __future__ import annotations
 
 import argparse
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +122,7 @@ class Flag:
 
 
 _BOUND_TESTS: dict[str, tuple[str, Callable[[float, float], bool]]] = {
-    "gt": (">", lambda v, x: v > x), "ge": (">=", lambda v, x: v >= x),
-    "lt": ("<", lambda v, x: v < x), "le": ("<=", lambda v, x: v <= x)}
+    "gt": (">", operator.gt), "ge": (">=", operator.ge), "lt": ("<", operator.lt), "le": ("<=", operator.le)}
 
 MAX_BATCH = 1 << 20
 """The largest micro or global batch (samples): beyond it a value is a typo (BLOOM-176B: 2048), and the planner's

@@ -111,9 +111,11 @@ class AnnealingLR:
 
 def _json_key(key: str, value=None) -> str:
     """The :data:`opskit.rules.checks.Namer` of the DeepSpeed JSON's curriculum block (``--seq-length`` is a flag)."""
-    named = checks.flag_name(key) if key == "seq_length" else f"curriculum_learning.{key}" if key in (
-        "min_difficulty", "max_difficulty") else f"curriculum_learning.schedule_config.{key}"
-    return named if value is None else f"{named} {value}"
+    if key == "seq_length":
+        return checks.flag_name(key, value)
+    where = "curriculum_learning" if key in ("min_difficulty", "max_difficulty") else \
+        "curriculum_learning.schedule_config"
+    return f"{where}.{key}" if value is None else f"{where}.{key} {value}"
 
 
 class SeqlenCurriculum:
