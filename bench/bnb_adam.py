@@ -6,7 +6,7 @@ default client optimizer; fp32 moments inside DeepSpeed's ZeRO optimizer), (b) `
 runs) with DeepSpeed's ``train_batch`` wrapped only to keep the engine, whose innermost optimizer's state is summed
 after training (every tensor once: torch's exp_avg/exp_avg_sq/step; bitsandbytes' state1/state2, absmax, qmap).
 
-The model takes from the preset (opskit/presets/tr8b-104B.yaml, variant ``bnb``) what defines it: absolute positions,
+The model takes from the preset (opskit/spec/presets/tr8b-104B.yaml, variant ``bnb``) what defines it: absolute positions,
 no ``--embed-layernorm`` (``--use-bnb-optimizer`` makes the word embedding bitsandbytes' StableEmbedding: a LayerNorm
 after it, xavier init), fp16 with DeepSpeed's dynamic loss scale, ZeRO-1 with ``zero_allow_untested_optimizer``, Adam
 betas (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, cosine decay, init std sqrt(0.4 / h) (the 104B's rule,
@@ -17,7 +17,7 @@ tokens per iteration: 200 iterations are ~3.5 epochs of the KJV), lr 3e-4 (GPT-3
 warmup, no activation checkpointing. Under ZeRO-1 the optimizer steps flat fp32 partitions, so every state is 8-bit
 (as in BigScience's BNB runs) but for a partition below bitsandbytes' min_8bit_size (4096 values; only the tiny's).
 
-Text: the KJV Bible (the demo's corpus), byte-level BPE of 8192 trained on it, ~0.94M tokens (``opskit.corpus``);
+Text: the KJV Bible (the demo's corpus), byte-level BPE of 8192 trained on it, ~0.94M tokens (``opskit.data.corpus``);
 prepared into ``--data`` (default data/bnb-adam) on a machine with Debian's ``bible`` (e.g. by a CPU run of this
 script); the GPU machine, offline, rebuilds the tokenizer and dataset from the kjv.jsonl carried in that folder.
 
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--control", action="store_true", help="Also fp32 Adam with seed 2 (the seed noise).")
     opts = parser.parse_args()
 
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
     from opskit.errors import OpskitError
     from opskit.rules.model import megatron_flops_per_iteration
 

@@ -12,8 +12,8 @@ LayerNorm, clip 1.0, GBS 16 of MBS 2, 20 iterations saved at 10 and 20; each res
    ``global_step20``: check OK, and the converted transformers model's logits against the checkpoint's own forward
    (opskit.train.inference: the trainer's layers, TP and PP merged) on the same tokens.
 4. one rank crashed (the test fault hook, local rank 1 after iteration 3): torchrun ends the job, and
-   :func:`opskit.crash.find_crashes` names local rank 1; one rank hung: every rank's faulthandler dump comes
-   (``--stack-dump-after-mins``), and :func:`opskit.stacks.stuck_ranks` names local rank 1.
+   :func:`opskit.logs.crash.find_crashes` names local rank 1; one rank hung: every rank's faulthandler dump comes
+   (``--stack-dump-after-mins``), and :func:`opskit.logs.stacks.stuck_ranks` names local rank 1.
 5. smoke: the 1.3B GPT-2 of bench/trainer_throughput.py (eager, bf16 ZeRO-1, MBS 8 x 4 micro-batches) at DP 1 and
    4, weak scaling >= ``WEAK_SCALING_MIN``.
 
@@ -122,7 +122,7 @@ class Run:
     seconds: float
 
     def text_lines(self) -> list[str]:
-        from opskit.crash import line_source
+        from opskit.logs.crash import line_source
 
         return [line_source(line)[2] for line in self.lines]
 
@@ -266,7 +266,7 @@ def fault_env(kind: str) -> dict:
 def row_crash(bench: Bench) -> Row:
     """Local rank 1 of DP4 exits after iteration 3 as a GPU that broke does: torchrun must end the job (timed from the
     crash line to torchrun's exit), and the crash finder must name local rank 1 (from torchrun's prefix)."""
-    from opskit.crash import find_crashes
+    from opskit.logs.crash import find_crashes
 
     process, _ = bench.start("crash DP4", DP4, "bf16 ZeRO-0", env=fault_env("crash"))
     lines, crashed_at = [], None
@@ -293,10 +293,10 @@ def row_crash(bench: Bench) -> Row:
 
 def row_hang(bench: Bench) -> Row:
     """Local rank 1 of DP4 sleeps inside iteration 4; the others wait for it in NCCL. Every rank dumps its stacks
-    after ``HANG_DUMP_MINUTES``; the job is then killed and :func:`opskit.stacks.stuck_ranks` must name local rank 1.
+    after ``HANG_DUMP_MINUTES``; the job is then killed and :func:`opskit.logs.stacks.stuck_ranks` must name local rank 1.
     What the waiting ranks' innermost frames are under NCCL (asynchronous collectives) is recorded."""
-    from opskit.crash import line_source
-    from opskit.stacks import rank_stacks, stuck_ranks
+    from opskit.logs.crash import line_source
+    from opskit.logs.stacks import rank_stacks, stuck_ranks
 
     process, _ = bench.start("hang DP4", DP4, "bf16 ZeRO-0", env=fault_env("hang"),
                              extra=["--stack-dump-after-mins", str(HANG_DUMP_MINUTES)])
@@ -371,7 +371,7 @@ def acceptance_rows(bench: Bench, jobs: int) -> list[Row]:
 
 def prepare(folder: Path) -> None:
     """The KJV as a 1000-token byte-level BPE tokenizer and Megatron indexed dataset (needs Debian's bible-kjv)."""
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     prepared = prepare_data("kjv", folder, vocab_size=1000, name="kjv")
     print(f"prepared {prepared.num_tokens:,} tokens in {prepared.data_prefix} (vocab {prepared.vocab_size})")

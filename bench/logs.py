@@ -136,7 +136,7 @@ def status_run(tmp: Path, log: Path) -> tuple[Path, Path]:
     """A spec whose run folder's main_log.txt is ``log`` (hard-linked) and a checkpoint; (spec, run folder)."""
     import yaml
 
-    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "opskit/presets/tiny.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "opskit/spec/presets/tiny.yaml").read_text())
     raw.update(name="bench")
     raw["paths"]["output"] = str(tmp / "run")
     raw["slurm"]["job_name"] = f"opskit-bench-{uuid.uuid4().hex[:6]}"

@@ -66,8 +66,8 @@ def timed_run(flags: list[str], gpus: int, gbs: int) -> dict:
 def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, tp: int, pp: int) -> float:
     """``opskit plan``'s memory estimate (GiB on the heaviest GPU) for the same run, from bench/specs/gpt2-1.3B.yaml
     with this shape, layout and batch."""
-    from opskit.plan import make_plan
-    from opskit.spec import load_spec
+    from opskit.spec.load import load_spec
+    from opskit.spec.plan import make_plan
 
     overrides = {
         "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": seq,

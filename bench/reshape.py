@@ -5,12 +5,12 @@ The checkpoint (setup, not timed; cached, so a rerun reuses it): a GPT-2-style m
 LayerNorm; default 20 layers, hidden 1024, 16 heads, vocabulary 2000 -> padded 2048, seq 128: 254M parameters, the
 largest whose 8 ranks stay under ~12 GiB, docs/benchmarks.md), bf16 with ZeRO-1, trained one iteration by opskit's
 trainer at TP=2 x PP=2 x DP=2 (``torchrun`` with 8 processes, gloo, CPU; micro-batch 1, global batch 2), saved as
-``global_step1``. Data: the KJV corpus (``opskit.corpus.prepare_data``).
+``global_step1``. Data: the KJV corpus (``opskit.data.corpus.prepare_data``).
 
 Measured, each as a child process from interpreter start to exit, checkpoint files in the page cache for both:
 
 - opskit as users run it: ``opskit ckpt reshape STEP --tp 1 --pp 1 --dp 1 --out OUT`` when ``opskit ckpt reshape
-  --help`` exists, else the library call under it, ``opskit.ckpt.reshape.convert_to_universal(STEP, OUT,
+  --help`` exists, else the library call under it, ``opskit.ckpt.format.universal.convert_to_universal(STEP, OUT,
   verify=True)``, through ``python -c``;
 - DeepSpeed: ``python -m deepspeed.checkpoint.ds_to_universal --input_folder STEP --output_folder OUT`` (its own
   defaults: 4 extraction and 2 merge processes), and with ``--num_extract_workers 1 --num_merge_workers 1`` (one
@@ -75,7 +75,7 @@ def trainer_env(nproc: int) -> dict[str, str]:
 
 def build(cache: Path, layers: int, hidden: int, heads: int) -> Path:
     """The cached checkpoint's step folder, trained here if missing (the folder appears only complete)."""
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     folder = cache / f"gpt-l{layers}-h{hidden}-a{heads}-tp{TP}pp{PP}dp{DP}-bf16-zero1"
     step = folder / "checkpoints" / "global_step1"
@@ -154,7 +154,7 @@ def opskit_command(step: Path, out: Path) -> tuple[str, list[str]]:
     has_cli = subprocess.run([*cli, "--help"], capture_output=True, cwd=REPO).returncode == 0
     if has_cli:
         return "opskit ckpt reshape", [*cli, str(step), "--tp", "1", "--pp", "1", "--dp", "1", "--out", str(out)]
-    code = ("from pathlib import Path; from opskit.ckpt.reshape import convert_to_universal; "
+    code = ("from pathlib import Path; from opskit.ckpt.format.universal import convert_to_universal; "
             f"convert_to_universal(Path({str(step)!r}), Path({str(out)!r}), verify=True)")
     return "convert_to_universal(verify=True)", [sys.executable, "-c", code]
 
@@ -180,7 +180,7 @@ def size_gb(folder: Path) -> float:
 def resume_start(step: Path, cache: Path, layers: int, hidden: int, heads: int, nproc: int, tp: int, pp: int) -> dict:
     """One trainer start that loads ``step``'s run at TP=tp PP=pp DP=nproc/(tp*pp) and trains one more iteration
     (no ``--save``): the cost of a resume there, conversion excluded when the universal form is already beside it."""
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     data = prepare_data("kjv", cache / "kjv", vocab_size=VOCAB, name="kjv")
     dp = nproc // (tp * pp)
@@ -238,7 +238,7 @@ def main() -> None:
             print(f"{label} / ds_to_universal (wall): " + ", ".join(f"{r:.2f}x" for r in ratios))
     report = {"step": str(step), "step_gib": size_gb(step), "command": runs, "results": results}
     if opts.resume:
-        from opskit.ckpt.reshape import convert_to_universal
+        from opskit.ckpt.format.universal import convert_to_universal
 
         convert_to_universal(step)  # beside the step, where the trainer looks; reused when there
         report["resume"] = {

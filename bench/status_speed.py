@@ -23,8 +23,8 @@ from pathlib import Path
 import yaml
 from log_parse import generate  # bench/ is on sys.path when run as a script
 
-from opskit.runs import RunPaths
-from opskit.slurm.chain import job_comment
+from opskit.run.chain import job_comment
+from opskit.run.paths import RunPaths
 from opskit.slurm.client import SQUEUE_FORMAT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         name = f"opskit-bench-{uuid.uuid4().hex[:6]}"
-        raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+        raw = yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tiny.yaml").read_text())
         raw.update(name="bench")
         raw["paths"]["output"] = str(tmp / "run")
         raw["slurm"]["job_name"] = name

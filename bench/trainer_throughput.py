@@ -93,8 +93,8 @@ def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
 def plan_gib(mbs: int, gas: int, gpus: int, extra: list[str]) -> float:
     """``opskit plan``'s memory estimate (GiB per GPU) for the run: bench/specs/gpt2-1.3B.yaml (this file's shape) at
     this micro-batch, global batch and DP, with BLOOM's ALiBi and embedding LayerNorm when ``extra`` has them."""
-    from opskit.plan import make_plan
-    from opskit.spec import load_spec
+    from opskit.spec.load import load_spec
+    from opskit.spec.plan import make_plan
 
     overrides = {"batch": {"micro_batch_size": mbs, "global_batch_size": mbs * gas * gpus,
                            "train_samples": mbs * gas * gpus * 100},

@@ -1,7 +1,7 @@
 """``opskit rehearse NAME``: the spec the user will submit, scaled down, through the real (local) SLURM, before a GPU
 hour is spent.
 
-The rehearsal spec is the production spec with overrides, validated by the same :func:`opskit.spec.validate_spec`, so
+The rehearsal spec is the production spec with overrides, validated by the same :func:`opskit.spec.load.validate_spec`, so
 every spec rule holds for it too. Each scaling rule is one function returning its overrides and what it said
 (``model.num_layers 70 -> 4``); everything it does not name stays as the spec has it (flags under ``megatron_args``,
 ZeRO stage, optimizer, clipping, weight decay, dropout, curriculum, skip ranges, evaluation). Then two chained array
@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from opskit.crash import JOB_HEADER, line_source
 from opskit.errors import OpskitError
 from opskit.fsutil import (
     OutputRefusedError,
@@ -40,12 +39,16 @@ from opskit.fsutil import (
     unlisted_entries,
     write_marker,
 )
+from opskit.logs.crash import JOB_HEADER, line_source
 from opskit.rules import checks
 from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.model import padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
-from opskit.runs import RunPaths
-from opskit.spec import Spec, SpecError, deep_merge, unset_variables, validate_spec
+from opskit.run.paths import RunPaths
+from opskit.spec.files import SpecError
+from opskit.spec.load import deep_merge, validate_spec
+from opskit.spec.placeholders import unset_variables
+from opskit.spec.schema import Spec
 from opskit.train import REHEARSAL_CLOCK_ENV
 
 COMMAND = "rehearse"
@@ -429,12 +432,12 @@ class DataPlan:
 
 
 def plan_data(spec: Spec, data_root: Path) -> DataPlan:
-    """The spec's own data when every file it reads exists here (:func:`opskit.slurm.render.data_files`), else the
+    """The spec's own data when every file it reads exists here (:func:`opskit.run.render.data_files`), else the
     KJV demo corpus prepared with the spec's tokenizer settings as far as offline allows: a corpus spec's own BPE at
     its vocabulary size; for a Hub tokenizer or GPT-2's vocabulary files (not reachable offline), a byte-level BPE of
     :data:`DEMO_VOCAB` tokens trained on the corpus, written as what the spec reads (a tokenizer folder, GPT-2 vocab
     and merge files, weighted split files)."""
-    from opskit.slurm.render import data_files
+    from opskit.run.render import data_files
 
     try:
         present = all(path.is_file() for _, path in data_files(spec))
@@ -483,7 +486,7 @@ def prepare(plan: DataPlan) -> str:
     """
     if plan.folder is None:
         return "the spec's own data"
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     done = prepare_data("kjv", plan.folder, vocab_size=plan.vocab_size, name="kjv")
     if done.vocab_size != plan.vocab_size:
@@ -604,8 +607,8 @@ def claim_folder(spec: Spec, folder: Path, force: bool) -> None:
 
 
 def plan_numbers(spec: Spec) -> dict[str, Any]:
-    """The planner's headline numbers for the full-size spec (:func:`opskit.plan.make_plan`, nothing recomputed)."""
-    from opskit.plan import make_plan
+    """The planner's headline numbers for the full-size spec (:func:`opskit.spec.plan.make_plan`, nothing recomputed)."""
+    from opskit.spec.plan import make_plan
 
     plan = make_plan(spec)
     lay, mem, t = plan.layout, plan.memory, plan.time
@@ -702,8 +705,8 @@ def _skip_rest(result: Rehearsal, stage: Callable[[str, Status, str], None], sta
 def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str], None], iterations: int,
                wait_s: float) -> None:
     """Submit two tasks, wait for them (cancelling on failure, timeout or Ctrl-C), then check every stage."""
+    from opskit.run.submit import submit
     from opskit.slurm import client
-    from opskit.submit import submit
 
     run = RunPaths.of(spec)
     try:
@@ -743,7 +746,8 @@ def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str]
 def _wait(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
     """Until the job has left the queue: None, or why it was stopped early (a failed task, a pending reason that
     never clears, the time limit)."""
-    from opskit.slurm import chain, client
+    from opskit.run import chain
+    from opskit.slurm import client
     from opskit.slurm.pending import HopelessWatch
 
     deadline = time.monotonic() + wait_s
@@ -830,7 +834,7 @@ def _task_stages(run: RunPaths, job_id: str, iterations: int, failure: str | Non
 
 def _ckpt_check(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
     from opskit.ckpt.check import check_step
-    from opskit.ckpt.layout import resolve_step_dir
+    from opskit.ckpt.format.layout import resolve_step_dir
 
     step = resolve_step_dir(run.checkpoints, None)
     report = check_step(step)
@@ -847,7 +851,7 @@ def _ckpt_convert(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, s
     positions with an embedding LayerNorm: tr8b-104B's cl, emb-norm and bnb variants), which the training does not
     need."""
     from opskit.ckpt.convert import ConvertError, convert_step, model_arch
-    from opskit.ckpt.layout import load_args, resolve_step_dir, scan_step_dir
+    from opskit.ckpt.format.layout import load_args, resolve_step_dir, scan_step_dir
 
     step = resolve_step_dir(run.checkpoints, None)
     try:
@@ -860,7 +864,7 @@ def _ckpt_convert(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, s
 
 
 def _status(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
-    from opskit.watchdog import run_checks
+    from opskit.monitor.watchdog import run_checks
 
     report = run_checks(spec)
     bad = report.alerts

@@ -1,4 +1,4 @@
-"""Shared fixtures: real data (the KJV Bible through opskit.corpus), a real local SLURM, a tiny trainer command line."""
+"""Shared fixtures: real data (the KJV Bible through opskit.data.corpus), a real local SLURM, a tiny trainer command line."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def shellcheck():
 @pytest.fixture(scope="session")
 def kjv_data(tmp_path_factory):
     """The KJV Bible as tokenizer + indexed dataset (vocab 2000 to keep the tiny models fast)."""
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     return prepare_data("kjv", tmp_path_factory.mktemp("kjv"), vocab_size=2000, name="kjv")
 
@@ -254,8 +254,8 @@ def jobs(slurm, tmp_path):
 
 def as_run(run_dir: Path) -> str:
     """The sbatch option that makes a test job one of the jobs of the run in ``run_dir`` (opskit's ``--comment``)."""
-    from opskit.runs import RunPaths
-    from opskit.slurm.chain import job_comment
+    from opskit.run.chain import job_comment
+    from opskit.run.paths import RunPaths
 
     return f"--comment={job_comment(RunPaths(Path(run_dir).resolve()))}"
 
@@ -295,7 +295,7 @@ def write_spec(path: Path, prepared, output: Path, /, **sections) -> Path:
     a non-dict value replaces a top-level key)."""
     import yaml
 
-    raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+    raw = yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tiny.yaml").read_text())
     raw["data"].update(dir=str(Path(prepared.data_prefix).parent), name="kjv", vocab_size=2000)
     raw["paths"]["output"] = str(output)
     for section, values in sections.items():

@@ -19,13 +19,14 @@ import pytest
 from conftest import write_spec
 from test_submit import OPSKIT, chain_spec, iterations_logged, one, tasks_of
 
-from opskit.crash import expand_nodelist, find_crashes
-from opskit.pulse import wait_until_gone
-from opskit.runs import RunPaths
-from opskit.slurm import chain
+from opskit.logs.crash import expand_nodelist, find_crashes
+from opskit.monitor.pulse import wait_until_gone
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.run.submit import SubmitError, submit
 from opskit.slurm.client import QueueEntry
-from opskit.spec import SpecError, load_spec
-from opskit.submit import SubmitError, submit
+from opskit.spec.files import SpecError
+from opskit.spec.load import load_spec
 
 # The 2022-03-21 crash of BLOOM-176B (tr11 chronicles), as torchrun's --tee prints a worker's stderr.
 BLOOM_CRASH = """\

@@ -20,8 +20,8 @@ from megatron_ckpt import build_checkpoint
 
 from opskit.ckpt.check import check_step
 from opskit.ckpt.convert import ConvertError, convert_step
-from opskit.ckpt.info import inspect_step, list_steps
-from opskit.ckpt.layout import CheckpointFormatError
+from opskit.ckpt.format.info import inspect_step, list_steps
+from opskit.ckpt.format.layout import CheckpointFormatError
 from opskit.train.inference import GPTModel
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
@@ -52,7 +52,7 @@ def bloom_bf16(kjv_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokens(kjv_data) -> torch.Tensor:
-    from opskit.corpus import read_documents
+    from opskit.data.corpus import read_documents
 
     docs = read_documents(kjv_data.data_prefix)
     return torch.tensor([docs[3][:32].tolist(), docs[700][:32].tolist()], dtype=torch.long)
@@ -200,7 +200,7 @@ def test_list_and_inspect_read_headers_without_torch_numpy_or_deepspeed(gpt2_fp1
     """`list` and `inspect` run on login nodes: they read pickles and zip headers only, with placeholders for the
     numpy RNG states and torch dtypes in the args, so none of the heavy modules is imported."""
     probe = ("import sys, json\n"
-             "from opskit.ckpt.info import list_steps, inspect_step\n"
+             "from opskit.ckpt.format.info import list_steps, inspect_step\n"
              "latest, steps = list_steps(sys.argv[1])\n"
              "report = inspect_step(sys.argv[2])\n"
              "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'deepspeed', 'megatron'})\n"
@@ -348,8 +348,8 @@ def test_tensor_rows_copied_file_to_file_are_exact(tmp_path, monkeypatch, mapped
     several blocks at once), else reads and writes them: both ways give the same bytes as torch.cat."""
     from safetensors.torch import load_file
 
+    from opskit.ckpt.format.tensorfile import ColumnSpan, RowSpan, load_lazy
     from opskit.ckpt.safetensors_out import OutTensor, write_safetensors
-    from opskit.ckpt.tensorfile import ColumnSpan, RowSpan, load_lazy
 
     source = {"a": torch.randn(300, 7, dtype=torch.bfloat16), "b": torch.arange(10, dtype=torch.float16),
               "c0": torch.randn(5000, 3, dtype=torch.bfloat16), "c1": torch.randn(5000, 5, dtype=torch.bfloat16)}

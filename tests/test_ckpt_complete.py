@@ -1,4 +1,4 @@
-"""One definition of a complete checkpoint step (opskit.ckpt.info.describe_step), used by ckpt list / check /
+"""One definition of a complete checkpoint step (opskit.ckpt.format.info.describe_step), used by ckpt list / check /
 set-latest / prune / backup / convert, the watchdog and the trainer's resume; a broken ``latest`` never crash-loops
 the chain. Real trainer checkpoints (conftest's ``bloom_run``), copied before any damage."""
 
@@ -19,12 +19,12 @@ from conftest import run_trainer, tiny_trainer_args
 from opskit.ckpt.backup import backup
 from opskit.ckpt.check import check_step
 from opskit.ckpt.convert import convert_all, convert_step
-from opskit.ckpt.info import describe_step, inspect_step, list_steps, resume_point
-from opskit.ckpt.layout import CheckpointFormatError
+from opskit.ckpt.format.info import describe_step, inspect_step, list_steps, resume_point
+from opskit.ckpt.format.layout import CheckpointFormatError
 from opskit.ckpt.prune import parse_keep, plan_prune, set_latest
-from opskit.runs import RunPaths
-from opskit.spec import WatchdogSpec
-from opskit.watchdog import LogRead, check_checkpoint, check_log
+from opskit.monitor.watchdog import LogRead, check_checkpoint, check_log
+from opskit.run.paths import RunPaths
+from opskit.spec.schema import WatchdogSpec
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 SHARD = "zero_pp_rank_0_mp_rank_00_optim_states.pt"

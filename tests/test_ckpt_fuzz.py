@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from opskit.ckpt.check import check_step
 from opskit.ckpt.convert import ConvertError, convert_step
-from opskit.ckpt.info import describe_step, inspect_step, list_steps, resume_point
-from opskit.ckpt.layout import CheckpointFormatError, resolve_step_dir
+from opskit.ckpt.format.info import describe_step, inspect_step, list_steps, resume_point
+from opskit.ckpt.format.layout import CheckpointFormatError, resolve_step_dir
 from opskit.ckpt.prune import PruneError, set_latest
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))

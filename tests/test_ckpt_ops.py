@@ -320,7 +320,7 @@ def test_prune_refuses_a_symlinked_step_before_renaming_anything(run, tmp_path):
 
 
 def test_a_missing_checkpoint_dir_is_refused_by_prune_and_backup(tmp_path):
-    from opskit.ckpt.layout import CheckpointFormatError
+    from opskit.ckpt.format.layout import CheckpointFormatError
 
     missing = tmp_path / "run" / "checkpoints"  # a spec's run that never saved (the CLI resolves a spec to this)
     for command in (lambda: prune(missing, [parse_keep("last:1")]), lambda: backup(missing, f"file://{tmp_path}/b")):
@@ -447,7 +447,7 @@ def test_prune_needs_a_backup_that_can_resume_the_step(run, tmp_path):
 
 
 def test_restore_round_trip_backup_prune_restore(run, tmp_path):
-    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.format.info import describe_step
 
     original = {p.name: p.read_bytes() for p in (run / "global_step100").iterdir()}
     full, weights = f"file://{tmp_path / 'full'}", f"file://{tmp_path / 'weights'}"

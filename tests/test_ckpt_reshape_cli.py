@@ -19,8 +19,8 @@ import torch
 from megatron_ckpt import build_checkpoint
 
 from opskit.ckpt.backup import backup
-from opskit.ckpt.layout import load_state
-from opskit.ckpt.reshape import universal_origin
+from opskit.ckpt.format.layout import load_state
+from opskit.ckpt.format.universal import universal_origin
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 

@@ -15,7 +15,9 @@ import yaml
 from conftest import REPO, tiny_trainer_args, write_spec
 
 import opskit
-from opskit.spec import load_spec, padded_vocab_size, preset_names
+from opskit.spec.files import preset_names
+from opskit.spec.load import load_spec
+from opskit.spec.schema import padded_vocab_size
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 HEAVY = ("torch", "deepspeed", "megatron", "transformers", "tokenizers", "numpy", "safetensors", "matplotlib", "polars")
@@ -83,7 +85,7 @@ def test_login_node_commands_do_not_import_torch(argv, tmp_path):
 
 
 def test_bad_spec_is_one_line_on_stderr(tmp_path):
-    raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+    raw = yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tiny.yaml").read_text())
     raw["model"]["num_attention_heads"] = 3
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))

@@ -16,8 +16,8 @@ import torch
 from conftest import run_trainer, tiny_trainer_args
 
 from opskit.ckpt.convert import ConvertError, convert_step
-from opskit.ckpt.layout import CheckpointFormatError
-from opskit.corpus import EOS_ID, read_documents
+from opskit.ckpt.format.layout import CheckpointFormatError
+from opskit.data.corpus import EOS_ID, read_documents
 from opskit.fsutil import folder_entries, write_marker
 from opskit.train.inference import GPTModel
 

@@ -29,7 +29,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def kjv1024(tmp_path_factory):
     """The KJV tokenizer and dataset at 1024 tokens: a vocabulary Megatron's padding leaves as it is (1024 rows)."""
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     return prepare_data("kjv", tmp_path_factory.mktemp("kjv1024"), vocab_size=1024, name="kjv")
 

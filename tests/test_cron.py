@@ -17,9 +17,10 @@ import pytest
 from conftest import write_spec
 from test_submit import OPSKIT
 
-from opskit.runs import RunPaths
-from opskit.slurm import client, cron
-from opskit.spec import load_spec
+from opskit.monitor import cron
+from opskit.run.paths import RunPaths
+from opskit.slurm import client
+from opskit.spec.load import load_spec
 
 
 def cron_spec(tmp_path: Path, job_name: str, output: Path | None = None):

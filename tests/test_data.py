@@ -1,4 +1,4 @@
-"""Tests for opskit.corpus on the real King James Bible text, tokenizers and megatron-core."""
+"""Tests for opskit.data.corpus on the real King James Bible text, tokenizers and megatron-core."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from opskit.corpus import (
+from opskit.data.corpus import (
     EOS_ID,
     PAD_ID,
     DataError,
@@ -281,8 +281,8 @@ def test_errors_are_single_line_opskit_errors(tmp_path):
 
 
 def test_import_is_light():
-    """The CLI imports opskit.corpus on login nodes; the ML stack must load only when used."""
-    code = "import sys, opskit.corpus; print(' '.join(sorted(sys.modules)))"
+    """The CLI imports opskit.data.corpus on login nodes; the ML stack must load only when used."""
+    code = "import sys, opskit.data.corpus; print(' '.join(sorted(sys.modules)))"
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -15,7 +15,7 @@ NOT_LIBRARY_ERRORS = {
     # Raised and caught inside GcsTarget's retries (a ConnectionError, so it is retried), never seen outside.
     "opskit.targets.gcs.ChecksumMismatch",
     # A YAMLError raised inside the spec's YAML loader and turned into a SpecError there.
-    "opskit.spec._DuplicateKey",
+    "opskit.spec.load._DuplicateKey",
 }
 # The trainer (torch at import) runs as its own process and prints its own one-line errors (train/main.py).
 SKIPPED_PACKAGES = ("opskit.train",)
@@ -37,7 +37,7 @@ def test_every_library_error_is_an_opskit_error():
                 if not issubclass(cls, OpskitError) and name not in NOT_LIBRARY_ERRORS:
                     strays.append(name)
     assert not strays, f"not OpskitError subclasses: {strays}"
-    assert {"opskit.spec.SpecError", "opskit.targets.base.TargetError", "opskit.logs.parse.LogFormatError",
+    assert {"opskit.spec.files.SpecError", "opskit.targets.base.TargetError", "opskit.logs.parse.LogFormatError",
             "opskit.slurm.client.SlurmError"} <= found  # the walk saw the library's modules
     assert NOT_LIBRARY_ERRORS <= found  # no stale exemption
 
@@ -47,7 +47,7 @@ def test_the_cli_prints_any_library_error_as_one_line(capsys):
     import typer
 
     from opskit.cli._common import friendly_errors
-    from opskit.corpus import DataError
+    from opskit.data.corpus import DataError
 
     @friendly_errors
     def command():
@@ -62,7 +62,7 @@ def test_the_cli_prints_any_library_error_as_one_line(capsys):
 def test_library_errors_keep_their_second_base():
     # Callers catch some of them as ValueError / RuntimeError (e.g. `except (OSError, ValueError)`).
     from opskit.slurm.client import SlurmError
-    from opskit.spec import SpecError
+    from opskit.spec.files import SpecError
     from opskit.targets.base import TargetError
 
     assert issubclass(SpecError, ValueError) and issubclass(TargetError, ValueError)

@@ -44,7 +44,7 @@ def inputs(kjv_data, tmp_path_factory) -> dict[str, Path]:
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text("{}\n")
     (root / "doc.txt").write_text("In the beginning God created the heaven and the earth.\n")
-    spec = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+    spec = yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tiny.yaml").read_text())
     spec["data"] = {"corpus": [str(root / "doc.txt")], "dir": str(root / "data"), "name": "c", "vocab_size": 300}
     (root / "d.yaml").write_text(yaml.safe_dump(spec))
     return {"root": root, "step": step, "model": root / "model", "tokenizer": kjv_data.tokenizer_dir,

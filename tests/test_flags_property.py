@@ -16,14 +16,16 @@ from hypothesis import strategies as st
 from pydantic_core import PydanticUndefined
 
 from opskit.rules import flags
-from opskit.runs import RunPaths
-from opskit.slurm.render import data_flags, deepspeed_config, trainer_args
-from opskit.spec import Spec, SpecError, validate_spec
+from opskit.run.paths import RunPaths
+from opskit.run.render import data_flags, deepspeed_config, trainer_args
+from opskit.spec.files import SpecError
+from opskit.spec.load import validate_spec
+from opskit.spec.schema import Spec
 from opskit.train.args import build_parser, parse_args
 
 PROPERTY = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 # The tiny preset's base spec (its variants are resolved by load_spec, not by validate_spec)
-TINY = {k: v for k, v in yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text()).items()
+TINY = {k: v for k, v in yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tiny.yaml").read_text()).items()
         if k != "variants"}
 
 

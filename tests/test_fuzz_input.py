@@ -14,15 +14,17 @@ from conftest import REPO
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from opskit.logs import eta, follow, parse, sources, spikes
+from opskit.logs import eta, follow, parse, spikes
 from opskit.logs.bulk import scan_blocks
 from opskit.logs.grammar import scan_bytes
-from opskit.plan import make_plan
-from opskit.runs import RunPaths
-from opskit.spec import SpecError, load_spec, validate_spec
-from opskit.watchdog import WatchdogState, check_log, check_progress, read_log
+from opskit.monitor.watchdog import WatchdogState, check_log, check_progress, read_log
+from opskit.run import sources
+from opskit.run.paths import RunPaths
+from opskit.spec.files import SpecError
+from opskit.spec.load import load_spec, validate_spec
+from opskit.spec.plan import make_plan
 
-PRESETS = sorted((REPO / "opskit" / "presets").glob("*.yaml"))
+PRESETS = sorted((REPO / "opskit" / "spec" / "presets").glob("*.yaml"))
 FIXTURES = REPO / "tests" / "fixtures" / "logs"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -229,7 +231,7 @@ def test_random_bytes_into_the_bulk_path(blocks):
 def test_random_bytes_into_the_watchdogs_log_scan(tmp_path_factory, first, second):
     from datetime import datetime
 
-    from opskit.spec import WatchdogSpec
+    from opskit.spec.schema import WatchdogSpec
 
     run = RunPaths(tmp_path_factory.mktemp("run"))
     run.logs.mkdir()

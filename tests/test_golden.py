@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from opskit.runs import RunPaths
-from opskit.slurm.render import RenderedJob, render_job
-from opskit.spec import load_spec, preset_names, resolve_spec
+from opskit.run.paths import RunPaths
+from opskit.run.render import RenderedJob, render_job
+from opskit.spec.files import preset_names
+from opskit.spec.load import load_spec, resolve_spec
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("OPSKIT_UPDATE_GOLDEN") == "1"

@@ -17,10 +17,12 @@ import pytest
 import yaml
 from conftest import REPO
 
-from opskit.plan import make_plan
-from opskit.spec import SpecError, list_specs, load_spec
+from opskit.spec.files import SpecError
+from opskit.spec.load import load_spec
+from opskit.spec.new import list_specs
+from opskit.spec.plan import make_plan
 
-PRESET = REPO / "opskit" / "presets" / "tiny.yaml"
+PRESET = REPO / "opskit" / "spec" / "presets" / "tiny.yaml"
 FIXTURES = REPO / "tests" / "fixtures" / "logs"
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 BINARY = bytes(range(256)) * 8 + b"\xff\xfe\x00 iteration \x00|"
@@ -185,7 +187,7 @@ def test_spikes_refuses_a_threshold_that_marks_everything(tmp_path, threshold):
 # --------------------------------------------------------------------------- where a spec's relative paths start
 
 def test_relative_paths_start_from_the_project_holding_trainings(tmp_path, monkeypatch):
-    from opskit.runs import RunPaths, corpus_inputs, data_paths
+    from opskit.run.paths import RunPaths, corpus_inputs, data_paths
 
     project = tmp_path / "project"
     raw = tiny()
@@ -321,7 +323,7 @@ def test_an_absurd_batch_size_is_refused_not_searched(in_tmp):
 
 def test_an_absurd_ramp_up_or_curriculum_length_is_refused_not_replayed(in_tmp):
     # A curriculum of 2**63 steps (found by the fuzzer) made `opskit plan` replay iterations for ever.
-    cl = yaml.safe_load((REPO / "opskit" / "presets" / "tr8b-104B.yaml").read_text())
+    cl = yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tr8b-104B.yaml").read_text())
     cl["variants"]["cl"]["curriculum_learning"]["total_curriculum_step"] = 2**63
     (in_tmp / "cl.yaml").write_text(yaml.safe_dump(cl))
     with pytest.raises(SpecError, match=r"total_curriculum_step: Input should be less than or equal to 4194304"):

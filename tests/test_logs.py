@@ -325,7 +325,7 @@ def test_eta_is_the_tr11_chronicles_arithmetic(monkeypatch, tmp_path):
     assert from_log.consumed_tokens // 10**9 == 20 and from_log.planned_tokens // 10**9 == 450
     assert from_log.planned_tokens == 20155564032 + (115311 - 12695) * 2048 * 2048
     monkeypatch.setenv("six_ALL_CCFRSCRATCH", str(tmp_path))
-    from opskit.logs.sources import from_spec
+    from opskit.run.sources import from_spec
 
     source = from_spec("tr11-176B-ml")
     assert (source.planned_tokens, source.save_interval) == (220_000_000 * 2048, 100)
@@ -459,16 +459,17 @@ def test_plot_series_smooths_ranges_and_reads_extra_fields():
 
 def test_run_series_resolve_restarts_place_validation_and_mark_spikes():
     from opskit.logs.plot import run_series
+    from opskit.run.sources import resolved
 
     skipped = []
-    restart, spike, wrapped = run_series([str(FIXTURES / name) for name in ("restart.txt", "tr11-176B-spike.txt",
-                                                                            "tr8b-104B.txt")],
+    logs = [str(FIXTURES / name) for name in ("restart.txt", "tr11-176B-spike.txt", "tr8b-104B.txt")]
+    restart, spike, wrapped = run_series(resolved(logs),
                                          "iteration", "loss", on_skipped=lambda item, n: skipped.append((item, n)))
     assert [restart.name, spike.name, wrapped.name] == ["restart", "tr11-176B-spike", "tr8b-104B"]
     assert restart.x == list(range(10, 401, 10)) and restart.y[29] == 4.092682  # the resumed 210-300 replace the old
     assert spike.markers == [(31219, 5.098124)]  # the chronicle's spike, at its peak
     assert skipped == [(str(FIXTURES / "tr8b-104B.txt"), 1)]  # its wrapped line
-    [validation] = run_series([str(FIXTURES / "restart.txt")], "tokens", "val_loss")
+    [validation] = run_series(resolved([str(FIXTURES / "restart.txt")]), "tokens", "val_loss")
     assert validation.x[:2] == [819200, 1638400]  # validation lines carry no tokens: those of iterations 100, 200
 
 
@@ -500,8 +501,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.logs import follow, parse
-from opskit.runs import RunPaths
-from opskit.watchdog import WatchdogState, read_log
+from opskit.run.paths import RunPaths
+from opskit.monitor.watchdog import WatchdogState, read_log
 
 log = Path(sys.argv[1])
 began = time.monotonic()

@@ -120,7 +120,7 @@ def _two_ranks_lines() -> list[str]:
 def test_columnar_output_of_two_printing_ranks_is_the_records_written_one_by_one(tmp_path, monkeypatch,
                                                                                  output_format):
     from opskit.logs.parse import record_columns, timeline
-    from opskit.logs.sources import resolve
+    from opskit.run.sources import resolve
 
     log = tmp_path / "main_log.txt"
     log.write_text("\n".join(_two_ranks_lines()) + "\n")
@@ -229,7 +229,7 @@ def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monke
     from opskit.logs import spikes
     from opskit.logs.parse import as_list, record_columns, timeline
     from opskit.logs.plot import X_AXES, metric_value, run_series
-    from opskit.logs.sources import resolve
+    from opskit.run.sources import resolve, resolved
 
     log = _varied_log(tmp_path)
     monkeypatch.setattr(parse, "_BULK_MIN", 1)  # the bulk path, in several blocks
@@ -253,7 +253,7 @@ def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monke
     for x, y in (("iteration", "loss"), ("tokens", "grad_norm"), ("tokens", "val_loss"), ("iteration", "moe_loss")):
         if fields and y == "moe_loss":
             continue
-        [series] = run_series([str(log)], x, y)
+        [series] = run_series(resolved([str(log)]), x, y)
         key, x_key = {"loss": "lm_loss", "val_loss": "validation_lm_loss"}.get(y, y), X_AXES[x]
         if key.startswith("validation"):  # at the x of their iteration in the timeline
             x_at = {r["iteration"]: r.get(x_key) for r in old_line}

@@ -23,9 +23,9 @@ import pytest
 from conftest import REPO, write_spec
 from test_submit import OPSKIT, iterations_logged, one, tasks_of
 
-from opskit.slurm import chain
-from opskit.spec import load_spec
-from opskit.submit import submit
+from opskit.run import chain
+from opskit.run.submit import submit
+from opskit.spec.load import load_spec
 
 pytestmark = pytest.mark.slurm
 
@@ -283,7 +283,7 @@ def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachab
 
 
 def test_fault_hook_fires_only_on_its_node_iteration_and_task():
-    from opskit.crash import find_crashes
+    from opskit.logs.crash import find_crashes
     from opskit.train.fault import inject_test_fault
 
     here = {"SLURMD_NODENAME": "node2", "SLURM_ARRAY_TASK_ID": "1"}

@@ -18,12 +18,12 @@ import pytest
 from conftest import run_trainer, write_spec
 
 from opskit.ckpt.check import check_step
-from opskit.ckpt.info import describe_step
+from opskit.ckpt.format.info import describe_step
 from opskit.logs.parse import read_from
-from opskit.runs import RunPaths
-from opskit.slurm import chain
-from opskit.slurm.render import render_job, trainer_args
-from opskit.spec import load_spec
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.run.render import render_job, trainer_args
+from opskit.spec.load import load_spec
 
 pytestmark = pytest.mark.slurm
 

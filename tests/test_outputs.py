@@ -221,7 +221,7 @@ def test_backup_refuses_to_replace_an_object_it_did_not_write(small_checkpoints,
 
 @pytest.fixture
 def run_paths(tmp_path):
-    from opskit.runs import RunPaths
+    from opskit.run.paths import RunPaths
 
     run = RunPaths(tmp_path / "run")
     run.logs.mkdir(parents=True)
@@ -230,7 +230,7 @@ def run_paths(tmp_path):
 
 
 def test_sync_refuses_to_replace_a_file_it_did_not_upload(run_paths, tmp_path):
-    from opskit.sync import sync
+    from opskit.monitor.sync import sync
 
     share = users_folder(tmp_path / "share")
     (share / "logs").mkdir()
@@ -243,7 +243,7 @@ def test_sync_refuses_to_replace_a_file_it_did_not_upload(run_paths, tmp_path):
 
 
 def test_sync_delete_removes_only_what_it_uploaded(run_paths, tmp_path):
-    from opskit.sync import sync
+    from opskit.monitor.sync import sync
 
     url, share = f"file://{tmp_path / 'share'}", users_folder(tmp_path / "share")
     old = run_paths.logs / "old_log.txt"
@@ -275,7 +275,7 @@ def corpus(tmp_path_factory) -> list[Path]:
 
 
 def test_data_prepare_refuses_a_users_folder_even_with_force(corpus, tmp_path):
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     out = users_folder(tmp_path / "data")
     (tmp_path / "file").write_text("a file of mine\n")
@@ -289,7 +289,7 @@ def test_data_prepare_refuses_a_users_folder_even_with_force(corpus, tmp_path):
 
 
 def test_data_prepare_reuses_and_repairs_its_output_and_needs_force_for_other_settings(corpus, tmp_path):
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     out = tmp_path / "data"
     out.mkdir()
@@ -310,7 +310,7 @@ def test_data_prepare_reuses_and_repairs_its_output_and_needs_force_for_other_se
 
 
 def test_data_prepare_keeps_a_users_file_in_its_tokenizer_folder(corpus, tmp_path):
-    from opskit.corpus import prepare_data
+    from opskit.data.corpus import prepare_data
 
     out = tmp_path / "data"
     first = prepare_data(corpus, out, 300, name="c")

@@ -12,8 +12,8 @@ from conftest import write_spec
 from typer.testing import CliRunner
 
 from opskit.cli.app import app
-from opskit.pulse import wait_until_gone
-from opskit.runs import RunPaths
+from opskit.monitor.pulse import wait_until_gone
+from opskit.run.paths import RunPaths
 from opskit.slurm.client import QueueEntry
 from opskit.slurm.pending import HopelessWatch, PendingForever, hopeless_reason
 
@@ -74,7 +74,7 @@ def test_a_wait_gives_a_hopeless_reason_its_grace_and_starts_over_when_it_change
 
 def test_wait_until_gone_stops_promptly_on_a_hopeless_reason(monkeypatch):
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 1.0)
-    monkeypatch.setattr("opskit.pulse.squeue", lambda *a, **k: [pending("(ReqNodeNotAvail, UnavailableNodes:node9)")])
+    monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(ReqNodeNotAvail, UnavailableNodes:node9)")])
     pulses = []
     started = time.monotonic()
     with pytest.raises(PendingForever, match=r"^job 77_\[1-2%1\] never starts: ReqNodeNotAvail: nodes it needs are "
@@ -84,7 +84,7 @@ def test_wait_until_gone_stops_promptly_on_a_hopeless_reason(monkeypatch):
     assert len(pulses) == 1 and "is waiting to be scheduled" in pulses[0].lines[0]
 
     # Waiting on a reason that clears is left alone until the timeout.
-    monkeypatch.setattr("opskit.pulse.squeue", lambda *a, **k: [pending("(Resources)")])
+    monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(Resources)")])
     assert wait_until_gone("opskit-pf", "77", lambda p: None, interval_s=0.1, timeout_s=1.5) is False
 
 
@@ -94,7 +94,7 @@ def test_submit_wait_exits_1_with_one_line_on_a_hopeless_reason(tmp_path, monkey
     submitted = SimpleNamespace(script="", notes=[], skipped=None, warnings=[], run=RunPaths(tmp_path / "run"),
                                 command=["sbatch", "--parsable", "train.slurm"], job_id="77", local_tasks=[])
     monkeypatch.setattr("opskit.submit.submit", lambda *a, **k: submitted)
-    monkeypatch.setattr("opskit.pulse.squeue", lambda *a, **k: [pending("(PartitionConfig)")])
+    monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(PartitionConfig)")])
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 0.0)
     started = time.monotonic()
     done = CliRunner().invoke(app, ["submit", str(spec), "--wait"])

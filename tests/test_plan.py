@@ -1,4 +1,4 @@
-"""opskit.plan and the BigScience presets: every figure the seed notes print, reproduced from the specs; the
+"""opskit.spec.plan and the BigScience presets: every figure the seed notes print, reproduced from the specs; the
 validation rules (one line, with the fix); variants; `opskit specs`; rendering the real cluster's job; property tests
 over random specs. Pure Python and fast: no trainer, no SLURM."""
 
@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from opskit.cli.app import app
-from opskit.plan import (
+from opskit.rules.deepspeed import installed_deepspeed_version
+from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
+from opskit.run.paths import RunPaths
+from opskit.run.render import deepspeed_config, render_job, trainer_args
+from opskit.run.submit import data_problems, trainer_problems
+from opskit.spec.files import SpecError
+from opskit.spec.load import load_spec, validate_spec
+from opskit.spec.new import list_specs
+from opskit.spec.plan import (
     ACHIEVED_TFLOPS,
     GIB,
     activation_bytes_per_layer,
@@ -33,25 +41,11 @@ from opskit.plan import (
     seqlen_schedule,
     training_days,
 )
-from opskit.rules.deepspeed import installed_deepspeed_version
-from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
-from opskit.runs import RunPaths
-from opskit.slurm.render import deepspeed_config, render_job, trainer_args
-from opskit.spec import (
-    Spec,
-    SpecError,
-    deepspeed_resume_problem,
-    list_specs,
-    load_spec,
-    padded_vocab_size,
-    parse_slurm_time,
-    validate_spec,
-)
-from opskit.submit import data_problems, trainer_problems
+from opskit.spec.schema import Spec, deepspeed_resume_problem, padded_vocab_size, parse_slurm_time
 from opskit.train.args import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = REPO / "opskit" / "presets"
+PRESETS = REPO / "opskit" / "spec" / "presets"
 BIGSCIENCE_ENV = ("six_ALL_CCFRWORK", "six_ALL_CCFRSCRATCH")
 
 
@@ -554,12 +548,12 @@ def test_bf16_zero0_on_deepspeed_versions_that_cannot_resume(in_tmp, jean_zay, m
     raw["parallel"]["zero_stage"] = 0
     raw["paths"]["output"] = str(in_tmp / "run")
     spec = load_spec(str(write(in_tmp / "bf16.yaml", raw)))
-    monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda: "0.18.3")
+    monkeypatch.setattr("opskit.spec.schema.installed_deepspeed_version", lambda: "0.18.3")
     [problem] = trainer_problems(spec)
     assert re.search(r"on DeepSpeed 0\.18\.3 saves the optimizer states but never loads them", problem)
     assert any("never loads them back" in w for w in make_plan(spec).warnings)
     for version in ("0.17.6", "0.19.8"):
-        monkeypatch.setattr("opskit.spec.installed_deepspeed_version", lambda v=version: v)
+        monkeypatch.setattr("opskit.spec.schema.installed_deepspeed_version", lambda v=version: v)
         assert trainer_problems(spec) == []
         assert not any("zero_stage 0" in w for w in make_plan(spec).warnings)
 
@@ -710,7 +704,7 @@ def test_the_hang_floor_sets_when_every_rank_prints_its_stacks(in_tmp):
     assert flags(0) == []
     assert parse_args(trainer_args(load_spec("tiny", {"watchdog": {"hang_min_minutes": 10**6}}),
                                    RunPaths(in_tmp / "run"))).stack_dump_after_mins == 5 * 10**5
-    raw = yaml.safe_load((REPO / "opskit" / "presets" / "tiny.yaml").read_text())
+    raw = yaml.safe_load((REPO / "opskit" / "spec" / "presets" / "tiny.yaml").read_text())
     for bad in (10**7, float("nan"), -1):
         raw["watchdog"] = {"hang_min_minutes": bad}
         assert "watchdog.hang_min_minutes: Input should be" in refused(write(in_tmp / "bad.yaml", raw))
@@ -1104,8 +1098,8 @@ def test_planner_never_crashes_and_accepted_specs_divide(raw, tflops, gpus):
 def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field(in_tmp, monkeypatch):
     """`--set VAR=rel/path` resolved paths.output from the project but the split files (and every
     other data file) from the current directory, so the job read other files than submit checked."""
-    from opskit.runs import RunPaths
-    from opskit.slurm.render import data_files, trainer_args
+    from opskit.run.paths import RunPaths
+    from opskit.run.render import data_files, trainer_args
 
     runner = CliRunner()
     done = runner.invoke(app, ["specs", "new", "rel", "--from", "tr11", "--set", "six_ALL_CCFRWORK=work",

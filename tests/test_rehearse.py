@@ -33,9 +33,9 @@ from opskit.rehearse import (
     seal_folder,
 )
 from opskit.rules.schedule import BatchRampup
-from opskit.runs import RunPaths
+from opskit.run.paths import RunPaths
 from opskit.slurm import client
-from opskit.spec import load_spec
+from opskit.spec.load import load_spec
 
 STAGES = ["spec scaled down", "data", "submit", "task 1: exit duration", "task 2: resume", "ckpt check",
           "ckpt convert", "status", "logs show"]

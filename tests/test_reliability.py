@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_trainer, tiny_trainer_args
 
-from opskit.ckpt.info import describe_step, list_steps
-from opskit.ckpt.layout import read_latest, write_latest
+from opskit.ckpt.format.info import describe_step, list_steps
+from opskit.ckpt.format.layout import read_latest, write_latest
 from opskit.logs.grammar import parse_iteration_line
-from opskit.runs import RunPaths
-from opskit.spec import WatchdogSpec
-from opskit.watchdog import WatchdogState, check_log, read_log
+from opskit.monitor.watchdog import WatchdogState, check_log, read_log
+from opskit.run.paths import RunPaths
+from opskit.spec.schema import WatchdogSpec
 
 GBS = 8
 KILLS = 30  # kills that land inside a save

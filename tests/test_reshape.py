@@ -31,8 +31,8 @@ from conftest import REPO, run_trainer, tiny_trainer_args
 from test_convert import hf_logits, tokens  # noqa: F401  (tokens: test_convert's fixture, used here)
 from test_train import one_line_error, records, succeeded
 
-from opskit.ckpt.info import saved_files_digest
-from opskit.ckpt.reshape import Layout, ReshapeError, convert_to_universal, needs_conversion, universal_origin
+from opskit.ckpt.format.info import saved_files_digest
+from opskit.ckpt.format.universal import Layout, ReshapeError, convert_to_universal, needs_conversion, universal_origin
 from opskit.rules.model import padded_vocab_size
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
@@ -63,7 +63,7 @@ sys.exit(main.main(sys.argv[1:]))
 KILLED_CONVERSION = """
 import os, sys, time
 from deepspeed.checkpoint import ds_to_universal
-from opskit.ckpt.reshape import convert_to_universal
+from opskit.ckpt.format.universal import convert_to_universal
 extract = ds_to_universal._extract_zero_shard_files
 def extract_then_stall(*args):
     extract(*args)

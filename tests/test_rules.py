@@ -22,9 +22,12 @@ from opskit.rules.deepspeed import (
 )
 from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, annealing_lr, iterations_to_tokens
-from opskit.runs import RunPaths
-from opskit.slurm.render import render_job, trainer_args
-from opskit.spec import SpecError, _field_name, list_specs, load_spec
+from opskit.run.paths import RunPaths
+from opskit.run.render import render_job, trainer_args
+from opskit.spec.files import SpecError
+from opskit.spec.load import load_spec
+from opskit.spec.new import list_specs
+from opskit.spec.schema import _field_name
 from opskit.train.args import parse_args
 
 BIGSCIENCE_ENV = ("six_ALL_CCFRWORK", "six_ALL_CCFRSCRATCH")
@@ -337,12 +340,12 @@ def test_every_rule_is_applied_by_both_the_spec_and_the_trainer():
     import inspect
     from pathlib import Path
 
-    import opskit.spec
+    import opskit.spec.schema
     import opskit.train
 
     spec_only = {"batch_problems": "needs DP; the trainer meets it at run time (rules.schedule.num_microbatches)"}
     rules = [name for name, f in vars(checks).items() if name.endswith("_problems") and inspect.isfunction(f)]
-    spec_text = Path(opskit.spec.__file__).read_text()
+    spec_text = Path(opskit.spec.schema.__file__).read_text()
     train_text = "".join(p.read_text() for p in Path(opskit.train.__file__).parent.glob("*.py"))
     assert len(rules) >= 14
     for rule in rules:

@@ -113,12 +113,12 @@ def test_group_members_share_a_run_directory_not_a_job_name(tmp_path, cancel_aft
     member's run of the same spec name in another directory is not."""
     if subprocess.run(["id", "nobody"], capture_output=True).returncode != 0:
         pytest.skip("no user 'nobody' to submit as")
-    from opskit.runs import RunPaths
-    from opskit.slurm import chain
-    from opskit.slurm.render import render_job
-    from opskit.spec import load_spec
-    from opskit.submit import submit
-    from opskit.watchdog import run_checks
+    from opskit.monitor.watchdog import run_checks
+    from opskit.run import chain
+    from opskit.run.paths import RunPaths
+    from opskit.run.render import render_job
+    from opskit.run.submit import submit
+    from opskit.spec.load import load_spec
 
     name = f"opskit-group-{uuid.uuid4().hex[:8]}"
     spec_a, spec_b = (load_spec(p) for p in twin_specs(tmp_path, name, group="trainers"))

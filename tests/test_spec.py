@@ -1,4 +1,4 @@
-"""opskit.spec: finding specs (path, name, prefix, trainings/ shadowing), one-line validation errors, sbatch times."""
+"""opskit.spec.schema: finding specs (path, name, prefix, trainings/ shadowing), one-line validation errors, sbatch times."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opskit.spec import SpecError, find_spec, load_spec, parse_slurm_time, preset_names
+from opskit.spec.files import SpecError, find_spec, preset_names
+from opskit.spec.load import load_spec
+from opskit.spec.schema import parse_slurm_time
 
-PRESET = Path(__file__).resolve().parents[1] / "opskit" / "presets" / "tiny.yaml"
+PRESET = Path(__file__).resolve().parents[1] / "opskit" / "spec" / "presets" / "tiny.yaml"
 
 
 def preset() -> dict:
@@ -276,7 +278,7 @@ def test_unquoted_sbatch_times_stay_times(in_tmp):
 
 def test_an_empty_variable_is_refused_like_an_unset_one(in_tmp, monkeypatch):
     """An exported but empty $six_ALL_CCFRSCRATCH must not render the run at /checkpoints/..."""
-    from opskit.runs import RunPaths
+    from opskit.run.paths import RunPaths
 
     monkeypatch.setenv("six_ALL_CCFRSCRATCH", "")
     with pytest.raises(SpecError) as info:

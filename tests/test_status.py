@@ -1,4 +1,4 @@
-"""opskit.pulse against the real local SLURM: BigScience's PULSE / ALERT lines for running, array-throttled,
+"""opskit.monitor.pulse against the real local SLURM: BigScience's PULSE / ALERT lines for running, array-throttled,
 dependent and --begin jobs; exit codes of `opskit status` (2: SLURM unreachable or failing); a broken scheduler
 (fake squeue) is 'unreachable'."""
 
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import as_run, queued, running, unique, write_spec
 
-from opskit.pulse import Pulse, check, wait_until_gone
+from opskit.monitor.pulse import Pulse, check, wait_until_gone
 from opskit.slurm import client
 
 pytestmark = pytest.mark.slurm

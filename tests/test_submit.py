@@ -1,4 +1,4 @@
-"""opskit.submit end to end: a real 2-task chain on the local SLURM (each task stops on its exit duration with a
+"""opskit.run.submit end to end: a real 2-task chain on the local SLURM (each task stops on its exit duration with a
 checkpoint, task 2 resuming exactly where task 1 saved), the same chain with the local executor (tasks stopped by
 SIGUSR1), SIGUSR1 through srun, --dry-run, the rendered script under bash -n / shellcheck, hostile names and paths,
 missing data."""
@@ -20,11 +20,12 @@ import pytest
 from conftest import write_spec
 
 from opskit.fsutil import write_marker
-from opskit.pulse import wait_until_gone
-from opskit.runs import RunPaths
-from opskit.slurm import chain, client
-from opskit.spec import load_spec
-from opskit.submit import SubmitError, submit
+from opskit.monitor.pulse import wait_until_gone
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.run.submit import SubmitError, submit
+from opskit.slurm import client
+from opskit.spec.load import load_spec
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 GBS = 8

@@ -13,8 +13,8 @@ from hub_standin import HubStandIn, serve
 from remote_services import FaultProxy, olah_cli, start_gcs_emulator, start_olah
 
 from opskit.logs.follow import follow_published
-from opskit.runs import RunPaths
-from opskit.sync import sync
+from opskit.monitor.sync import sync
+from opskit.run.paths import RunPaths
 from opskit.targets import open_target
 from opskit.targets.base import TargetError, TargetOptions, scrub
 

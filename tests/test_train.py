@@ -141,7 +141,7 @@ def one_line_error(done: subprocess.CompletedProcess, *needles: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------------- imports
 
-CLI_SIDE = ("opskit.runs", "opskit.spec", "opskit.cli", "opskit.slurm", "pydantic", "yaml", "typer", "rich")
+CLI_SIDE = ("opskit.run.paths", "opskit.spec.schema", "opskit.cli", "opskit.slurm", "pydantic", "yaml", "typer", "rich")
 
 
 def test_trainer_imports_nothing_of_the_cli_side():

@@ -449,15 +449,15 @@ def test_every_bigscience_preset_command_line_is_accepted(monkeypatch, tmp_path)
     --use-bnb-optimizer included)."""
     import yaml
 
-    from opskit.runs import RunPaths
-    from opskit.slurm.render import trainer_args
-    from opskit.spec import load_spec
+    from opskit.run.paths import RunPaths
+    from opskit.run.render import trainer_args
+    from opskit.spec.load import load_spec
     from opskit.train.args import parse_args
 
     for var in ("six_ALL_CCFRWORK", "six_ALL_CCFRSCRATCH"):
         monkeypatch.setenv(var, str(tmp_path / var))
     names = []
-    for preset in sorted((REPO / "opskit" / "presets").glob("*.yaml")):
+    for preset in sorted((REPO / "opskit" / "spec" / "presets").glob("*.yaml")):
         for variant in [None, *yaml.safe_load(preset.read_text()).get("variants", {})]:
             names.append(preset.stem + (f":{variant}" if variant else ""))
             spec = load_spec(names[-1])

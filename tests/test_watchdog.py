@@ -25,9 +25,7 @@ import pytest
 from conftest import as_run, queued, running, unique, write_spec
 
 from opskit.logs.parse import read_from
-from opskit.runs import RunPaths
-from opskit.spec import WatchdogSpec, load_spec
-from opskit.watchdog import (
+from opskit.monitor.watchdog import (
     WatchdogState,
     check_checkpoint,
     check_disk,
@@ -37,6 +35,9 @@ from opskit.watchdog import (
     read_log,
     save_state,
 )
+from opskit.run.paths import RunPaths
+from opskit.spec.load import load_spec
+from opskit.spec.schema import WatchdogSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
@@ -171,9 +172,9 @@ def stack_dump(tmp_path: Path, path: str) -> list[str]:
 def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
     """Three ranks on two nodes print their stacks at once (lines interleaved, as tee writes them): two wait in a
     collective, node2's local rank 1 does not; an older dump of a rank is replaced by its newest."""
-    from opskit.findings import Finding
-    from opskit.stacks import rank_stacks, stuck_ranks
-    from opskit.watchdog import with_stuck_ranks
+    from opskit.logs.stacks import rank_stacks, stuck_ranks
+    from opskit.monitor.findings import Finding
+    from opskit.monitor.watchdog import with_stuck_ranks
 
     waiting = stack_dump(tmp_path, "site-packages/torch/distributed/distributed_c10d.py")
     stuck = stack_dump(tmp_path, "opskit/train/data.py")
@@ -211,7 +212,7 @@ def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
 def test_stacks_that_single_out_no_rank_name_none():
     """NCCL's collectives are asynchronous: on GPUs every rank may wait outside torch.distributed. The odd one out is
     then named by its innermost frame; a tie or one rank names nobody."""
-    from opskit.stacks import RankStack, stuck_ranks
+    from opskit.logs.stacks import RankStack, stuck_ranks
 
     def rank(local: int, frame: str, collective: bool = False) -> RankStack:
         path = "/x/site-packages/torch/distributed/c10d.py" if collective else f"/x/site-packages/{frame}.py"
@@ -269,8 +270,8 @@ def test_crash_lines_name_their_node(tmp_path):
 ])
 def test_the_status_check_sees_every_line_the_crash_finder_sees(tmp_path, line, signature):
     """The watchdog's pre-filter was a word list of its own ("rror", "bus", ...) and skipped these lines,
-    which opskit.crash.find_crashes names; it is now derived from the signatures (crash.NEEDLES)."""
-    from opskit.crash import NEEDLES, SIGNATURES, SOFTWARE_ERRORS, find_crashes
+    which opskit.logs.crash.find_crashes names; it is now derived from the signatures (crash.NEEDLES)."""
+    from opskit.logs.crash import NEEDLES, SIGNATURES, SOFTWARE_ERRORS, find_crashes
 
     assert [name for name, _ in SIGNATURES + SOFTWARE_ERRORS] == list(NEEDLES)
     assert [c.signature for c in find_crashes([line])] == [signature]
@@ -317,8 +318,8 @@ def test_throughput_drop(tmp_path):
 
 
 def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
+    from opskit.monitor.watchdog import read_events
     from opskit.train.log import TensorBoard
-    from opskit.watchdog import read_events
 
     run = RunPaths(tmp_path / "run")
     board = TensorBoard(str(run.tensorboard), 10, True)  # the trainer's own writer, Megatron's tags
@@ -371,8 +372,8 @@ def test_disk_and_inode_thresholds(tmp_path):
 
 
 def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
-    from opskit.slurm import chain
-    from opskit.watchdog import check_chain, check_scheduler
+    from opskit.monitor.watchdog import check_chain, check_scheduler
+    from opskit.run import chain
 
     run = RunPaths(tmp_path / "run")
     chain.set_kill_switch(run, True)
@@ -391,9 +392,9 @@ def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
 
 
 def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
-    from opskit.slurm.chain import TaskOutcome
+    from opskit.monitor.watchdog import check_scheduler
+    from opskit.run.chain import TaskOutcome
     from opskit.slurm.client import QueueEntry
-    from opskit.watchdog import check_scheduler
 
     spec = load_spec(str(spec_file(tmp_path, "opskit-wd-excl", exclusive_reservation=True)))
     run = RunPaths(tmp_path / "run")
@@ -413,9 +414,9 @@ def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
 
 
 def test_a_job_pending_on_a_reason_that_never_clears_is_an_alert_with_the_fix(tmp_path, monkeypatch):
-    from opskit.slurm.chain import job_comment
+    from opskit.monitor.watchdog import run_checks
+    from opskit.run.chain import job_comment
     from opskit.slurm.client import QueueEntry
-    from opskit.watchdog import run_checks
 
     spec = load_spec(str(spec_file(tmp_path, "opskit-wd-forever")))
     run = RunPaths.of(spec)
@@ -844,7 +845,7 @@ def test_no_channel_and_bad_settings_are_one_line_errors(tmp_path):
 
 @pytest.mark.slurm
 def test_user_config_and_cron(slurm, tmp_path, webhook, monkeypatch):
-    from opskit.slurm.cron import hourly_commands
+    from opskit.monitor.cron import hourly_commands
 
     name = unique("opskit-wd-user")
     spec = spec_file(tmp_path, name, alerts={"resend_hours": 1})

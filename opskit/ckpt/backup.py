@@ -8,7 +8,7 @@ names is backed up. By default the ZeRO optimizer shards (``*_optim_states.pt``)
 BigScience's ``rsync --exclude "zero*pt"`` backups did (weights, args and RNG are enough to convert or to restart with
 a fresh optimizer); ``weights_only=False`` copies them too.
 
-Only complete steps (:func:`opskit.ckpt.info.describe_step`, optimizer shards included) whose files pass ``ckpt
+Only complete steps (:func:`opskit.ckpt.format.info.describe_step`, optimizer shards included) whose files pass ``ckpt
 check``'s CRC-32 rule (:func:`opskit.ckpt.check.crc_problem`: bytes flipped inside tensor data) are copied: an
 incomplete or corrupt one is reported with its first problem, copies nothing and is not recorded as backed up. Per
 step: files are CRC-32-checked, then hashed and copied, by a thread pool; an object already at the target with the same
@@ -22,7 +22,7 @@ resume; a ``--with-optim`` backup holds every file of the step, so it can resume
 ``opskit ckpt prune`` delete the local step (:func:`backup_problem`). ``ckpt convert``/``inspect``/``check`` read a
 weights-only backup's step folder in place (a file:// backup, or a copy of one with its ``manifests``) when its
 manifest says it left out exactly the optimizer shards missing there
-(:func:`opskit.ckpt.manifest.weights_only_copy`); the step stays incomplete for everything else (``list``,
+(:func:`opskit.ckpt.format.manifest.weights_only_copy`); the step stays incomplete for everything else (``list``,
 ``set-latest``, the trainer's resume), and ``restore`` refuses it.
 
 The target may be shared (a folder holding other people's files): a backup writes only its own keys, and replaces
@@ -59,8 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import STEP_DIR, CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
-from opskit.ckpt.manifest import MANIFEST_SHAPE, is_manifest
+from opskit.ckpt.format.layout import STEP_DIR, CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
+from opskit.ckpt.format.manifest import MANIFEST_SHAPE, is_manifest
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import open_target
@@ -249,7 +249,7 @@ def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool
 def _backup_step(folder: Path, target: Target, weights_only: bool, source: dict, pool: ThreadPoolExecutor,
                  progress: Callable[[str, int], None] | None) -> StepBackup:
     from opskit.ckpt.check import crc_problem
-    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.format.info import describe_step
 
     result = StepBackup(folder.name)
     info = describe_step(folder)
@@ -448,7 +448,7 @@ def restore(url: str, checkpoint_dir: str | Path, step: int | None = None) -> Re
             nothing is left behind then. OutputRefusedError: ``global_stepN`` exists locally.
     """
     from opskit.ckpt.check import crc_problem
-    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.format.info import describe_step
 
     target = open_target(url, option="restore")
     tag = f"global_step{step}" if step is not None else (target.read_text("latest") or "").strip()

@@ -8,10 +8,10 @@
 - RNG states (``torch_rng_state``, ``np_rng_state``, ``random_rng_state``, ``cuda_rng_state``) agree among the TP
   ranks of each pipeline stage (``mp_rank_{pp*TP+tp}`` files).
 - NaN/Inf: every tensor of every layer file, one tensor in memory at a time.
-- Completeness: :func:`opskit.ckpt.info.describe_step` (headers), then, with ``crc``, every byte of every file the
-  step needs (optimizer shards included) against its zip record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`):
+- Completeness: :func:`opskit.ckpt.format.info.describe_step` (headers), then, with ``crc``, every byte of every file the
+  step needs (optimizer shards included) against its zip record's CRC-32 (:func:`opskit.ckpt.format.tensorfile.verify_crc`):
   the only check here that sees bytes flipped inside tensor data.
-- A weights-only backup's copy of a step (:func:`opskit.ckpt.manifest.weights_only_copy`) is checked as a step of
+- A weights-only backup's copy of a step (:func:`opskit.ckpt.format.manifest.weights_only_copy`) is checked as a step of
   weights: the shards its backup left out are reported in ``left_out``, not as problems (what the copy serves,
   ``convert``/``inspect``, reads no optimizer state); every other check reads every file it has.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.info import describe_step
-from opskit.ckpt.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
-from opskit.ckpt.tensorfile import TensorFileError, TensorRef, verify_crc
+from opskit.ckpt.format.info import describe_step
+from opskit.ckpt.format.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
+from opskit.ckpt.format.tensorfile import TensorFileError, TensorRef, verify_crc
 
 RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")
 
@@ -94,7 +94,7 @@ def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport
     """
     import torch
 
-    from opskit.ckpt.manifest import weights_only_copy
+    from opskit.ckpt.format.manifest import weights_only_copy
 
     info = describe_step(path)
     report = CheckReport(Path(path), problems=list(info.problems))

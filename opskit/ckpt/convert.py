@@ -4,7 +4,7 @@
 Which model: ALiBi + embedding LayerNorm -> BLOOM; absolute position embeddings without embedding LayerNorm -> GPT-2
 (reference section 2.1 for the checkpoint keys, section 3 for both transformers converters' rules):
 
-- TP merge (:func:`opskit.ckpt.layout.tp_rule`): column-parallel weights and vocabulary rows are concatenated on dim 0,
+- TP merge (:func:`opskit.ckpt.format.layout.tp_rule`): column-parallel weights and vocabulary rows are concatenated on dim 0,
   row-parallel weights on dim 1; replicated tensors are taken from rank 0 when all ranks agree and **averaged** when
   they do not (transformers' BLOOM converter and ds_to_universal's rule), and the averaged names are reported.
   PP needs no merge: every layer lives in one stage's files, and a step folder holds them all.
@@ -15,7 +15,7 @@ Which model: ALiBi + embedding LayerNorm -> BLOOM; absolute position embeddings 
   ``gelu_new`` with ``--openai-gelu``, else exact ``gelu`` (the tr1-13B converter bug was writing ``gelu``).
 - The LM head is tied to the word embeddings. The padded vocabulary is kept unless ``trim_vocab``.
 
-Memory: pickles are read lazily (:mod:`opskit.ckpt.tensorfile`) and each output tensor is written block by block
+Memory: pickles are read lazily (:mod:`opskit.ckpt.format.tensorfile`) and each output tensor is written block by block
 (row chunks of at most CHUNK_BYTES, a few at once) into pre-sized safetensors shards
 (:mod:`opskit.ckpt.safetensors_out`); blocks that keep their dtype go from the mapped checkpoint pages straight into
 the output, so peak memory is a few blocks (plus a cast copy), whatever the model size. Neither torch nor transformers
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.check import replicated_diff
-from opskit.ckpt.info import describe_step, list_steps, saved_files_digest
-from opskit.ckpt.layout import (
+from opskit.ckpt.format.info import describe_step, list_steps, saved_files_digest
+from opskit.ckpt.format.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
     CheckpointFormatError,
@@ -47,9 +47,9 @@ from opskit.ckpt.layout import (
     scan_step_dir,
     tp_rule,
 )
-from opskit.ckpt.manifest import weights_only_copy
+from opskit.ckpt.format.manifest import weights_only_copy
+from opskit.ckpt.format.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
-from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.errors import OpskitError
 from opskit.fsutil import (
     claim_dir,
@@ -97,7 +97,7 @@ class Converted:
     max abs diff 1.2e-03)"``); ``max_abs_diff``: verification's logits difference (None when not verified);
     ``skipped``: already converted (``--all``); ``verified_layers``: blocks the verification ran through;
     ``weights_only_backup``: converted from a weights-only backup's copy of the step (no optimizer shards:
-    :func:`opskit.ckpt.manifest.weights_only_copy`)."""
+    :func:`opskit.ckpt.format.manifest.weights_only_copy`)."""
 
     out_dir: Path
     step_dir: Path
@@ -347,7 +347,7 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
     """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``:
     a new or empty folder (its mode kept), or with ``force`` a folder an earlier conversion wrote (its ``.opskit``
     marker); the folder is built beside it, marked, and renamed into place. The step must be complete, or a
-    weights-only backup's copy of one (:func:`opskit.ckpt.manifest.weights_only_copy`: the weights are all there).
+    weights-only backup's copy of one (:func:`opskit.ckpt.format.manifest.weights_only_copy`: the weights are all there).
 
     Args:
         dtype: ``fp32``/``fp16``/``bf16``; default: the checkpoint's own.
@@ -594,7 +594,7 @@ def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = 
 
 def conversion_source(step_path: Path, iteration: int | None) -> dict:
     """What a conversion was made from, as its marker records it: the step folder's resolved path, its iteration,
-    and :func:`opskit.ckpt.info.saved_files_digest` (a step saved again after a rollback differs)."""
+    and :func:`opskit.ckpt.format.info.saved_files_digest` (a step saved again after a rollback differs)."""
     return {"step": str(Path(step_path).resolve()), "iteration": iteration, "files": saved_files_digest(step_path)}
 
 
@@ -631,7 +631,7 @@ def verification_tokens(args: argparse.Namespace, tokenizer_dir: Path, count: in
     # Megatron-DeepSpeed's --data-path is a list ("[weight] prefix" pairs); opskit's trainer saves one prefix.
     prefix = args.data_path[-1] if isinstance(args.data_path, list) else args.data_path
     try:
-        from opskit.corpus import read_documents
+        from opskit.data.corpus import read_documents
 
         docs = read_documents(prefix)
         chosen = [docs[i][:length] for i in range(len(docs)) if len(docs[i]) >= length][:count]

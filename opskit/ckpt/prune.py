@@ -10,7 +10,7 @@ Keep-rules (a step is kept if any rule keeps it):
   ``schedule:tr1-13B`` is the 13B interpretability schedule of the seeds (every 10 steps up to 100, every 18 up to
   1000, then every 1500).
 
-Rules count complete steps only (:func:`opskit.ckpt.info.describe_step`): ``last:2`` keeps the two newest steps a
+Rules count complete steps only (:func:`opskit.ckpt.format.info.describe_step`): ``last:2`` keeps the two newest steps a
 resume can read, however many broken ones lie between. Never deleted (even with ``force``): the step ``latest``
 points to, the newest complete step, and an incomplete step newer than every complete one (a save in progress?);
 unless ``force``, a step that no backup able to resume it still holds (a ``--with-optim`` backup, checked at the
@@ -29,7 +29,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import existing_checkpoint_dir, latest_state, read_latest, step_dirs, write_latest
+from opskit.ckpt.format.layout import existing_checkpoint_dir, latest_state, read_latest, step_dirs, write_latest
 from opskit.errors import OpskitError
 
 NAMED_SCHEDULES = {"tr1-13B": "1-100/10,101-1000/18,1001-/1500"}
@@ -122,7 +122,7 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
             ``force``; with it, the record's problem is the warning).
     """
     from opskit.ckpt.backup import BackupError, backup_problem
-    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.format.info import describe_step
 
     directory = existing_checkpoint_dir(directory)
     latest = read_latest(directory)
@@ -201,7 +201,7 @@ def set_latest(directory: str | Path, step: int) -> str:
     Raises:
         PruneError: no such step, an incomplete one (its first problem named), or ``latest`` is a directory.
     """
-    from opskit.ckpt.info import describe_step
+    from opskit.ckpt.format.info import describe_step
 
     directory = Path(directory)
     folder = directory / f"global_step{step}"

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.ckpt.info import describe_step
-from opskit.ckpt.layout import STEP_DIR, CheckpointFormatError
+from opskit.ckpt.format.info import describe_step
+from opskit.ckpt.format.layout import STEP_DIR, CheckpointFormatError
 from opskit.fsutil import atomic_write_text
 from opskit.targets import open_target
 from opskit.targets.base import TargetError, TargetOptions

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.ckpt.tensorfile import ITEMSIZES, ColumnSpan, FileBlock, RowSpan
+from opskit.ckpt.format.tensorfile import ITEMSIZES, ColumnSpan, FileBlock, RowSpan
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per pwritev call
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the window in at once, not page by page
@@ -70,7 +70,7 @@ def write_safetensors(path: Path, tensors: list[OutTensor], dtype, progress: Cal
         Bytes of tensor data written.
 
     Raises:
-        The first error of a block (e.g. :class:`~opskit.ckpt.tensorfile.TensorFileError` for a truncated file).
+        The first error of a block (e.g. :class:`~opskit.ckpt.format.tensorfile.TensorFileError` for a truncated file).
     """
     dtype = str(dtype).removeprefix("torch.")
     itemsize = ITEMSIZES[dtype]

@@ -17,9 +17,9 @@ def kill_switch(
     state: str = typer.Argument(..., help="on: the running task saves and exits, queued tasks exit at start. off."),
 ) -> None:
     """Turn the run's kill switch on or off (the trainer's --kill-switch-path)."""
-    from opskit.runs import RunPaths
-    from opskit.slurm.chain import set_kill_switch
-    from opskit.spec import load_spec
+    from opskit.run.chain import set_kill_switch
+    from opskit.run.paths import RunPaths
+    from opskit.spec.load import load_spec
 
     if state not in ("on", "off"):
         raise typer.BadParameter(f"{state!r}: expected on or off", param_hint="STATE")
@@ -31,9 +31,9 @@ def kill_switch(
 
 
 def _control(action: str, name: str) -> list[str]:
-    from opskit.runs import RunPaths
-    from opskit.slurm.chain import control
-    from opskit.spec import load_spec
+    from opskit.run.chain import control
+    from opskit.run.paths import RunPaths
+    from opskit.spec.load import load_spec
 
     spec = load_spec(name)
     run = RunPaths.of(spec)
@@ -79,9 +79,9 @@ def nodes_list(
     json_output: JsonOutput = False,
 ) -> None:
     """The nodes the next submission excludes, with why."""
-    from opskit.runs import RunPaths
-    from opskit.slurm.chain import read_bad_nodes
-    from opskit.spec import load_spec
+    from opskit.run.chain import read_bad_nodes
+    from opskit.run.paths import RunPaths
+    from opskit.spec.load import load_spec
 
     bad = read_bad_nodes(RunPaths.of(load_spec(name)))
     if json_output:
@@ -103,9 +103,9 @@ def nodes_add(
     """Put nodes on the bad-node list."""
     from datetime import datetime
 
-    from opskit.runs import RunPaths
-    from opskit.slurm.chain import add_bad_nodes
-    from opskit.spec import load_spec
+    from opskit.run.chain import add_bad_nodes
+    from opskit.run.paths import RunPaths
+    from opskit.spec.load import load_spec
 
     stamp = f"{datetime.now():%Y-%m-%d %H:%M:%S}"
     new = add_bad_nodes(RunPaths.of(load_spec(name)), {n: f"{stamp} {why}" for n in nodes})
@@ -119,9 +119,9 @@ def nodes_clear(
     nodes: list[str] = typer.Argument(None, help="Node names (default: all)."),
 ) -> None:
     """Take nodes off the bad-node list (all of them without names)."""
-    from opskit.runs import RunPaths
-    from opskit.slurm.chain import clear_bad_nodes
-    from opskit.spec import load_spec
+    from opskit.run.chain import clear_bad_nodes
+    from opskit.run.paths import RunPaths
+    from opskit.spec.load import load_spec
 
     gone = clear_bad_nodes(RunPaths.of(load_spec(name)), nodes)
     console.print(f"cleared {', '.join(gone)}" if gone else "nothing to clear")

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
-from opskit.runs import checkpoint_dir_of
+from opskit.run.paths import checkpoint_dir_of
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
                        "restore, generate.",
@@ -42,7 +42,7 @@ def _progress(in_bytes: bool = True):
 
 def _weights_only_note(step_dir: Path | str, what: str) -> None:
     """The one stderr line of a command that read a weights-only backup's copy of a step
-    (:func:`opskit.ckpt.manifest.weights_only_copy`)."""
+    (:func:`opskit.ckpt.format.manifest.weights_only_copy`)."""
     err_console.print(f"note: {step_dir}: a weights-only backup (no optimizer states): {what}; it cannot resume "
                       "training")
 
@@ -55,8 +55,8 @@ def list_(
 ) -> None:
     """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest; then
     the universal folders (global_stepN_universal) and the step and layout each was converted from."""
-    from opskit.ckpt.info import list_steps
-    from opskit.ckpt.layout import latest_state
+    from opskit.ckpt.format.info import list_steps
+    from opskit.ckpt.format.layout import latest_state
     from opskit.ckpt.reshape import origin_text, universal_folders
 
     directory, _ = checkpoint_dir_of(run_or_dir)
@@ -97,9 +97,10 @@ def inspect(
     resumed on another layout: the step it was reshaped from); exit 1 when the step is incomplete (its problems
     listed), unless it is a weights-only backup's copy of a complete step (a note says so). A universal folder
     (global_stepN_universal): what it was converted from."""
-    from opskit.ckpt.info import inspect_step
-    from opskit.ckpt.layout import resolve_step_dir
-    from opskit.ckpt.reshape import origin_text, universal_origin
+    from opskit.ckpt.format.info import inspect_step
+    from opskit.ckpt.format.layout import resolve_step_dir
+    from opskit.ckpt.format.universal import universal_origin
+    from opskit.ckpt.reshape import origin_text
 
     if (origin := universal_origin(Path(step_dir))) is not None:
         if json_output:
@@ -145,7 +146,7 @@ def check(
     NaN/Inf. Exit 1 on any problem. A weights-only backup's copy of a step is checked without the optimizer shards
     its backup left out (a note says so): exit 0 means its weights are intact, not that it can resume."""
     from opskit.ckpt.check import check_step
-    from opskit.ckpt.layout import resolve_step_dir
+    from opskit.ckpt.format.layout import resolve_step_dir
 
     with _progress(in_bytes=False) as bar:
         task = bar.add_task("checking", total=None)
@@ -204,8 +205,8 @@ def convert(
     folder must be new or empty; the folder is built beside it and renamed into place. A complete step, or a
     weights-only backup's copy of one (a note says so)."""
     from opskit.ckpt.convert import ConvertError, convert_all, convert_step
-    from opskit.ckpt.layout import resolve_step_dir
-    from opskit.runs import RunPaths
+    from opskit.ckpt.format.layout import resolve_step_dir
+    from opskit.run.paths import RunPaths
 
     if to != "hf":
         raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
@@ -260,8 +261,9 @@ def reshape(
     """Convert a step for a resume on another TP x PP x DP layout, before submitting: DeepSpeed's universal
     checkpoint global_stepN_universal beside the step (what the trainer would write at start), verified against the
     step's weights. The step itself is only read. Nothing is written when the layout needs no conversion."""
-    from opskit.ckpt.layout import resolve_step_dir
-    from opskit.ckpt.reshape import Layout, reshape_step
+    from opskit.ckpt.format.layout import resolve_step_dir
+    from opskit.ckpt.format.universal import Layout
+    from opskit.ckpt.reshape import reshape_step
 
     target = Layout(tp, pp, dp)
     with _progress(in_bytes=False) as bar:
@@ -436,7 +438,7 @@ def publish(
     and validation loss. Token from HF_TOKEN or `huggingface-cli login`."""
     from opskit.ckpt.publish import card_facts
     from opskit.ckpt.publish import publish as publish_steps
-    from opskit.runs import RunPaths
+    from opskit.run.paths import RunPaths
     from opskit.targets.base import TargetOptions
 
     directory, run = checkpoint_dir_of(run_or_dir)

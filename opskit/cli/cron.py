@@ -20,9 +20,9 @@ def install(
                                                          "command; write and submit nothing."),
 ) -> None:
     """Install the hourly jobs (run from the current directory, where trainings/ is)."""
-    from opskit.slurm import cron
-    from opskit.spec import load_spec
-    from opskit.submit import format_command
+    from opskit.monitor import cron
+    from opskit.run.submit import format_command
+    from opskit.spec.load import load_spec
 
     if dry_run:
         plan = cron.plan_install(load_spec(name), sync_to=sync_to, method=via)
@@ -47,8 +47,8 @@ def status(
     json_output: JsonOutput = False,
 ) -> None:
     """Next run of the hourly jobs; exit 1 with a WARNING when the installed cron is gone."""
-    from opskit.slurm import cron
-    from opskit.spec import load_spec
+    from opskit.monitor import cron
+    from opskit.spec.load import load_spec
 
     result = cron.status(load_spec(name))
     if json_output:
@@ -68,8 +68,8 @@ def uninstall(
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed; remove nothing."),
 ) -> None:
     """Remove exactly what install added."""
-    from opskit.slurm import cron
-    from opskit.spec import load_spec
+    from opskit.monitor import cron
+    from opskit.spec.load import load_spec
 
     for item in cron.uninstall(load_spec(name), dry_run=dry_run):
         console.print(f"{'would remove' if dry_run else 'removed'} {item}")

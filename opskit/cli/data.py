@@ -20,9 +20,9 @@ def prepare(
     be new, empty or opskit's own."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from opskit.corpus import prepare_data
-    from opskit.runs import corpus_inputs
-    from opskit.spec import load_spec
+    from opskit.data.corpus import prepare_data
+    from opskit.run.paths import corpus_inputs
+    from opskit.spec.load import load_spec
 
     spec = load_spec(name)
     corpus, output_dir = corpus_inputs(spec)

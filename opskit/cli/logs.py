@@ -70,7 +70,7 @@ def show(
     """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
     from opskit.logs.eta import progress, progress_lines
     from opskit.logs.parse import first_iteration, read_tail, timeline
-    from opskit.logs.sources import resolve
+    from opskit.run.sources import resolve
 
     source = resolve(name_or_file)
     path = source.text_log("show")
@@ -118,7 +118,7 @@ def tail(
 ) -> None:
     """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync)."""
     from opskit.logs.follow import follow, follow_published, published_key
-    from opskit.logs.sources import resolve
+    from opskit.run.sources import resolve
     from opskit.targets import open_target
 
     local = resolve(name_or_file).text_log("tail")
@@ -154,6 +154,7 @@ def plot(
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
     from opskit.logs.parse import LogFormatError
     from opskit.logs.plot import check_x, claim_image, draw_image, draw_text, parse_range, run_series, y_key
+    from opskit.run.sources import resolved
 
     key, bounds = y_key(y), parse_range(x_range)
     check_x(x)
@@ -161,7 +162,7 @@ def plot(
         raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
     if out is not None:
         claim_image(out, force)  # before reading any log
-    series = run_series(inputs, x, y, bounds, smooth, on_skipped=_report_skipped)
+    series = run_series(resolved(inputs), x, y, bounds, smooth, on_skipped=_report_skipped)
     if out is not None:
         console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}")
     else:
@@ -182,8 +183,8 @@ def spikes(
 ) -> None:
     """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
     --skip-train-iteration-range to restart with."""
-    from opskit.logs.sources import resolve
     from opskit.logs.spikes import SpikeConfig, remedies, spikes_of
+    from opskit.run.sources import resolve
 
     source, config = resolve(name_or_file), SpikeConfig(window=window, threshold=threshold)
     line = source.timeline(config.metrics)

@@ -1,4 +1,4 @@
-"""``opskit plan NAME``: a spec turned into numbers (opskit.plan computes, this prints)."""
+"""``opskit plan NAME``: a spec turned into numbers (opskit.spec.plan computes, this prints)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def plan(
     json_output: bool = typer.Option(False, "--json", help="Machine-readable output (keys: docs/plan.md)."),
 ) -> None:
     """Parameters, memory, layout, batch ramp-up, LR and curriculum schedules, FLOPs and days of a training spec."""
-    from opskit.plan import make_plan
-    from opskit.spec import load_spec
+    from opskit.spec.load import load_spec
+    from opskit.spec.plan import make_plan
 
     spec = load_spec(name, overrides={"parallel": {"nodes": nodes}} if nodes else None)
     result = make_plan(spec, tflops=tflops, gpus=gpus)

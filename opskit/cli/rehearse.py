@@ -29,7 +29,7 @@ def rehearse(
     real local SLURM: two chained tasks (the first stopped by the spec's exit duration, the second resuming), then
     ckpt check, ckpt convert, status and logs show. Exit 0 all green, 1 any red, 2 bad input."""
     from opskit.rehearse import rehearse as run_rehearsal
-    from opskit.spec import load_spec
+    from opskit.spec.load import load_spec
 
     spec = load_spec(name)
 

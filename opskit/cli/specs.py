@@ -20,7 +20,7 @@ def list_() -> None:
     """Every spec a NAME finds: trainings/*.yaml first, then the bundled presets, with their variants, each validated
     as `opskit plan` validates it. A file that cannot be read, or a spec or variant that does not validate, gets one
     `error:` line on stderr (exit 1), the others are listed."""
-    from opskit.spec import list_specs
+    from opskit.spec.new import list_specs
 
     table = Table(title="specs (NAME or NAME:VARIANT)", title_justify="left")
     for column in ("name", "description", "source"):
@@ -47,7 +47,7 @@ def show(
     """The spec as opskit reads it: validated, its variant merged in (YAML on stdout)."""
     import yaml
 
-    from opskit.spec import resolve_spec, validate_spec
+    from opskit.spec.load import resolve_spec, validate_spec
 
     resolved = resolve_spec(name)
     spec = validate_spec(resolved.raw, resolved.path, resolved.variant)
@@ -71,7 +71,7 @@ def new(
 ) -> None:
     """Start a spec of your own from a preset (an existing file is kept, unless --force and opskit created it), with
     its environment variables ($six_ALL_CCFRWORK, ...) written out."""
-    from opskit.spec import create_user_spec, parse_settings
+    from opskit.spec.new import create_user_spec, parse_settings
 
     # A bad --set is a SpecError like any other refusal: one `error:` line, exit 1 (docs/operations.md).
     created = create_user_spec(name, source, force, parse_settings(settings),

@@ -1,4 +1,4 @@
-"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.watchdog, opskit.alerts).
+"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.monitor.watchdog, opskit.monitor.alerts).
 
 Exit code: 0 ok (warnings included), 1 alert, 2 scheduler unreachable, a spec or alert setting error, or a channel that
 failed to send.
@@ -23,8 +23,8 @@ def status(
 ) -> None:
     """Is the training running or scheduled, and healthy? PULSE / ALERT lines, then every finding: scheduler, log
     health, checkpoints, disk, progress. Exit 0 ok, 1 alert, 2 SLURM unreachable or a configuration/channel error."""
-    from opskit.spec import load_spec
-    from opskit.watchdog import watch as watch_run
+    from opskit.monitor.watchdog import watch as watch_run
+    from opskit.spec.load import load_spec
 
     spec = load_spec(name)
     raise typer.Exit(watch_run(spec, watch, lambda report: _report(spec, report, alert, ack, json_output)))
@@ -37,8 +37,8 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
     if report.state_error:  # the checks stand; only the next run rereads what this one read
         err_console.print(f"warning: watchdog state not saved: {report.state_error}")
     if alert or ack:
-        from opskit.alerts import notify
-        from opskit.runs import RunPaths
+        from opskit.monitor.alerts import notify
+        from opskit.run.paths import RunPaths
 
         outcome = notify(report, spec.watchdog.alerts, RunPaths.of(spec), spec.cli_name, ack=ack)
         for failure in outcome.failures:

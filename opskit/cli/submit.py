@@ -24,11 +24,11 @@ def submit(
 ) -> None:
     """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1) after the
     run's running or pending jobs."""
-    from opskit.pulse import wait_until_gone
+    from opskit.monitor.pulse import wait_until_gone
+    from opskit.run.submit import format_command
+    from opskit.run.submit import submit as submit_run
     from opskit.slurm.pending import HopelessWatch
-    from opskit.spec import load_spec
-    from opskit.submit import format_command
-    from opskit.submit import submit as submit_run
+    from opskit.spec.load import load_spec
 
     spec = load_spec(name, {"parallel": {"nodes": nodes}} if nodes else None)
 

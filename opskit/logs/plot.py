@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from opskit.errors import MissingExtraError
 from opskit.fsutil import claim_file
 from opskit.logs.grammar import iteration_fields
 from opskit.logs.parse import LogFormatError, as_list, python_value, record_columns
-from opskit.logs.sources import resolve
 from opskit.logs.spikes import Spike, SpikeConfig, spikes_of
+
+if TYPE_CHECKING:  # the run layer above hands its sources in
+    from opskit.run.sources import LogSource
 
 X_AXES = {"iteration": "iteration", "samples": "consumed_samples", "tokens": "consumed_tokens"}
 Y_ALIASES = {"lr": "learning_rate", "loss": "lm_loss", "time": "elapsed_time_per_iteration_s",
@@ -127,14 +130,14 @@ def make_series(name: str, columns: dict[str, Sequence], x: str, y: str, x_range
     return Series(name, xs, _trailing_mean(ys, smooth), markers)
 
 
-def run_series(inputs: list[str], x: str, y: str, x_range=(None, None), smooth: int = 1,
+def run_series(sources: Iterable[tuple[str, LogSource]], x: str, y: str, x_range=(None, None), smooth: int = 1,
                on_skipped: Callable[[str, int], None] = lambda item, skipped: None) -> list[Series]:
-    """One :class:`Series` per input (spec name, run folder, log file or TensorBoard event folder, as
-    :func:`opskit.logs.sources.resolve` takes them), in order: metric ``y`` (a record key or alias, checked against
+    """One :class:`Series` per (input, its source) pair (a spec name, run folder, log file or TensorBoard event folder
+    and what :func:`opskit.run.sources.resolve` made of it; a generator resolves each as its turn comes), in order: metric ``y`` (a record key or alias, checked against
     what each log holds) over ``x``, restarts resolved (what a resume re-ran replaces the old records), validation
     metrics at the consumed samples/tokens of their iteration, lm-loss and grad-norm spikes marked; ``x_range`` and
     ``smooth`` as :func:`make_series`. ``on_skipped(input, n)`` hears of an input's n cut or garbled lines. A large
-    log's iteration records stay columns (:meth:`opskit.logs.sources.LogSource.timeline`), never a dict each.
+    log's iteration records stay columns (:meth:`opskit.run.sources.LogSource.timeline`), never a dict each.
 
     Raises:
         LogFormatError: an unknown ``y``; an input without iteration lines, or without ``y`` values with an x in
@@ -144,8 +147,7 @@ def run_series(inputs: list[str], x: str, y: str, x_range=(None, None), smooth: 
     check_x(x)
     key, x_key, series = y_key(y), X_AXES[x], []
     validation, marked = key.startswith("validation_"), key in SpikeConfig().metrics
-    for item in inputs:
-        source = resolve(item)
+    for item, source in sources:
         chunk = source.read(_fields_for(key, x))
         check_y(y, chunk.records)  # column-wise records have no extra fields
         if chunk.skipped:

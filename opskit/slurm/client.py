@@ -16,7 +16,7 @@ from opskit.errors import OpskitError
 TIMEOUT_S = 20
 # squeue fields: job id (with array task), partition, name, state, time used, nodes, start time, reason (pending) or
 # node list (running), as BigScience's slurm-status.py; then the submit time, the time limit, the comment (which run
-# the job is: opskit.slurm.chain.job_comment) and the command (the batch script's path). Separated by the ASCII unit
+# the job is: opskit.run.chain.job_comment) and the command (the batch script's path). Separated by the ASCII unit
 # separator, which no job name (opskit's spec refuses control characters) nor run directory holds, so a name, a
 # comment or a path with '|' or spaces splits right.
 SEPARATOR = "\x1f"

@@ -19,9 +19,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from opskit.ckpt.info import ResumePoint, resume_point
-from opskit.ckpt.layout import load_args, save_failed_message, scan_step_dir, universal_checkpoint_info, write_latest
-from opskit.ckpt.reshape import Layout, saved_layout
+from opskit.ckpt.format.info import ResumePoint, resume_point
+from opskit.ckpt.format.layout import (
+    load_args,
+    save_failed_message,
+    scan_step_dir,
+    universal_checkpoint_info,
+    write_latest,
+)
+from opskit.ckpt.format.universal import Layout, saved_layout
 from opskit.rules.model import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
 from opskit.train.state import TrainState
@@ -145,7 +151,7 @@ class ResumePlan:
     """What a resume from ``--load`` reads, decided before the engine is built (:func:`plan_resume`).
 
     Attributes:
-        point: the step :func:`opskit.ckpt.info.resume_point` chose, None without ``--load``.
+        point: the step :func:`opskit.ckpt.format.info.resume_point` chose, None without ``--load``.
         saved_args: that step's saved ``args`` (read once, without its tensors), None without a step.
         saved: the layout that saved it; current: this run's.
         universal: the step's universal form when the layouts differ and the optimizer state must be re-cut
@@ -165,7 +171,7 @@ class ResumePlan:
 
 def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
     """Find the step to resume from and, when it was saved on another TP x PP x DP layout, make sure its universal
-    form exists (rank 0 converts it beside the step, once: :func:`opskit.ckpt.reshape.convert_to_universal`; the
+    form exists (rank 0 converts it beside the step, once: :func:`opskit.ckpt.format.universal.convert_to_universal`; the
     other ranks wait for its answer). On a layout change, ``args.padded_vocab_size`` becomes the one the resume
     keeps (:func:`opskit.rules.model.resumed_padded_vocab_size`).
 
@@ -196,7 +202,7 @@ def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
 def _convert_on_rank_0(step_dir: Path, saved_args: argparse.Namespace, saved: Layout,
                        current: Layout) -> tuple[str | None, str | None]:
     """(universal folder or None when none is needed, error line or None)."""
-    from opskit.ckpt.reshape import (
+    from opskit.ckpt.format.universal import (
         ReshapeError,
         convert_to_universal,
         needs_conversion,
@@ -220,7 +226,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
     from the checkpoint's ``iteration``, ``tokens`` and saved args, as Megatron does for its counters); ``state`` is
     left as it is when there is nothing to load.
 
-    The step is ``latest``'s when it is complete (:func:`opskit.ckpt.info.resume_point`); when ``latest`` names a
+    The step is ``latest``'s when it is complete (:func:`opskit.ckpt.format.info.resume_point`); when ``latest`` names a
     missing or incomplete step, or is unusable, the newest complete step before it, with one WARNING line (a chain
     that crashed on the same broken step job after job would make no progress). ``latest`` itself is left as it is:
     the next save moves it. Saved on another layout, the step is read through its universal form, with one line

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from opskit.ckpt.layout import (
+from opskit.ckpt.format.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
     final_norm_layer,

@@ -442,7 +442,7 @@ def _set_vocab_size(args: argparse.Namespace, rank: int) -> None:
 def _plan_resume(args: argparse.Namespace, world: World, ds_config: dict):
     """The step ``--load`` resumes from (:func:`opskit.train.checkpointing.plan_resume`); a step saved on another
     layout is loaded through its universal form, which the DeepSpeed engine must be configured for."""
-    from opskit.ckpt.reshape import Layout
+    from opskit.ckpt.format.universal import Layout
     from opskit.train.checkpointing import plan_resume
 
     plan = plan_resume(args, Layout(world.tp, world.pp, world.dp))
@@ -788,7 +788,7 @@ class Trainer:
 
 
 def _write_finished_flag(path: Path, state: TrainState) -> None:
-    """``--finished-flag-path``: the job script's later tasks exit at start while it exists (opskit.runs.RunPaths
+    """``--finished-flag-path``: the job script's later tasks exit at start while it exists (opskit.run.paths.RunPaths
     .finished_flag). Written atomically: a reader never sees half a line."""
     atomic_write_text(path, f"{datetime.now():%Y-%m-%d %H:%M:%S} training finished at iteration {state.iteration}, "
                             f"consumed samples {state.consumed_train_samples}\n")

@@ -1,5 +1,5 @@
 """``--stack-dump-after-mins``: every rank prints the Python stack of each of its threads when one iteration runs that
-long, so that a hang leaves the evidence of which rank the others wait for (:mod:`opskit.stacks` reads it back for
+long, so that a hang leaves the evidence of which rank the others wait for (:mod:`opskit.logs.stacks` reads it back for
 the watchdog). Python's ``faulthandler`` does the printing from a C thread: it works while the main thread is blocked
 in a collective or a CUDA call. Re-arming it each iteration restarts faulthandler's watchdog thread: ~50 us (measured
 on the 2-core development VM), against iterations of 0.1 s and more.

@@ -14,10 +14,11 @@ import yaml
 
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
-from opskit.runs import RunPaths
-from opskit.slurm import chain, client, local
-from opskit.slurm.render import RenderedJob, data_files, render_job
-from opskit.spec import Spec, deepspeed_resume_problem
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.run.render import RenderedJob, data_files, render_job
+from opskit.slurm import client, local
+from opskit.spec.schema import Spec, deepspeed_resume_problem
 
 
 class SubmitError(OpskitError, RuntimeError):
@@ -118,7 +119,8 @@ def check_resume_layout(spec: Spec, run: RunPaths) -> list[str]:
     Raises:
         ReshapeError: a layout change the trainer would refuse at start (e.g. TP of a ZeRO-0 step).
     """
-    from opskit.ckpt.reshape import Layout, resume_layout_note
+    from opskit.ckpt.format.universal import Layout
+    from opskit.ckpt.reshape import resume_layout_note
 
     p = spec.parallel
     note = resume_layout_note(run.checkpoints, Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

@@ -8,7 +8,7 @@ to checkpoint (the rule and its few exceptions: ``opskit.rules.flags``). The tra
 trainer's flag table when the spec is read; extra DeepSpeed JSON keys go under ``deepspeed_config``.
 
 A spec is found by path, by exact name, or by a unique name prefix (``tr11`` -> ``tr11-176B-ml``); the project's own
-``trainings/`` folder is searched before the bundled presets in ``opskit/presets/``. A file may carry named
+``trainings/`` folder is searched before the bundled presets in ``opskit/spec/presets/``. A file may carry named
 *variants* (partial specs under ``variants:``, deep-merged over the rest of the file; ``null`` deletes a key), chosen
 with ``NAME:VARIANT`` (``tr8b-104B:cl``, ``tr8b:cl``, ``trainings/mine.yaml:cl``).
 
@@ -33,67 +33,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, atomic_write_text, claim_file
 from opskit.rules import checks, flags
 from opskit.rules.checks import listed, valid_node_counts
 from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
 from opskit.rules.model import padded_vocab_size as _padded_vocab_size
+from opskit.spec.files import USER_SPEC_DIR, SpecError, find_spec, preset_dir
+from opskit.spec.placeholders import ENV_VAR, has_value, var_of
 
-USER_SPEC_DIR = Path("trainings")
 # Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
 _ONE_LINE = r"^[^\x00-\x1f\x7f]+$"
-_VARIANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_SPEC_NAME = _VARIANT_NAME
 _GROUP_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
 _FLAG_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
-_ENV_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-class _SpecLoader(yaml.SafeLoader):
-    """YAML 1.1 without base-60 integers (``time: 20:00:00`` stays the string sbatch expects, not 72000), and a key
-    given twice in one mapping is an error (plain YAML keeps the last value silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, yaml.Mark] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then keys that override it: YAML's own rule
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise _DuplicateKey(key, key_node.start_mark, seen[key])
-            if isinstance(key, typing.Hashable):
-                seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep)
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Any, mark: yaml.Mark, first: yaml.Mark):
-        super().__init__(f"line {mark.line + 1}: key {key!r} given twice (first at line {first.line + 1}): keep one")
-
-
-_SpecLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_SpecLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*|0x[0-9a-fA-F_]+)$"), list("-+0123456789")
-)
-
-
-class SpecError(OpskitError, ValueError):
-    """A spec that cannot be found, read or validated; the message is one line naming the file and field."""
 
 
 def parse_slurm_time(value: str) -> float:
@@ -683,7 +640,7 @@ class Spec(_Section):
         layout: ``<project>/trainings/NAME.yaml``, runs under ``<project>/runs/NAME``), whatever the current
         directory; for another YAML file its own folder; for a bundled preset (or a spec built in memory) the current
         directory."""
-        if self._file is None or self._file.resolve().parent == _preset_dir().resolve():
+        if self._file is None or self._file.resolve().parent == preset_dir().resolve():
             return Path.cwd()
         folder = self._file.resolve().parent
         return folder.parent if folder.name == USER_SPEC_DIR.name else folder
@@ -697,8 +654,8 @@ class Spec(_Section):
             SpecError: an unset ``$VAR`` (see :meth:`expand`).
         """
         expanded = self.expand(value, field, environ)
-        if self._unsettled is not None and (start := _ENV_VAR.match(expanded)) and \
-                _var_of(start) in self._unsettled.unset:
+        if self._unsettled is not None and (start := ENV_VAR.match(expanded)) and \
+                var_of(start) in self._unsettled.unset:
             return Path(expanded)
         return (self.base_dir / Path(expanded).expanduser()).resolve()
 
@@ -714,8 +671,8 @@ class Spec(_Section):
         env = os.environ if environ is None else environ
 
         def substitute(match: re.Match) -> str:
-            var = _var_of(match)
-            if _has_value(env, var):
+            var = var_of(match)
+            if has_value(env, var):
                 return env[var]
             state = "not set" if var not in env else "set but empty"
             if self._unsettled is None:
@@ -726,7 +683,7 @@ class Spec(_Section):
                 self._unsettled.empty.add(var)
             return match.group(0)
 
-        return _ENV_VAR.sub(substitute, value)
+        return ENV_VAR.sub(substitute, value)
 
     def with_placeholders(self) -> Spec:
         """A copy that renders whatever this environment lacks: an unset ``$VAR`` stays literal in every value
@@ -761,7 +718,7 @@ class Spec(_Section):
         and the fix, then each refused path; empty for a plain spec."""
         if self._unsettled is None:
             return []
-        preset = self._file is None or self._file.resolve().parent == _preset_dir().resolve()
+        preset = self._file is None or self._file.resolve().parent == preset_dir().resolve()
         problems = []
         for var, fields in self._unsettled.unset.items():
             where = (f"or write it into your copy: opskit specs new mine --from {self.cli_name} --set {var}=/path"
@@ -780,11 +737,6 @@ class _Unsettled:
     unset: dict[str, dict[str, None]] = dataclasses.field(default_factory=dict)
     empty: set[str] = dataclasses.field(default_factory=set)
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-def _var_of(match: re.Match) -> str:
-    """The variable name of an :data:`_ENV_VAR` match (``$VAR`` or ``${VAR}``)."""
-    return match.group(1) or match.group(2)
 
 
 _MISSING = object()
@@ -830,492 +782,3 @@ def padded_vocab_size(vocab_size: int, model: ModelSpec, tp: int) -> int:
     """The model's padded vocabulary (:func:`opskit.rules.model.padded_vocab_size`; the spec checked
     ``pad_vocab_size_to`` already)."""
     return _padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp, model.pad_vocab_size_to)
-
-
-# --------------------------------------------------------------------------- finding and reading specs
-
-
-def preset_names() -> list[str]:
-    """Names of the bundled presets."""
-    files = resources.files("opskit.presets").iterdir()
-    return sorted(p.name[: -len(".yaml")] for p in files if p.name.endswith(".yaml"))
-
-
-def _preset_dir() -> Path:
-    return Path(str(resources.files("opskit.presets")))
-
-
-def _preset_file(name: str) -> Path:
-    return _preset_dir() / f"{name}.yaml"
-
-
-def _candidates() -> dict[str, Path]:
-    """Spec name -> file; the user's ``trainings/`` folder shadows bundled presets of the same name."""
-    found = {name: _preset_file(name) for name in preset_names()}
-    if USER_SPEC_DIR.is_dir():
-        found.update({p.stem: p for p in sorted(USER_SPEC_DIR.glob("*.yaml"))})
-    return found
-
-
-def split_variant(name_or_path: str) -> tuple[str, str | None]:
-    """``tr8b:cl`` -> (``tr8b``, ``cl``); a name, path or existing file without a variant -> (it, None)."""
-    if ":" not in name_or_path or Path(name_or_path).is_file():
-        return name_or_path, None
-    base, _, variant = name_or_path.rpartition(":")
-    if base and _VARIANT_NAME.fullmatch(variant):
-        return base, variant
-    return name_or_path, None
-
-
-def find_spec(name_or_path: str) -> Path:
-    """Resolve a spec argument (without its ``:variant``) to its YAML file.
-
-    Raises:
-        SpecError: when nothing or more than one spec matches.
-    """
-    path = Path(name_or_path)
-    if path.suffix in {".yaml", ".yml"} or path.is_file():  # a folder named like a spec (logs, runs) is no spec
-        if path.is_dir():
-            raise SpecError(f"{name_or_path}: a folder, not a spec file")
-        if not path.is_file():
-            raise SpecError(f"{name_or_path}: no such spec file")
-        return path
-    candidates = _candidates()
-    if name_or_path in candidates:
-        return candidates[name_or_path]
-    matches = [n for n in candidates if n.startswith(name_or_path)]
-    if len(matches) == 1:
-        return candidates[matches[0]]
-    if matches:
-        raise SpecError(f"spec {name_or_path!r} is ambiguous: {', '.join(sorted(matches))}")
-    raise SpecError(f"no spec named {name_or_path!r}; known: {', '.join(sorted(candidates))}")
-
-
-def read_yaml(path: Path) -> Any:
-    """The YAML document of a file opskit reads settings from (a spec, the user's alert settings).
-
-    Raises:
-        SpecError: one line naming the file: unreadable (a folder, no permission), not UTF-8 text, not YAML (with
-            the line), a key given twice in one mapping (with both lines).
-    """
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); expected a "
-                        "YAML text file") from None
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read: {e.strerror or e}") from None
-    try:
-        return yaml.load(text, Loader=_SpecLoader)
-    except _DuplicateKey as e:
-        raise SpecError(f"{path}: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise SpecError(f"{path}:{where} not valid YAML ({problem})") from None
-
-
-def _read_yaml(path: Path) -> dict:
-    """The top-level mapping of a spec file.
-
-    Raises:
-        SpecError: see :func:`read_yaml`; or the document is not a mapping.
-    """
-    raw = read_yaml(path)
-    if not isinstance(raw, dict):
-        raise SpecError(f"{path}: expected a mapping of sections (model, batch, ...), got {type(raw).__name__}")
-    return raw
-
-
-def _variants_of(path: Path, raw: dict) -> dict[str, dict]:
-    """The file's ``variants`` mapping, checked: names, partial-spec mappings, no nested ``variants``/``name``."""
-    variants = raw.get("variants") or {}
-    if not isinstance(variants, dict):
-        raise SpecError(f"{path}: variants: expected a mapping of variant name -> partial spec")
-    for name, overlay in variants.items():
-        if not isinstance(name, str) or not _VARIANT_NAME.fullmatch(name):
-            raise SpecError(f"{path}: variants: {name!r} is not a valid variant name (letters, digits, _ . -)")
-        if not isinstance(overlay, dict):
-            raise SpecError(f"{path}: variants.{name}: expected a mapping of sections, got {type(overlay).__name__}")
-        for key in ("variants", "name"):
-            if key in overlay:
-                raise SpecError(f"{path}: variants.{name}.{key}: not allowed in a variant (it is named "
-                                f"NAME:{name} after its file)")
-    return variants
-
-
-def deep_merge(base: Mapping, overlay: Mapping) -> dict:
-    """``overlay`` over ``base``: mappings merge key by key, anything else replaces, ``None`` deletes the key."""
-    merged = dict(base)
-    for key, value in overlay.items():
-        if value is None:
-            merged.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-@dataclass(frozen=True)
-class ResolvedSpec:
-    """A spec file's mapping with its variant applied, before validation."""
-
-    path: Path
-    raw: dict
-    variant: str | None
-    variants: list[str]
-    """Variant names the file defines."""
-
-
-def resolve_spec(name_or_path: str, overrides: Mapping | None = None) -> ResolvedSpec:
-    """Find a spec file and apply ``:variant`` and then ``overrides`` (deep merges); no validation.
-
-    Raises:
-        SpecError: unknown spec or variant, unreadable YAML.
-    """
-    base, variant = split_variant(name_or_path)
-    path = find_spec(base)
-    return _resolved(path, _read_yaml(path), variant, overrides)
-
-
-def _resolved(path: Path, whole: dict, variant: str | None, overrides: Mapping | None = None) -> ResolvedSpec:
-    """The mapping of spec file ``path`` (its top-level mapping ``whole``) with ``variant`` and then ``overrides``
-    applied: the one rule :func:`resolve_spec` and :func:`list_specs` share.
-
-    Raises:
-        SpecError: a malformed ``variants`` mapping, or no variant ``variant``.
-    """
-    variants = _variants_of(path, whole)
-    raw = {k: v for k, v in whole.items() if k != "variants"}
-    if variant is not None:
-        if variant not in variants:
-            known = ", ".join(variants) or "none"
-            raise SpecError(f"{path}: no variant {variant!r} (known: {known})")
-        raw = deep_merge(raw, variants[variant])
-        raw["name"] = f"{raw.get('name', path.stem)}:{variant}"
-    if overrides:
-        raw = deep_merge(raw, overrides)
-    raw.setdefault("name", path.stem)
-    return ResolvedSpec(path, raw, variant, list(variants))
-
-
-def load_spec(name_or_path: str, overrides: Mapping | None = None) -> Spec:
-    """Find, read and validate a spec: ``NAME``, ``NAME:VARIANT``, a unique prefix or a YAML path.
-
-    Args:
-        overrides: a partial spec deep-merged last (``opskit plan --nodes 24`` passes ``{"parallel": {"nodes": 24}}``).
-
-    Raises:
-        SpecError: one line naming the file and every invalid field with what was expected.
-    """
-    resolved = resolve_spec(name_or_path, overrides)
-    return validate_spec(resolved.raw, resolved.path, resolved.variant, overrides)
-
-
-def validate_spec(raw: Mapping, path: Path, variant: str | None = None, overrides: Mapping | None = None) -> Spec:
-    """Validate a resolved mapping as a :class:`Spec` read from ``path``.
-
-    Raises:
-        SpecError: ``<path>[: variant V]: field: reason; ...`` on one line.
-    """
-    try:
-        spec = Spec.model_validate(dict(raw))
-    except ValidationError as e:
-        where = f"{path}: variant {variant}" if variant else f"{path}"
-        given = f" (with {_flatten(overrides)} from the command line)" if overrides else ""
-        raise SpecError(f"{where}: {_describe(e)}{given}") from None
-    spec._file = path
-    spec._variant = variant
-    return spec
-
-
-def _flatten(mapping: Mapping, prefix: str = "") -> str:
-    parts = []
-    for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            parts.append(_flatten(value, f"{prefix}{key}."))
-        else:
-            parts.append(f"{prefix}{key}={value}")
-    return ", ".join(parts)
-
-
-def _describe(error: ValidationError) -> str:
-    """Every pydantic error as `field.path: message`, joined on one line (cross-section rules name their fields)."""
-    parts = []
-    for err in error.errors():
-        field = ".".join(_key_text(p) for p in err["loc"])
-        message = " ".join(err["msg"].removeprefix("Value error, ").split())
-        if err["type"] == "extra_forbidden":
-            message = f"unknown key (expected one of: {', '.join(_section_keys(err['loc'][:-1]))})"
-        parts.append(f"{field}: {message}" if field else message)
-    return "; ".join(parts)
-
-
-def _key_text(key: Any) -> str:
-    """A key of an error location as written in a message: plain when it is a plain word, else quoted (a key with a
-    newline, a colon or a dot must not break the one line, nor pass for a path)."""
-    return str(key) if isinstance(key, int) or re.fullmatch(r"[\w-]+", str(key)) else repr(key)
-
-
-def _section_keys(loc: tuple) -> list[str]:
-    """The valid keys of the section at `loc` (a pydantic error location), for 'unknown key' messages."""
-    model: type[BaseModel] = Spec
-    for part in loc:
-        annotation = _model_of(model.model_fields[str(part)].annotation)
-        if annotation is None:
-            return []
-        model = annotation
-    keys = list(model.model_fields)
-    return [*keys, "variants"] if model is Spec else keys
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model in an annotation (``CurriculumSpec | None`` -> CurriculumSpec)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        for member in typing.get_args(annotation):
-            if isinstance(member, type) and issubclass(member, BaseModel):
-                return member
-    return None
-
-
-# --------------------------------------------------------------------------- listing and creating specs
-
-
-@dataclass(frozen=True)
-class SpecEntry:
-    """One row of ``opskit specs list``."""
-
-    name: str
-    """``NAME`` or ``NAME:VARIANT``, as other commands accept it."""
-    description: str
-    source: Path
-    origin: Literal["preset", "trainings"]
-    error: str | None = None
-    """Why the file cannot be read or the spec does not validate (one line naming the file); such an entry has no
-    description, and one for an unreadable file no variants."""
-
-
-def list_specs() -> list[SpecEntry]:
-    """Every spec and variant that a name finds: the user's ``trainings/*.yaml`` (first) and the bundled presets they
-    do not shadow, each validated as :func:`load_spec` validates it (what ``opskit plan`` and ``submit`` would
-    refuse is no good spec here either). A file that cannot be read, or a spec or variant that does not validate, is
-    one entry carrying its one-line error: the others are listed as usual."""
-    entries = []
-    candidates = _candidates()
-    user = {name for name, path in candidates.items() if path.parent == USER_SPEC_DIR}
-    for name in sorted(candidates, key=lambda n: (n not in user, n)):
-        path = candidates[name]
-        origin: Literal["preset", "trainings"] = "trainings" if name in user else "preset"
-        try:
-            whole = _read_yaml(path)
-            variants = _variants_of(path, whole)
-        except SpecError as e:
-            entries.append(SpecEntry(name, "", path, origin, error=str(e)))
-            continue
-        for variant in (None, *variants):
-            entry_name = name if variant is None else f"{name}:{variant}"
-            try:
-                resolved = _resolved(path, whole, variant)
-                validate_spec(resolved.raw, resolved.path, resolved.variant)
-            except SpecError as e:
-                entries.append(SpecEntry(entry_name, "", path, origin, error=str(e)))
-                if variant is None:  # the variants inherit the base's problem: the file is named once
-                    break
-                continue
-            described = whole if variant is None else variants[variant]  # a variant's own description, or none
-            entries.append(SpecEntry(entry_name, str(described.get("description", "")), path, origin))
-    return entries
-
-
-@dataclass(frozen=True)
-class CreatedSpec:
-    path: Path
-    source: Path
-    renamed: list[str]
-    """Fields where the source's name was replaced by the new one (``paths.output``, ``slurm.job_name``, ...)."""
-    still_named: list[str]
-    """Other string fields that still mention the source's name: to check by hand."""
-    written_out: list[str] = dataclasses.field(default_factory=list)
-    """Environment variables whose ``$VAR`` the file now holds as their value (``--set``, the prompt)."""
-    still_unset: list[str] = dataclasses.field(default_factory=list)
-    """Variables the file still uses that are not set, or empty, in this environment (``opskit submit`` would
-    warn)."""
-
-
-class SettingError(SpecError):
-    """A bad ``--set VAR=VALUE`` of ``opskit specs new`` (the command line's mistake, not a file's; refused like
-    any spec error: one line, exit 1)."""
-
-
-MAX_SPEC_NAME = 200  # trainings/NAME.yaml must fit a file name (255 bytes on Linux file systems)
-_CREATED_MARK = "# Created by `opskit specs new "
-_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def created_by_specs_new(path: Path) -> bool:
-    """Whether the spec file at ``path`` was written by :func:`create_user_spec` (its first line says so)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.readline().startswith(_CREATED_MARK)
-    except OSError:
-        return False
-
-
-def parse_settings(items: list[str]) -> dict[str, str]:
-    """``["VAR=VALUE", ...]`` (``opskit specs new --set``) as a mapping.
-
-    Raises:
-        SettingError: an item without ``=``, a name that is no environment variable's, an empty value or one with a
-            control character (it goes into YAML strings and job scripts), a variable given twice.
-    """
-    values: dict[str, str] = {}
-    for item in items:
-        var, equals, value = item.partition("=")
-        if not equals:
-            raise SettingError(f"--set {item}: expected VAR=VALUE, e.g. --set six_ALL_CCFRWORK=/path")
-        if not _VAR_NAME.fullmatch(var):
-            raise SettingError(f"--set {item}: {var!r} is not an environment variable name (letters, digits and _, "
-                               "not starting with a digit)")
-        if not value:
-            raise SettingError(f"--set {item}: expected a value after '=' (the path ${var} stands for)")
-        if re.search(r"[\x00-\x1f\x7f]", value):
-            raise SettingError(f"--set {var}: the value {value!r} has a control character; give a plain path")
-        if var in values:
-            raise SettingError(f"--set {var} given twice ({var}={values[var]} and {item}): keep one")
-        values[var] = value
-    return values
-
-
-def variables_used(value: Any) -> list[str]:
-    """The environment variables (``$VAR``, ``${VAR}``) of every string in a spec's mapping, in order of use."""
-    if isinstance(value, str):
-        return [_var_of(m) for m in _ENV_VAR.finditer(value)]
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
-    return list(dict.fromkeys(var for item in items for var in variables_used(item)))
-
-
-def unset_variables(value: Any, environ: Mapping[str, str] | None = None) -> list[str]:
-    """The variables of :func:`variables_used` that ``environ`` (default: ``os.environ``) does not set, or sets to
-    the empty string: those :meth:`Spec.expand` refuses."""
-    env = os.environ if environ is None else environ
-    return [var for var in variables_used(value) if not _has_value(env, var)]
-
-
-def _has_value(env: Mapping[str, str], var: str) -> bool:
-    """Whether ``$var`` expands to something: set and not empty (an empty one would turn
-    ``$six_ALL_CCFRSCRATCH/checkpoints`` into ``/checkpoints``)."""
-    return bool(env.get(var))
-
-
-def _written_out(value: Any, values: Mapping[str, str]) -> Any:
-    """``value`` (a spec's mapping) with each ``$VAR`` / ``${VAR}`` of ``values`` replaced by its value."""
-    if isinstance(value, str):
-        return _ENV_VAR.sub(lambda m: values.get(_var_of(m), m.group(0)), value)
-    if isinstance(value, dict):
-        return {key: _written_out(item, values) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_written_out(item, values) for item in value]
-    return value
-
-
-def create_user_spec(name: str, source: str, force: bool = False, values: Mapping[str, str] | None = None,
-                     ask: Callable[[str], str | None] | None = None) -> CreatedSpec:
-    """Write ``trainings/NAME.yaml`` from ``source`` (a preset, ``NAME:VARIANT`` or a path), validated first.
-
-    The copy is the source's mapping with its variant applied (a copy of a whole file keeps its variants); the
-    source's name is replaced by ``name`` in ``paths.*`` and ``slurm.job_name`` (of the variants too), so the new
-    training never writes into the source's run directory or shares its SLURM job name. Each ``$VAR`` / ``${VAR}``
-    of ``values`` (``--set VAR=VALUE``) is written out as its value in every string; ``ask(VAR)`` (the prompt) is
-    asked for each other variable the copy uses, once the file may be written, and a None or empty answer keeps
-    ``$VAR``.
-
-    The file's first line, a YAML comment, marks it as opskit's: with ``force`` such a file is replaced (atomically);
-    any other existing file is never touched.
-
-    Raises:
-        SpecError: invalid name, or an invalid source spec. SettingError: a variable of ``values`` the source does
-            not use. OutputRefusedError: the file exists and (without ``force``, or not written by ``opskit specs
-            new``) is not replaced.
-    """
-    if not _SPEC_NAME.fullmatch(name) or len(name) > MAX_SPEC_NAME:
-        raise SpecError(f"spec name {name[:40]!r}{'...' if len(name) > 40 else ''}: use at most {MAX_SPEC_NAME} "
-                        "letters, digits and _ . - (it becomes trainings/NAME.yaml)")
-    resolved = resolve_spec(source)
-    validate_spec(resolved.raw, resolved.path, resolved.variant)
-    old = resolved.path.stem
-    raw = dict(resolved.raw)
-    raw.pop("name", None)
-    if resolved.variant is None:
-        whole = _read_yaml(resolved.path)
-        if "variants" in whole:
-            raw["variants"] = whole["variants"]
-    used = variables_used(raw)
-    values = dict(values or {})
-    if unused := [var for var in values if var not in used]:
-        uses = f"it uses {', '.join('$' + v for v in used)}" if used else "it uses no environment variable"
-        raise SettingError(f"--set {unused[0]}: {source} does not use ${unused[0]} ({uses})")
-    renamed: list[str] = []
-    raw = _renamed(raw, old, name, "", renamed)
-    # a renamed field mentions the old name only inside the new one (tiny -> mytiny): not one to check by hand
-    still = sorted(m for m in _mentions(raw, old, "") if not m.endswith("description")
-                   and not any(m == r or m.startswith(f"{r}.") for r in renamed))
-    target = USER_SPEC_DIR / f"{name}.yaml"
-    claim_file(target, force, created_by_specs_new, flag="spec name")
-    for var in used:
-        if ask is not None and var not in values and (answer := ask(var)):
-            values[var] = answer
-    raw = _written_out(raw, values)
-    header = (f"{_CREATED_MARK}{name} --from {source}` from {resolved.path}; see that file for the source of each "
-              "value.\n")
-    text = header + yaml.safe_dump(raw, sort_keys=False, width=120)
-    created = CreatedSpec(target, resolved.path, renamed, still, [v for v in used if v in values],
-                          [v for v in unset_variables(raw) if v not in values])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # claimed: opskit's own, and --force
-        atomic_write_text(target, text)
-        return created
-    try:
-        with open(target, "x") as out:  # exclusive create: never overwrite, even racing another `specs new`
-            out.write(text)
-    except FileExistsError:
-        raise OutputRefusedError(f"{target}: was created by someone else just now; not replaced") from None
-    return created
-
-
-def _renamed(raw: dict, old: str, new: str, prefix: str, renamed: list[str]) -> dict:
-    out = dict(raw)
-    for section, keys in (("paths", None), ("slurm", ("job_name",))):
-        values = out.get(section)
-        if not isinstance(values, dict):
-            continue
-        values = dict(values)
-        for key, value in values.items():
-            if keys is not None and key not in keys:
-                continue
-            if isinstance(value, str) and old in value:
-                values[key] = value.replace(old, new)
-                renamed.append(f"{prefix}{section}.{key}")
-            elif isinstance(value, dict):  # paths.hub_repos
-                replaced = {k: v.replace(old, new) if isinstance(v, str) else v for k, v in value.items()}
-                if replaced != value:
-                    values[key] = replaced
-                    renamed.append(f"{prefix}{section}.{key}")
-        out[section] = values
-    if isinstance(out.get("variants"), dict):
-        out["variants"] = {v: _renamed(o, old, new, f"variants.{v}.", renamed) if isinstance(o, dict) else o
-                           for v, o in out["variants"].items()}
-    return out
-
-
-def _mentions(value: Any, old: str, where: str) -> set[str]:
-    if isinstance(value, str):
-        return {where.rstrip(".")} if old in value else set()
-    if isinstance(value, dict):
-        return set().union(*(_mentions(v, old, f"{where}{k}.") for k, v in value.items()))
-    if isinstance(value, list):
-        return set().union(*(_mentions(v, old, where) for v in value))
-    return set()

@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING
 
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, process_alive
-from opskit.runs import RunPaths
+from opskit.run.paths import RunPaths
 from opskit.targets import check_url, open_target
 from opskit.targets.base import Target, TargetOptions, crc32c_of_file
 
 if TYPE_CHECKING:
-    from opskit.spec import Spec
+    from opskit.spec.schema import Spec
 
 # What each kind of sync publishes: (the run's folder, glob under it). Keys at the target are paths under the run.
 KINDS: dict[str, tuple[Callable[[RunPaths], Path], str]] = {

@@ -11,8 +11,8 @@
   wrote it: every later task exits 0 at start) and the stopped flag (``slurm.max_failures`` consecutive failures);
 - the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, NODE_FAIL: a
   node of the task went down, CANCELLED, SKIPPED) and ALERT lines, written by the job script through
-  ``python -m opskit.slurm.chain`` (no torch);
-- the bad-node list ``bad-nodes.txt``: nodes whose log showed a GPU/NCCL crash (:mod:`opskit.crash`), excluded by
+  ``python -m opskit.run.chain`` (no torch);
+- the bad-node list ``bad-nodes.txt``: nodes whose log showed a GPU/NCCL crash (:mod:`opskit.logs.crash`), excluded by
   the next submission.
 
 Accounting (``sacct``) is often off (the local SLURM prints "Slurm accounting storage is disabled"), and BigScience's
@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from opskit.crash import Crash, find_crashes
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, write_marker
-from opskit.runs import RunPaths
+from opskit.logs.crash import Crash, find_crashes
+from opskit.run.paths import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry
 
@@ -469,7 +469,7 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m opskit.slurm.chain ended RUN_DIR SPEC JOB_ID TASK STATE EXIT_CODE NODES MAX_FAILURES`` or
+    """``python -m opskit.run.chain ended RUN_DIR SPEC JOB_ID TASK STATE EXIT_CODE NODES MAX_FAILURES`` or
     ``... skipped RUN_DIR JOB_ID TASK NODES REASON``: what the job script calls; prints main_log lines."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ChainError, OSError) as e:
         print(f"ledger not updated: {e}")
         return 1
-    print(f"usage: python -m opskit.slurm.chain ended|skipped ... (got {args!r})", file=sys.stderr)
+    print(f"usage: python -m opskit.run.chain ended|skipped ... (got {args!r})", file=sys.stderr)
     return 2
 
 

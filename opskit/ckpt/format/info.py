@@ -9,9 +9,9 @@ per TP rank), the ``TP * PP`` ``mp_rank_XX`` files, and the optimizer shards Dee
 (:func:`optimizer_shards`) -- and each is readable to its end: zip directory intact, every record's local header
 where the directory says and its data inside the file (a truncated copy fails that), data.pkl's CRC-32 right and its
 pickle loadable. Bytes flipped inside tensor data pass these header checks: ``ckpt check`` also reads every file and
-compares each record's CRC-32 (:func:`opskit.ckpt.tensorfile.verify_crc`). A weights-only backup's copy of a step
+compares each record's CRC-32 (:func:`opskit.ckpt.format.tensorfile.verify_crc`). A weights-only backup's copy of a step
 (no optimizer shards) stays incomplete; ``ckpt convert/inspect/check`` read its weights all the same, saying so
-(:func:`opskit.ckpt.manifest.weights_only_copy`).
+(:func:`opskit.ckpt.format.manifest.weights_only_copy`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.layout import (
+from opskit.ckpt.format.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
     LAYER_FILE,
@@ -38,7 +38,7 @@ from opskit.ckpt.layout import (
     load_state,
     step_dirs,
 )
-from opskit.ckpt.tensorfile import TensorRef
+from opskit.ckpt.format.tensorfile import TensorRef
 
 ZERO_FILE_SUFFIX = "_optim_states.pt"
 
@@ -73,7 +73,7 @@ class StepInfo:
     def weights_problems(self) -> list[str]:
         """``problems`` less the absent optimizer shards: empty when every weight file (layer files, ``mp_rank_XX``)
         is there and readable. Not a kind of complete: only a weights-only backup's copy of a step may be read
-        without its shards (:func:`opskit.ckpt.manifest.weights_only_copy`), and nothing resumes from one."""
+        without its shards (:func:`opskit.ckpt.format.manifest.weights_only_copy`), and nothing resumes from one."""
         absent = {f"{f}: no such file" for f in self.absent_optimizer}
         return [p for p in self.problems if p not in absent]
 
@@ -290,7 +290,7 @@ def resume_point(directory: str | Path) -> ResumePoint:
 
 
 def list_steps(directory: str | Path) -> tuple[str | None, list[StepInfo]]:
-    """(``latest`` tag or None -- None also when it is unusable: :func:`~opskit.ckpt.layout.latest_state` says why --,
+    """(``latest`` tag or None -- None also when it is unusable: :func:`~opskit.ckpt.format.layout.latest_state` says why --,
     every ``global_stepN`` of a run's checkpoint dir, ascending).
 
     Raises:
@@ -312,7 +312,7 @@ def inspect_step(path: str | Path) -> dict:
         "problems": [...], "weights_only_backup": bool, "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``;
         the optimizer files are listed by size only (their tensors are flat fp32 partitions); ``complete`` and
         ``problems`` as :func:`describe_step` says; ``weights_only_backup``: the step is a weights-only backup's copy
-        whose only problems are the shards it left out (:func:`opskit.ckpt.manifest.weights_only_copy`);
+        whose only problems are the shards it left out (:func:`opskit.ckpt.format.manifest.weights_only_copy`);
         ``reshaped_from``: the client state's ``global_stepN at TP=.. PP=.. DP=..`` of a run resumed on another
         layout (opskit.train.checkpointing).
 
@@ -344,7 +344,7 @@ def inspect_step(path: str | Path) -> dict:
             ((k, v) for k, v in loaded.items() if isinstance(v, TensorRef))
         files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v)} for k, v in tensors
                          if isinstance(v, TensorRef)}
-    from opskit.ckpt.manifest import weights_only_copy
+    from opskit.ckpt.format.manifest import weights_only_copy
 
     info = describe_step(path)
     return {"step": state.get("iteration"), "path": str(path),

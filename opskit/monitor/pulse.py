@@ -60,8 +60,8 @@ def describe(entry: QueueEntry, now: datetime) -> str:
 
 def check(job_name: str, users: list[str] | None = None, now: datetime | None = None) -> Pulse:
     """PULSE lines for every queue entry named exactly ``job_name``, or the ALERT line when there is none: by name,
-    as BigScience's slurm-status. ``opskit status`` looks at the run's jobs instead (:func:`opskit.watchdog.run_checks`,
-    :func:`opskit.slurm.chain.run_jobs`)."""
+    as BigScience's slurm-status. ``opskit status`` looks at the run's jobs instead (:func:`opskit.monitor.watchdog.run_checks`,
+    :func:`opskit.run.chain.run_jobs`)."""
     now = now or datetime.now()
     try:
         entries = [e for e in squeue(users) if e.name == job_name]

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from opskit.logs.parse import LogChunk, LogFormatError, read_from, timeline_columns
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
-from opskit.runs import RunPaths
+from opskit.run.paths import RunPaths
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def resolve(name_or_path: str) -> LogSource:
     path = Path(name_or_path)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
-    from opskit.spec import SpecError, split_variant  # not for a log file: ~0.1 s of pydantic models
+    from opskit.spec.files import SpecError, split_variant  # not for a log file: ~0.1 s of pydantic models
 
     if path.is_dir():
         if (main_log := RunPaths(path).main_log).is_file():
@@ -93,6 +93,12 @@ def resolve(name_or_path: str) -> LogSource:
     return from_spec(name_or_path)
 
 
+def resolved(inputs: Iterable[str]) -> Iterator[tuple[str, LogSource]]:
+    """Each input with its :func:`resolve`'d source, resolved as its turn comes (an error names the first bad input
+    only after the inputs before it were used)."""
+    return ((item, resolve(item)) for item in inputs)
+
+
 def from_spec(name: str) -> LogSource:
     """The run of spec ``name``: its main log, save interval, ``global_stepN`` folders and planned tokens
     (samples of the run x seq_length).
@@ -100,8 +106,8 @@ def from_spec(name: str) -> LogSource:
     Raises:
         SpecError: no such spec.
     """
-    from opskit.ckpt.layout import step_dirs
-    from opskit.spec import load_spec
+    from opskit.ckpt.format.layout import step_dirs
+    from opskit.spec.load import load_spec
 
     spec = load_spec(name)
     run = RunPaths.of(spec)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from opskit.ckpt.info import StepInfo
+    from opskit.ckpt.format.info import StepInfo
 
 MANIFEST_SHAPE = "expected JSON {step, complete, files: [{path, size, crc32c}]}"
 

@@ -5,7 +5,7 @@ records in ``<run>/watchdog/state.json``; TensorBoard events under ``<run>/tenso
 looks at the newest checkpoint and the run directory's file system, and returns a :class:`Report`. No typer, rich,
 torch or numpy here (the tensorboard package only for a run without a text log): it runs from cron on login nodes.
 
-Findings have stable keys (``scheduler.absent``, ``log.hang``, ...): :mod:`opskit.alerts` de-duplicates on them.
+Findings have stable keys (``scheduler.absent``, ``log.hang``, ...): :mod:`opskit.monitor.alerts` de-duplicates on them.
 What each one means and what to do about it: docs/operations.md.
 """
 
@@ -21,15 +21,15 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from opskit.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
-from opskit.findings import Finding, Report
 from opskit.fsutil import atomic_write_text
-from opskit.pulse import pulse_lines, unreachable_line
-from opskit.runs import RunPaths
-from opskit.slurm import chain
+from opskit.logs.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
+from opskit.monitor.findings import Finding, Report
+from opskit.monitor.pulse import pulse_lines, unreachable_line
+from opskit.run import chain
+from opskit.run.paths import RunPaths
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
 from opskit.slurm.pending import never_starts
-from opskit.spec import Spec, WatchdogSpec, parse_slurm_time
+from opskit.spec.schema import Spec, WatchdogSpec, parse_slurm_time
 
 # Iteration fields the watchdog keeps.
 FIELDS = ("consumed_samples", "consumed_tokens", "elapsed_time_per_iteration_s", "global_batch_size", "lm_loss",
@@ -189,7 +189,7 @@ def check_chain(run: RunPaths, ledger: list[chain.TaskOutcome]) -> list[Finding]
 def _lost_since_save(run: RunPaths, row: chain.TaskOutcome) -> tuple[str, float] | None:
     """(step, seconds): the training a failed task lost, from the last checkpoint it saved (the newest step folder
     written before the failure, which the next task resumes from) to the failure; None without such a step."""
-    from opskit.ckpt.layout import step_dirs
+    from opskit.ckpt.format.layout import step_dirs
 
     failed_at = _ledger_time(row.time)
     if failed_at is None:
@@ -385,10 +385,10 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
 
 def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: int = STACK_TEXT) -> Finding:
     """The ``log.hang`` finding with the rank(s) the others wait for, from the stacks every rank printed after
-    ``--stack-dump-after-mins`` (:mod:`opskit.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as it
+    ``--stack-dump-after-mins`` (:mod:`opskit.logs.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as it
     was when no stacks are there. ``job_nodes``: the running job's node list when its header is not in that tail.
     ``data["stuck"]``: one ``{"node", "local_rank", "frame"}`` per named rank."""
-    from opskit.stacks import rank_stacks, stuck_ranks
+    from opskit.logs.stacks import rank_stacks, stuck_ranks
 
     try:
         with open(main_log, "rb") as f:
@@ -533,12 +533,12 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
 
 
 def _resume_fallbacks(text: str) -> list[Finding]:
-    """The trainer's line when it resumed from an older step than ``latest`` named (opskit.ckpt.info.FALLBACK_LINE):
+    """The trainer's line when it resumed from an older step than ``latest`` named (opskit.ckpt.format.info.FALLBACK_LINE):
     iterations are redone, and the step it skipped is damaged."""
     word = "the newest complete step"  # in every FALLBACK_LINE line: tested on the text, then on each line
     if word not in text:  # the common case: no split into lines, no import
         return []
-    from opskit.ckpt.info import FALLBACK_LINE
+    from opskit.ckpt.format.info import FALLBACK_LINE
 
     found = [m for line in text.splitlines() if word in line and (m := FALLBACK_LINE.search(line))]
     if not found:
@@ -557,7 +557,7 @@ def _save_failures(text: str) -> list[Finding]:
     word = "saving global_step"  # in every SAVE_FAILED_LINE line: tested on the text, then on each line
     if word not in text:  # the common case: no split into lines, no import
         return []
-    from opskit.ckpt.layout import SAVE_FAILED_LINE, save_failed_message
+    from opskit.ckpt.format.layout import SAVE_FAILED_LINE, save_failed_message
 
     failed = [m for line in text.splitlines() if word in line and (m := SAVE_FAILED_LINE.search(line))]
     if not failed:
@@ -573,7 +573,7 @@ def _save_failures(text: str) -> list[Finding]:
 
 def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
                      wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None) -> list[Finding]:
-    """The step the next job resumes from (:func:`opskit.ckpt.info.resume_point`, headers only): an ALERT when
+    """The step the next job resumes from (:func:`opskit.ckpt.format.info.resume_point`, headers only): an ALERT when
     ``latest`` is unusable or names a missing or incomplete step (the next job falls back to the newest complete
     step, or fails when there is none); then that step's age against ``save_interval`` iterations at the logged
     speed.
@@ -582,7 +582,7 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
         saved_by_now: why a complete step must exist by now (:func:`_save_due`); then none is an ALERT
             (``checkpoint.missing``), as is a checkpoint path that is a file. None: no complete step is still ok.
     """
-    from opskit.ckpt.info import resume_point
+    from opskit.ckpt.format.info import resume_point
 
     if run.checkpoints.exists() and not run.checkpoints.is_dir():
         return [Finding("checkpoint.missing", "alert", f"{run.checkpoints} is a file, not a folder: the next job "

@@ -20,9 +20,10 @@ from opskit.rules import flags
 from opskit.rules.deepspeed import deepspeed_config as rules_deepspeed_config
 from opskit.rules.formats import parse_data_path
 from opskit.rules.schedule import BatchRampup
-from opskit.runs import RunPaths, data_paths
-from opskit.slurm.chain import job_comment
-from opskit.spec import Spec, deep_merge
+from opskit.run.chain import job_comment
+from opskit.run.paths import RunPaths, data_paths
+from opskit.spec.load import deep_merge
+from opskit.spec.schema import Spec
 
 
 def trainer_args(spec: Spec, run: RunPaths, environ: Mapping[str, str] | None = None) -> list[str]:

@@ -5,7 +5,7 @@ The SLURM job is BigScience's ``cron-hourly.slurm`` (reference 1.4): it resubmit
 ``sbatch --begin=now+1hour`` (so a failing hourly step never ends the cron), then runs the hourly commands, without
 ``set -e`` ("we must run all of it"). Unlike BigScience's, ``opskit cron status`` notices when the cron job itself is
 gone. ``install`` records what it added in ``<run>/cron/cron.json``; ``uninstall`` removes exactly that. The cron
-job is found by its run (``#SBATCH --comment=opskit-cron:<run directory>``, :func:`opskit.slurm.chain.run_jobs`), so
+job is found by its run (``#SBATCH --comment=opskit-cron:<run directory>``, :func:`opskit.run.chain.run_jobs`), so
 two runs of one spec name keep their own cron jobs. Neither replaces nor removes what it did not write: a
 ``cron/cron.slurm`` opskit did not render, a crontab line it did not add.
 """
@@ -25,10 +25,11 @@ from pathlib import Path
 
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text, claim_file
-from opskit.runs import RunPaths
-from opskit.slurm import chain, client
-from opskit.slurm.render import template_env
-from opskit.spec import Spec
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.run.render import template_env
+from opskit.slurm import client
+from opskit.spec.schema import Spec
 
 METHODS = ("crontab", "slurm")
 CRON_TIME = "0:30:00"  # the SLURM cron job's time limit (BigScience's cron-hourly.slurm)
@@ -92,7 +93,7 @@ def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executabl
     """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines; ``--alert`` when the spec
     or the user's alerts.yaml names an alert channel) and, with ``sync_to`` or the spec's ``sync.targets``, the sync of
     logs, TensorBoard and CodeCarbon; run from the current directory (where ``trainings/`` is found)."""
-    from opskit.alerts import AlertConfigError, settings
+    from opskit.monitor.alerts import AlertConfigError, settings
 
     opskit = f"{shlex.quote(python)} -m opskit.cli.app"
     name = shlex.quote(spec.cli_name)

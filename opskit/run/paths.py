@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from opskit.spec import Spec
+    from opskit.spec.schema import Spec
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def checkpoint_dir_of(run_or_dir: str) -> tuple[Path, RunPaths | None]:
     path = Path(run_or_dir)
     if path.is_dir():
         return path, None
-    from opskit.spec import load_spec
+    from opskit.spec.load import load_spec
 
     run = RunPaths.of(load_spec(run_or_dir))
     return run.checkpoints, run
@@ -212,7 +212,7 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
         DataError: for a spec whose data was prepared elsewhere (no ``data.corpus``): nothing to prepare.
         SpecError: when ``data.dir`` uses an environment variable that is not set here.
     """
-    from opskit.corpus import DataError, output_paths  # numpy-free, but not needed by hourly commands
+    from opskit.data.corpus import DataError, output_paths  # numpy-free, but not needed by hourly commands
 
     if not spec.data.prepared_by_opskit:
         source = "data_path" if spec.data.data_path is not None else "train_weighted_split_paths_path"
@@ -223,14 +223,14 @@ def data_paths(spec: Spec, environ: Mapping[str, str] | None = None) -> tuple[Pa
 
 
 def corpus_inputs(spec: Spec) -> tuple[str | list[str], Path]:
-    """(corpus, output folder) to pass to ``opskit.corpus.prepare_data`` for a spec: ``$VAR`` expanded, corpus files
+    """(corpus, output folder) to pass to ``opskit.data.corpus.prepare_data`` for a spec: ``$VAR`` expanded, corpus files
     taken from the spec's base directory (as ``data.dir``); the named corpus ``kjv`` as it is.
 
     Raises:
         DataError: for a spec whose data was prepared elsewhere (see :func:`data_paths`).
         SpecError: an unset ``$VAR``.
     """
-    from opskit.corpus import KJV
+    from opskit.data.corpus import KJV
 
     tokenizer_dir, _ = data_paths(spec)
     corpus = spec.data.corpus

@@ -28,7 +28,7 @@ from opskit.errors import OpskitError
 from opskit.rules.checks import batch_sizes_of, valid_node_counts
 from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
-from opskit.spec import Spec, deepspeed_resume_problem, padded_vocab_size
+from opskit.spec.schema import Spec, deepspeed_resume_problem, padded_vocab_size
 
 
 class PlanError(OpskitError, ValueError):

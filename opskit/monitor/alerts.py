@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.errors import OpskitError
-from opskit.findings import Report
 from opskit.fsutil import atomic_write_text
-from opskit.runs import RunPaths
-from opskit.spec import AlertsSpec
+from opskit.monitor.findings import Report
+from opskit.run.paths import RunPaths
+from opskit.spec.schema import AlertsSpec
 
 TIMEOUT_S = 30
 _DEFAULT_PORTS = {"none": 25, "starttls": 587, "ssl": 465}
@@ -159,7 +159,8 @@ def settings(spec_alerts: AlertsSpec, environ: Mapping[str, str] | None = None) 
     """
     from pydantic import ValidationError
 
-    from opskit.spec import SpecError, deep_merge, read_yaml
+    from opskit.spec.files import SpecError
+    from opskit.spec.load import deep_merge, read_yaml
 
     path = user_config(environ)
     if not path.is_file():

@@ -4,7 +4,7 @@ A run's checkpoint directory holds ``latest`` and ``global_stepN/`` folders; a s
 ``layer_XX-model_YY-model_states.pt`` per layer and TP rank, one ``mp_rank_MM_model_states.pt`` per (PP, TP) rank
 (``MM = pp * TP + tp``) carrying the training ``args``, and the optimizer shards
 ``[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt`` (one per DP rank and ``MM``) that a resume reads but weights
-never need. Which files a complete step has: :func:`opskit.ckpt.info.describe_step`.
+never need. Which files a complete step has: :func:`opskit.ckpt.format.info.describe_step`.
 
 TP merge rules, as in transformers' BLOOM converter and DeepSpeed's ds_to_universal: replicated tensors (LayerNorms,
 row-parallel biases, position embeddings) are averaged, row-parallel weights concatenated on dim 1, everything else on
@@ -232,14 +232,14 @@ def scan_step_dir(path: str | Path) -> StepDir:
 
 
 def load_state(path: Path, lazy: bool = True, light: bool = False):
-    """A checkpoint file's pickled object; with ``lazy`` its tensors are :class:`~opskit.ckpt.tensorfile.TensorRef`
+    """A checkpoint file's pickled object; with ``lazy`` its tensors are :class:`~opskit.ckpt.format.tensorfile.TensorRef`
     (nothing read yet), else tensors. Classes not installed here (``megatron.enums``) load as placeholders; with
     ``light`` (headers only) torch, numpy and deepspeed are not imported either.
 
     Raises:
         CheckpointFormatError: truncated, foreign or unreadable file, naming it.
     """
-    from opskit.ckpt.tensorfile import TensorFileError, load_lazy, materialize
+    from opskit.ckpt.format.tensorfile import TensorFileError, load_lazy, materialize
 
     try:
         state = load_lazy(path, light)

@@ -1,0 +1,1 @@
+"""Training data: the corpus (download, tokenize, Megatron's indexed dataset)."""

@@ -1,1 +1,0 @@
-"""Bundled training specs (YAML); see opskit.spec."""

@@ -1,0 +1,1 @@
+"""Training specs: the schema, finding and loading specs (``$VAR`` placeholders), ``specs new``, and the planner."""

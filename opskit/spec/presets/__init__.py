@@ -1,0 +1,1 @@
+"""Bundled training specs (YAML); see opskit.spec.load."""
