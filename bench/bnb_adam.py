@@ -6,16 +6,17 @@ default client optimizer; fp32 moments inside DeepSpeed's ZeRO optimizer), (b) `
 runs) with DeepSpeed's ``train_batch`` wrapped only to keep the engine, whose innermost optimizer's state is summed
 after training (every tensor once: torch's exp_avg/exp_avg_sq/step; bitsandbytes' state1/state2, absmax, qmap).
 
-The model takes from the preset (opskit/spec/presets/tr8b-104B.yaml, variant ``bnb``) what defines it: absolute positions,
-no ``--embed-layernorm`` (``--use-bnb-optimizer`` makes the word embedding bitsandbytes' StableEmbedding: a LayerNorm
-after it, xavier init), fp16 with DeepSpeed's dynamic loss scale, ZeRO-1 with ``zero_allow_untested_optimizer``, Adam
-betas (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, cosine decay, init std sqrt(0.4 / h) (the 104B's rule,
-0.006 at h 11600). Run (a) adds ``--embed-layernorm`` so both have the same architecture; the flag also brings
-xavier init for the (tied) word embedding, the one model difference, inside the loss difference measured here.
-Scaled down: 24 layers x 1024 (GPT-2 medium, ~310M parameters with the 8192 vocab), seq 2048, MBS 4, GBS 8 (16K
-tokens per iteration: 200 iterations are ~3.5 epochs of the KJV), lr 3e-4 (GPT-3's for 350M) with 20 iterations of
-warmup, no activation checkpointing. Under ZeRO-1 the optimizer steps flat fp32 partitions, so every state is 8-bit
-(as in BigScience's BNB runs) but for a partition below bitsandbytes' min_8bit_size (4096 values; only the tiny's).
+The model takes from the preset (opskit/spec/presets/tr8b-104B.yaml, variant ``bnb``) what defines it: absolute
+positions, no ``--embed-layernorm`` (``--use-bnb-optimizer`` makes the word embedding bitsandbytes' StableEmbedding: a
+LayerNorm after it, xavier init), fp16 with DeepSpeed's dynamic loss scale, ZeRO-1 with
+``zero_allow_untested_optimizer``, Adam betas (0.9, 0.95), eps 1e-8, weight decay 0.1, clip 1.0, cosine decay, init std
+sqrt(0.4 / h) (the 104B's rule, 0.006 at h 11600). Run (a) adds ``--embed-layernorm`` so both have the same
+architecture; the flag also brings xavier init for the (tied) word embedding, the one model difference, inside the loss
+difference measured here. Scaled down: 24 layers x 1024 (GPT-2 medium, ~310M parameters with the 8192 vocab), seq 2048,
+MBS 4, GBS 8 (16K tokens per iteration: 200 iterations are ~3.5 epochs of the KJV), lr 3e-4 (GPT-3's for 350M) with 20
+iterations of warmup, no activation checkpointing. Under ZeRO-1 the optimizer steps flat fp32 partitions, so every state
+is 8-bit (as in BigScience's BNB runs) but for a partition below bitsandbytes' min_8bit_size (4096 values; only the
+tiny's).
 
 Text: the KJV Bible (the demo's corpus), byte-level BPE of 8192 trained on it, ~0.94M tokens (``opskit.data.corpus``);
 prepared into ``--data`` (default data/bnb-adam) on a machine with Debian's ``bible`` (e.g. by a CPU run of this

@@ -293,8 +293,8 @@ def row_crash(bench: Bench) -> Row:
 
 def row_hang(bench: Bench) -> Row:
     """Local rank 1 of DP4 sleeps inside iteration 4; the others wait for it in NCCL. Every rank dumps its stacks
-    after ``HANG_DUMP_MINUTES``; the job is then killed and :func:`opskit.logs.stacks.stuck_ranks` must name local rank 1.
-    What the waiting ranks' innermost frames are under NCCL (asynchronous collectives) is recorded."""
+    after ``HANG_DUMP_MINUTES``; the job is then killed and :func:`opskit.logs.stacks.stuck_ranks` must name local
+    rank 1. What the waiting ranks' innermost frames are under NCCL (asynchronous collectives) is recorded."""
     from opskit.logs.crash import line_source
     from opskit.logs.stacks import rank_stacks, stuck_ranks
 

@@ -4,6 +4,7 @@ rule that names the optional extra (pyproject.toml's ``optional-dependencies``) 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 # Extras that no feature needs: the test suite's ("all" names opskit itself, which is skipped).
 _NOT_FEATURES = ("test",)
@@ -34,7 +35,7 @@ def _extras() -> dict[str, set[str]]:
     """Extra -> normalized distribution names, from the installed package's metadata (pyproject.toml's
     ``optional-dependencies`` as installed; read beside the package for a source checkout that is not installed);
     empty when neither is readable."""
-    from importlib import metadata
+    from importlib import metadata  # ~10 ms: only once a module is missing, never on every command's path
 
     try:
         requirements = metadata.requires("opskit") or []
@@ -52,10 +53,8 @@ def _extras() -> dict[str, set[str]]:
 def _source_requirements() -> list[str]:
     """``optional-dependencies`` of the pyproject.toml above this package, in the metadata's form
     (``'torch>=2.4; extra == "train"'``); empty without one (or without tomllib, Python 3.10)."""
-    from pathlib import Path
-
     try:
-        import tomllib
+        import tomllib  # Python 3.11+: on 3.10 the ImportError below means no source requirements
 
         project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     except (ImportError, OSError, ValueError, KeyError):

@@ -1,8 +1,8 @@
 """``opskit rehearse NAME``: the spec the user will submit, scaled down, through the real (local) SLURM, before a GPU
 hour is spent.
 
-The rehearsal spec is the production spec with overrides, validated by the same :func:`opskit.spec.load.validate_spec`, so
-every spec rule holds for it too. Each scaling rule is one function returning its overrides and what it said
+The rehearsal spec is the production spec with overrides, validated by the same :func:`opskit.spec.load.validate_spec`,
+so every spec rule holds for it too. Each scaling rule is one function returning its overrides and what it said
 (``model.num_layers 70 -> 4``); everything it does not name stays as the spec has it (flags under ``megatron_args``,
 ZeRO stage, optimizer, clipping, weight decay, dropout, curriculum, skip ranges, evaluation). Then two chained array
 tasks run: the first stops on the spec's own exit duration, made deterministic by the trainer's simulated clock
@@ -18,6 +18,7 @@ rehearsal under ``<root>/.data/``. The production run directory is never touched
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import re
@@ -28,6 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
+from opskit.ckpt.check import check_step
+from opskit.ckpt.convert import ConvertError, convert_step, model_arch
+from opskit.ckpt.format.layout import load_args, resolve_step_dir, scan_step_dir
+from opskit.data.corpus import prepare_data
 from opskit.errors import OpskitError
 from opskit.fsutil import (
     OutputRefusedError,
@@ -40,14 +47,22 @@ from opskit.fsutil import (
     write_marker,
 )
 from opskit.logs.crash import JOB_HEADER, line_source
+from opskit.logs.parse import read_tail, timeline
+from opskit.monitor.watchdog import run_checks
 from opskit.rules import checks
 from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.model import padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
+from opskit.run import chain
 from opskit.run.paths import RunPaths
+from opskit.run.render import data_files
+from opskit.run.submit import submit
+from opskit.slurm import client
+from opskit.slurm.pending import HopelessWatch
 from opskit.spec.files import SpecError
 from opskit.spec.load import deep_merge, validate_spec
 from opskit.spec.placeholders import unset_variables
+from opskit.spec.plan import make_plan
 from opskit.spec.schema import Spec
 from opskit.train import REHEARSAL_CLOCK_ENV
 
@@ -437,8 +452,6 @@ def plan_data(spec: Spec, data_root: Path) -> DataPlan:
     its vocabulary size; for a Hub tokenizer or GPT-2's vocabulary files (not reachable offline), a byte-level BPE of
     :data:`DEMO_VOCAB` tokens trained on the corpus, written as what the spec reads (a tokenizer folder, GPT-2 vocab
     and merge files, weighted split files)."""
-    from opskit.run.render import data_files
-
     try:
         present = all(path.is_file() for _, path in data_files(spec))
     except SpecError:
@@ -486,8 +499,6 @@ def prepare(plan: DataPlan) -> str:
     """
     if plan.folder is None:
         return "the spec's own data"
-    from opskit.data.corpus import prepare_data
-
     done = prepare_data("kjv", plan.folder, vocab_size=plan.vocab_size, name="kjv")
     if done.vocab_size != plan.vocab_size:
         raise RehearsalError(f"{plan.folder}: the KJV tokenizer has {done.vocab_size} tokens, not "
@@ -505,8 +516,6 @@ def prepare(plan: DataPlan) -> str:
 
 def _write_gpt2_files(tokenizer_json: Path, folder: Path) -> None:
     """GPT-2's ``vocab.json`` / ``merges.txt`` of a byte-level BPE (what ``--vocab-file`` / ``--merge-file`` read)."""
-    import json
-
     model = json.loads(tokenizer_json.read_text())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     atomic_write_text(folder / "gpt2-vocab.json", json.dumps(model["vocab"], ensure_ascii=False))
@@ -607,9 +616,8 @@ def claim_folder(spec: Spec, folder: Path, force: bool) -> None:
 
 
 def plan_numbers(spec: Spec) -> dict[str, Any]:
-    """The planner's headline numbers for the full-size spec (:func:`opskit.spec.plan.make_plan`, nothing recomputed)."""
-    from opskit.spec.plan import make_plan
-
+    """The planner's headline numbers for the full-size spec (:func:`opskit.spec.plan.make_plan`, nothing
+    recomputed)."""
     plan = make_plan(spec)
     lay, mem, t = plan.layout, plan.memory, plan.time
     return {
@@ -683,8 +691,6 @@ def seal_folder(folder: Path) -> None:
 
 
 def _spec_yaml(spec: Spec) -> str:
-    import yaml
-
     return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
@@ -705,9 +711,6 @@ def _skip_rest(result: Rehearsal, stage: Callable[[str, Status, str], None], sta
 def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str], None], iterations: int,
                wait_s: float) -> None:
     """Submit two tasks, wait for them (cancelling on failure, timeout or Ctrl-C), then check every stage."""
-    from opskit.run.submit import submit
-    from opskit.slurm import client
-
     run = RunPaths.of(spec)
     try:
         sub = submit(spec, array=2)
@@ -746,10 +749,6 @@ def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str]
 def _wait(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
     """Until the job has left the queue: None, or why it was stopped early (a failed task, a pending reason that
     never clears, the time limit)."""
-    from opskit.run import chain
-    from opskit.slurm import client
-    from opskit.slurm.pending import HopelessWatch
-
     deadline = time.monotonic() + wait_s
     watch = HopelessWatch(then="then rehearse again")
     while time.monotonic() < deadline:
@@ -770,8 +769,6 @@ def _wait(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
 def _cancel(job_id: str, wait_s: float = 120) -> None:
     """``scancel`` the rehearsal's array and wait (up to ``wait_s``) until no task of it is queued or completing, so a
     red rehearsal leaves nothing behind."""
-    from opskit.slurm import client
-
     deadline = time.monotonic() + wait_s
     try:
         client.scancel([job_id])
@@ -833,9 +830,6 @@ def _task_stages(run: RunPaths, job_id: str, iterations: int, failure: str | Non
 
 
 def _ckpt_check(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
-    from opskit.ckpt.check import check_step
-    from opskit.ckpt.format.layout import resolve_step_dir
-
     step = resolve_step_dir(run.checkpoints, None)
     report = check_step(step)
     if report.ok:
@@ -850,9 +844,6 @@ def _ckpt_convert(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, s
     """``ckpt convert`` with verification; skipped (said) for a model transformers has no class for (absolute
     positions with an embedding LayerNorm: tr8b-104B's cl, emb-norm and bnb variants), which the training does not
     need."""
-    from opskit.ckpt.convert import ConvertError, convert_step, model_arch
-    from opskit.ckpt.format.layout import load_args, resolve_step_dir, scan_step_dir
-
     step = resolve_step_dir(run.checkpoints, None)
     try:
         model_arch(load_args(scan_step_dir(step), light=True), step)
@@ -864,8 +855,6 @@ def _ckpt_convert(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, s
 
 
 def _status(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
-    from opskit.monitor.watchdog import run_checks
-
     report = run_checks(spec)
     bad = report.alerts
     if bad:
@@ -876,8 +865,6 @@ def _status(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
 
 
 def _logs_show(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:
-    from opskit.logs.parse import read_tail, timeline
-
     records = timeline(read_tail(run.main_log, iterations).records)
     if not records:
         return "failed", f"{run.main_log}: no iteration lines"

@@ -1,4 +1,5 @@
-"""Shared fixtures: real data (the KJV Bible through opskit.data.corpus), a real local SLURM, a tiny trainer command line."""
+"""Shared fixtures: real data (the KJV Bible through opskit.data.corpus), a real local SLURM, a tiny trainer command
+line."""
 
 from __future__ import annotations
 

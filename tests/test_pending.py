@@ -74,7 +74,8 @@ def test_a_wait_gives_a_hopeless_reason_its_grace_and_starts_over_when_it_change
 
 def test_wait_until_gone_stops_promptly_on_a_hopeless_reason(monkeypatch):
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 1.0)
-    monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(ReqNodeNotAvail, UnavailableNodes:node9)")])
+    monkeypatch.setattr("opskit.monitor.pulse.squeue",
+                        lambda *a, **k: [pending("(ReqNodeNotAvail, UnavailableNodes:node9)")])
     pulses = []
     started = time.monotonic()
     with pytest.raises(PendingForever, match=r"^job 77_\[1-2%1\] never starts: ReqNodeNotAvail: nodes it needs are "
@@ -93,7 +94,7 @@ def test_submit_wait_exits_1_with_one_line_on_a_hopeless_reason(tmp_path, monkey
     spec = write_spec(tmp_path / "pf.yaml", fake_data, tmp_path / "run", slurm={"job_name": "opskit-pf"})
     submitted = SimpleNamespace(script="", notes=[], skipped=None, warnings=[], run=RunPaths(tmp_path / "run"),
                                 command=["sbatch", "--parsable", "train.slurm"], job_id="77", local_tasks=[])
-    monkeypatch.setattr("opskit.submit.submit", lambda *a, **k: submitted)
+    monkeypatch.setattr("opskit.run.submit.submit", lambda *a, **k: submitted)
     monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(PartitionConfig)")])
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 0.0)
     started = time.monotonic()

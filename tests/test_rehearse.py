@@ -158,7 +158,7 @@ def test_a_job_that_can_never_start_is_red_at_once_with_the_reason_and_cancelled
     queue = [client.QueueEntry("77_[1-2%1]", "debug", "rehearse-pf", "PENDING", "0:00", "1", "N/A",
                                "(PartitionConfig)")]
     cancelled = []
-    monkeypatch.setattr("opskit.submit.submit", lambda *a, **k: SimpleNamespace(job_id="77", run=RunPaths.of(spec)))
+    monkeypatch.setattr("opskit.rehearse.submit", lambda *a, **k: SimpleNamespace(job_id="77", run=RunPaths.of(spec)))
     monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: list(queue))
     monkeypatch.setattr("opskit.slurm.client.scancel", lambda ids: (cancelled.extend(ids), queue.clear()))
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 1.0)

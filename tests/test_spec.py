@@ -1,4 +1,5 @@
-"""opskit.spec.schema: finding specs (path, name, prefix, trainings/ shadowing), one-line validation errors, sbatch times."""
+"""opskit.spec.schema: finding specs (path, name, prefix, trainings/ shadowing), one-line validation errors, sbatch
+times."""
 
 from __future__ import annotations
 

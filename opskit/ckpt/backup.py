@@ -59,12 +59,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.ckpt.check import crc_problem
+from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.layout import STEP_DIR, CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
 from opskit.ckpt.format.manifest import MANIFEST_SHAPE, is_manifest
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.targets import open_target
 from opskit.targets.base import Target, TargetError, crc32c_of_file
+from opskit.targets.file import FileTarget
 
 OPTIMIZER_SUFFIX = "_optim_states.pt"
 RECORD = ".opskit-backups.json"
@@ -89,6 +92,10 @@ class StepBackup:
     @property
     def verified(self) -> bool:
         return not self.problems
+
+    def as_json(self) -> dict:
+        return {"step": self.tag, "copied": self.copied, "skipped": self.skipped, "bytes": self.bytes_total,
+                "verified": self.verified, "problems": self.problems, "unrecorded": self.unrecorded}
 
 
 def backup_files(step: Path, weights_only: bool = True) -> list[Path]:
@@ -159,8 +166,6 @@ def overlap_problem(checkpoint_dir: Path, target: Target) -> str | None:
     """Why ``target`` is no second copy of ``checkpoint_dir`` (one line), or None: a file:// target that is the
     filesystem root, the checkpoint dir itself, inside it, or a folder holding it (symbolic links resolved). Other
     targets are never local folders."""
-    from opskit.targets.file import FileTarget
-
     if not isinstance(target, FileTarget):
         return None
     root, source = target.root.resolve(), Path(checkpoint_dir).resolve()
@@ -248,9 +253,6 @@ def _copy_one(path: Path, key: str, target: Target) -> tuple[str, int, str, bool
 
 def _backup_step(folder: Path, target: Target, weights_only: bool, source: dict, pool: ThreadPoolExecutor,
                  progress: Callable[[str, int], None] | None) -> StepBackup:
-    from opskit.ckpt.check import crc_problem
-    from opskit.ckpt.format.info import describe_step
-
     result = StepBackup(folder.name)
     info = describe_step(folder)
     if not info.complete:
@@ -435,6 +437,9 @@ class Restored:
     bytes_total: int
     latest: str | None
 
+    def as_json(self) -> dict:
+        return {"step": str(self.step), "files": self.files, "bytes": self.bytes_total, "latest": self.latest}
+
 
 def restore(url: str, checkpoint_dir: str | Path, step: int | None = None) -> Restored:
     """Copy one backed-up step from ``url`` to ``<checkpoint_dir>/global_stepN`` (created, with its parents, when
@@ -447,9 +452,6 @@ def restore(url: str, checkpoint_dir: str | Path, step: int | None = None) -> Re
             not a complete, CRC-intact step; a weights-only backup that left files out (its optimizer shards);
             nothing is left behind then. OutputRefusedError: ``global_stepN`` exists locally.
     """
-    from opskit.ckpt.check import crc_problem
-    from opskit.ckpt.format.info import describe_step
-
     target = open_target(url, option="restore")
     tag = f"global_step{step}" if step is not None else (target.read_text("latest") or "").strip()
     if not STEP_DIR.match(tag):

@@ -8,9 +8,9 @@
 - RNG states (``torch_rng_state``, ``np_rng_state``, ``random_rng_state``, ``cuda_rng_state``) agree among the TP
   ranks of each pipeline stage (``mp_rank_{pp*TP+tp}`` files).
 - NaN/Inf: every tensor of every layer file, one tensor in memory at a time.
-- Completeness: :func:`opskit.ckpt.format.info.describe_step` (headers), then, with ``crc``, every byte of every file the
-  step needs (optimizer shards included) against its zip record's CRC-32 (:func:`opskit.ckpt.format.tensorfile.verify_crc`):
-  the only check here that sees bytes flipped inside tensor data.
+- Completeness: :func:`opskit.ckpt.format.info.describe_step` (headers), then, with ``crc``, every byte of every file
+  the step needs (optimizer shards included) against its zip record's CRC-32
+  (:func:`opskit.ckpt.format.tensorfile.verify_crc`): the only check here that sees bytes flipped inside tensor data.
 - A weights-only backup's copy of a step (:func:`opskit.ckpt.format.manifest.weights_only_copy`) is checked as a step of
   weights: the shards its backup left out are reported in ``left_out``, not as problems (what the copy serves,
   ``convert``/``inspect``, reads no optimizer state); every other check reads every file it has.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
+from opskit.ckpt.format.manifest import weights_only_copy
 from opskit.ckpt.format.tensorfile import TensorFileError, TensorRef, verify_crc
 
 RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")
@@ -69,7 +70,7 @@ def replicated_diff(shards: list) -> tuple[float, list[int]]:
 
 
 def _rng_equal(a, b) -> bool:
-    import numpy as np
+    import numpy as np  # numpy, torch: only once RNG states are compared
     import torch
 
     if isinstance(a, TensorRef) or isinstance(b, TensorRef):
@@ -92,9 +93,7 @@ def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport
     Raises:
         CheckpointFormatError: only when ``mp_rank_00`` is unusable (everything else lands in the report).
     """
-    import torch
-
-    from opskit.ckpt.format.manifest import weights_only_copy
+    import torch  # torch (train extra): only when a step is checked, not when backup or convert import this
 
     info = describe_step(path)
     report = CheckReport(Path(path), problems=list(info.problems))

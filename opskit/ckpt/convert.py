@@ -4,9 +4,9 @@
 Which model: ALiBi + embedding LayerNorm -> BLOOM; absolute position embeddings without embedding LayerNorm -> GPT-2
 (reference section 2.1 for the checkpoint keys, section 3 for both transformers converters' rules):
 
-- TP merge (:func:`opskit.ckpt.format.layout.tp_rule`): column-parallel weights and vocabulary rows are concatenated on dim 0,
-  row-parallel weights on dim 1; replicated tensors are taken from rank 0 when all ranks agree and **averaged** when
-  they do not (transformers' BLOOM converter and ds_to_universal's rule), and the averaged names are reported.
+- TP merge (:func:`opskit.ckpt.format.layout.tp_rule`): column-parallel weights and vocabulary rows are concatenated on
+  dim 0, row-parallel weights on dim 1; replicated tensors are taken from rank 0 when all ranks agree and **averaged**
+  when they do not (transformers' BLOOM converter and ds_to_universal's rule), and the averaged names are reported.
   PP needs no merge: every layer lives in one stage's files, and a step folder holds them all.
 - BLOOM: keys keep their names under ``transformer.h.{i}``; BLOOM's fused QKV uses Megatron's per-head ``[q|k|v]``
   rows, so no reordering. GPT-2: ``query_key_value`` rows ``[head][q|k|v][hn]`` become ``c_attn``'s
@@ -19,7 +19,9 @@ Memory: pickles are read lazily (:mod:`opskit.ckpt.format.tensorfile`) and each 
 (row chunks of at most CHUNK_BYTES, a few at once) into pre-sized safetensors shards
 (:mod:`opskit.ckpt.safetensors_out`); blocks that keep their dtype go from the mapped checkpoint pages straight into
 the output, so peak memory is a few blocks (plus a cast copy), whatever the model size. Neither torch nor transformers
-is imported unless a block needs a cast or an average (config and tokenizer files are written without them).
+is imported unless a block needs a cast or an average (config and tokenizer files are written without them); they,
+tokenizers and the trainer's model (:mod:`opskit.train.inference`, torch) are imported inside the functions that use
+them.
 The folder is built under a temporary name, verified, and renamed into place: a failure never leaves a half-written
 model and never replaces a good one.
 """
@@ -50,6 +52,7 @@ from opskit.ckpt.format.layout import (
 from opskit.ckpt.format.manifest import weights_only_copy
 from opskit.ckpt.format.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
+from opskit.data.corpus import read_documents
 from opskit.errors import OpskitError
 from opskit.fsutil import (
     claim_dir,
@@ -346,8 +349,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
                  force: bool = False) -> Converted:
     """Convert ``path`` (run checkpoint dir + ``step``/``latest``, or a step folder) to an HF folder at ``out_dir``:
     a new or empty folder (its mode kept), or with ``force`` a folder an earlier conversion wrote (its ``.opskit``
-    marker); the folder is built beside it, marked, and renamed into place. The step must be complete, or a
-    weights-only backup's copy of one (:func:`opskit.ckpt.format.manifest.weights_only_copy`: the weights are all there).
+    marker); the folder is built beside it, marked, and renamed into place. The step must be complete, or a weights-only
+    backup's copy of one (:func:`opskit.ckpt.format.manifest.weights_only_copy`: the weights are all there).
 
     Args:
         dtype: ``fp32``/``fp16``/``bf16``; default: the checkpoint's own.
@@ -592,6 +595,24 @@ def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = 
     return results
 
 
+def convert_checkpoint(directory: str | Path, hf_dir: Path, step: int | None = None, all_steps: bool = False,
+                       out: Path | None = None, to: str = "hf", **options) -> list[Converted | str]:
+    """``opskit ckpt convert``: one step of ``directory`` (``step``, else the one ``latest`` names; or a step folder
+    itself) into ``out`` (default ``hf_dir/global_stepN``), or with ``all_steps`` every step into ``out`` (default
+    ``hf_dir``) as :func:`convert_all`. ``hf_dir`` is the run's folder of converted steps
+    (:attr:`opskit.run.paths.RunPaths.hf_dir`); ``options`` as :func:`convert_step`.
+
+    Raises:
+        ConvertError: a ``to`` other than ``hf``; and as :func:`convert_step` / :func:`convert_all`.
+    """
+    if to != "hf":
+        raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
+    if all_steps:
+        return convert_all(directory, out or hf_dir, **options)
+    step_dir = resolve_step_dir(directory, step)
+    return [convert_step(step_dir, out or hf_dir / step_dir.name, **options)]
+
+
 def conversion_source(step_path: Path, iteration: int | None) -> dict:
     """What a conversion was made from, as its marker records it: the step folder's resolved path, its iteration,
     and :func:`opskit.ckpt.format.info.saved_files_digest` (a step saved again after a rollback differs)."""
@@ -631,8 +652,6 @@ def verification_tokens(args: argparse.Namespace, tokenizer_dir: Path, count: in
     # Megatron-DeepSpeed's --data-path is a list ("[weight] prefix" pairs); opskit's trainer saves one prefix.
     prefix = args.data_path[-1] if isinstance(args.data_path, list) else args.data_path
     try:
-        from opskit.data.corpus import read_documents
-
         docs = read_documents(prefix)
         chosen = [docs[i][:length] for i in range(len(docs)) if len(docs[i]) >= length][:count]
         if len(chosen) == count:

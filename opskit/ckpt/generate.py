@@ -20,7 +20,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 40, seed:
         GenerateError: the tokenizer gives the prompt a token id outside the model's vocabulary (a folder converted
             before ``ckpt convert`` checked its tokenizer), or the prompt fills every position.
     """
-    import torch
+    import torch  # torch, transformers: only when sampling; a missing one is named by the CLI
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -29,7 +29,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opskit.ckpt.backup import BackupError, backup_problem
+from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.layout import existing_checkpoint_dir, latest_state, read_latest, step_dirs, write_latest
+from opskit.ckpt.format.universal import universal_folders
 from opskit.errors import OpskitError
 
 NAMED_SCHEDULES = {"tr1-13B": "1-100/10,101-1000/18,1001-/1500"}
@@ -99,7 +102,7 @@ class PrunePlan:
     """``keep``: step -> why (rules, ``latest``); ``delete``: steps to remove; ``protected``: step -> why a step no
     rule keeps is kept anyway (no backup can resume it); ``unbacked``: step -> why no backup can resume a step that
     ``force`` deletes anyway; ``universal``: the universal folders of deleted steps that go with them (module
-    docstring)."""
+    docstring); ``dry_run``: whether the deletions were only planned."""
 
     directory: Path
     keep: dict[int, list[str]] = field(default_factory=dict)
@@ -107,10 +110,11 @@ class PrunePlan:
     protected: dict[int, str] = field(default_factory=dict)
     unbacked: dict[int, str] = field(default_factory=dict)
     universal: list[Path] = field(default_factory=list)
+    dry_run: bool = True
 
     def as_json(self) -> dict:
         return {"dir": str(self.directory), "keep": self.keep, "delete": self.delete, "protected": self.protected,
-                "unbacked": self.unbacked, "universal": [str(p) for p in self.universal]}
+                "unbacked": self.unbacked, "universal": [str(p) for p in self.universal], "dry_run": self.dry_run}
 
 
 def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False) -> PrunePlan:
@@ -121,9 +125,6 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
         PruneError: a step to delete is a symbolic link. BackupError: a corrupt ``.opskit-backups.json`` (without
             ``force``; with it, the record's problem is the warning).
     """
-    from opskit.ckpt.backup import BackupError, backup_problem
-    from opskit.ckpt.format.info import describe_step
-
     directory = existing_checkpoint_dir(directory)
     latest = read_latest(directory)
     steps = step_dirs(directory)
@@ -164,8 +165,6 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
 
 def _our_universal_folders(directory: Path, steps: list[int]) -> list[Path]:
     """The ``global_stepN_universal`` folders opskit converted from these steps (its marker names the step)."""
-    from opskit.ckpt.reshape import universal_folders
-
     return [path for step, (path, origin) in universal_folders(directory).items()
             if step in steps and not path.is_symlink() and origin and origin.get("step") == f"global_step{step}"]
 
@@ -182,6 +181,7 @@ def _refuse_symlinked_steps(plan: PrunePlan) -> None:
 def prune(directory: str | Path, rules: list[KeepRule], dry_run: bool = False, force: bool = False) -> PrunePlan:
     """:func:`plan_prune`, then delete ``plan.delete`` (unless ``dry_run``)."""
     plan = plan_prune(directory, rules, force)
+    plan.dry_run = dry_run
     if dry_run:
         return plan
     for folder in [plan.directory / f"global_step{step}" for step in plan.delete] + plan.universal:
@@ -201,8 +201,6 @@ def set_latest(directory: str | Path, step: int) -> str:
     Raises:
         PruneError: no such step, an incomplete one (its first problem named), or ``latest`` is a directory.
     """
-    from opskit.ckpt.format.info import describe_step
-
     directory = Path(directory)
     folder = directory / f"global_step{step}"
     if not folder.is_dir():

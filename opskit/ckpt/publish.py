@@ -20,6 +20,7 @@ from pathlib import Path
 from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.layout import STEP_DIR, CheckpointFormatError
 from opskit.fsutil import atomic_write_text
+from opskit.logs.parse import read_from
 from opskit.targets import open_target
 from opskit.targets.base import TargetError, TargetOptions
 
@@ -114,6 +115,17 @@ def publish(hf_root: str | Path, url: str, steps: list[int] | None, facts: Calla
     return results
 
 
+def publish_checkpoint(checkpoint_dir: Path, run_hf_dir: Path, main_log: Path, url: str, step: int | None = None,
+                       hf_dir: Path | None = None, public: bool = False,
+                       progress: Callable[[str], None] | None = None) -> list[Published]:
+    """``opskit ckpt publish``: the converted ``step`` (None: every converted step) of ``hf_dir`` (default: the run's
+    ``run_hf_dir``, where ``opskit ckpt convert`` writes) to ``url``, into a repository created private unless
+    ``public``, with a card of the tokens and validation loss of each step (:func:`card_facts`). Raises as
+    :func:`publish`."""
+    return publish(hf_dir or run_hf_dir, url, None if step is None else [step], card_facts(checkpoint_dir, main_log),
+                   TargetOptions(create_repo=True, private=not public), progress=progress)
+
+
 def card_facts(checkpoint_dir: Path, main_log: Path) -> Callable[[int], dict]:
     """The ``facts`` argument of :func:`publish` for a run: the tokens a step consumed, from its checkpoint folder in
     ``checkpoint_dir`` (None when that step is gone), and the validation loss ``main_log`` logged at that iteration
@@ -130,8 +142,6 @@ def card_facts(checkpoint_dir: Path, main_log: Path) -> Callable[[int], dict]:
 
 def validation_losses(main_log: Path) -> dict[int, float]:
     """Iteration -> validation lm loss logged at that iteration in ``main_log`` (the last one wins after a restart)."""
-    from opskit.logs.parse import read_from
-
     if not main_log.is_file():
         return {}
     return {r["iteration"]: r["validation_lm_loss"] for r in read_from(main_log).records

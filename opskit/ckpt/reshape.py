@@ -4,15 +4,13 @@ checkpoint directory listed with their origin."""
 
 from __future__ import annotations
 
-import re
 from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.ckpt.format.info import StepInfo, describe_step
-from opskit.ckpt.format.layout import load_args, scan_step_dir
+from opskit.ckpt.format.info import StepInfo, describe_step, resume_point
+from opskit.ckpt.format.layout import latest_state, load_args, scan_step_dir
 from opskit.ckpt.format.universal import (
-    UNIVERSAL_SUFFIX,
     Layout,
     ReshapeError,
     convert_to_universal,
@@ -23,10 +21,10 @@ from opskit.ckpt.format.universal import (
     universal_origin,
     verify_universal,
 )
+from opskit.fsutil import claim_dir
+from opskit.rules import checks
 
 # --------------------------------------------------------------------------- offline: `opskit ckpt reshape`
-
-UNIVERSAL_DIR = re.compile(r"^global_step([0-9]+)" + UNIVERSAL_SUFFIX + r"\Z")
 
 
 def layout_name(key: str, value=None) -> str:
@@ -43,8 +41,6 @@ def target_problems(args: Namespace, target: Layout) -> list[str]:
     (:func:`opskit.rules.checks.tensor_parallel_problems`, :func:`~opskit.rules.checks.pipeline_problems`, with the
     trainer's partition method). The padded vocabulary needs no rule: a resume pads it to a multiple of the new TP
     (:func:`opskit.rules.model.resumed_padded_vocab_size`)."""
-    from opskit.rules import checks
-
     if small := [f"{what.upper()}={value} must be at least 1" for what, value in vars(target).items() if value < 1]:
         return small
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size
@@ -98,9 +94,6 @@ def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> Res
             another step's universal form, a failed conversion or verification.
         OutputRefusedError: ``out`` is a file or a folder opskit did not write (:func:`opskit.fsutil.claim_dir`).
     """
-    from opskit.ckpt.format.layout import latest_state
-    from opskit.fsutil import claim_dir
-
     step_dir = Path(step_dir)
     info = describe_step(step_dir)
     if not info.complete:
@@ -133,32 +126,14 @@ def reshape_step(step_dir: Path, target: Layout, out: Path | None = None) -> Res
     return ReshapeResult(info, saved, target, universal, verified, reused=origin is not None, latest=latest)
 
 
-def universal_folders(directory: Path) -> dict[int, tuple[Path, dict | None]]:
-    """Iteration -> (``global_stepN_universal`` folder of a checkpoint dir, its :func:`universal_origin`), ascending;
-    a folder without opskit's marker has origin None (not a conversion opskit finished: the trainer refuses it)."""
-    directory = Path(directory)
-    found = {int(m.group(1)): p for p in directory.iterdir() if (m := UNIVERSAL_DIR.match(p.name)) and p.is_dir()} \
-        if directory.is_dir() else {}
-    return {step: (found[step], universal_origin(found[step])) for step in sorted(found)}
-
-
-def origin_text(origin: dict | None) -> str:
-    """``universal, from global_step10 at TP=1 PP=1 DP=2`` (``ckpt list``), or what an unmarked folder is."""
-    if origin is None:
-        return "not a universal checkpoint opskit finished (no marker): the trainer refuses it; move it away"
-    return f"universal, from {origin.get('step')} at {origin.get('layout')}"
-
-
 def resume_layout_note(checkpoint_dir: Path, target: Layout) -> str | None:
-    """What a job on ``target`` does with the step it resumes from (:func:`opskit.ckpt.format.info.resume_point`) when that
-    step was saved on another layout (``opskit submit``); None without a step or without a change.
+    """What a job on ``target`` does with the step it resumes from (:func:`opskit.ckpt.format.info.resume_point`) when
+    that step was saved on another layout (``opskit submit``); None without a step or without a change.
 
     Raises:
         ReshapeError: a change the trainer would refuse at start (:func:`needs_conversion`), before anything is
             queued.
     """
-    from opskit.ckpt.format.info import resume_point
-
     step = resume_point(checkpoint_dir).step
     if step is None or saved_layout(step) == target:
         return None

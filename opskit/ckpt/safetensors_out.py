@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opskit.ckpt.format.tensorfile import ITEMSIZES, ColumnSpan, FileBlock, RowSpan
+from opskit.fsutil import atomic_write_text
 
 IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers per pwritev call
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the window in at once, not page by page
@@ -142,7 +143,7 @@ def _write_block(values, dtype: str, fd: int, at: int) -> None:
         if block is not None and _copy_mapped(block, fd, at):
             return
         values = values.read()
-    import torch
+    import torch  # torch: only for a block that needs a cast
 
     _pwrite_all(fd, values.to(getattr(torch, dtype)).contiguous().view(-1).view(torch.uint8).numpy(), at)
 
@@ -197,8 +198,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
     """``model.safetensors.index.json`` as transformers reads it."""
-    from opskit.fsutil import atomic_write_text
-
     atomic_write_text(folder / "model.safetensors.index.json",
                       json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n")
 

@@ -55,20 +55,14 @@ def list_(
 ) -> None:
     """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest; then
     the universal folders (global_stepN_universal) and the step and layout each was converted from."""
-    from opskit.ckpt.format.info import list_steps
-    from opskit.ckpt.format.layout import latest_state
-    from opskit.ckpt.reshape import origin_text, universal_folders
+    from opskit.ckpt.format.universal import origin_text
+    from opskit.ckpt.listing import list_checkpoint
 
-    directory, _ = checkpoint_dir_of(run_or_dir)
-    latest, steps = list_steps(directory)
-    _, unusable = latest_state(directory)
-    universal = universal_folders(directory)
+    listing = list_checkpoint(checkpoint_dir_of(run_or_dir)[0])
     if json_output:
-        print_json({"dir": str(directory), "latest": latest, "latest_problem": unusable,
-                    "steps": [s.as_json() for s in steps],
-                    "universal": [{"step": step, "path": str(path), "origin": origin}
-                                  for step, (path, origin) in universal.items()]})
+        print_json(listing.as_json())
         return
+    directory, latest, unusable, steps = listing.directory, listing.latest, listing.latest_problem, listing.steps
     missing = " (no such step)" if latest and not any(s.latest for s in steps) else ""
     console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}")
     console.print(f"{'step':<18} {'size':>9} {'TP':>3} {'PP':>3} {'DP':>3} {'dtype':>5} {'complete':>8} "
@@ -83,7 +77,7 @@ def list_(
     for s in steps:
         for problem in s.problems:
             console.print(f"{s.path.name}: {problem}")
-    for path, origin in universal.values():
+    for path, origin in listing.universal.values():
         console.print(f"{path.name}  {origin_text(origin)}")
 
 
@@ -99,8 +93,7 @@ def inspect(
     (global_stepN_universal): what it was converted from."""
     from opskit.ckpt.format.info import inspect_step
     from opskit.ckpt.format.layout import resolve_step_dir
-    from opskit.ckpt.format.universal import universal_origin
-    from opskit.ckpt.reshape import origin_text
+    from opskit.ckpt.format.universal import origin_text, universal_origin
 
     if (origin := universal_origin(Path(step_dir))) is not None:
         if json_output:
@@ -204,30 +197,16 @@ def convert(
     """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming. The output
     folder must be new or empty; the folder is built beside it and renamed into place. A complete step, or a
     weights-only backup's copy of one (a note says so)."""
-    from opskit.ckpt.convert import ConvertError, convert_all, convert_step
-    from opskit.ckpt.format.layout import resolve_step_dir
-    from opskit.run.paths import RunPaths
+    from opskit.ckpt.convert import convert_checkpoint
 
-    if to != "hf":
-        raise ConvertError(f"--to {to}: only 'hf' is implemented (hf:// publishing is `opskit ckpt publish`)")
     directory, run = checkpoint_dir_of(run_or_dir)
-    options = dict(dtype=dtype, trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
-                   verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
-                   workers=workers, force=force)
     with _progress() as bar:
         task = bar.add_task("converting", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        if all_steps:
-            results = convert_all(directory, out or (run or RunPaths.above(directory)).hf_dir, progress=progress,
-                                  **options)
-        else:
-            step_dir = resolve_step_dir(directory, step)
-            bar.update(task, description=f"converting {step_dir.name}")
-            run = run or RunPaths.above(step_dir.parent)
-            results = [convert_step(step_dir, out or run.hf_dir / step_dir.name, progress=progress, **options)]
+        results = convert_checkpoint(directory, run.hf_dir, step, all_steps, out, to, dtype=dtype,
+                                     trim_vocab=trim_vocab, tokenizer_dir=tokenizer, verify=verify,
+                                     verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
+                                     workers=workers, force=force,
+                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
     for result in results:
         if isinstance(result, str):
             err_console.print(f"skipped: {result}")
@@ -313,7 +292,7 @@ def prune(
         err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
                           f"can resume it ({problem})")
     if json_output:
-        print_json({**plan.as_json(), "dry_run": dry_run})
+        print_json(plan.as_json())
         return
     for step, reasons in plan.keep.items():
         console.print(f"keep    global_step{step}  ({', '.join(reasons)})")
@@ -360,8 +339,7 @@ def backup(
         results = back_up(directory, to, chosen, weights_only, workers,
                           progress=lambda key, nbytes: bar.update(task, advance=nbytes, description=key))
     if json_output:
-        print_json([{"step": r.tag, "copied": r.copied, "skipped": r.skipped, "bytes": r.bytes_total,
-                     "verified": r.verified, "problems": r.problems, "unrecorded": r.unrecorded} for r in results])
+        print_json([r.as_json() for r in results])
     else:
         for r in results:
             state = "verified" if r.verified else "FAILED verification"
@@ -412,8 +390,7 @@ def restore(
     directory, _ = checkpoint_dir_of(run_or_dir)
     result = restore_step(url, directory, step)
     if json_output:
-        print_json({"step": str(result.step), "files": result.files, "bytes": result.bytes_total,
-                    "latest": result.latest})
+        print_json(result.as_json())
         return
     console.print(f"restored {result.step}: {result.files} files, {_human(result.bytes_total)}, verified, complete")
     if result.latest != result.step.name:
@@ -436,16 +413,11 @@ def publish(
     """Upload converted steps to the Hub: one commit per step tagged global_stepN (load with
     `from_pretrained(repo, revision="global_stepN")`), already published steps skipped, model card with steps, tokens
     and validation loss. Token from HF_TOKEN or `huggingface-cli login`."""
-    from opskit.ckpt.publish import card_facts
-    from opskit.ckpt.publish import publish as publish_steps
-    from opskit.run.paths import RunPaths
-    from opskit.targets.base import TargetOptions
+    from opskit.ckpt.publish import publish_checkpoint
 
     directory, run = checkpoint_dir_of(run_or_dir)
-    run = run or RunPaths.above(directory)
-    results = publish_steps(hf_dir or run.hf_dir, to, None if all_steps or step is None else [step],
-                            card_facts(directory, run.main_log), TargetOptions(create_repo=True, private=not public),
-                            progress=lambda tag: console.print(f"publishing {tag} ..."))
+    results = publish_checkpoint(directory, run.hf_dir, run.main_log, to, None if all_steps else step, hf_dir, public,
+                                 progress=lambda tag: console.print(f"publishing {tag} ..."))
     for result in results:
         if result.commit is None:
             console.print(f"{result.tag}: already published, skipped")

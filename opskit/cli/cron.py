@@ -52,8 +52,7 @@ def status(
 
     result = cron.status(load_spec(name))
     if json_output:
-        print_json({"installed": result.installed.__dict__ if result.installed else None, "ok": result.ok,
-                    "lines": result.lines})
+        print_json(result.as_json())
     else:
         for line in result.lines:
             console.print(line)

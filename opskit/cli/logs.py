@@ -68,30 +68,21 @@ def show(
     json_output: bool = typer.Option(False, "--json", help="Records, progress and ETA as JSON."),
 ) -> None:
     """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
-    from opskit.logs.eta import progress, progress_lines
-    from opskit.logs.parse import first_iteration, read_tail, timeline
-    from opskit.run.sources import resolve
+    from opskit.logs.eta import progress_lines
+    from opskit.run.sources import log_tail
 
-    source = resolve(name_or_file)
-    path = source.text_log("show")
-    chunk = read_tail(path, last + recent)
-    records = timeline(chunk.records)
-    if not records:
-        if json_output:
-            print_json({"file": str(path), "records": [], "progress": None})
-        else:
-            console.print(f"{path}: no iteration lines yet")
-        return
-    state = progress(records, recent=recent, planned_tokens=source.planned_tokens)
-    first = first_iteration(path)
+    view = log_tail(name_or_file, last, recent)
     if json_output:
-        print_json({"file": str(path), "records": records[-last:], "first": first,
-                    "progress": state.as_json(), "skipped_in_tail": chunk.skipped})
+        print_json(view.as_json())
+        return
+    path, records, first, state = view.file, view.records, view.first, view.progress
+    if not records:
+        console.print(f"{path}: no iteration lines yet")
         return
     table = Table(title=str(path))
     for _, header in COLUMNS:
         table.add_column(header, justify="right")
-    for r in records[-last:]:
+    for r in records:
         table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c, _ in COLUMNS))
     console.print(table)
     for line in progress_lines(state, recent):

@@ -28,7 +28,7 @@ def plan(
     spec = load_spec(name, overrides={"parallel": {"nodes": nodes}} if nodes else None)
     result = make_plan(spec, tflops=tflops, gpus=gpus)
     if json_output:
-        print_json({"name": spec.name, **result.as_json()})
+        print_json(result.as_json())
         return
     for table in _tables(spec, result):
         console.print(table)

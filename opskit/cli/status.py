@@ -1,4 +1,5 @@
-"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.monitor.watchdog, opskit.monitor.alerts).
+"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.monitor.watchdog,
+opskit.monitor.alerts).
 
 Exit code: 0 ok (warnings included), 1 alert, 2 scheduler unreachable, a spec or alert setting error, or a channel that
 failed to send.

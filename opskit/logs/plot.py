@@ -9,6 +9,7 @@ comment segment; SVG: the Dublin Core creator; PDF: the info dictionary's ``/Cre
 
 from __future__ import annotations
 
+import importlib
 import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opskit.errors import MissingExtraError
-from opskit.fsutil import claim_file
+from opskit.fsutil import claim_file, staging_path
 from opskit.logs.grammar import iteration_fields
 from opskit.logs.parse import LogFormatError, as_list, python_value, record_columns
 from opskit.logs.spikes import Spike, SpikeConfig, spikes_of
@@ -133,11 +134,12 @@ def make_series(name: str, columns: dict[str, Sequence], x: str, y: str, x_range
 def run_series(sources: Iterable[tuple[str, LogSource]], x: str, y: str, x_range=(None, None), smooth: int = 1,
                on_skipped: Callable[[str, int], None] = lambda item, skipped: None) -> list[Series]:
     """One :class:`Series` per (input, its source) pair (a spec name, run folder, log file or TensorBoard event folder
-    and what :func:`opskit.run.sources.resolve` made of it; a generator resolves each as its turn comes), in order: metric ``y`` (a record key or alias, checked against
-    what each log holds) over ``x``, restarts resolved (what a resume re-ran replaces the old records), validation
-    metrics at the consumed samples/tokens of their iteration, lm-loss and grad-norm spikes marked; ``x_range`` and
-    ``smooth`` as :func:`make_series`. ``on_skipped(input, n)`` hears of an input's n cut or garbled lines. A large
-    log's iteration records stay columns (:meth:`opskit.run.sources.LogSource.timeline`), never a dict each.
+    and what :func:`opskit.run.sources.resolve` made of it; a generator resolves each as its turn comes), in order:
+    metric ``y`` (a record key or alias, checked against what each log holds) over ``x``, restarts resolved (what a
+    resume re-ran replaces the old records), validation metrics at the consumed samples/tokens of their iteration,
+    lm-loss and grad-norm spikes marked; ``x_range`` and ``smooth`` as :func:`make_series`. ``on_skipped(input, n)``
+    hears of an input's n cut or garbled lines. A large log's iteration records stay columns
+    (:meth:`opskit.run.sources.LogSource.timeline`), never a dict each.
 
     Raises:
         LogFormatError: an unknown ``y``; an input without iteration lines, or without ``y`` values with an x in
@@ -210,8 +212,6 @@ class PlotUnavailable(MissingExtraError, LogFormatError):
 
 
 def _require(module: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -309,8 +309,6 @@ def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: boo
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # not pyplot: no backend switching, no figure manager (~0.04 s of import)
-
-    from opskit.fsutil import staging_path
 
     fig = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100)
     FigureCanvasAgg(fig)

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import compress
 
+from opskit.logs.parse import python_value, record_columns
+
 
 @dataclass(frozen=True)
 class SpikeConfig:
@@ -99,8 +101,6 @@ def find_spikes(records: Iterable[dict], config: SpikeConfig = SpikeConfig()) ->
 
     Source: robust z-score with median and IQR, as in any robust-statistics text (e.g. Rousseeuw & Croux 1993).
     """
-    from opskit.logs.parse import record_columns
-
     return spikes_of(record_columns([r for r in records if r["kind"] == "iteration"], config.metrics), config)
 
 
@@ -150,8 +150,6 @@ def _present(iterations: Sequence[int], values: Sequence) -> tuple[Sequence[int]
 
 def _spike(metric: str, *fields) -> Spike:
     """A :class:`Spike` of plain Python numbers (numpy's scalars, from :func:`_present`'s arrays, become them)."""
-    from opskit.logs.parse import python_value
-
     return Spike(metric, *map(python_value, fields))
 
 
@@ -196,7 +194,7 @@ def _candidates(values: Sequence[float], config: SpikeConfig, floor: float) -> l
     values right before each, and of the non-finite ones: the only places where a walk that no spike has disturbed
     can find one. Quantiles as :meth:`_Window.quantile` takes them: the element of rank ``int(q * window)``, which is
     polars' ``nearest`` rank for ``int(q * window) / (window - 1)``."""
-    import polars as pl
+    import polars as pl  # polars: only from _COLUMNAR_MIN values on
 
     size, value = config.window, pl.col("v")
 

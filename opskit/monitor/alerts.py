@@ -18,14 +18,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import ValidationError
 
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
+from opskit.logs.parse import from_end
 from opskit.monitor.findings import Report
 from opskit.run.paths import RunPaths
+from opskit.spec.files import SpecError
 from opskit.spec.schema import AlertsSpec
 
 TIMEOUT_S = 30
@@ -63,7 +69,7 @@ class Email:
 
     def send(self, message: Message) -> None:
         """Raises ChannelError: the server refused, timed out or is not there."""
-        import smtplib
+        import smtplib  # smtplib, ssl, email: ~15 ms, only when an e-mail goes out
         import ssl
         from email.message import EmailMessage
 
@@ -97,7 +103,7 @@ class Webhook:
         Raises ChannelError: no answer, or an HTTP status other than 2xx.
         """
         import urllib.error
-        import urllib.request
+        import urllib.request  # ~20 ms (http.client, email): only when a webhook is called
 
         text = message.subject + "\n" + "\n".join(f"[{f['severity']}] {f['message']}" for f in message.findings
                                                   if f["severity"] != "ok")
@@ -114,8 +120,6 @@ class Webhook:
 
 def _host_of(url: str) -> str:
     """The URL without its path: Slack's webhook paths are secrets."""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}/..."
 
@@ -130,8 +134,6 @@ class Command:
 
         Raises ChannelError: it failed, or ran longer than TIMEOUT_S.
         """
-        import subprocess
-
         env = {**os.environ, "OPSKIT_ALERT_SUBJECT": message.subject, "OPSKIT_ALERT_KIND": message.kind}
         try:
             done = subprocess.run(self.command, shell=True, input=message.body, text=True, capture_output=True,
@@ -157,10 +159,7 @@ def settings(spec_alerts: AlertsSpec, environ: Mapping[str, str] | None = None) 
     Raises:
         AlertConfigError: the file is not YAML, or not ``watchdog.alerts`` keys; one line naming it.
     """
-    from pydantic import ValidationError
-
-    from opskit.spec.files import SpecError
-    from opskit.spec.load import deep_merge, read_yaml
+    from opskit.spec.load import deep_merge, read_yaml  # yaml: only when the settings are read
 
     path = user_config(environ)
     if not path.is_file():
@@ -246,8 +245,6 @@ def _headline(message: str) -> str:
 
 
 def _tail(path: Path, count: int) -> list[str]:
-    from opskit.logs.parse import from_end
-
     lines: list[str] = []
 
     def take(text: str, at_start: bool) -> bool:

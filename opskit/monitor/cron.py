@@ -25,6 +25,7 @@ from pathlib import Path
 
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text, claim_file
+from opskit.monitor.alerts import AlertConfigError, settings
 from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.run.render import template_env
@@ -73,6 +74,10 @@ class CronStatus:
     """False when install's cron line or SLURM job is gone (the hourly checks no longer run)."""
     lines: list[str]
 
+    def as_json(self) -> dict:
+        return {"installed": asdict(self.installed) if self.installed else None, "ok": self.ok,
+                "lines": self.lines}
+
 
 def read_installed(run: RunPaths) -> Installed | None:
     """The record of ``install``, or None when cron is not installed for the run.
@@ -93,8 +98,6 @@ def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executabl
     """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines; ``--alert`` when the spec
     or the user's alerts.yaml names an alert channel) and, with ``sync_to`` or the spec's ``sync.targets``, the sync of
     logs, TensorBoard and CodeCarbon; run from the current directory (where ``trainings/`` is found)."""
-    from opskit.monitor.alerts import AlertConfigError, settings
-
     opskit = f"{shlex.quote(python)} -m opskit.cli.app"
     name = shlex.quote(spec.cli_name)
     try:

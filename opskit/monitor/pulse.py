@@ -6,6 +6,7 @@ Lines keep BigScience's wording, which on-call people grep for: ``[%Y-%m-%d %H:%
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -60,8 +61,8 @@ def describe(entry: QueueEntry, now: datetime) -> str:
 
 def check(job_name: str, users: list[str] | None = None, now: datetime | None = None) -> Pulse:
     """PULSE lines for every queue entry named exactly ``job_name``, or the ALERT line when there is none: by name,
-    as BigScience's slurm-status. ``opskit status`` looks at the run's jobs instead (:func:`opskit.monitor.watchdog.run_checks`,
-    :func:`opskit.run.chain.run_jobs`)."""
+    as BigScience's slurm-status. ``opskit status`` looks at the run's jobs instead
+    (:func:`opskit.monitor.watchdog.run_checks`, :func:`opskit.run.chain.run_jobs`)."""
     now = now or datetime.now()
     try:
         entries = [e for e in squeue(users) if e.name == job_name]
@@ -91,8 +92,6 @@ def wait_until_gone(job_name: str, job_id: str, on_pulse, interval_s: float = 5.
     Raises:
         PendingForever: a task has been pending on such a reason for ``watch.grace_s`` (it is left queued).
     """
-    import time
-
     sleep = sleep or time.sleep
     watch = watch or HopelessWatch()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -21,12 +21,20 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from opskit.ckpt.format.info import FALLBACK_LINE, resume_point
+from opskit.ckpt.format.layout import SAVE_FAILED_LINE, save_failed_message, step_dirs
 from opskit.fsutil import atomic_write_text
 from opskit.logs.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
+from opskit.logs.eta import progress, progress_lines
+from opskit.logs.parse import LogFormatError, read_tail, timeline
+from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
+from opskit.logs.stacks import rank_stacks, stuck_ranks
+from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.monitor.findings import Finding, Report
 from opskit.monitor.pulse import pulse_lines, unreachable_line
 from opskit.run import chain
 from opskit.run.paths import RunPaths
+from opskit.slurm import client
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
 from opskit.slurm.pending import never_starts
 from opskit.spec.schema import Spec, WatchdogSpec, parse_slurm_time
@@ -189,8 +197,6 @@ def check_chain(run: RunPaths, ledger: list[chain.TaskOutcome]) -> list[Finding]
 def _lost_since_save(run: RunPaths, row: chain.TaskOutcome) -> tuple[str, float] | None:
     """(step, seconds): the training a failed task lost, from the last checkpoint it saved (the newest step folder
     written before the failure, which the next task resumes from) to the failure; None without such a step."""
-    from opskit.ckpt.format.layout import step_dirs
-
     failed_at = _ledger_time(row.time)
     if failed_at is None:
         return None
@@ -289,8 +295,6 @@ def read_log(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRea
     A file that shrank or was replaced (another inode) is read again from its start. ``keep``: iteration records
     kept in the state for the next run (spike window and throughput baseline).
     """
-    from opskit.logs.parse import read_tail, timeline
-
     try:
         info = os.stat(run.main_log)
     except (FileNotFoundError, NotADirectoryError):
@@ -323,9 +327,6 @@ def read_events(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> Log
 
     The event files are read whole each time (the tensorboard package cannot resume at an offset); no crash lines.
     """
-    from opskit.logs.parse import LogFormatError
-    from opskit.logs.tensorboard import is_event_dir, read_event_dir
-
     if not is_event_dir(run.tensorboard):
         return None
     try:
@@ -385,11 +386,9 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
 
 def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: int = STACK_TEXT) -> Finding:
     """The ``log.hang`` finding with the rank(s) the others wait for, from the stacks every rank printed after
-    ``--stack-dump-after-mins`` (:mod:`opskit.logs.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as it
-    was when no stacks are there. ``job_nodes``: the running job's node list when its header is not in that tail.
+    ``--stack-dump-after-mins`` (:mod:`opskit.logs.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as
+    it was when no stacks are there. ``job_nodes``: the running job's node list when its header is not in that tail.
     ``data["stuck"]``: one ``{"node", "local_rank", "frame"}`` per named rank."""
-    from opskit.logs.stacks import rank_stacks, stuck_ranks
-
     try:
         with open(main_log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
@@ -424,8 +423,6 @@ def act_on_hang(hang: Finding, running: list[QueueEntry], cancel: bool) -> Findi
     task resumes from the last save); with ``cancel`` (``watchdog.cancel_hung``), done here.
 
     A failed scancel is told in the finding, never raised: the hang is the news."""
-    from opskit.slurm import client
-
     ids = [e.job_id for e in running]
     if not ids:
         return hang
@@ -442,8 +439,6 @@ def act_on_hang(hang: Finding, running: list[QueueEntry], cancel: bool) -> Findi
 
 
 def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[Finding]:
-    from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
-
     config = SpikeConfig(window=wd.spike_window, threshold=wd.spike_threshold)
     first_new = log.new[0]["iteration"]
     analysed = log.records[-(2 * wd.spike_window + len(log.new)):]
@@ -533,13 +528,11 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
 
 
 def _resume_fallbacks(text: str) -> list[Finding]:
-    """The trainer's line when it resumed from an older step than ``latest`` named (opskit.ckpt.format.info.FALLBACK_LINE):
-    iterations are redone, and the step it skipped is damaged."""
+    """The trainer's line when it resumed from an older step than ``latest`` named
+    (opskit.ckpt.format.info.FALLBACK_LINE): iterations are redone, and the step it skipped is damaged."""
     word = "the newest complete step"  # in every FALLBACK_LINE line: tested on the text, then on each line
-    if word not in text:  # the common case: no split into lines, no import
+    if word not in text:  # the common case: no split into lines
         return []
-    from opskit.ckpt.format.info import FALLBACK_LINE
-
     found = [m for line in text.splitlines() if word in line and (m := FALLBACK_LINE.search(line))]
     if not found:
         return []
@@ -555,10 +548,8 @@ def _save_failures(text: str) -> list[Finding]:
     """The trainer's ``error: saving global_stepN failed: ...`` lines (disk full, quota): the chain's next tasks
     would train to the same step and fail again."""
     word = "saving global_step"  # in every SAVE_FAILED_LINE line: tested on the text, then on each line
-    if word not in text:  # the common case: no split into lines, no import
+    if word not in text:  # the common case: no split into lines
         return []
-    from opskit.ckpt.format.layout import SAVE_FAILED_LINE, save_failed_message
-
     failed = [m for line in text.splitlines() if word in line and (m := SAVE_FAILED_LINE.search(line))]
     if not failed:
         return []
@@ -582,8 +573,6 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
         saved_by_now: why a complete step must exist by now (:func:`_save_due`); then none is an ALERT
             (``checkpoint.missing``), as is a checkpoint path that is a file. None: no complete step is still ok.
     """
-    from opskit.ckpt.format.info import resume_point
-
     if run.checkpoints.exists() and not run.checkpoints.is_dir():
         return [Finding("checkpoint.missing", "alert", f"{run.checkpoints} is a file, not a folder: the next job "
                         "cannot save nor resume", {"path": str(run.checkpoints)})]
@@ -643,8 +632,6 @@ def _usage(key: str, what: str, percent: float, free: str, path: Path, wd: Watch
 
 def check_progress(spec: Spec, records: list[dict]) -> tuple[list[Finding], float | None, float | None]:
     """(progress finding, seconds left, seconds per iteration), as ``opskit logs show`` computes them."""
-    from opskit.logs.eta import progress, progress_lines
-
     if not records or records[-1]["train_iters"] is None:  # TensorBoard events carry no train_iters
         return [], None, None
     state = progress(records, planned_tokens=spec.batch.samples * spec.model.seq_length)
@@ -662,8 +649,6 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     Raises:
         ChainError: ``slurm.group`` names no usable Unix group. ``SlurmError``: squeue failed otherwise.
     """
-    from opskit.slurm import client
-
     now = now or datetime.now()
     run = RunPaths.of(spec)
     state = load_state(run)

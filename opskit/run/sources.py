@@ -7,9 +7,20 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.logs.parse import LogChunk, LogFormatError, read_from, timeline_columns
+from opskit.ckpt.format.layout import step_dirs
+from opskit.logs.eta import Progress, progress
+from opskit.logs.parse import (
+    LogChunk,
+    LogFormatError,
+    first_iteration,
+    read_from,
+    read_tail,
+    timeline,
+    timeline_columns,
+)
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.run.paths import RunPaths
+from opskit.spec.files import SpecError, split_variant
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,6 @@ def resolve(name_or_path: str) -> LogSource:
     path = Path(name_or_path)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
-    from opskit.spec.files import SpecError, split_variant  # not for a log file: ~0.1 s of pydantic models
-
     if path.is_dir():
         if (main_log := RunPaths(path).main_log).is_file():
             return LogSource(path.name, main_log)
@@ -99,6 +108,40 @@ def resolved(inputs: Iterable[str]) -> Iterator[tuple[str, LogSource]]:
     return ((item, resolve(item)) for item in inputs)
 
 
+@dataclass(frozen=True)
+class LogTail:
+    """What ``opskit logs show`` shows of a log: its last iteration records (file order), the first one, and the
+    progress and ETA from the last ``recent`` (None, like ``first``, before the first iteration line)."""
+
+    file: Path
+    records: list[dict]
+    first: dict | None
+    progress: Progress | None
+    skipped_in_tail: int
+
+    def as_json(self) -> dict:
+        return {"file": str(self.file), "records": self.records, "first": self.first,
+                "progress": self.progress.as_json() if self.progress else None,
+                "skipped_in_tail": self.skipped_in_tail}
+
+
+def log_tail(name_or_path: str, last: int = 10, recent: int = 20) -> LogTail:
+    """The :class:`LogTail` of a spec's, run folder's or file's text log (:func:`resolve`), read from the end: the
+    last ``last`` iteration records, progress over the last ``recent``.
+
+    Raises:
+        LogFormatError, SpecError: as :func:`resolve`; an event folder (no text log).
+    """
+    source = resolve(name_or_path)
+    path = source.text_log("show")
+    chunk = read_tail(path, last + recent)
+    records = timeline(chunk.records)
+    if not records:
+        return LogTail(path, [], None, None, chunk.skipped)
+    state = progress(records, recent=recent, planned_tokens=source.planned_tokens)
+    return LogTail(path, records[-last:], first_iteration(path), state, chunk.skipped)
+
+
 def from_spec(name: str) -> LogSource:
     """The run of spec ``name``: its main log, save interval, ``global_stepN`` folders and planned tokens
     (samples of the run x seq_length).
@@ -106,8 +149,7 @@ def from_spec(name: str) -> LogSource:
     Raises:
         SpecError: no such spec.
     """
-    from opskit.ckpt.format.layout import step_dirs
-    from opskit.spec.load import load_spec
+    from opskit.spec.load import load_spec  # pydantic, yaml: only for a spec, not a log file or run folder
 
     spec = load_spec(name)
     run = RunPaths.of(spec)

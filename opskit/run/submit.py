@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from opskit.ckpt.format.universal import Layout
+from opskit.ckpt.reshape import resume_layout_note
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
 from opskit.run import chain
@@ -19,6 +21,7 @@ from opskit.run.paths import RunPaths
 from opskit.run.render import RenderedJob, data_files, render_job
 from opskit.slurm import client, local
 from opskit.spec.schema import Spec, deepspeed_resume_problem
+from opskit.train import REQUIRED_MODULES
 
 
 class SubmitError(OpskitError, RuntimeError):
@@ -97,8 +100,6 @@ def job_python_problem(python: str) -> str | None:
     None: opskit's trainer package and each module it needs (:data:`opskit.train.REQUIRED_MODULES`) looked up by
     that Python in a subprocess (``importlib.util.find_spec``: nothing is imported, ~0.1 s). Without the check, a
     wheel installed without its ``train`` extra submits cleanly and every task fails at start."""
-    from opskit.train import REQUIRED_MODULES
-
     try:
         done = subprocess.run([python, "-c", _FIND_MODULES, "opskit.train", *REQUIRED_MODULES], capture_output=True,
                               text=True, timeout=60)
@@ -119,9 +120,6 @@ def check_resume_layout(spec: Spec, run: RunPaths) -> list[str]:
     Raises:
         ReshapeError: a layout change the trainer would refuse at start (e.g. TP of a ZeRO-0 step).
     """
-    from opskit.ckpt.format.universal import Layout
-    from opskit.ckpt.reshape import resume_layout_note
-
     p = spec.parallel
     note = resume_layout_note(run.checkpoints, Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                                                       p.data_parallel_size))

@@ -46,6 +46,8 @@ from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspee
 from opskit.rules.model import padded_vocab_size as _padded_vocab_size
 from opskit.spec.files import USER_SPEC_DIR, SpecError, find_spec, preset_dir
 from opskit.spec.placeholders import ENV_VAR, has_value, var_of
+from opskit.targets import check_url
+from opskit.targets.base import TargetError
 
 # Names end up in the job script's comment and #SBATCH lines: a newline there would start a line of shell code.
 _ONE_LINE = r"^[^\x00-\x1f\x7f]+$"
@@ -383,9 +385,6 @@ class SyncSpec(_Section):
     @field_validator("targets")
     @classmethod
     def _urls(cls, urls: list[str]) -> list[str]:
-        from opskit.targets import check_url
-        from opskit.targets.base import TargetError
-
         for url in urls:
             try:
                 check_url(url, "target")

@@ -15,6 +15,8 @@ from urllib.parse import urlparse
 
 from opskit.targets.base import Target, TargetError, TargetOptions, scrub
 from opskit.targets.file import FileTarget
+from opskit.targets.gcs import GcsTarget
+from opskit.targets.hf import HfTarget
 
 
 def open_target(url: str, option: str = "--to", options: TargetOptions | None = None) -> Target:
@@ -27,12 +29,8 @@ def open_target(url: str, option: str = "--to", options: TargetOptions | None = 
     parsed = urlparse(url)
     options = options or TargetOptions()
     if parsed.scheme == "gs":
-        from opskit.targets.gcs import GcsTarget
-
         return GcsTarget(url, parsed.netloc, parsed.path.strip("/"), options)
     if parsed.scheme == "hf":
-        from opskit.targets.hf import HfTarget
-
         return HfTarget(url, options)
     return FileTarget(url, Path(parsed.path), options)
 

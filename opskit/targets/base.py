@@ -96,7 +96,7 @@ def secrets() -> list[str]:
     stored login) when one is set."""
     values = [os.environ.get("HF_TOKEN", ""), os.environ.get("HUGGING_FACE_HUB_TOKEN", "")]
     try:
-        from huggingface_hub import get_token
+        from huggingface_hub import get_token  # optional (hub extra), and heavy: only to scrub its stored token
 
         values.append(get_token() or "")
     except ImportError:
@@ -186,7 +186,7 @@ def crc32c_of_file(path: str | Path) -> str:
     """CRC32C of a file's bytes, base64 of the big-endian value (GCS's ``crc32c`` object field), read in 8 MB
     chunks."""
     try:
-        import google_crc32c
+        import google_crc32c  # optional (backup extra)
     except ImportError:
         raise TargetUnavailable.of("google_crc32c", "CRC32C checksums") from None
     checksum = google_crc32c.Checksum()

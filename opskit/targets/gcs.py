@@ -5,6 +5,9 @@ Credentials come the usual way (``GOOGLE_APPLICATION_CREDENTIALS`` or Applicatio
 checked with CRC32C both by the library during the upload and against the stored object's ``crc32c`` afterwards; a
 mismatch is an error, retried like a network failure. Each thread has its own client (a client's HTTP session is not
 shared across threads).
+
+The library (the ``gcs`` extra) is imported inside the methods: :mod:`opskit.targets` imports this module for every
+target, ``file://`` ones included.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ none; large files go through the library's LFS/Xet path. The token is ``HF_TOKEN
 (``huggingface_hub.get_token``); it travels only in the library's Authorization header, never in a URL, and every
 error message is scrubbed of it. ``HF_ENDPOINT`` points the client at another server (a mirror, or the tests'
 stand-in). Reads (``read_from``) are HTTP range requests on the file's ``resolve`` URL.
+
+huggingface_hub (the ``hub`` extra) is imported inside the methods: :mod:`opskit.targets` imports this module for
+every target, ``file://`` ones included.
 """
 
 from __future__ import annotations

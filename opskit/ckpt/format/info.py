@@ -38,6 +38,7 @@ from opskit.ckpt.format.layout import (
     load_state,
     step_dirs,
 )
+from opskit.ckpt.format.manifest import weights_only_copy
 from opskit.ckpt.format.tensorfile import TensorRef
 
 ZERO_FILE_SUFFIX = "_optim_states.pt"
@@ -290,8 +291,8 @@ def resume_point(directory: str | Path) -> ResumePoint:
 
 
 def list_steps(directory: str | Path) -> tuple[str | None, list[StepInfo]]:
-    """(``latest`` tag or None -- None also when it is unusable: :func:`~opskit.ckpt.format.layout.latest_state` says why --,
-    every ``global_stepN`` of a run's checkpoint dir, ascending).
+    """(``latest`` tag or None -- None also when it is unusable: :func:`~opskit.ckpt.format.layout.latest_state` says
+    why --, every ``global_stepN`` of a run's checkpoint dir, ascending).
 
     Raises:
         CheckpointFormatError: when ``directory`` has no ``global_stepN`` folders.
@@ -344,8 +345,6 @@ def inspect_step(path: str | Path) -> dict:
             ((k, v) for k, v in loaded.items() if isinstance(v, TensorRef))
         files[f.name] = {k: {"shape": list(v.shape), "dtype": dtype_name(v)} for k, v in tensors
                          if isinstance(v, TensorRef)}
-    from opskit.ckpt.format.manifest import weights_only_copy
-
     info = describe_step(path)
     return {"step": state.get("iteration"), "path": str(path),
             "architecture": {k: args[k] for k in arch_keys if k in args},

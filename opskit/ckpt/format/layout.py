@@ -18,7 +18,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.ckpt.format.tensorfile import TensorFileError, load_lazy, materialize
 from opskit.errors import OpskitError
+from opskit.fsutil import atomic_write_text
+from opskit.rules.model import has_embedding_layernorm
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -52,8 +55,6 @@ def universal_checkpoint_info(args: argparse.Namespace) -> dict:
     Source: DeepSpeed ``deepspeed/checkpoint/ds_to_universal.py`` (``merge_tp_slices``) and Megatron-DeepSpeed
     ``megatron/model/gpt_model.py`` (``_universal_checkpoint_info``).
     """
-    from opskit.rules.model import has_embedding_layernorm
-
     embedding_norm = has_embedding_layernorm(args.embed_layernorm, getattr(args, "use_bnb_optimizer", False))
     absent = (() if args.position_embedding_type == "absolute" else ("position_embeddings.",)) + \
         (() if embedding_norm else ("norm.",))
@@ -122,8 +123,6 @@ def latest_state(directory: str | Path) -> tuple[str | None, str | None]:
 
 def write_latest(directory: str | Path, tag: str) -> None:
     """Point ``latest`` at ``tag`` atomically (temp file + rename; no newline, as DeepSpeed writes it)."""
-    from opskit.fsutil import atomic_write_text
-
     atomic_write_text(Path(directory) / "latest", tag)
 
 
@@ -232,15 +231,14 @@ def scan_step_dir(path: str | Path) -> StepDir:
 
 
 def load_state(path: Path, lazy: bool = True, light: bool = False):
-    """A checkpoint file's pickled object; with ``lazy`` its tensors are :class:`~opskit.ckpt.format.tensorfile.TensorRef`
-    (nothing read yet), else tensors. Classes not installed here (``megatron.enums``) load as placeholders; with
-    ``light`` (headers only) torch, numpy and deepspeed are not imported either.
+    """A checkpoint file's pickled object; with ``lazy`` its tensors are
+    :class:`~opskit.ckpt.format.tensorfile.TensorRef` (nothing read yet), else tensors. Classes not installed here
+    (``megatron.enums``) load as placeholders; with ``light`` (headers only) torch, numpy and deepspeed are not imported
+    either.
 
     Raises:
         CheckpointFormatError: truncated, foreign or unreadable file, naming it.
     """
-    from opskit.ckpt.format.tensorfile import TensorFileError, load_lazy, materialize
-
     try:
         state = load_lazy(path, light)
         return state if lazy else materialize(state)
@@ -272,7 +270,7 @@ def tp_rule(key: str) -> str:
 
 def merge_tp(key: str, shards: list):
     """Merge one tensor's TP shards (ordered by rank) by the rules in the module docstring."""
-    import torch
+    import torch  # torch: only when tensors are merged, not when folders are read (ckpt list, run paths)
 
     if len(shards) == 1:
         return shards[0]

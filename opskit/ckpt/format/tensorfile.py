@@ -9,7 +9,8 @@ file; :func:`verify_crc` reads everything and checks every record's CRC-32 (byte
 converter can read one tensor (or a block of its rows) at a time, so its memory does not grow with the
 file. Classes from modules that are not installed here (``megatron.enums.PositionEmbeddingType`` in Megatron-DeepSpeed's
 saved ``args``) load as :class:`Missing` placeholders instead of failing; :class:`PositionEmbeddingType` values become
-their names (``"alibi"``).
+their names (``"alibi"``). torch is imported only where tensor data is read: headers (``ckpt list``, ``inspect``)
+never import it.
 
 Format source: ``torch/serialization.py`` (``_save``/``_load``: persistent id ``('storage', StorageType, key,
 location, numel)``, tensors rebuilt by ``torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)``).
@@ -18,6 +19,7 @@ location, numel)``, tensors rebuilt by ``torch._utils._rebuild_tensor_v2(storage
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import struct
@@ -418,8 +420,6 @@ def verify_crc(path: str | Path, block: int = 16 << 20) -> int:
 
 class _LazyUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes, path: Path, records: dict[str, tuple[int, int]], light: bool):
-        import io
-
         super().__init__(io.BytesIO(data))
         self.path, self.records, self.light = path, records, light
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sys
 from argparse import Namespace
@@ -30,13 +31,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opskit.ckpt.format.info import StepInfo, describe_step, saved_files_digest
-from opskit.ckpt.format.layout import MP_RANK_FILE, load_args, scan_step_dir, universal_checkpoint_info
+from opskit.ckpt.format.layout import (
+    EMBEDDING_LAYER,
+    MP_RANK_FILE,
+    CheckpointFormatError,
+    layer_file_name,
+    load_args,
+    load_state,
+    merged_layers,
+    scan_step_dir,
+    universal_checkpoint_info,
+)
 from opskit.errors import OpskitError
 from opskit.fsutil import damaged_entries, folder_entries, has_marker, process_alive, read_marker, write_marker
 
 UNIVERSAL_SUFFIX = "_universal"
-
-
+UNIVERSAL_DIR = re.compile(r"^global_step([0-9]+)" + UNIVERSAL_SUFFIX + r"\Z")
 MARKER_COMMAND = "ckpt reshape"
 
 
@@ -173,12 +183,10 @@ def _remove_leftovers(out: Path) -> None:
 
 def universal_problem(folder: Path) -> str | None:
     """Why the universal folder ``folder`` cannot be resumed from (one line), or None. Checked as a step is
-    (:func:`opskit.ckpt.format.info.describe_step`: every file there, each torch file's zip directory and pickle readable,
-    no tensor data read): every file its marker lists is there with the size written (a deleted parameter folder, a
-    truncated ``fp32.pt``), and every ``.pt`` below it loads lazily. A marker of an older opskit lists no files:
-    only the files present are read then."""
-    from opskit.ckpt.format.layout import CheckpointFormatError, load_state
-
+    (:func:`opskit.ckpt.format.info.describe_step`: every file there, each torch file's zip directory and pickle
+    readable, no tensor data read): every file its marker lists is there with the size written (a deleted parameter
+    folder, a truncated ``fp32.pt``), and every ``.pt`` below it loads lazily. A marker of an older opskit lists no
+    files: only the files present are read then."""
     damaged = damaged_entries(folder, read_marker(folder) or {})
     if damaged:
         return f"{damaged[0]}{f' and {len(damaged) - 1} more' if len(damaged) > 1 else ''}"
@@ -228,8 +236,6 @@ def _param_shapes(step_dir: Path, mp_rank: int, tp: int) -> list[dict]:
     TP rank's layer files (``tied_modules.embed.*`` is layer 1's)."""
     import torch
 
-    from opskit.ckpt.format.layout import EMBEDDING_LAYER, layer_file_name, load_state
-
     names: set[str] = set()
     for shard in step_dir.glob(f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"):
         optimizer = torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]
@@ -268,8 +274,6 @@ def verify_universal(step_dir: Path, universal: Path) -> int:
     """
     import torch
 
-    from opskit.ckpt.format.layout import EMBEDDING_LAYER, merged_layers
-
     compared = 0
     for index, tensors in merged_layers(scan_step_dir(step_dir)).items():
         for key, weight in tensors.items():
@@ -283,3 +287,19 @@ def verify_universal(step_dir: Path, universal: Path) -> int:
                 raise ReshapeError(f"{universal}: {name} differs from {step_dir.name}'s weights")
             compared += 1
     return compared
+
+
+def universal_folders(directory: Path) -> dict[int, tuple[Path, dict | None]]:
+    """Iteration -> (``global_stepN_universal`` folder of a checkpoint dir, its :func:`universal_origin`), ascending;
+    a folder without opskit's marker has origin None (not a conversion opskit finished: the trainer refuses it)."""
+    directory = Path(directory)
+    found = {int(m.group(1)): p for p in directory.iterdir() if (m := UNIVERSAL_DIR.match(p.name)) and p.is_dir()} \
+        if directory.is_dir() else {}
+    return {step: (found[step], universal_origin(found[step])) for step in sorted(found)}
+
+
+def origin_text(origin: dict | None) -> str:
+    """``universal, from global_step10 at TP=1 PP=1 DP=2`` (``ckpt list``), or what an unmarked folder is."""
+    if origin is None:
+        return "not a universal checkpoint opskit finished (no marker): the trainer refuses it; move it away"
+    return f"universal, from {origin.get('step')} at {origin.get('layout')}"
