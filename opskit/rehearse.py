@@ -6,7 +6,7 @@ so every spec rule holds for it too. Each scaling rule is one function returning
 (``model.num_layers 70 -> 4``); everything it does not name stays as the spec has it (flags under ``megatron_args``,
 ZeRO stage, optimizer, clipping, weight decay, dropout, curriculum, skip ranges, evaluation). Then two chained array
 tasks run: the first stops on the spec's own exit duration, made deterministic by the trainer's simulated clock
-(``OPSKIT_REHEARSAL_MINUTES_PER_ITERATION``, :mod:`opskit.train.main`), with a checkpoint; the second resumes and
+(``OPSKIT_REHEARSAL_MINUTES_PER_ITERATION``, :mod:`opskit.train.exit`), with a checkpoint; the second resumes and
 finishes. The checkpoint, conversion, watchdog and log stages use the library calls behind ``opskit ckpt check``,
 ``ckpt convert``, ``status`` and ``logs show``.
 

@@ -314,7 +314,7 @@ def test_rendered_flags_parse_back_to_the_spec(tmp_path_factory, raw):
 @settings(PROPERTY)
 @given(raw=valid_raw_specs())
 def test_the_scripts_deepspeed_json_is_the_trainers(tmp_path_factory, raw):
-    from opskit.train.main import _deepspeed_config
+    from opskit.train.build import build_deepspeed_config
 
     folder = tmp_path_factory.mktemp("ds")
     spec = _valid_spec(raw, folder)
@@ -324,4 +324,4 @@ def test_the_scripts_deepspeed_json_is_the_trainers(tmp_path_factory, raw):
     run.ds_config.write_text(json.dumps(carried, indent=2) + "\n")
     args = parse_args(trainer_args(spec, run))
     rampup = spec.batch.rampup_batch_size
-    assert _deepspeed_config(args, rampup[0] if rampup else spec.batch.global_batch_size) == carried
+    assert build_deepspeed_config(args, rampup[0] if rampup else spec.batch.global_batch_size) == carried

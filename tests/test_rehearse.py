@@ -211,16 +211,17 @@ def test_simulated_clock_stops_task_1_after_half_and_lets_task_2_finish():
     assert 19 * step <= 5990  # task 2 trains the 19 left
 
 
-def test_trainer_reads_the_simulated_clock(monkeypatch):
-    from opskit.train import main
+def test_trainer_reads_the_simulated_clock():
+    from opskit.train import REHEARSAL_CLOCK_ENV
+    from opskit.train.config import TrainerError, rehearsal_minutes_per_iteration
+    from opskit.train.exit import minutes_since_start
 
-    monkeypatch.setenv(main.REHEARSAL_CLOCK_ENV, "292.5")
-    assert main._minutes_since_start(0.0, 21) == 21 * 292.5
-    monkeypatch.setenv(main.REHEARSAL_CLOCK_ENV, "soon")
-    with pytest.raises(main.TrainerError, match="expected a positive number of minutes"):
-        main._minutes_since_start(0.0, 1)
-    monkeypatch.delenv(main.REHEARSAL_CLOCK_ENV)
-    assert 0 < main._minutes_since_start(main.time.time() - 60, 1000) < 2  # wall time again
+    per_iteration = rehearsal_minutes_per_iteration({REHEARSAL_CLOCK_ENV: "292.5"})
+    assert minutes_since_start(0.0, 21, per_iteration) == 21 * 292.5
+    with pytest.raises(TrainerError, match="expected a positive number of minutes"):
+        rehearsal_minutes_per_iteration({REHEARSAL_CLOCK_ENV: "soon"})
+    assert rehearsal_minutes_per_iteration({}) is None
+    assert 0 < minutes_since_start(time.time() - 60, 1000, None) < 2  # wall time again
 
 
 def test_folder_is_claimed_only_when_the_rehearsal_wrote_it(tmp_path):

@@ -274,7 +274,7 @@ def _names() -> list[str]:
 @pytest.mark.parametrize("name", _names())
 def test_the_jobs_deepspeed_json_is_the_trainers_config(name, in_tmp):
     """What the job script carries, read back by the trainer with the rendered flags, is the same config."""
-    from opskit.train.main import _deepspeed_config
+    from opskit.train.build import build_deepspeed_config
 
     spec = load_spec(name)
     run = RunPaths(in_tmp / "run")
@@ -284,7 +284,7 @@ def test_the_jobs_deepspeed_json_is_the_trainers_config(name, in_tmp):
     run.ds_config.write_text(job.ds_config)
     args = parse_args(trainer_args(spec, run))
     start = BatchRampup(args.global_batch_size, args.rampup_batch_size and tuple(args.rampup_batch_size)).batch_size(0)
-    assert _deepspeed_config(args, start) == carried
+    assert build_deepspeed_config(args, start) == carried
     assert carried["train_batch_size"] == (spec.batch.rampup_batch_size or [spec.batch.global_batch_size])[0]
     assert ("curriculum_learning" in carried) == (spec.curriculum_learning is not None)
 

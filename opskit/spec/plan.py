@@ -228,7 +228,7 @@ def stable_embedding_states(spec: Spec) -> bool:
     """Whether the word embedding keeps 32-bit Adam states (8 bytes per parameter) under ``--use-bnb-optimizer``.
 
     Megatron-DeepSpeed's StableEmbedding registers the word embedding with bitsandbytes' ``GlobalOptimManager`` for
-    32-bit states, by parameter identity; the trainer does the same (``opskit.train.main._build_optimizer``), and it
+    32-bit states, by parameter identity; the trainer does the same (``opskit.train.build.build_optimizer``), and it
     holds only where DeepSpeed hands bitsandbytes the model's own parameters: fp32 with ZeRO-0. Under ZeRO-1, or fp16
     / bf16 (whose DeepSpeed optimizers step flat fp32 partitions), every state is 8-bit, as in BigScience's tr8b-104B
     BNB runs (fp16, ZeRO-1). Parameters below bitsandbytes' ``min_8bit_size`` (4096 values: LayerNorms and biases of

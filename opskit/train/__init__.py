@@ -6,5 +6,6 @@ REQUIRED_MODULES = ("torch", "deepspeed", "megatron.core", "tokenizers", "numpy"
 
 REHEARSAL_CLOCK_ENV = "OPSKIT_REHEARSAL_MINUTES_PER_ITERATION"
 """The variable ``opskit rehearse`` sets in the job's environment so that each iteration counts as that many minutes
-of the exit-duration clock (the trainer's ``_minutes_since_start``): the first task stops on its time limit after a
-few iterations. Here, beside nothing that imports torch, so that ``opskit rehearse`` can name it."""
+of the exit-duration clock (read once by :meth:`opskit.train.config.TrainConfig.from_args`): the first task stops on
+its time limit after a few iterations. Here, beside nothing that imports torch, so that ``opskit rehearse`` can name
+it."""

@@ -27,7 +27,16 @@ from opskit.ckpt.format.layout import (
     universal_checkpoint_info,
     write_latest,
 )
-from opskit.ckpt.format.universal import Layout, saved_layout
+from opskit.ckpt.format.universal import (
+    Layout,
+    ReshapeError,
+    convert_to_universal,
+    needs_conversion,
+    saved_layout,
+    step_precision,
+    universal_dir,
+    universal_origin,
+)
 from opskit.rules.model import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
 from opskit.train.state import TrainState
@@ -171,9 +180,10 @@ class ResumePlan:
 
 def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
     """Find the step to resume from and, when it was saved on another TP x PP x DP layout, make sure its universal
-    form exists (rank 0 converts it beside the step, once: :func:`opskit.ckpt.format.universal.convert_to_universal`; the
-    other ranks wait for its answer). On a layout change, ``args.padded_vocab_size`` becomes the one the resume
-    keeps (:func:`opskit.rules.model.resumed_padded_vocab_size`).
+    form exists (rank 0 converts it beside the step, once:
+    :func:`opskit.ckpt.format.universal.convert_to_universal`; the other ranks wait for its answer). On a layout
+    change, ``args.padded_vocab_size`` becomes the one the resume keeps
+    (:func:`opskit.rules.model.resumed_padded_vocab_size`).
 
     Raises:
         CheckpointError: a layout change DeepSpeed cannot load, or a failed conversion (one line, on every rank).
@@ -202,15 +212,6 @@ def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
 def _convert_on_rank_0(step_dir: Path, saved_args: argparse.Namespace, saved: Layout,
                        current: Layout) -> tuple[str | None, str | None]:
     """(universal folder or None when none is needed, error line or None)."""
-    from opskit.ckpt.format.universal import (
-        ReshapeError,
-        convert_to_universal,
-        needs_conversion,
-        step_precision,
-        universal_dir,
-        universal_origin,
-    )
-
     try:
         if not needs_conversion(saved, current, saved_args.zero_stage, step_precision(saved_args)):
             return None, None

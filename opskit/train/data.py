@@ -10,17 +10,22 @@ micro-batch step takes the next ``MBS * DP`` samples and DP rank ``r`` keeps the
 
 Like Megatron's ``--split``: the documents are cut, in index order, into train / valid / test ranges
 (``split_document_ranges``), and each split's samples only ever read its own documents.
+
+The sources a run's flags name (``--data-path`` or the weighted split paths files) are checked before the model is
+built (:func:`check_data_files`) and read into each split's samples (:func:`split_samples`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from opskit.rules.formats import parse_split
+from opskit.rules.formats import parse_data_path, parse_split, parse_weighted_split_paths
+from opskit.train.config import TrainConfig, TrainerError
 
 
 def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
@@ -180,3 +185,61 @@ def micro_batches(samples: GPTSamples | BlendedSamples, consumed_samples: int, m
         n = seqlen() if seqlen is not None else batch.shape[1] - 1
         yield batch[:, :n].contiguous(), batch[:, 1:n + 1].contiguous()
         step += micro_batch_size * dp_size
+
+
+def check_data_files(config: TrainConfig) -> None:
+    """Every ``.idx`` / ``.bin`` file the flags name exists and is not empty: megatron-core only asserts on a missing
+    or empty dataset (and its ``__del__`` then prints a traceback).
+
+    Raises:
+        TrainerError: naming the flag, the prefix and the file.
+    """
+    if config.data_path is None:  # (flag naming the file, prefix) of every weighted group entry
+        sources = [(f"{flag} {path}", prefix) for flag, path in (
+            ("--train-weighted-split-paths-path", config.train_weighted_split_paths_path),
+            ("--valid-weighted-split-paths-path", config.valid_weighted_split_paths_path))
+            for _, entries in _weighted_split_groups(flag, path) for *_, prefix in entries]
+    else:
+        sources = [(f"--data-path {prefix} (--split {config.split}, train)", prefix)
+                   for _, prefix in parse_data_path(config.data_path)]
+    for where, prefix in sources:
+        for suffix in (".idx", ".bin"):
+            file = Path(prefix + suffix)
+            if not file.is_file():
+                raise TrainerError(f"{where}: no {file}")
+            if file.stat().st_size == 0:  # megatron-core's mmap fails, and its __del__ prints tracebacks
+                raise TrainerError(f"{where}: {file} is empty (no documents)")
+
+
+def split_samples(config: TrainConfig, split: str) -> list:
+    """``[(name, samples)]`` of the ``train`` or ``valid`` split: ``[(None, ...)]`` from ``--data-path`` (cut by
+    ``--split``), or one per group of ``--{split}-weighted-split-paths-path`` (a train file holds exactly one).
+
+    Raises:
+        TrainerError: a source that cannot be read or is too short (names the flag).
+    """
+    flag = f"--{split}-weighted-split-paths-path"
+    path = getattr(config, f"{split}_weighted_split_paths_path")
+    if config.data_path is not None:
+        where = f"--data-path {' '.join(config.data_path)} (--split {config.split}, {split})"
+    else:
+        where = f"{flag} {path}"
+    try:
+        if config.data_path is not None:
+            which = ("train", "valid").index(split)
+            return [(None, blend_samples(parse_data_path(config.data_path), config.split, which, config.seq_length,
+                                         config.seed))]
+        groups = _weighted_split_groups(flag, path)
+        if split == "train" and len(groups) != 1:
+            raise ValueError(f"{len(groups)} groups; the train file holds exactly one")
+        return [(name, weighted_split_samples(entries, config.seq_length, config.seed)) for name, entries in groups]
+    except (FileNotFoundError, ValueError) as e:
+        raise TrainerError(f"{where}: {e}") from None
+
+
+def _weighted_split_groups(flag: str, path: str) -> list:
+    """The groups of a ``--*-weighted-split-paths-path`` file (see rules.formats.parse_weighted_split_paths)."""
+    try:
+        return parse_weighted_split_paths(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise TrainerError(f"{flag} {path}: {e}") from None

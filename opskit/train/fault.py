@@ -6,7 +6,8 @@ right after iteration ``N`` (only in array task ``T``, and only in the worker of
 node, when given):
 
 - ``crash``: print the lines a GPU that broke mid-training leaves (``CUDA error: an illegal memory access was
-  encountered`` raised from NCCL's watchdog, as :mod:`opskit.logs.crash` recognises) and exit 1 at once, as a dead rank does;
+  encountered`` raised from NCCL's watchdog, as :mod:`opskit.logs.crash` recognises) and exit 1 at once, as a dead
+  rank does;
 - ``hang``: sleep for an hour inside the iteration, as a rank stuck in a collective does.
 
 Never set it for a real training. Unset (always, outside tests) it costs one dictionary lookup per iteration.

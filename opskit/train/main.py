@@ -1,64 +1,51 @@
-"""Entry point of ``python -m opskit.train``: parse, build, train, close.
+"""The trainer's entry point and loop: :func:`main` (parse, build, train, close), :func:`train` (the build order) and
+:class:`Trainer` (Megatron's training loop over a :class:`~opskit.train.state.TrainState`).
 
 :func:`train` builds the run in a fixed order: 1. distributed (torchrun's world, megatron-core's TP/PP groups, seeds)
 -> 2. tokenizer (vocab size) -> 3. model on its pipeline stage -> 4. optimizer, LR schedule and DeepSpeed engine ->
-5. resume -> 6. data -> 7. logging; then :class:`Trainer` trains over its :class:`~opskit.train.state.TrainState`, and
-a ``finally`` closes TensorBoard and CodeCarbon and destroys the process groups, also when training raises. Every rank
-runs the same loop; the last rank prints Megatron's log lines.
+5. resume -> 6. data -> 7. logging, from the builders of :mod:`opskit.train.build`, :mod:`opskit.train.tokenizer` and
+:mod:`opskit.train.data`, which read the run's :class:`~opskit.train.config.TrainConfig`; then :class:`Trainer` trains,
+asking :mod:`opskit.train.exit` after each iteration whether to stop, and a ``finally`` closes TensorBoard and
+CodeCarbon and destroys the process groups, also when training raises. Every rank runs the same loop; the last rank
+prints Megatron's log lines.
 
 Run with ``torchrun --nproc_per_node N -m opskit.train ...``, or as one process without a launcher.
-
-Environment: ``OPSKIT_REHEARSAL_MINUTES_PER_ITERATION=M`` (set by ``opskit rehearse`` in the job's ``slurm.env``)
-replaces wall time in the ``--exit-duration-in-mins`` test by a simulated clock, M minutes per iteration this process
-trained, so a rehearsal stops on a production exit duration at a known iteration; the rest of the exit path (the
-all-reduce over ranks, the save, the exit line) is the real one.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import logging
+import os
+import sys
 import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
-# Megatron measures --exit-duration-in-mins from the import of its training module: start the clock before the slow
-# imports, since they count against the SLURM time limit too.
-_TRAIN_START_TIME = time.time()
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from datetime import datetime  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from opskit.fsutil import atomic_write_text  # noqa: E402
-from opskit.rules.checks import (  # noqa: E402
-    TRAINER_PARTITION_METHOD,
-    client_optimizer_problems,
-    flag_name,
-    world_size_problems,
+from opskit.fsutil import atomic_write_text
+from opskit.rules.model import megatron_flops_per_iteration
+from opskit.train.args import parse_args
+from opskit.train.build import (
+    World,
+    build_deepspeed_config,
+    build_engine,
+    build_model,
+    check_precision,
+    destroy_distributed,
+    init_distributed,
+    init_model_parallel,
+    plan_resume,
+    pop_curriculum,
+    rank_device,
 )
-from opskit.rules.deepspeed import (  # noqa: E402
-    Contradiction,
-    deepspeed_config,
-    deepspeed_version_problem,
-    installed_deepspeed_version,
-    with_flags,
-)
-from opskit.rules.formats import parse_data_path  # noqa: E402
-from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
-from opskit.train import REHEARSAL_CLOCK_ENV  # noqa: E402
-from opskit.train.args import parse_args  # noqa: E402
-from opskit.train.ds_compat import (  # noqa: E402
-    fuse_zero_overflow_check,
-    release_last_stage_outputs,
-    skip_inference_shm_op,
-)
-from opskit.train.fault import inject_test_fault  # noqa: E402
-from opskit.train.log import (  # noqa: E402  (torch-free: torch is imported where it is used)
+from opskit.train.config import TrainConfig, TrainerError
+from opskit.train.exit import ExitPolicy, ExitRequests
+from opskit.train.fault import inject_test_fault
+from opskit.train.log import (  # torch-free: torch is imported where it is used
     IntervalStats,
     TensorBoard,
     current_loss_scale,
@@ -67,27 +54,23 @@ from opskit.train.log import (  # noqa: E402  (torch-free: torch is imported whe
     print_datetime,
     validation_lines,
 )
-from opskit.train.schedules import AnnealingLR, SeqlenCurriculum  # noqa: E402
-from opskit.train.stacks import arm_stack_dump, disarm_stack_dump  # noqa: E402
-from opskit.train.state import TrainState  # noqa: E402
+from opskit.train.stacks import arm_stack_dump, disarm_stack_dump
+from opskit.train.state import TrainState
+from opskit.train.tokenizer import vocab_sizes
 
 
-class TrainerError(RuntimeError):
-    """Bad input found at run time (data, tokenizer, checkpoint, DeepSpeed config); printed as one line."""
+def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
+    """Run the trainer with the flags ``argv`` (default: ``sys.argv[1:]``).
 
+    ``start_time`` (seconds since the epoch) is when the process started, from which ``--exit-duration-in-mins``
+    counts: ``python -m opskit.train`` takes it before its imports; None (a caller in the same process, such as
+    ``opskit train`` or a test) counts from this call.
 
-class _ExitRequests:
-    """SIGUSR1 (sent by SLURM ``--signal=B:USR1@N`` through the job script) asks for save-and-exit."""
-
-    def __init__(self):
-        self.usr1 = False
-        signal.signal(signal.SIGUSR1, self._on_usr1)
-
-    def _on_usr1(self, signum, frame):
-        self.usr1 = True
-
-
-def main(argv: list[str] | None = None) -> int:
+    Returns:
+        0: trained, or saved and exited on request; 2: bad input (missing packages, a bad flag combination found at
+        run time, data, tokenizer, checkpoint), printed as one ``error:`` line. argparse's own errors exit 2.
+    """
+    start_time = time.time() if start_time is None else start_time
     # One write per line: under PYTHONUNBUFFERED print() writes text and newline separately, and two ranks sharing
     # torchrun's stdout then splice lines (rank 0's "saving checkpoint ..." glued to the last rank's iteration line).
     if hasattr(sys.stdout, "reconfigure"):  # a real text stream (not a test's capture object)
@@ -96,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing := _missing_extra(args):
         print(f"error: {missing}", file=sys.stderr, flush=True)
         return 2
-    exit_requests = _ExitRequests()
+    exit_requests = ExitRequests()
     from opskit.train.checkpointing import CheckpointError
 
     try:
-        return train(args, exit_requests)
+        return train(args, TrainConfig.from_args(args, start_time), exit_requests)
     except (TrainerError, CheckpointError) as e:
         # one write per line: every rank of a job prints the same error, and two ranks' print() calls (text, then
         # newline) would splice their lines on torchrun's shared stderr
@@ -133,203 +116,10 @@ def _missing_extra(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _init_distributed(args: argparse.Namespace) -> None:
-    """torchrun's environment, or a one-process world on a free port when started without a launcher."""
-    import deepspeed
-    import torch
-
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    skip_inference_shm_op()
-    deepspeed.init_distributed(dist_backend=backend)
-
-
-def _padded_vocab(args: argparse.Namespace, vocab_size: int) -> int:
-    """Megatron's padding (:func:`opskit.rules.model.padded_vocab_size`): ``--pad-vocab-size-to`` or up to a
-    multiple of make_vocab_size_divisible_by * TP.
-
-    Raises:
-        TrainerError: ``--pad-vocab-size-to`` below the tokenizer's vocabulary.
-    """
-    try:
-        return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
-                                 args.pad_vocab_size_to)
-    except VocabPaddingError as e:
-        raise TrainerError(f"--pad-vocab-size-to {e}") from None
-
-
-def _check_data_files(args: argparse.Namespace) -> None:
-    """megatron-core only asserts on a missing or empty dataset (and its ``__del__`` then prints a traceback): check
-    first."""
-    if args.data_path is None:  # (flag naming the file, prefix) of every weighted group entry
-        sources = [(f"{flag} {path}", prefix) for flag, path in (
-            ("--train-weighted-split-paths-path", args.train_weighted_split_paths_path),
-            ("--valid-weighted-split-paths-path", args.valid_weighted_split_paths_path))
-            for _, entries in _weighted_split_groups(flag, path) for *_, prefix in entries]
-    else:
-        sources = [(f"--data-path {prefix} (--split {args.split}, train)", prefix)
-                   for _, prefix in parse_data_path(args.data_path)]
-    for where, prefix in sources:
-        for suffix in (".idx", ".bin"):
-            file = Path(prefix + suffix)
-            if not file.is_file():
-                raise TrainerError(f"{where}: no {file}")
-            if file.stat().st_size == 0:  # megatron-core's mmap fails, and its __del__ prints tracebacks
-                raise TrainerError(f"{where}: {file} is empty (no documents)")
-
-
-def _load_vocab_size(args: argparse.Namespace) -> int:
-    """The tokenizer's vocabulary size (Megatron's ``tokenizer.vocab_size``, before padding): a PretrainedFromHF
-    folder's ``tokenizer.json``, or GPT-2's BPE files (``--vocab-file`` + ``--merge-file``, 50257 for GPT-2's own)."""
-    from tokenizers import Tokenizer
-
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        from tokenizers.models import BPE
-
-        for flag, file in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
-            if not Path(file).is_file():
-                raise TrainerError(f"{flag} {file}: no such file")
-        try:
-            return Tokenizer(BPE.from_file(args.vocab_file, args.merge_file)).get_vocab_size()
-        except Exception as e:  # the tokenizers library raises its own untyped errors for bad JSON or merges
-            raise TrainerError(f"--vocab-file {args.vocab_file} / --merge-file {args.merge_file}: not GPT-2 BPE "
-                               f"files ({e})") from None
-    name = args.tokenizer_name_or_path
-    path = Path(name) / "tokenizer.json"
-    if not path.is_file() and not Path(name).is_dir():
-        path = _hub_tokenizer_file(name)
-    if not path.is_file():
-        raise TrainerError(f"--tokenizer-name-or-path {name}: no tokenizer.json there")
-    return Tokenizer.from_file(str(path)).get_vocab_size()
-
-
-def _hub_tokenizer_file(name: str) -> Path:
-    """``tokenizer.json`` of a Hugging Face Hub tokenizer (tr11's ``bigscience-catalogue-data-dev/...``), from the
-    Hugging Face cache or downloaded into it (``HF_HUB_OFFLINE=1`` on nodes without internet; ``HF_TOKEN`` or
-    ``huggingface-cli login`` for private ones).
-
-    Raises:
-        TrainerError: when it is neither a local folder nor a Hub tokenizer that can be had.
-    """
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
-
-    try:
-        return Path(hf_hub_download(repo_id=name, filename="tokenizer.json"))
-    except (HFValidationError, EntryNotFoundError, OSError) as e:  # bad id; no such file, no network, not cached
-        raise TrainerError(f"--tokenizer-name-or-path {name}: not a local folder, and no tokenizer.json from the "
-                           f"Hugging Face Hub or its cache ({type(e).__name__})") from None
-
-
-def _curriculum(config: dict, args: argparse.Namespace):
-    """The DeepSpeed JSON's top-level ``curriculum_learning`` block (BigScience's format), taken out of ``config``:
-    DeepSpeed 0.19 refuses that key, and under its pipeline engine Megatron-DeepSpeed ran the schedule itself anyway.
-
-    Returns:
-        A :class:`~opskit.train.schedules.SeqlenCurriculum`, or None when the block is absent or not enabled.
-
-    Raises:
-        TrainerError: a block DeepSpeed's scheduler cannot run (names the key).
-    """
-
-    block = config.pop("curriculum_learning", None)
-    if not block or not block.get("enabled", False):
-        return None
-    try:
-        return SeqlenCurriculum(block, args.seq_length)
-    except ValueError as e:
-        raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
-
-
-def _deepspeed_config(args: argparse.Namespace, global_batch_size: int) -> dict:
-    """The DeepSpeed config: ``--deepspeed_config``'s JSON completed with what the flags imply
-    (:func:`opskit.rules.deepspeed.with_flags`; the JSON the job script carries comes back unchanged), or only
-    those without the flag. ``global_batch_size`` is the first iteration's (the ramp-up changes it every few
-    iterations; DeepSpeed starts from it).
-
-    Raises:
-        TrainerError: when the JSON is unreadable or contradicts a flag (it names both); ``--use-bnb-optimizer``
-            under ZeRO without ``zero_allow_untested_optimizer`` (rules.checks.client_optimizer_problems).
-    """
-    config: dict = {}
-    if args.deepspeed_config:
-        try:
-            config = json.loads(Path(args.deepspeed_config).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: not a readable JSON file ({e})") from None
-    implied = deepspeed_config(micro_batch_size=args.micro_batch_size, train_batch_size=global_batch_size,
-                               clip_grad=args.clip_grad, zero_stage=args.zero_stage, precision=args.params_dtype)
-    try:
-        merged = with_flags(config, implied)
-    except Contradiction as e:
-        raise TrainerError(f"--deepspeed_config {args.deepspeed_config}: {e}") from None
-    if problems := client_optimizer_problems(args.use_bnb_optimizer, args.zero_stage,
-                                             merged.get("zero_allow_untested_optimizer"), flag_name):
-        raise TrainerError(problems[0])
-    return merged
-
-
-def _check_precision(args: argparse.Namespace) -> None:
-    """Refuse, in one line, the precisions DeepSpeed would fail on later with a traceback.
-
-    Raises:
-        TrainerError: ``--fp16`` on an accelerator without fp16 (DeepSpeed's CPU accelerator has it only where oneDNN
-            does: CPUs with AVX512-FP16 / AMX-FP16); resuming a checkpoint that this DeepSpeed version cannot resume
-            (:func:`opskit.rules.deepspeed.deepspeed_version_problem`: ``--bf16 --zero-stage 0`` on 0.18.0-0.19.8).
-    """
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if args.fp16 and not accelerator.is_fp16_supported():
-        raise TrainerError(f"--fp16: DeepSpeed {deepspeed.__version__} does not support fp16 on this "
-                           f"{accelerator.device_name()} accelerator; use --bf16 (or a GPU)")
-    version = installed_deepspeed_version() or deepspeed.__version__
-    problem = deepspeed_version_problem(args.params_dtype, args.zero_stage, args.pipeline_model_parallel_size,
-                                        args.clip_grad, version, flag_name)
-    if problem and problem.resume_only and args.load and (Path(args.load) / "latest").exists():
-        raise TrainerError(f"--load {args.load} has a checkpoint: {problem.message}")
-
-
-def _set_random_seed(seed: int, pipeline_rank: int, pipeline_size: int) -> None:
-    """Megatron's ``_set_random_seed``: Python's, NumPy's and torch's global generators from ``seed + 100 *
-    pipeline_rank``, so the TP and DP ranks of a stage hold equal RNG states (``ckpt check`` compares the saved ones)
-    and the stages differ. Called before the model is built; the layers then reseed torch per layer (pipe.py), so the
-    weights and the losses do not depend on it.
-
-    Raises:
-        TrainerError: a seed NumPy cannot take on every stage (Megatron asks for a positive integer).
-    """
-    import numpy as np
-    import torch
-
-    bound = 2**32 - 100 * (pipeline_size - 1)  # NumPy takes seeds below 2**32
-    if not 0 < seed < bound:
-        raise TrainerError(f"--seed {seed}: expected a positive integer below {bound} (stage s is seeded with "
-                           "seed + 100 * s)")
-    stage_seed = seed + 100 * pipeline_rank
-    random.seed(stage_seed)
-    np.random.seed(stage_seed)
-    torch.manual_seed(stage_seed)
-
-
-def _param_groups(model) -> list[dict]:
-    """Megatron's weight-decay rule: no decay for biases and LayerNorm parameters."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if name.endswith("bias") or "norm" in name or param.ndim == 1 else decay).append(param)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
-    """Build the run, train it, and close it in a ``finally``: TensorBoard's writer closed (its queue flushed),
-    CodeCarbon stopped and the process groups destroyed, also when training raises.
+def train(args: argparse.Namespace, config: TrainConfig, exit_requests: ExitRequests) -> int:
+    """Build the run from ``config``, train it, and close it in a ``finally``: TensorBoard's writer closed (its queue
+    flushed), CodeCarbon stopped and the process groups destroyed, also when training raises. ``args`` is the parsed
+    Namespace ``config`` was taken from: checkpoints save it as ``args``, completed with the vocabulary sizes.
 
     Returns:
         0: training finished, or saved and exited on request (kill switch, SIGUSR1, ``--exit-interval``,
@@ -344,188 +134,24 @@ def train(args: argparse.Namespace, exit_requests: _ExitRequests) -> int:
     trainer = None
     try:
         # 1. distributed: torchrun's world, megatron-core's TP/PP groups, the seeds, the agreed start time
-        _init_distributed(args)
-        _check_precision(args)
-        world = _init_model_parallel(args)
-        if _kill_switch_at_start(args):  # lets a drained job array's tasks end at once
+        init_distributed(config)
+        check_precision(config)
+        world = init_model_parallel(config)
+        exits = ExitPolicy(config, world.start_time, exit_requests)
+        if exits.kill_switch_at_start():
             return 0
+        # tests only (OPSKIT_TEST_FAULT): a crash or hang on one node after an iteration; the environment is read
+        # here, once, after a launcher-less run has set its rank variables
+        fault = functools.partial(inject_test_fault, environ=dict(os.environ))
         # 2.-7. tokenizer and vocab, model, DeepSpeed engine, resume, data, logging
-        trainer = Trainer(args, world, exit_requests)
+        trainer = Trainer(args, config, world, exits, fault)
         trainer.train()
         return 0
     finally:
         disarm_stack_dump()
         if trainer is not None:
             trainer.close()
-        _destroy_distributed()
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place in the job: world size = TP * PP * DP."""
-
-    rank: int
-    size: int
-    tp: int
-    pp: int
-    dp: int
-    start_time: float
-    """The earliest trainer start over all ranks (seconds since the epoch): ``--exit-duration-in-mins`` counts from
-    it."""
-
-    @property
-    def is_last_rank(self) -> bool:
-        """The rank that prints Megatron's iteration and validation lines and writes TensorBoard (Megatron's)."""
-        return self.rank == self.size - 1
-
-
-def _init_model_parallel(args: argparse.Namespace) -> World:
-    """megatron-core's TP and PP groups for its layers (its rank order, TP fastest, then DP, then PP, is DeepSpeed's
-    topology's), the seeds, and the start time every rank agrees on.
-
-    Raises:
-        TrainerError: a world size that is not a multiple of TP * PP; a seed NumPy cannot take.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    rank, size = dist.get_rank(), dist.get_world_size()
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if problems := world_size_problems(size, tp, pp, flag_name):
-        raise TrainerError(problems[0])
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    _set_random_seed(args.seed, parallel_state.get_pipeline_model_parallel_rank(), pp)
-    return World(rank=rank, size=size, tp=tp, pp=pp, dp=size // (tp * pp), start_time=_agreed_start_time())
-
-
-def _agreed_start_time() -> float:
-    """Megatron takes the earliest start over all ranks, so every rank agrees on when to stop."""
-    import torch
-    import torch.distributed as dist
-
-    start = torch.tensor([_TRAIN_START_TIME], dtype=torch.float64, device=_rank_device())
-    dist.all_reduce(start, op=dist.ReduceOp.MIN)
-    return float(start.item())
-
-
-def _kill_switch_at_start(args: argparse.Namespace) -> bool:
-    """True, after Megatron's line, when the kill switch is on (on any rank) before anything is built."""
-
-    if not _on_any_rank(_kill_switch_on(args))[0]:
-        return False
-    print_datetime(f"Detected kill switch at {args.kill_switch_path}. Exiting")
-    return True
-
-
-def _destroy_distributed() -> None:
-    """megatron-core's groups and the process groups, where they exist (DeepSpeed 0.19.8 may SIGABRT at exit
-    without)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _set_vocab_size(args: argparse.Namespace, rank: int) -> None:
-    """Megatron's ``args.original_vocab_size`` (the tokenizer's) and ``args.padded_vocab_size`` (the model's, saved in
-    every checkpoint), with Megatron's line about the padding."""
-    args.original_vocab_size = _load_vocab_size(args)
-    args.padded_vocab_size = _padded_vocab(args, args.original_vocab_size)
-    if rank == 0:
-        print(f" > padded vocab (size: {args.original_vocab_size}) with "
-              f"{args.padded_vocab_size - args.original_vocab_size} dummy tokens (new size: {args.padded_vocab_size})",
-              flush=True)
-
-
-def _plan_resume(args: argparse.Namespace, world: World, ds_config: dict):
-    """The step ``--load`` resumes from (:func:`opskit.train.checkpointing.plan_resume`); a step saved on another
-    layout is loaded through its universal form, which the DeepSpeed engine must be configured for."""
-    from opskit.ckpt.format.universal import Layout
-    from opskit.train.checkpointing import plan_resume
-
-    plan = plan_resume(args, Layout(world.tp, world.pp, world.dp))
-    if plan.universal:
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    return plan
-
-
-def _build_model(args: argparse.Namespace, world: World):
-    """This rank's pipeline stage of the GPT/BLOOM model (a DeepSpeed ``PipelineModule``), on the GPU if there is
-    one."""
-    import torch
-
-    from opskit.train.model import GPTConfig
-    from opskit.train.pipe import GPTModelPipe, compile_stage, make_topology
-
-    cfg = GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings, padded_vocab_size=args.padded_vocab_size,
-        position_embedding_type=args.position_embedding_type, embed_layernorm=args.embed_layernorm,
-        stable_embedding=args.use_bnb_optimizer,
-        init_method_std=args.init_method_std, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, tensor_parallel=True,
-    )
-    model = GPTModelPipe(cfg, make_topology(world.tp, world.pp, world.dp), seed=args.seed,
-                         activation_checkpoint_interval=1 if args.checkpoint_activations else 0,
-                         partition_method=args.pp_partition_method or TRAINER_PARTITION_METHOD)
-    if args.torch_compile:
-        compile_stage(model)
-    if torch.cuda.is_available():
-        model.cuda()  # before the optimizer: fused AdamW wants its parameters on the GPU already
-    return model
-
-
-def _build_optimizer(args: argparse.Namespace, model):
-    """Adam with decoupled weight decay (Megatron's ``--optimizer adam``: apex's FusedAdam in AdamW mode) over
-    Megatron's weight-decay groups: torch's AdamW, or with ``--use-bnb-optimizer`` bitsandbytes' Adam8bit (its
-    weight decay is decoupled too) with the same groups and hyperparameters. As in Megatron-DeepSpeed, the word
-    embedding's states stay 32-bit under bitsandbytes (StableEmbedding); parameters below bitsandbytes'
-    ``min_8bit_size`` (4096 elements: LayerNorms, biases) keep 32-bit states as well. That holds where DeepSpeed
-    hands the optimizer the model's own parameters (fp32 with ZeRO-0); under ZeRO-1, or fp16 / bf16, it steps flat
-    fp32 partitions instead, so every state is 8-bit there, as in Megatron-DeepSpeed's BigScience runs."""
-    import torch
-
-    hyper = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                 weight_decay=args.weight_decay)
-    if not args.use_bnb_optimizer:
-        return torch.optim.AdamW(_param_groups(model), **hyper,
-                                 fused=torch.cuda.is_available())  # one kernel per step on GPUs
-    import bitsandbytes as bnb
-
-    from opskit.train.pipe import word_embeddings
-
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    for embedding in word_embeddings(model):  # looked up by parameter identity at the first step
-        manager.register_module_override(embedding, "weight", {"optim_bits": 32})
-    return bnb.optim.Adam8bit(_param_groups(model), **hyper)
-
-
-def _build_engine(args: argparse.Namespace, model, ds_config: dict, rampup, state: TrainState):
-    """The optimizer (:func:`_build_optimizer`), Megatron's LR schedule in samples (its step is the ramp-up's batch
-    at ``state``'s consumed samples; ``--lr-decay-tokens`` reads ``state``'s consumed tokens), and DeepSpeed's
-    pipeline engine over them. The optimizer is a client optimizer: DeepSpeed builds none of its own (the config
-    has no ``optimizer`` block).
-
-    Returns:
-        ``(engine, optimizer)``: the optimizer is the torch one, whose ``param_groups`` carry the current LR.
-    """
-    import deepspeed
-
-    optimizer = _build_optimizer(args, model)
-    scheduler = AnnealingLR(
-        optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_samples,
-        decay_steps=args.lr_decay_samples, decay_style=args.lr_decay_style,
-        step_size=lambda: rampup.batch_size(state.consumed_train_samples),
-        override=args.override_lr_scheduler, use_checkpoint=args.use_checkpoint_lr_scheduler,
-        decay_tokens=args.lr_decay_tokens, consumed_tokens=lambda: state.consumed_train_tokens,
-    )
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    fuse_zero_overflow_check(engine.optimizer)
-    release_last_stage_outputs(engine)
-    return engine, optimizer
+        destroy_distributed()
 
 
 @dataclass(frozen=True)
@@ -542,30 +168,38 @@ class StepResult:
 
 class Trainer:
     """One training run on this rank: built in a fixed order by ``__init__``, trained by :meth:`train`, released by
-    :meth:`close`. Its progress is :attr:`state` (a :class:`TrainState`)."""
+    :meth:`close`. Its progress is :attr:`state` (a :class:`TrainState`).
 
-    def __init__(self, args: argparse.Namespace, world: World, exit_requests: _ExitRequests):
+    ``args`` is the parsed Namespace checkpoints save (completed here with the vocabulary sizes); everything else is
+    read from ``config``. ``exits`` decides when to stop early; ``after_iteration`` is called with each trained
+    iteration's number (the test-only fault hook, :func:`opskit.train.fault.inject_test_fault`).
+    """
+
+    def __init__(self, args: argparse.Namespace, config: TrainConfig, world: World, exits: ExitPolicy,
+                 after_iteration: Callable[[int], None]):
         from opskit.rules.schedule import BatchRampup
+        from opskit.train.data import check_data_files
         from opskit.train.emissions import Emissions
 
-        self.args, self.world, self.exit_requests = args, world, exit_requests
-        self.state = TrainState(seqlen=args.seq_length)
+        self.args, self.config, self.world, self.exits = args, config, world, exits
+        self.after_iteration = after_iteration
+        self.state = TrainState(seqlen=config.seq_length)
         self.memory_reported = False  # Megatron reports GPU memory once, at the first log line
 
         # The flags checked against the files they name (before minutes of model building), and the schedules.
-        _check_data_files(args)
-        self.rampup = BatchRampup(args.global_batch_size,
-                                  tuple(args.rampup_batch_size) if args.rampup_batch_size else None)
-        self.train_iters = self.rampup.train_iters(args.train_samples)
-        ds_config = _deepspeed_config(args, self.rampup.batch_size(0))
-        self.curriculum = _curriculum(ds_config, args)
+        check_data_files(config)
+        self.rampup = BatchRampup(config.global_batch_size, config.rampup_batch_size)
+        self.train_iters = self.rampup.train_iters(config.train_samples)
+        ds_config = build_deepspeed_config(config, self.rampup.batch_size(0))
+        self.curriculum = pop_curriculum(ds_config, config)
         # 2. tokenizer: the vocabulary size, padded; the step to resume from, re-cut if saved on another layout
-        _set_vocab_size(args, world.rank)
-        self.resume_plan = _plan_resume(args, world, ds_config)
+        args.original_vocab_size, args.padded_vocab_size = vocab_sizes(config, world.rank)
+        self.resume_plan = plan_resume(args, world, ds_config)
+        self.padded_vocab_size = args.padded_vocab_size  # on another layout, the resumed step's may be kept
         # 3. model: this rank's pipeline stage
-        model = _build_model(args, world)
+        model = build_model(config, world, self.padded_vocab_size)
         # 4. DeepSpeed engine: optimizer and LR schedule first (the schedule reads the state's counters)
-        self.engine, self.optimizer = _build_engine(args, model, ds_config, self.rampup, self.state)
+        self.engine, self.optimizer = build_engine(config, model, ds_config, self.rampup, self.state)
         # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
         self._resume(model)
         if world.rank == 0:
@@ -573,9 +207,10 @@ class Trainer:
         # 6. data: this DP rank's micro-batches from the consumed samples on, and the validation sets
         self._build_data()
         # 7. logging: TensorBoard on the last rank, CodeCarbon on each node's local rank 0
-        self.tensorboard = TensorBoard(args.tensorboard_dir, args.tensorboard_queue_size, enabled=world.is_last_rank)
+        self.tensorboard = TensorBoard(config.tensorboard_dir, config.tensorboard_queue_size,
+                                       enabled=world.is_last_rank)
         self.tensorboard.restart_marker(self.state.iteration, world.size)
-        self.emissions = Emissions.start(args.codecarbon_dir, world.rank)
+        self.emissions = Emissions.start(config.codecarbon_dir, world.rank)
 
     def _resume(self, model) -> None:
         """Load ``--load`` (if it has a checkpoint) into the engine and the state; heal the TP-duplicated parameters
@@ -587,13 +222,13 @@ class Trainer:
         from opskit.train.checkpointing import load_checkpoint
         from opskit.train.tp_sync import tp_duplicated_parameters
 
-        args, world, state = self.args, self.world, self.state
+        config, world, state = self.config, self.world, self.state
         try:
-            load_checkpoint(self.engine, args, state, self.resume_plan)
+            load_checkpoint(self.engine, self.args, state, self.resume_plan)
         except ValueError as e:  # AnnealingLR's schedule mismatch, raised inside DeepSpeed's loader
-            raise TrainerError(f"{args.load}: {e}") from None
+            raise TrainerError(f"{config.load}: {e}") from None
         state.last_saved = state.iteration or None
-        sync = args.sync_tp_duplicated_parameters and world.tp > 1
+        sync = config.sync_tp_duplicated_parameters and world.tp > 1
         self.tp_duplicated = tp_duplicated_parameters(model) if sync else []
         if self.tp_duplicated:  # also heals copies that drifted apart before this run (BLOOM-176B's checkpoints)
             self._sync_tp_duplicated()
@@ -603,19 +238,19 @@ class Trainer:
 
     def _build_data(self) -> None:
         """The train split's micro-batch iterator, the skip ranges still to apply, and the validation sets."""
-        from opskit.train.data import micro_batches
+        from opskit.train.data import micro_batches, split_samples
 
-        args, state = self.args, self.state
+        config, state = self.config, self.state
         self.dp_rank = self.engine.grid.data_parallel_id
-        ((_, self.train_samples),) = _split_samples(args, "train")
+        ((_, self.train_samples),) = split_samples(config, "train")
         self.data = self._train_batches()
-        self.skip_ranges = _pending_skip_ranges(args, state)
-        self.do_valid = args.eval_interval is not None and args.eval_iters > 0
-        valid_samples = _split_samples(args, "valid") if self.do_valid else []
+        self.skip_ranges = _pending_skip_ranges(config, state)
+        self.do_valid = config.eval_interval is not None and config.eval_iters > 0
+        valid_samples = split_samples(config, "valid") if self.do_valid else []
         # (name or None, micro-batches): the groups share consumed_valid_samples, each resumes at its share (Megatron)
         self.valid_sets = [(name, micro_batches(samples, state.consumed_valid_samples // len(valid_samples),
-                                                args.micro_batch_size, self.world.dp, self.dp_rank,
-                                                device=_rank_device()))
+                                                config.micro_batch_size, self.world.dp, self.dp_rank,
+                                                device=rank_device()))
                            for name, samples in valid_samples]
 
     def _train_batches(self):
@@ -625,34 +260,33 @@ class Trainer:
 
         state = self.state
         return micro_batches(self.train_samples, state.consumed_train_samples + state.skipped_train_samples,
-                             self.args.micro_batch_size, self.world.dp, self.dp_rank, seqlen=lambda: state.seqlen,
-                             device=_rank_device())
+                             self.config.micro_batch_size, self.world.dp, self.dp_rank, seqlen=lambda: state.seqlen,
+                             device=rank_device())
 
     def train(self) -> None:
         """Megatron's loop: train to ``train_iters``, logging, validating and saving at their intervals, until an exit
         request; then the end of training (final validation, last save, the finished flag)."""
 
-        args, state = self.args, self.state
+        config, state = self.config, self.state
         state.interval = IntervalStats(started=time.time())
         if self.world.rank == 0:
             print_datetime("before the start of training step")
         exit_reason = None
         iterations_run = 0
         while state.iteration < self.train_iters:
-            arm_stack_dump(args.stack_dump_after_mins)  # a hung iteration prints every rank's stacks
+            arm_stack_dump(config.stack_dump_after_mins)  # a hung iteration prints every rank's stacks
             if self._skip_range_at_next_iteration():
                 continue
             step = self._train_step()
             iterations_run += 1
-            inject_test_fault(state.iteration)  # tests only (OPSKIT_TEST_FAULT): a crash or hang on one node
+            self.after_iteration(state.iteration)
             self._log(step)
-            if self.do_valid and state.iteration % args.eval_interval == 0:
+            if self.do_valid and state.iteration % config.eval_interval == 0:
                 self._evaluate_and_print(f"iteration {state.iteration}")
-            if args.save and state.iteration % args.save_interval == 0:
+            if config.save and state.iteration % config.save_interval == 0:
                 self._save()
                 self.emissions.flush()
-            exit_reason = _exit_reason(args, state.iteration, self.world.start_time, self.exit_requests,
-                                       iterations_run)
+            exit_reason = self.exits.reason(state.iteration, iterations_run)
             if exit_reason:
                 break
         if state.iteration >= self.train_iters:  # the last iteration: the run is finished whatever else asked it to
@@ -678,9 +312,9 @@ class Trainer:
         optimizer step, and the state advanced by it."""
         from opskit.rules.schedule import num_microbatches
 
-        args, engine, state = self.args, self.engine, self.state
+        config, engine, state = self.config, self.engine, self.state
         global_batch_size = self.rampup.batch_size(state.consumed_train_samples)
-        num_microbatches(global_batch_size, args.micro_batch_size, self.world.dp)  # Megatron's divisibility check
+        num_microbatches(global_batch_size, config.micro_batch_size, self.world.dp)  # Megatron's divisibility check
         engine.set_train_batch_size(global_batch_size)
         if self.curriculum is not None and (seqlen := self.curriculum.seqlen(state.iteration + 1)) != state.seqlen:
             state.seqlen = seqlen
@@ -697,7 +331,7 @@ class Trainer:
         return StepResult(global_batch_size=global_batch_size, loss=loss,
                           learning_rate=self.optimizer.param_groups[0]["lr"],
                           grad_norm=float(grad_norm) if grad_norm is not None else None,
-                          loss_scale=current_loss_scale(engine.optimizer) if args.fp16 else None)
+                          loss_scale=current_loss_scale(engine.optimizer) if config.fp16 else None)
 
     def _sync_tp_duplicated(self) -> None:
         from megatron.core import parallel_state
@@ -712,16 +346,16 @@ class Trainer:
         rank), the interval's scalars, and once the GPU memory line."""
         import torch
 
-        args, world, state = self.args, self.world, self.state
+        config, world, state = self.config, self.world, self.state
         curriculum_seqlen = state.seqlen if self.curriculum is not None else None
         self.tensorboard.iteration(state.iteration, state.consumed_train_samples, state.consumed_train_tokens,
                                    step.learning_rate, step.global_batch_size, step.loss, step.grad_norm,
                                    step.loss_scale, curriculum_seqlen)
-        if state.iteration % args.log_interval:
+        if state.iteration % config.log_interval:
             return
         seconds = (time.time() - state.interval.started) / state.interval.iterations
-        flops = megatron_flops_per_iteration(step.global_batch_size, state.seqlen, args.num_layers, args.hidden_size,
-                                             args.padded_vocab_size, args.checkpoint_activations)
+        flops = megatron_flops_per_iteration(step.global_batch_size, state.seqlen, config.num_layers,
+                                             config.hidden_size, self.padded_vocab_size, config.checkpoint_activations)
         tflops = flops / (seconds * world.size * 1e12)
         if world.is_last_rank:
             print(iteration_line(
@@ -742,17 +376,17 @@ class Trainer:
         """Megatron's evaluate_and_print_results: each validation set's loss, printed (last rank) and written to
         TensorBoard; at the full ``--seq-length`` (Megatron-DeepSpeed's evaluate), also under a curriculum."""
 
-        args, state = self.args, self.state
+        config, state = self.config, self.state
         if self.curriculum is not None:
             self.engine.reset_activation_shape()
         for name, valid_data in self.valid_sets:
-            loss = _evaluate(self.engine, valid_data, args.eval_iters)
-            state.consumed_valid_samples += args.eval_iters * self.engine.train_batch_size()
+            loss = _evaluate(self.engine, valid_data, config.eval_iters)
+            state.consumed_valid_samples += config.eval_iters * self.engine.train_batch_size()
             if self.world.is_last_rank:
                 for line in validation_lines(prefix, loss, name):  # one print per line: see main()
                     print(line, flush=True)
             self.tensorboard.validation(state.iteration, state.consumed_train_samples, state.consumed_train_tokens,
-                                        loss, args.log_validation_ppl_to_tensorboard, name)
+                                        loss, config.log_validation_ppl_to_tensorboard, name)
         if self.curriculum is not None:
             self.engine.reset_activation_shape()
 
@@ -767,18 +401,18 @@ class Trainer:
         checkpoint of the last iteration (unless just saved) and Megatron's line on why it stopped."""
         import torch.distributed as dist
 
-        args, state, rank = self.args, self.state, self.world.rank
+        config, state, rank = self.config, self.state, self.world.rank
         if exit_reason is None:  # Megatron's exits leave from inside train(), before the end-of-training evaluation
             if rank == 0:
                 print_datetime("after training is done")
             if self.do_valid:
                 self._evaluate_and_print("the end of training for val data")
-        if args.save and state.last_saved != state.iteration:
+        if config.save and state.last_saved != state.iteration:
             self._save()
         if exit_reason and rank == 0:
             print_datetime(exit_reason)
-        if exit_reason is None and rank == 0 and args.finished_flag_path:
-            _write_finished_flag(Path(args.finished_flag_path), state)
+        if exit_reason is None and rank == 0 and config.finished_flag_path:
+            _write_finished_flag(Path(config.finished_flag_path), state)
         dist.barrier()  # every rank is done before the process groups go
 
     def close(self) -> None:
@@ -794,48 +428,12 @@ def _write_finished_flag(path: Path, state: TrainState) -> None:
                             f"consumed samples {state.consumed_train_samples}\n")
 
 
-def _weighted_split_groups(flag: str, path: str) -> list:
-    """The groups of a ``--*-weighted-split-paths-path`` file (see rules.formats.parse_weighted_split_paths)."""
-    from opskit.rules.formats import parse_weighted_split_paths
-
-    try:
-        return parse_weighted_split_paths(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise TrainerError(f"{flag} {path}: {e}") from None
-
-
-def _split_samples(args: argparse.Namespace, split: str) -> list:
-    """``[(name, samples)]`` of the ``train`` or ``valid`` split: ``[(None, ...)]`` from ``--data-path`` (cut by
-    ``--split``), or one per group of ``--{split}-weighted-split-paths-path`` (a train file holds exactly one)."""
-    from opskit.train.data import blend_samples, weighted_split_samples
-
-    flag = f"--{split}-weighted-split-paths-path"
-    path = getattr(args, f"{split}_weighted_split_paths_path")
-    if args.data_path is not None:
-        where = f"--data-path {' '.join(args.data_path)} (--split {args.split}, {split})"
-    else:
-        where = f"{flag} {path}"
-    try:
-        if args.data_path is not None:
-            which = ("train", "valid").index(split)
-            return [(None, blend_samples(parse_data_path(args.data_path), args.split, which, args.seq_length,
-                                         args.seed))]
-        groups = _weighted_split_groups(flag, path)
-        if split == "train" and len(groups) != 1:
-            raise ValueError(f"{len(groups)} groups; the train file holds exactly one")
-        return [(name, weighted_split_samples(entries, args.seq_length, args.seed)) for name, entries in groups]
-    except (FileNotFoundError, ValueError) as e:
-        raise TrainerError(f"{where}: {e}") from None
-
-
-def _pending_skip_ranges(args: argparse.Namespace, state: TrainState):
+def _pending_skip_ranges(config: TrainConfig, state: TrainState) -> deque[tuple[int, int]]:
     """The ``--skip-train-iteration-range`` ranges still to apply after ``state.iteration``: Megatron drops those that
     end before it; we also drop those the checkpoint says were applied already (their iteration numbers were trained
     again, on later data, right after the skip)."""
-    from collections import deque
-
-    applied = state.applied_skip_train_iteration_ranges
-    return deque(r for r in args.skip_train_iteration_range or [] if r[1] > state.iteration and r not in applied)
+    applied = state.applied_skip_train_iteration_ranges  # [start, end] lists, as the checkpoint saves them
+    return deque(r for r in config.skip_train_iteration_range if r[1] > state.iteration and list(r) not in applied)
 
 
 def _evaluate(engine, valid_data, eval_iters: int) -> float:
@@ -849,71 +447,3 @@ def _evaluate(engine, valid_data, eval_iters: int) -> float:
         total += float(engine.eval_batch(data_iter=valid_data))
     engine.module.train()  # train_batch does it too; done here so that nothing runs in eval mode by accident
     return total / eval_iters
-
-
-def _rank_device():
-    """This rank's GPU, else the CPU: where small all-reduce tensors live (NCCL only reduces GPU tensors, gloo CPU
-    ones) and where micro-batches are copied ahead of the pipeline engine."""
-    import torch
-
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _kill_switch_on(args: argparse.Namespace) -> bool:
-    return bool(args.kill_switch_path) and os.path.exists(args.kill_switch_path)
-
-
-def _on_any_rank(*flags: bool) -> list[bool]:
-    """Each flag OR-ed over all ranks (one MAX all-reduce), so every rank takes the same decision."""
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([float(f) for f in flags], device=_rank_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in tensor.tolist()]
-
-
-# `opskit rehearse` runs a production spec's exit duration (BLOOM-176B: 5990 min) on a CPU model in seconds: with this
-# variable set, the minutes since the start are (iterations trained by this process) * its value, not wall time.
-
-
-def _minutes_since_start(train_start_time: float, iterations_run: int) -> float:
-    """Minutes counted against ``--exit-duration-in-mins``: wall time since ``train_start_time``, or the rehearsal's
-    simulated clock (:data:`REHEARSAL_CLOCK_ENV`: ``iterations_run`` times its value in minutes), which makes the
-    exit iteration deterministic however loaded the machine is.
-
-    Raises:
-        TrainerError: the variable is set to something other than a positive number.
-    """
-    per_iteration = os.environ.get(REHEARSAL_CLOCK_ENV)
-    if not per_iteration:
-        return (time.time() - train_start_time) / 60
-    try:
-        minutes = float(per_iteration)
-    except ValueError:
-        minutes = 0.0
-    if not minutes > 0:
-        raise TrainerError(f"{REHEARSAL_CLOCK_ENV}={per_iteration!r}: expected a positive number of minutes")
-    return iterations_run * minutes
-
-
-def _exit_reason(args: argparse.Namespace, iteration: int, train_start_time: float,
-                 exit_requests: _ExitRequests, iterations_run: int = 0) -> str | None:
-    """Why to save and stop after this iteration, or None. Megatron's order: duration, then interval; the kill switch
-    is checked here, before the next iteration starts. ``iterations_run``: iterations this process trained (the
-    rehearsal's simulated clock, :func:`_minutes_since_start`)."""
-    minutes = _minutes_since_start(train_start_time, iterations_run)
-    kill, timed_out, usr1 = _on_any_rank(
-        _kill_switch_on(args),
-        args.exit_duration_in_mins is not None and minutes > args.exit_duration_in_mins,
-        exit_requests.usr1,
-    )
-    if kill:
-        return f"Detected kill switch at {args.kill_switch_path}. Exiting"
-    if timed_out:
-        return f"exiting program after {minutes:.4f} minutes"
-    if usr1:
-        return f"exiting program on SIGUSR1 at iteration {iteration}"
-    if args.exit_interval and iteration % args.exit_interval == 0:
-        return f"exiting program at iteration {iteration}"
-    return None
