@@ -411,8 +411,10 @@ def main() -> int:
     else:
         rows.append(row_weak_scaling(gpus))
     device = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip() or os.environ.get("OPSKIT_COMMIT", "unknown")  # a git archive
+    # OPSKIT_COMMIT first: the device machine's copy of the tree may carry a .git of an older commit
+    commit = os.environ.get("OPSKIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                               capture_output=True, text=True,
+                                                               cwd=REPO).stdout.strip() or "unknown"
     header = (f"GPU acceptance, {time.strftime('%Y-%m-%d', time.gmtime(started))}, {gpus} x {device}, torch "
               f"{torch.__version__}, commit {commit}, {time.time() - started:.0f} s")
     if opts.out:
