@@ -24,8 +24,6 @@ from opskit.ckpt.format.universal import (
 from opskit.fsutil import claim_dir
 from opskit.rules import checks
 
-# --------------------------------------------------------------------------- offline: `opskit ckpt reshape`
-
 
 def layout_name(key: str, value=None) -> str:
     """The :data:`~opskit.rules.checks.Namer` of a checkpoint resumed on a target layout: ``TP=3`` for the target's

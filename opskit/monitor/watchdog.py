@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -527,13 +528,18 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
                     {"crashes": [c._asdict() for c in crashes[:20]]})]
 
 
+def _matches(text: str, word: str, pattern: re.Pattern) -> list[re.Match]:
+    """``pattern``'s match in each line of ``text`` that has one; ``word`` is in every such line, so text without it
+    (the common case) is never split into lines."""
+    if word not in text:
+        return []
+    return [m for line in text.splitlines() if word in line and (m := pattern.search(line))]
+
+
 def _resume_fallbacks(text: str) -> list[Finding]:
     """The trainer's line when it resumed from an older step than ``latest`` named
     (opskit.ckpt.format.info.FALLBACK_LINE): iterations are redone, and the step it skipped is damaged."""
-    word = "the newest complete step"  # in every FALLBACK_LINE line: tested on the text, then on each line
-    if word not in text:  # the common case: no split into lines
-        return []
-    found = [m for line in text.splitlines() if word in line and (m := FALLBACK_LINE.search(line))]
+    found = _matches(text, "the newest complete step", FALLBACK_LINE)
     if not found:
         return []
     last = found[-1]
@@ -547,10 +553,7 @@ def _resume_fallbacks(text: str) -> list[Finding]:
 def _save_failures(text: str) -> list[Finding]:
     """The trainer's ``error: saving global_stepN failed: ...`` lines (disk full, quota): the chain's next tasks
     would train to the same step and fail again."""
-    word = "saving global_step"  # in every SAVE_FAILED_LINE line: tested on the text, then on each line
-    if word not in text:  # the common case: no split into lines
-        return []
-    failed = [m for line in text.splitlines() if word in line and (m := SAVE_FAILED_LINE.search(line))]
+    failed = _matches(text, "saving global_step", SAVE_FAILED_LINE)
     if not failed:
         return []
     tag, reason = failed[-1].groups()
