@@ -7,6 +7,7 @@ Every run is a real subprocess (or two under torchrun). Runs that several tests 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -888,3 +889,27 @@ def test_logging_only_flags_are_accepted_and_documented(kjv_data, tmp_path):
                  "abort_on_unmet_fused_kernel_constraints", "deepspeed_activation_checkpointing"):
         assert helps[dest].startswith("accepted, no effect"), dest
     assert helps["log_batch_size_to_tensorboard"].startswith("accepted; ")
+
+
+# ---------------------------------------------------------------------------------------------------------- profiling
+
+def test_pytorch_profiler_writes_one_trace_of_the_asked_iterations(kjv_data, tmp_path):
+    """Megatron-LM's --profile --use-pytorch-profiler: iterations [start, end) traced into --tensorboard-dir."""
+    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS * 6, save_interval=BIG, profile=True,
+                             use_pytorch_profiler=True, profile_step_start=2, profile_step_end=4)
+    done = succeeded(run_trainer(args, timeout=300))
+    assert max(records(done.stdout)) == 6
+    [trace] = (tmp_path / "tensorboard").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("name", "").startswith("iteration ")} == {"iteration 2", "iteration 3"}
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the ops inside them
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    ({"profile_step_start": 5, "profile_step_end": 5}, "the end must come after the start"),
+    ({"use_pytorch_profiler": True, "tensorboard_dir": None}, "give one"),
+    ({}, "add --use-pytorch-profiler"),  # nsys's range needs CUDA
+])
+def test_a_profile_the_run_cannot_take_is_one_line(kjv_data, tmp_path, flags, needle):
+    args = tiny_trainer_args(kjv_data, tmp_path, profile=True, **flags)
+    one_line_error(run_trainer(args, timeout=300), needle)

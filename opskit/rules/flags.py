@@ -263,6 +263,15 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
              help="accepted, no effect: the trainer keeps no Megatron timers to write"),
         Flag("--log-validation-ppl-to-tensorboard", switch=True,
              help="also write 'lm-loss-validation/lm loss validation ppl'"),
+        Flag("--profile", switch=True,
+             help="profile iterations [--profile-step-start, --profile-step-end) of the --profile-ranks (Megatron-LM): "
+                  "with --use-pytorch-profiler, Chrome traces into --tensorboard-dir; else the range for nsys "
+                  "(--capture-range=cudaProfilerApi)"),
+        Flag("--profile-step-start", type=int, default=10, ge=1),
+        Flag("--profile-step-end", type=int, default=12, gt=1),
+        Flag("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK",
+             help="global ranks to profile (default 0)"),
+        Flag("--use-pytorch-profiler", switch=True, help="--profile with torch.profiler instead of nsys's range"),
         Flag("--codecarbon-dir",
              help="CodeCarbon's offline emissions CSVs (emissions-RANK.csv) go here, when the codecarbon package is "
                   "installed (pip install codecarbon); otherwise a warning and training goes on"),

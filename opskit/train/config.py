@@ -103,6 +103,11 @@ class TrainConfig:
     tensorboard_queue_size: int
     log_validation_ppl_to_tensorboard: bool
     codecarbon_dir: str | None
+    profile: bool
+    profile_step_start: int
+    profile_step_end: int
+    profile_ranks: tuple[int, ...]
+    use_pytorch_profiler: bool
     # the process
     start_time: float
     """When this process started (seconds since the epoch): ``--exit-duration-in-mins`` counts from the earliest
@@ -125,6 +130,7 @@ class TrainConfig:
             data_path=tuple(args.data_path) if args.data_path is not None else None,
             rampup_batch_size=tuple(args.rampup_batch_size) if args.rampup_batch_size else None,
             skip_train_iteration_range=tuple(tuple(r) for r in args.skip_train_iteration_range or ()),
+            profile_ranks=tuple(args.profile_ranks),
         )
         return cls(**values, start_time=start_time,
                    rehearsal_minutes_per_iteration=rehearsal_minutes_per_iteration(environ))

@@ -54,6 +54,7 @@ from opskit.train.log import (  # torch-free: torch is imported where it is used
     print_datetime,
     validation_lines,
 )
+from opskit.train.profile import StepProfiler
 from opskit.train.stacks import arm_stack_dump, disarm_stack_dump
 from opskit.train.state import TrainState
 from opskit.train.tokenizer import vocab_sizes
@@ -188,6 +189,7 @@ class Trainer:
 
         # The flags checked against the files they name (before minutes of model building), and the schedules.
         check_data_files(config)
+        self.profiler = StepProfiler(config, world.rank)
         self.rampup = BatchRampup(config.global_batch_size, config.rampup_batch_size)
         self.train_iters = self.rampup.train_iters(config.train_samples)
         ds_config = build_deepspeed_config(config, self.rampup.batch_size(0))
@@ -277,8 +279,10 @@ class Trainer:
             arm_stack_dump(config.stack_dump_after_mins)  # a hung iteration prints every rank's stacks
             if self._skip_range_at_next_iteration():
                 continue
+            self.profiler.before_iteration(state.iteration + 1)
             step = self._train_step()
             iterations_run += 1
+            self.profiler.after_iteration(state.iteration)
             self.after_iteration(state.iteration)
             self._log(step)
             if self.do_valid and state.iteration % config.eval_interval == 0:
@@ -416,7 +420,9 @@ class Trainer:
         dist.barrier()  # every rank is done before the process groups go
 
     def close(self) -> None:
-        """Close TensorBoard's writer (it flushes its queue) and stop CodeCarbon (it writes its last row)."""
+        """Stop a profiler still running (its trace written), close TensorBoard's writer (it flushes its queue) and
+        stop CodeCarbon (it writes its last row)."""
+        self.profiler.stop()
         self.tensorboard.close()
         self.emissions.stop()
 
