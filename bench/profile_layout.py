@@ -8,11 +8,13 @@ iterations ``[--start, --start + --iters)`` traced on every rank): the layout on
 per iteration of its GPU timeline: the window (first kernel start to last kernel end over the traced iterations),
 the time any compute kernel runs, the time NCCL kernels run, NCCL time with no compute kernel running beside it
 (exposed communication), and idle time (no kernel at all: bubble, host overhead, waits); plus the kernels by class
-(GEMM, attention, NCCL, other) and the largest ones.
+(GEMM, attention, NCCL, other) and the largest ones, each iteration's host span, and the CUDA runtime calls the host
+spent most time in (launches, synchronizations, copies).
 
 Usage (a host with TP*PP GPUs)::
 
     python bench/profile_layout.py --tp 2 --pp 2 --micro-batches 16 --out DIR
+    python bench/profile_layout.py --extra=--torch-compile --out DIR     # a flag value: with '='
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def summarise(trace: Path, iterations: int) -> dict:
     for a, b, name in kernels:
         by_class[kernel_class(name)].append((a, b))
         names[name] += b - a
+    host: dict[str, float] = defaultdict(float)  # where the host blocks or launches (cuda_runtime calls)
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e.get("dur") is not None:
+            host[e["name"]] += e["dur"]
     compute = [iv for cls, ivs in by_class.items() if cls != "nccl" for iv in ivs]
     nccl = by_class.get("nccl", [])
     busy = union_length(compute + nccl)
@@ -84,6 +90,10 @@ def summarise(trace: Path, iterations: int) -> dict:
         "by_class_ms": {cls: round(sum(b - a for a, b in ivs) * per_iter, 2) for cls, ivs in sorted(by_class.items())},
         "top_kernels_ms": [(name[:90], round(t * per_iter, 2))
                            for name, t in sorted(names.items(), key=lambda kv: -kv[1])[:12]],
+        "iteration_spans_ms": [round(e["dur"] / 1e3, 1) for e in events
+                               if e.get("name", "").startswith("iteration ") and e.get("dur") is not None],
+        "top_cuda_runtime_ms": [(name, round(t * per_iter, 2))
+                                for name, t in sorted(host.items(), key=lambda kv: -kv[1])[:6]],
     }
 
 
