@@ -19,21 +19,46 @@ def plan(
     gpus: int = typer.Option(None, "--gpus", min=1, help="GPUs for the time estimate (default: the layout's)."),
     tflops: float = typer.Option(None, "--tflops", min=0.001,
                                  help="Achieved TFLOPs per GPU (default: BigScience's figure for the spec's GPU)."),
+    from_run: bool = typer.Option(False, "--from-run", help="Also the save interval from the run's own history: "
+                                                            "measured failures, save cost and iteration time."),
     json_output: bool = typer.Option(False, "--json", help="Machine-readable output (keys: docs/plan.md)."),
 ) -> None:
     """Parameters, memory, layout, batch ramp-up, LR and curriculum schedules, FLOPs and days of a training spec."""
+    from opskit.run.history import save_interval_advice
+    from opskit.run.paths import RunPaths
     from opskit.spec.load import load_spec
     from opskit.spec.plan import make_plan
 
     spec = load_spec(name, overrides={"parallel": {"nodes": nodes}} if nodes else None)
     result = make_plan(spec, tflops=tflops, gpus=gpus)
+    advice = save_interval_advice(RunPaths.of(spec), spec.checkpoint.save_interval) if from_run else None
     if json_output:
-        print_json(result.as_json())
+        print_json({**result.as_json(), **({"save_interval": advice.as_json()} if advice else {})})
         return
-    for table in _tables(spec, result):
+    for table in _tables(spec, result) + ([_advice_table(advice)] if advice else []):
         console.print(table)
-    for warning in result.warnings:
+    for warning in result.warnings + (advice.notes if advice else []):
         err_console.print(f"warning: {warning}")
+
+
+def _advice_table(advice) -> Table:
+    """The save interval from the run's history (:class:`opskit.run.history.SaveIntervalAdvice`)."""
+    table = _table("save interval from the run (Young/Daly: sqrt(2 x save cost x MTBF))")
+    table.add_row("run so far", f"{advice.tasks} task(s), {advice.hours_run:.1f} h running, {advice.failures} "
+                                f"failure(s)")
+    table.add_row("measured", f"MTBF {_or_unknown(advice.mtbf_hours, 'h')}, "
+                              f"save {_or_unknown(advice.save_seconds, 's')}"
+                              f", iteration {_or_unknown(advice.iteration_seconds, 's')}")
+    if advice.optimal_interval is not None:
+        table.add_row("best interval", f"{advice.optimal_interval:,} iterations: {advice.lost_at_optimal:.2%} of the "
+                                       "wall time lost to saves and redone work")
+    if advice.lost_at_spec is not None:
+        table.add_row("spec's interval", f"{advice.spec_interval:,} iterations: {advice.lost_at_spec:.2%}")
+    return table
+
+
+def _or_unknown(value: float | None, unit: str) -> str:
+    return "unknown" if value is None else f"{value:g} {unit}"
 
 
 def _table(title: str) -> Table:

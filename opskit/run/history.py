@@ -1,0 +1,112 @@
+"""What a run's own history says about its save interval: the measured mean time between failures, save cost and
+iteration time, and the interval that loses the least (:mod:`opskit.rules.reliability`), next to the spec's.
+
+From files the run already writes: the job script's ``[opskit] DATE TIME job J (array task T) nodes N: ...`` lines
+(each task's first and last give its running time), Megatron's ``time (ms) | save-checkpoint: X`` lines (what a save
+stopped training; BigScience's logs have them too), the iteration lines' ``elapsed time per iteration``, and the
+ledger's task outcomes (``FAILED``, ``NODE_FAIL`` and ``TIMEOUT`` lose the work since the last save: failures).
+The log is streamed once, line by line; memory does not grow with it.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from opskit.logs.parse import LogFormatError, read_tail, timeline
+from opskit.rules.reliability import lost_fraction, optimal_save_interval
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+
+_TASK_LINE = re.compile(rb"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) job \d+ \(array task (\S+)\) ")
+_SAVE_LINE = re.compile(rb"time \(ms\) \| save-checkpoint: ([0-9.]+)")
+RECENT_ITERATIONS = 100
+
+
+@dataclass(frozen=True)
+class SaveIntervalAdvice:
+    """The run's measured figures and Young/Daly's interval (iterations), next to the spec's; None where the history
+    holds no such figure (no failure yet, no save, no iteration). ``lost_*`` are shares of wall time (0.0115 is
+    1.15%); ``notes`` say in one line each what could not be measured."""
+
+    tasks: int
+    hours_run: float
+    failures: int
+    mtbf_hours: float | None
+    save_seconds: float | None
+    iteration_seconds: float | None
+    spec_interval: int | None
+    optimal_interval: int | None
+    lost_at_spec: float | None
+    lost_at_optimal: float | None
+    notes: list[str]
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def task_spans(log: Path) -> dict[str, tuple[datetime, datetime]]:
+    """Array task -> (its first, its last ``[opskit]`` line's time), in the log's order; {} without the file."""
+    spans: dict[str, tuple[datetime, datetime]] = {}
+    if not log.is_file():
+        return spans
+    with log.open("rb") as f:
+        for line in f:
+            if line.startswith(b"[opskit] ") and (m := _TASK_LINE.match(line)):
+                at, task = datetime.strptime(m[1].decode(), "%Y-%m-%d %H:%M:%S"), m[2].decode()
+                spans[task] = (spans[task][0] if task in spans else at, at)
+    return spans
+
+
+def save_seconds(log: Path) -> list[float]:
+    """Every ``time (ms) | save-checkpoint: X`` of the log, in seconds, in order; [] without the file."""
+    if not log.is_file():
+        return []
+    with log.open("rb") as f:
+        return [float(m[1]) / 1000 for line in f if b"save-checkpoint" in line and (m := _SAVE_LINE.search(line))]
+
+
+def save_interval_advice(run: RunPaths, spec_interval: int | None) -> SaveIntervalAdvice:
+    """The :class:`SaveIntervalAdvice` of a run from its log and ledger.
+
+    Raises:
+        ChainError: a ledger line that is not a record (naming the file and line).
+    """
+    spans = task_spans(run.main_log)
+    hours = sum((end - start).total_seconds() for start, end in spans.values()) / 3600
+    failures = sum(row.state in chain.FAILURES for row in chain.read_ledger(run))
+    saves = save_seconds(run.main_log)
+    iteration = _iteration_seconds(run.main_log)
+    notes = []
+    if not spans:
+        notes.append(f"{run.main_log}: no task of this run has started (no [opskit] job lines)")
+    if not failures:
+        notes.append(f"no failure in {hours:.1f} h of running: the mean time between failures is not known yet")
+    if not saves:
+        notes.append(f"{run.main_log}: no 'time (ms) | save-checkpoint' line: no save measured yet")
+    if iteration is None:
+        notes.append(f"{run.main_log}: no iteration line: the iteration time is not known yet")
+    mtbf_s = hours * 3600 / failures if failures and hours > 0 else None
+    save_s = statistics.median(saves) if saves else None
+    optimal = lost_spec = lost_best = None
+    if mtbf_s and save_s and iteration:
+        best_s = optimal_save_interval(save_s, mtbf_s)
+        optimal = max(round(best_s / iteration), 1)
+        lost_best = lost_fraction(optimal * iteration, save_s, mtbf_s)
+        lost_spec = lost_fraction(spec_interval * iteration, save_s, mtbf_s) if spec_interval else None
+    return SaveIntervalAdvice(len(spans), round(hours, 2), failures, mtbf_s and round(mtbf_s / 3600, 2),
+                              save_s and round(save_s, 2), iteration and round(iteration, 3), spec_interval, optimal,
+                              lost_spec, lost_best, notes)
+
+
+def _iteration_seconds(log: Path) -> float | None:
+    """The median ``elapsed time per iteration`` of the last :data:`RECENT_ITERATIONS` iteration lines."""
+    try:
+        records = timeline(read_tail(log, RECENT_ITERATIONS).records)
+    except (OSError, LogFormatError):
+        return None
+    times = [r["elapsed_time_per_iteration_s"] for r in records if r.get("elapsed_time_per_iteration_s")]
+    return statistics.median(times) if times else None
