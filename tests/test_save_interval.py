@@ -95,3 +95,22 @@ def test_plan_from_run_reports_the_advice_and_a_broken_ledger_in_one_line(tmp_pa
     done = CliRunner().invoke(app, ["plan", str(spec), "--from-run"])
     assert done.exit_code == 1
     assert f"{run.ledger}:1: not a ledger record" in done.output and "Traceback" not in done.output
+
+
+def test_the_watchdog_says_when_the_specs_interval_loses_over_1_percent_and_reads_the_log_once_per_failure(tmp_path):
+    from opskit.monitor.watchdog import WatchdogState, check_save_interval
+    from opskit.run import chain
+
+    run = _history(tmp_path, ["FAILED", "COMPLETED", "NODE_FAIL"])
+    state = WatchdogState()
+    [finding] = check_save_interval(run, 300, chain.read_ledger(run), state)
+    assert (finding.key, finding.severity) == ("checkpoint.save_interval", "warn")
+    assert finding.message.endswith("set checkpoint.save_interval 21 (next submit)"), finding.message
+    assert "MTBF 15 h (2 failure(s) in 30 h), save 40 s, iteration 100 s" in finding.message
+    [best] = check_save_interval(run, 21, chain.read_ledger(run), state)
+    assert best.severity == "ok" and not best.message.endswith("(next submit)")
+    run.main_log.unlink()  # the figures of two failures are kept: the log is not read again
+    assert check_save_interval(run, 300, chain.read_ledger(run), state) == [finding]
+    assert check_save_interval(RunPaths(tmp_path / "no-failure"), 300, [], WatchdogState()) == []
+    state = WatchdogState.from_json(json.loads(json.dumps(state.__dict__)))  # the state file round trip
+    assert state.measured["failures"] == 2

@@ -34,6 +34,7 @@ from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.monitor.findings import Finding, Report
 from opskit.monitor.pulse import pulse_lines, unreachable_line
 from opskit.run import chain
+from opskit.run.history import advise, save_interval_advice
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
@@ -51,6 +52,8 @@ NEW_TEXT = 8 << 20
 STACK_TEXT = 16 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
 _JOB_WORD = "[opskit] "  # what every JOB_HEADER line holds
+SAVE_INTERVAL_EXCESS = 0.01
+"""The share of wall time a save interval may lose over the best one before the watchdog says so (1%)."""
 
 
 # --------------------------------------------------------------------------- state
@@ -79,6 +82,9 @@ class WatchdogState:
     """The newest complete step seen (``global_stepN``)."""
     last_running: float | None = None
     """When a task of the run was last seen running (epoch s)."""
+    measured: dict | None = None
+    """The run's measured save-interval figures (:func:`opskit.run.history.save_interval_advice`'s JSON), taken
+    again only when the ledger's failure count changes: the log is read whole for them."""
 
     @classmethod
     def from_json(cls, data: object) -> WatchdogState:
@@ -87,7 +93,8 @@ class WatchdogState:
         if not isinstance(data, dict):
             return cls()
         kinds = {"offset": int, "inode": int, "history": list, "skipped": int, "last_iteration_at": (int, float),
-                 "job_nodes": str, "events_iteration": int, "checkpoint": str, "last_running": (int, float)}
+                 "job_nodes": str, "events_iteration": int, "checkpoint": str, "last_running": (int, float),
+                 "measured": dict}
         return cls(**{key: value for key, value in data.items() if key in kinds and isinstance(value, kinds[key])
                       and not isinstance(value, bool)})
 
@@ -612,6 +619,32 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
                                f"{seconds_per_iteration:.3g} s/it", {**data, "expected_s": round(expected)})]
 
 
+def check_save_interval(run: RunPaths, save_interval: int, ledger: list[chain.TaskOutcome],
+                        state: WatchdogState) -> list[Finding]:
+    """``checkpoint.save_interval``: the run's measured MTBF, save cost and iteration time, Young/Daly's interval and
+    what the spec's loses (:mod:`opskit.run.history`); a warning when it loses more than
+    :data:`SAVE_INTERVAL_EXCESS` of the wall time over the best one. Nothing before the first failure (no MTBF)."""
+    failures = sum(row.state in chain.FAILURES for row in ledger)
+    if not failures:
+        return []
+    measured = state.measured
+    if measured is None or measured.get("failures") != failures:
+        measured = state.measured = save_interval_advice(run, save_interval).as_json()
+    hours = measured.get("hours_run") or 0.0
+    advice = advise(measured.get("tasks", 0), hours, failures, hours * 3600 / failures if hours else None,
+                    measured.get("save_seconds"), measured.get("iteration_seconds"), save_interval)
+    if advice.optimal_interval is None or advice.lost_at_spec is None:
+        return []
+    excess = advice.lost_at_spec - advice.lost_at_optimal
+    fix = f": set checkpoint.save_interval {advice.optimal_interval} (next submit)" \
+        if excess > SAVE_INTERVAL_EXCESS else ""
+    return [Finding("checkpoint.save_interval", "warn" if fix else "ok",
+                    f"measured MTBF {advice.mtbf_hours:g} h ({failures} failure(s) in {hours:g} h), save "
+                    f"{advice.save_seconds:g} s, iteration {advice.iteration_seconds:g} s: a save every "
+                    f"{save_interval} iterations loses {advice.lost_at_spec:.2%} of the wall time, every "
+                    f"{advice.optimal_interval} {advice.lost_at_optimal:.2%}{fix}", advice.as_json())]
+
+
 def check_disk(run: RunPaths, wd: WatchdogSpec) -> list[Finding]:
     """Bytes and inodes used on the file system holding the run directory (fs-watchdog's check), from one
     ``statvfs`` call; bytes as ``df`` and psutil count them: used / (used + available to users)."""
@@ -691,7 +724,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
         checkpoint = check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
                                       _save_due(run, ledger, state, records, spec.checkpoint.save_interval))
         state.checkpoint = next((f.data["tag"] for f in checkpoint if f.key == "checkpoint.age"), state.checkpoint)
-        findings += checkpoint
+        findings += checkpoint + check_save_interval(run, spec.checkpoint.save_interval, ledger, state)
     findings += check_disk(run, spec.watchdog)
     # The checks only looked; what the watchdog does about their findings happens here, once all are in.
     findings = _act(findings, running, spec.watchdog)

@@ -91,15 +91,21 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None) -> SaveInterv
         notes.append(f"{run.main_log}: no iteration line: the iteration time is not known yet")
     mtbf_s = hours * 3600 / failures if failures and hours > 0 else None
     save_s = statistics.median(saves) if saves else None
+    return advise(len(spans), hours, failures, mtbf_s, save_s, iteration, spec_interval, notes)
+
+
+def advise(tasks: int, hours: float, failures: int, mtbf_s: float | None, save_s: float | None,
+           iteration_s: float | None, spec_interval: int | None, notes: list[str] = ()) -> SaveIntervalAdvice:
+    """The advice from measured figures (seconds; None: not measured): Young/Daly's interval in whole iterations
+    (at least 1) and the share of wall time lost at it and at ``spec_interval``, where all three figures exist."""
     optimal = lost_spec = lost_best = None
-    if mtbf_s and save_s and iteration:
-        best_s = optimal_save_interval(save_s, mtbf_s)
-        optimal = max(round(best_s / iteration), 1)
-        lost_best = lost_fraction(optimal * iteration, save_s, mtbf_s)
-        lost_spec = lost_fraction(spec_interval * iteration, save_s, mtbf_s) if spec_interval else None
-    return SaveIntervalAdvice(len(spans), round(hours, 2), failures, mtbf_s and round(mtbf_s / 3600, 2),
-                              save_s and round(save_s, 2), iteration and round(iteration, 3), spec_interval, optimal,
-                              lost_spec, lost_best, notes)
+    if mtbf_s and save_s and iteration_s:
+        optimal = max(round(optimal_save_interval(save_s, mtbf_s) / iteration_s), 1)
+        lost_best = lost_fraction(optimal * iteration_s, save_s, mtbf_s)
+        lost_spec = lost_fraction(spec_interval * iteration_s, save_s, mtbf_s) if spec_interval else None
+    return SaveIntervalAdvice(tasks, round(hours, 2), failures, mtbf_s and round(mtbf_s / 3600, 2),
+                              save_s and round(save_s, 2), iteration_s and round(iteration_s, 3), spec_interval,
+                              optimal, lost_spec, lost_best, list(notes))
 
 
 def _iteration_seconds(log: Path) -> float | None:
