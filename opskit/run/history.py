@@ -69,15 +69,17 @@ def save_seconds(log: Path) -> list[float]:
         return [float(m[1]) / 1000 for line in f if b"save-checkpoint" in line and (m := _SAVE_LINE.search(line))]
 
 
-def save_interval_advice(run: RunPaths, spec_interval: int | None) -> SaveIntervalAdvice:
-    """The :class:`SaveIntervalAdvice` of a run from its log and ledger.
+def save_interval_advice(run: RunPaths, spec_interval: int | None,
+                         ledger: list[chain.TaskOutcome] | None = None) -> SaveIntervalAdvice:
+    """The :class:`SaveIntervalAdvice` of a run from its log and ``ledger`` (default: the run's, read here).
 
     Raises:
-        ChainError: a ledger line that is not a record (naming the file and line).
+        ChainError: reading the ledger here, a line that is not a record (naming the file and line).
     """
     spans = task_spans(run.main_log)
     hours = sum((end - start).total_seconds() for start, end in spans.values()) / 3600
-    failures = sum(row.state in chain.FAILURES for row in chain.read_ledger(run))
+    ledger = chain.read_ledger(run) if ledger is None else ledger
+    failures = sum(row.state in chain.FAILURES for row in ledger)
     saves = save_seconds(run.main_log)
     iteration = _iteration_seconds(run.main_log)
     notes = []
