@@ -101,8 +101,9 @@ def measure(layers: int, tp: int, pp: int, micro_batches: list[int], args, data:
             "intercept_s": round(t1 - slope * m1, 4)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The layout and model shape flags this bench and bench/profile_layout.py share (tr11's shape scaled to 30
+    layers, TP2 x PP2)."""
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--layers", type=int, default=30)
@@ -110,6 +111,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--mbs", type=int, default=2, help="tr11's micro-batch size")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_layout_arguments(parser)
     # 8 and 16 micro-batches, 6 iterations: both layouts' four runs fit one 10-minute device call (8 and 32 at 8
     # iterations did not finish in 290 s)
     parser.add_argument("--micro-batches", type=int, nargs=2, default=[8, 16], metavar=("M1", "M2"))

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_layout import trainer_flags  # noqa: E402
+from pipeline_layout import add_layout_arguments, trainer_flags  # noqa: E402
 from trainer_throughput import REPO, make_data  # noqa: E402
 
 CLASSES = (("nccl", ("nccl",)), ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
@@ -112,13 +112,7 @@ def profiled_run(flags: list[str], gpus: int, start: int, iters: int, tb: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--mbs", type=int, default=2)
+    add_layout_arguments(parser)
     parser.add_argument("--micro-batches", type=int, default=16)
     parser.add_argument("--start", type=int, default=4, help="first traced iteration (after warm-up)")
     parser.add_argument("--iters", type=int, default=2, help="traced iterations")

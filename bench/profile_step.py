@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_layout import union_length  # noqa: E402
 from trainer_throughput import BLOOM, HEADS, H, L, S, make_data  # noqa: E402
 
 
@@ -40,18 +41,9 @@ def trainer_args(data: Path, tokenizer: Path, opts) -> list[str]:
 
 def busy_fraction(prof, iterations: int) -> tuple[float, float]:
     """(GPU busy ms per iteration, kernel-time ms per iteration) from the profiler's device events."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type.name == "CUDA")
-    busy, end = 0.0, -1.0
+    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     total = sum(b - a for a, b in intervals)
-    for a, b in intervals:
-        if a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
-    return busy / 1000 / iterations, total / 1000 / iterations
+    return union_length(intervals) / 1000 / iterations, total / 1000 / iterations
 
 
 def print_synchronizations(prof, iterations: int) -> None:
