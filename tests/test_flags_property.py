@@ -122,6 +122,8 @@ def test_train_iters_renders_a_flag_the_trainer_parses(tmp_path):
     ("loss_scale", [1, 2], "--loss-scale takes 1 value, got 2"),
     ("log_timers_to_tensorboard", 1, "--log-timers-to-tensorboard is a switch: use true or false"),
     ("skip_train_iteration_range", [], "an empty list; use false or null to leave the flag out"),
+    ("profile_step_end", 0, "--profile-step-end must be > 1, not 0"),  # the trainer's bound (the property test found
+    ("profile_ranks", [0, -1], "--profile-ranks must be >= 0, not -1"),  # a spec passing what the parser refused)
 ])
 def test_megatron_args_hold_only_what_the_trainer_takes(tmp_path, key, value, message):
     """A flag the trainer does not define, one another field sets, or a value its type or choices refuse is one
@@ -308,7 +310,8 @@ def test_rendered_flags_parse_back_to_the_spec(tmp_path_factory, raw):
                 run.checkpoints, run.checkpoints, run.tensorboard, run.kill_switch, run.finished_flag, run.ds_config))
     for key, value in spec.megatron_args.items():
         flag = flags.FLAGS[key]
-        assert parsed[key] == (bool(value) if flag.switch else flag.type(str(value))), key
+        values = [flag.type(str(v)) for v in (value if isinstance(value, list) else [value])]
+        assert parsed[key] == (bool(value) if flag.switch else values if flag.nargs else values[0]), key
 
 
 @settings(PROPERTY)

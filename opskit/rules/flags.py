@@ -269,7 +269,7 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
                   "(--capture-range=cudaProfilerApi)"),
         Flag("--profile-step-start", type=int, default=10, ge=1),
         Flag("--profile-step-end", type=int, default=12, gt=1),
-        Flag("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK",
+        Flag("--profile-ranks", type=int, nargs="+", default=[0], metavar="RANK", ge=0,
              help="global ranks to profile (default 0)"),
         Flag("--use-pytorch-profiler", switch=True, help="--profile with torch.profiler instead of nsys's range"),
         Flag("--codecarbon-dir",
@@ -325,7 +325,7 @@ def flag_problem(key: str, value: Any) -> str | None:
 
     ``value`` is a YAML scalar or list: ``true`` is a bare switch, ``false`` / ``null`` leaves the flag out, a list
     gives several values. Checked against the table: the flag exists, no spec field or derivation owns it, and its
-    argparse type, choices and nargs take the value (``$VAR`` strings are checked as written).
+    argparse type, choices, nargs and bounds take the value (``$VAR`` strings are checked as written).
     """
     flag = FLAGS.get(key)
     if flag is None:
@@ -353,6 +353,8 @@ def flag_problem(key: str, value: Any) -> str | None:
             return f"{flag.option} takes {_kind(flag)}, not {item!r}"
         if flag.choices is not None and parsed not in flag.choices:
             return f"{flag.option} takes one of {', '.join(map(str, flag.choices))}, not {item!r}"
+        if flag.bounds and (problem := flag.bound_problem(parsed)):
+            return f"{flag.option} {problem}, not {item!r}"
     return None
 
 
