@@ -76,6 +76,13 @@ def test_a_run_without_failures_or_never_started_says_what_it_cannot_measure(tmp
     advice = save_interval_advice(_history(tmp_path, ["COMPLETED"]), 300)
     assert advice.mtbf_hours is None and advice.optimal_interval is None
     assert advice.notes == ["no failure in 30.0 h of running: the mean time between failures is not known yet"]
+    garbled = RunPaths(tmp_path / "garbled")
+    garbled.main_log.parent.mkdir(parents=True)
+    garbled.main_log.write_bytes(b"[opskit] 2022-13-45 99:00:00 job 1 (array task 1_1) nodes n1: start\n\xff\xfe"
+                                 b"time (ms) | save-checkpoint: 12x\n" + bytes(range(256)))
+    garbled.main_log.write_bytes(garbled.main_log.read_bytes() + b"\ntime (ms) | save-checkpoint: 1.2.3\n")
+    mangled = save_interval_advice(garbled, 300)  # an impossible date, garbled numbers, binary: no traceback
+    assert (mangled.tasks, mangled.save_seconds) == (0, None)
     empty = save_interval_advice(RunPaths(tmp_path / "never"), 300)
     assert (empty.tasks, empty.save_seconds, empty.iteration_seconds) == (0, None, None)
     assert any("no task of this run has started" in note for note in empty.notes)

@@ -22,7 +22,7 @@ from opskit.run import chain
 from opskit.run.paths import RunPaths
 
 _TASK_LINE = re.compile(rb"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) job \d+ \(array task (\S+)\) ")
-_SAVE_LINE = re.compile(rb"time \(ms\) \| save-checkpoint: ([0-9.]+)")
+_SAVE_LINE = re.compile(rb"time \(ms\) \| save-checkpoint: (\d+(?:\.\d+)?)\s*$")  # a cut or garbled number: no save
 RECENT_ITERATIONS = 100
 
 
@@ -49,14 +49,19 @@ class SaveIntervalAdvice:
 
 
 def task_spans(log: Path) -> dict[str, tuple[datetime, datetime]]:
-    """Array task -> (its first, its last ``[opskit]`` line's time), in the log's order; {} without the file."""
+    """Array task -> (its first, its last ``[opskit]`` line's time), in the log's order; {} without the file. A line
+    whose time is no date (garbled) is skipped."""
     spans: dict[str, tuple[datetime, datetime]] = {}
     if not log.is_file():
         return spans
     with log.open("rb") as f:
         for line in f:
             if line.startswith(b"[opskit] ") and (m := _TASK_LINE.match(line)):
-                at, task = datetime.strptime(m[1].decode(), "%Y-%m-%d %H:%M:%S"), m[2].decode()
+                try:
+                    at = datetime.strptime(m[1].decode(), "%Y-%m-%d %H:%M:%S")
+                except ValueError:
+                    continue
+                task = m[2].decode(errors="replace")
                 spans[task] = (spans[task][0] if task in spans else at, at)
     return spans
 
