@@ -141,7 +141,7 @@ def test_verify_catches_a_corrupted_and_a_missing_object(run, tmp_path):
     victim.write_bytes(bytes(data))
     (target / "global_step100" / "mp_rank_01_model_states.pt").unlink()
     report = verify(f"file://{target}")
-    problems = report["global_step100"]
+    problems = report.steps["global_step100"]
     assert problems[0].startswith("global_step100/layer_03-model_00-model_states.pt: CRC32C ")
     assert problems[1] == "global_step100/mp_rank_01_model_states.pt: missing"
     done = cli("verify", f"file://{target}")
@@ -177,7 +177,7 @@ def test_interrupted_backup_resumes_without_copying_again(run, tmp_path, monkeyp
     (result,) = backup(run, url, steps=[100], workers=2)
     assert sorted(result.skipped) == sorted(puts)
     assert len(result.copied) == 8 - 3 and result.verified
-    assert verify(url) == {"global_step100": []}
+    assert verify(url).steps == {"global_step100": []}
     assert json.loads((run / ".opskit-backups.json").read_text())[url]["global_step100"]["files"] == 8
 
 
@@ -419,10 +419,12 @@ def test_verify_reports_every_step_folder_without_a_manifest(run, tmp_path):
 
     (target / "manifests").rename(tmp_path / "manifests")  # no manifest at all: still every folder reported
     report = verify(f"file://{target}")
-    assert list(report) == ["global_step100", "global_step200", "global_step300"] and all(report.values())
+    assert list(report.steps) == ["global_step100", "global_step200", "global_step300"] and not report.ok
+    assert all(report.steps.values())
 
     (target / "latest").write_text("global_step400")
-    assert verify(f"file://{target}")["latest"] == ["latest: names 'global_step400', which is no step of this backup"]
+    assert verify(f"file://{target}").steps["latest"] == [
+        "latest: names 'global_step400', which is no step of this backup"]
 
 
 def test_prune_needs_a_backup_that_can_resume_the_step(run, tmp_path):
@@ -487,5 +489,5 @@ def test_backup_of_a_read_only_checkpoint_dir_copies_every_step_and_says_prune_w
     assert [(r.tag, r.verified) for r in results] == [(f"global_step{s}", True) for s in (100, 200, 300)]
     assert all(r.unrecorded == f"not recorded in {run / '.opskit-backups.json'} (Permission denied): prune will "
                                "not count this backup" for r in results)
-    assert not (run / ".opskit-backups.json").exists() and verify(f"file://{tmp_path / 'b'}") == {
+    assert not (run / ".opskit-backups.json").exists() and verify(f"file://{tmp_path / 'b'}").steps == {
         "global_step100": [], "global_step200": [], "global_step300": []}

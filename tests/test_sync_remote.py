@@ -144,13 +144,13 @@ def test_ckpt_backup_and_verify_through_gs(gcs, tmp_path):
     url = f"gs://{bucket}/backups/tr1"
     [result] = backup(tmp_path / "checkpoints", url)
     assert result.verified and sorted(k.split("/")[-1] for k in result.copied) == weights  # optimizer states stay
-    assert verify(url) == {"global_step10": []}
+    assert verify(url).steps == {"global_step10": []}
     tampered = tmp_path / "tampered.pt"
     data = bytearray((step / "layer_01-model_00-model_states.pt").read_bytes())
     data[-100] ^= 0xFF  # same size, one byte changed
     tampered.write_bytes(data)
     open_target(url).put(tampered, "global_step10/layer_01-model_00-model_states.pt")
-    assert "CRC32C" in verify(url)["global_step10"][0]
+    assert "CRC32C" in verify(url).steps["global_step10"][0]
 
 
 def test_interrupted_gs_backup_resumes_without_copying_again(gcs, tmp_path):
@@ -167,7 +167,7 @@ def test_interrupted_gs_backup_resumes_without_copying_again(gcs, tmp_path):
     [result] = backup(tmp_path / "checkpoints", url, workers=1)
     assert result.verified and sorted(result.copied + result.skipped) == [f"global_step10/{w}" for w in weights]
     assert f"global_step10/{weights[0]}" in result.skipped  # the 1st object reached the bucket: not sent again
-    assert verify(url) == {"global_step10": []}
+    assert verify(url).steps == {"global_step10": []}
 
 
 # --- Hub uploads (stand-in) --------------------------------------------------------------------------------------

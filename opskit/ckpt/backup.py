@@ -303,10 +303,24 @@ def verify_manifest(target: Target, manifest: dict) -> list[str]:
     return problems
 
 
-def verify(url: str) -> dict[str, list[str]]:
-    """Re-check a backup: step tag -> problems (empty when the step is intact), for every manifest and every
-    ``global_stepN`` folder at ``url`` (one without a manifest is unverifiable: a problem), ascending by step; and
-    ``"latest"`` -> problems when ``latest`` names no step of the backup.
+@dataclass(frozen=True)
+class Verification:
+    """What :func:`verify` found: step tag -> problems (empty when the step is intact), ascending by step, and
+    ``"latest"`` -> problems when ``latest`` names no step of the backup."""
+
+    steps: dict[str, list[str]]
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.steps.values())
+
+    def as_json(self) -> dict[str, list[str]]:
+        return self.steps
+
+
+def verify(url: str) -> Verification:
+    """Re-check a backup: every manifest and every ``global_stepN`` folder at ``url`` (one without a manifest is
+    unverifiable: a problem), and ``latest`` (:class:`Verification`).
 
     Raises:
         TargetError: an unusable URL. CheckpointFormatError: neither manifests nor step folders at ``url``.
@@ -334,7 +348,7 @@ def verify(url: str) -> dict[str, list[str]]:
     latest = (target.read_text("latest") or "").strip()
     if latest and latest not in report:
         report["latest"] = [f"latest: names {latest[:40]!r}, which is no step of this backup"]
-    return report
+    return Verification(report)
 
 
 def read_record(checkpoint_dir: str | Path) -> dict[str, dict[str, dict]]:

@@ -91,23 +91,19 @@ def inspect(
     resumed on another layout: the step it was reshaped from); exit 1 when the step is incomplete (its problems
     listed), unless it is a weights-only backup's copy of a complete step (a note says so). A universal folder
     (global_stepN_universal): what it was converted from."""
-    from opskit.ckpt.format.info import inspect_step
-    from opskit.ckpt.format.layout import resolve_step_dir
-    from opskit.ckpt.format.universal import origin_text, universal_origin
+    from opskit.ckpt.format.universal import origin_text
+    from opskit.ckpt.listing import inspect_checkpoint
 
-    if (origin := universal_origin(Path(step_dir))) is not None:
-        if json_output:
-            print_json({"path": step_dir, "universal": origin})
-        else:
-            console.print(f"{step_dir}: {origin_text(origin)}")
-        return
-    report = inspect_step(resolve_step_dir(step_dir))
-    usable = report["complete"] or report["weights_only_backup"]
-    if report["weights_only_backup"]:
+    inspection = inspect_checkpoint(step_dir)
+    report = inspection.step
+    if report is not None and report["weights_only_backup"]:
         _weights_only_note(report["path"], "inspecting its weights")
     if json_output:
-        print_json(report)
-        raise typer.Exit(0 if usable else 1)
+        print_json(inspection.as_json())
+        raise typer.Exit(0 if inspection.usable else 1)
+    if report is None:
+        console.print(f"{step_dir}: {origin_text(inspection.universal)}")
+        return
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
                   f"consumed tokens {report['consumed_tokens']}")
     if report["reshaped_from"]:
@@ -121,7 +117,7 @@ def inspect(
         console.print(name)
         for key, t in tensors.items():
             console.print(f"  {key:48s} {str(t['shape']):>16s} {t['dtype']}")
-    if not usable:
+    if not inspection.usable:
         for problem in report["problems"]:
             err_console.print(f"incomplete: {problem}")
         raise typer.Exit(1)
@@ -365,13 +361,13 @@ def verify(
 
     report = verify_backup(url)
     if json_output:
-        print_json(report)
+        print_json(report.as_json())
     else:
-        for tag, problems in report.items():
+        for tag, problems in report.steps.items():
             console.print(f"{tag}: {'OK' if not problems else 'FAILED'}")
             for problem in problems:
                 console.print(f"  {problem}")
-    if any(report.values()):
+    if not report.ok:
         raise typer.Exit(1)
 
 
