@@ -631,8 +631,8 @@ def check_save_interval(run: RunPaths, save_interval: int, ledger: list[chain.Ta
     if measured is None or measured.get("failures") != failures:
         measured = state.measured = save_interval_advice(run, save_interval, ledger).as_json()
     hours = measured.get("hours_run") or 0.0
-    advice = advise(measured.get("tasks", 0), hours, failures, hours * 3600 / failures if hours else None,
-                    measured.get("save_seconds"), measured.get("iteration_seconds"), save_interval)
+    advice = advise(measured.get("tasks", 0), hours, failures, measured.get("save_seconds"),
+                    measured.get("iteration_seconds"), save_interval)
     if advice.optimal_interval is None or advice.lost_at_spec is None:
         return []
     excess = advice.lost_at_spec - advice.lost_at_optimal

@@ -48,12 +48,14 @@ class SaveIntervalAdvice:
         return asdict(self)
 
 
-def task_spans(log: Path) -> dict[str, tuple[datetime, datetime]]:
-    """Array task -> (its first, its last ``[opskit]`` line's time), in the log's order; {} without the file. A line
-    whose time is no date (garbled) is skipped."""
+def log_figures(log: Path) -> tuple[dict[str, tuple[datetime, datetime]], list[float]]:
+    """In one pass over the log: array task -> (its first, its last ``[opskit]`` line's time), in the log's order,
+    and every ``time (ms) | save-checkpoint: X`` in seconds, in order; ({}, []) without the file. A line whose time
+    is no date, or whose save time is no number (garbled), is skipped."""
     spans: dict[str, tuple[datetime, datetime]] = {}
+    saves: list[float] = []
     if not log.is_file():
-        return spans
+        return spans, saves
     with log.open("rb") as f:
         for line in f:
             if line.startswith(b"[opskit] ") and (m := _TASK_LINE.match(line)):
@@ -63,15 +65,9 @@ def task_spans(log: Path) -> dict[str, tuple[datetime, datetime]]:
                     continue
                 task = m[2].decode(errors="replace")
                 spans[task] = (spans[task][0] if task in spans else at, at)
-    return spans
-
-
-def save_seconds(log: Path) -> list[float]:
-    """Every ``time (ms) | save-checkpoint: X`` of the log, in seconds, in order; [] without the file."""
-    if not log.is_file():
-        return []
-    with log.open("rb") as f:
-        return [float(m[1]) / 1000 for line in f if b"save-checkpoint" in line and (m := _SAVE_LINE.search(line))]
+            elif b"save-checkpoint" in line and (m := _SAVE_LINE.search(line)):
+                saves.append(float(m[1]) / 1000)
+    return spans, saves
 
 
 def save_interval_advice(run: RunPaths, spec_interval: int | None,
@@ -81,11 +77,10 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None,
     Raises:
         ChainError: reading the ledger here, a line that is not a record (naming the file and line).
     """
-    spans = task_spans(run.main_log)
+    spans, saves = log_figures(run.main_log)
     hours = sum((end - start).total_seconds() for start, end in spans.values()) / 3600
     ledger = chain.read_ledger(run) if ledger is None else ledger
     failures = sum(row.state in chain.FAILURES for row in ledger)
-    saves = save_seconds(run.main_log)
     iteration = _iteration_seconds(run.main_log)
     notes = []
     if not spans:
@@ -96,15 +91,16 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None,
         notes.append(f"{run.main_log}: no 'time (ms) | save-checkpoint' line: no save measured yet")
     if iteration is None:
         notes.append(f"{run.main_log}: no iteration line: the iteration time is not known yet")
-    mtbf_s = hours * 3600 / failures if failures and hours > 0 else None
     save_s = statistics.median(saves) if saves else None
-    return advise(len(spans), hours, failures, mtbf_s, save_s, iteration, spec_interval, notes)
+    return advise(len(spans), hours, failures, save_s, iteration, spec_interval, notes)
 
 
-def advise(tasks: int, hours: float, failures: int, mtbf_s: float | None, save_s: float | None,
-           iteration_s: float | None, spec_interval: int | None, notes: list[str] = ()) -> SaveIntervalAdvice:
-    """The advice from measured figures (seconds; None: not measured): Young/Daly's interval in whole iterations
-    (at least 1) and the share of wall time lost at it and at ``spec_interval``, where all three figures exist."""
+def advise(tasks: int, hours: float, failures: int, save_s: float | None, iteration_s: float | None,
+           spec_interval: int | None, notes: list[str] = ()) -> SaveIntervalAdvice:
+    """The advice from measured figures (seconds; None: not measured): the MTBF (``hours`` of running over
+    ``failures``), Young/Daly's interval in whole iterations (at least 1) and the share of wall time lost at it and
+    at ``spec_interval``, where the MTBF, ``save_s`` and ``iteration_s`` all exist."""
+    mtbf_s = hours * 3600 / failures if failures and hours > 0 else None
     optimal = lost_spec = lost_best = None
     if mtbf_s and save_s and iteration_s:
         optimal = max(round(optimal_save_interval(save_s, mtbf_s) / iteration_s), 1)
