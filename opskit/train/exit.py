@@ -46,7 +46,7 @@ class ExitPolicy:
         job array's tasks then end at once."""
         if not _on_any_rank(self._kill_switch_on())[0]:
             return False
-        print_datetime(f"Detected kill switch at {self.config.kill_switch_path}. Exiting")
+        print_datetime(self._kill_switch_line())
         return True
 
     def reason(self, iteration: int, iterations_run: int) -> str | None:
@@ -61,7 +61,7 @@ class ExitPolicy:
             self.requests.usr1,
         )
         if kill:
-            return f"Detected kill switch at {config.kill_switch_path}. Exiting"
+            return self._kill_switch_line()
         if timed_out:
             return f"exiting program after {minutes:.4f} minutes"
         if usr1:
@@ -69,6 +69,9 @@ class ExitPolicy:
         if config.exit_interval and iteration % config.exit_interval == 0:
             return f"exiting program at iteration {iteration}"
         return None
+
+    def _kill_switch_line(self) -> str:
+        return f"Detected kill switch at {self.config.kill_switch_path}. Exiting"  # Megatron's words
 
     def _kill_switch_on(self) -> bool:
         return bool(self.config.kill_switch_path) and os.path.exists(self.config.kill_switch_path)
