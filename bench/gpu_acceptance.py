@@ -5,9 +5,12 @@ LayerNorm, clip 1.0, GBS 16 of MBS 2, 20 iterations saved at 10 and 20; each res
 ``global_step10`` and is compared with that run's iterations 11..20):
 
 1. ``resume TP2xPP2 bf16 ZeRO-0``: tr11's choices; the same-layout resume must give the uninterrupted losses exactly.
+   The same saved in the background (``--async-save``: pinned copies on the CUDA stream, writer threads): the run's
+   losses are the synchronous run's, and its ``global_step10`` resumes exactly. On 2 GPUs both use PP2.
 2. every layout change README's "Changing the number of nodes" promises, each within ``LAYOUT_REL`` (the CPU tests'
    bf16 bound) of its uninterrupted run: TP2xPP2 -> DP4, TP2xPP2 -> TP2xDP2, DP4 -> TP2xPP2 (bf16 ZeRO-0),
-   DP4 -> TP2xDP2 (bf16 ZeRO-1), DP4 -> DP2 (fp16 ZeRO-1), DP2 -> DP4 (8-bit Adam, fp32 ZeRO-0).
+   DP4 -> TP2xDP2 (bf16 ZeRO-1), DP4 -> DP2 (fp16 ZeRO-1), DP2 -> DP4 (8-bit Adam, fp32 ZeRO-0). A host of 2 GPUs
+   checks PP2 -> DP2, TP2 -> PP2 (bf16 ZeRO-0) and DP2 -> TP2 (bf16 ZeRO-1) instead; rows 4 then run on DP2.
 3. ``opskit ckpt check`` and ``opskit ckpt convert`` (the CLI, as users run it) of the TP2xPP2 run's
    ``global_step20``: check OK, and the converted transformers model's logits against the checkpoint's own forward
    (opskit.train.inference: the trainer's layers, TP and PP merged) on the same tokens.
@@ -92,10 +95,14 @@ class Layout:
         return ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
 
 
-TP2PP2, DP4, TP2DP2, DP2 = Layout(tp=2, pp=2), Layout(dp=4), Layout(tp=2, dp=2), Layout(dp=2)
+TP2PP2, DP4, TP2DP2, DP2, PP2 = Layout(tp=2, pp=2), Layout(dp=4), Layout(tp=2, dp=2), Layout(dp=2), Layout(pp=2)
 LAYOUT_CHANGES = [  # (saved on, resumed on, precision): README's promise, tr11's bf16 ZeRO-0 first
     (TP2PP2, DP4, "bf16 ZeRO-0"), (TP2PP2, TP2DP2, "bf16 ZeRO-0"), (DP4, TP2PP2, "bf16 ZeRO-0"),
     (DP4, TP2DP2, "bf16 ZeRO-1"), (DP4, DP2, "fp16 ZeRO-1"), (DP2, DP4, "8-bit Adam"),
+]
+TP2 = Layout(tp=2)
+LAYOUT_CHANGES_ON_2 = [  # what a host of 2 GPUs can check of the same promise (the rows above then skip)
+    (PP2, DP2, "bf16 ZeRO-0"), (TP2, PP2, "bf16 ZeRO-0"), (DP2, TP2, "bf16 ZeRO-1"),
 ]
 
 
@@ -137,6 +144,8 @@ class Bench:
 
     def __init__(self, data: Path, scratch: Path, out: Path | None, gpus: int, cuda: bool):
         self.data, self.scratch, self.out, self.gpus, self.cuda = data, scratch, out, gpus, cuda
+        self.base = TP2PP2 if gpus >= TP2PP2.gpus else PP2  # rows 1 and 3
+        self.all_dp = DP4 if gpus >= DP4.gpus else DP2  # rows 4
         self.failed_logs: list[str] = []
         self._lock = threading.Lock()
 
@@ -161,10 +170,10 @@ class Bench:
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         return process, save
 
-    def run(self, name: str, layout: Layout, precision: str, load: Path | None = None) -> Run:
+    def run(self, name: str, layout: Layout, precision: str, load: Path | None = None, extra: list[str] = ()) -> Run:
         """A whole run to iteration 20 (or from ``load``'s latest step)."""
         started = time.monotonic()
-        process, save = self.start(name, layout, precision, load)
+        process, save = self.start(name, layout, precision, load, extra=extra)
         try:
             output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -212,9 +221,28 @@ def compare(resumed: Run, straight: Run, exact: bool) -> tuple[bool, str, dict]:
 # ------------------------------------------------------------------------------------------------------------ rows
 
 def row_same_layout(bench: Bench, straight: Run) -> Row:
-    resumed = bench.run("resume TP2xPP2", TP2PP2, "bf16 ZeRO-0", copy_of_step(straight, bench.scratch / "from-A"))
+    resumed = bench.run(f"resume {bench.base}", bench.base, "bf16 ZeRO-0",
+                        copy_of_step(straight, bench.scratch / "from-A"))
     ok, figure, detail = compare(resumed, straight, exact=True)
-    return Row("1. resume TP2xPP2 bf16 ZeRO-0 (same layout, exact)", ok, figure, detail)
+    return Row(f"1. resume {bench.base} bf16 ZeRO-0 (same layout, exact)", ok, figure, detail)
+
+
+def row_async_save(bench: Bench, straight: Run) -> Row:
+    """The base layout saved with ``--async-save``: its 20 iterations print ``straight``'s losses, and a resume of
+    its ``global_step10`` (also saving in the background) gives them exactly."""
+    name = f"1. async saves {bench.base} bf16 ZeRO-0 (same losses, exact resume)"
+    background = bench.run(f"async {bench.base}", bench.base, "bf16 ZeRO-0", extra=["--async-save"])
+    if background.returncode != 0:
+        return Row(name, False, f"{background.name}: exit {background.returncode}")
+    same = {i: r["lm_loss"] for i, r in background.records().items()} == \
+        {i: r["lm_loss"] for i, r in straight.records().items()}
+    resumed = bench.run(f"resume async {bench.base}", bench.base, "bf16 ZeRO-0",
+                        copy_of_step(background, bench.scratch / "from-async"), extra=["--async-save"])
+    ok, figure, detail = compare(resumed, straight, exact=True)
+    blocked = [line.split(": ")[1] for line in background.text_lines()
+               if line.startswith("time (ms) | save-checkpoint: ")]
+    return Row(name, ok and same, f"{'same' if same else 'DIFFERENT'} losses as saved synchronously; resume "
+                                  f"{figure}; blocked ms per save {blocked}", {**detail, "blocked_ms": blocked})
 
 
 def row_layout_change(bench: Bench, straight: Run, saved: Layout, target: Layout, precision: str) -> Row:
@@ -228,9 +256,9 @@ def row_layout_change(bench: Bench, straight: Run, saved: Layout, target: Layout
 
 
 def row_check_and_convert(bench: Bench, straight: Run) -> Row:
-    """``opskit ckpt check --json`` and ``opskit ckpt convert --dtype fp32`` of the TP2xPP2 run's last step."""
+    """``opskit ckpt check --json`` and ``opskit ckpt convert --dtype fp32`` of the base layout run's last step."""
     if straight.returncode != 0:
-        return Row("3. ckpt check + convert of TP2xPP2", False, f"no checkpoint: {straight.name} failed")
+        return Row(f"3. ckpt check + convert of {bench.base}", False, f"no checkpoint: {straight.name} failed")
     cli = [sys.executable, "-m", "opskit.cli.app", "ckpt"]
     step = straight.save / f"global_step{ITERATIONS}"
     check = subprocess.run([*cli, "check", str(step), "--json"], capture_output=True, text=True, cwd=REPO)
@@ -249,7 +277,7 @@ def row_check_and_convert(bench: Bench, straight: Run) -> Row:
     if not ok:
         bench.failed_logs.append(f"===== ckpt check\n{check.stdout[-3000:]}{check.stderr[-3000:]}\n"
                                  f"===== ckpt convert\n{convert.stdout[-3000:]}{convert.stderr[-3000:]}")
-    return Row("3. ckpt check + convert of TP2xPP2 step 20", ok, figure,
+    return Row(f"3. ckpt check + convert of {bench.base} step 20", ok, figure,
                {"check": report, "convert": convert.stdout.strip()[-500:]})
 
 
@@ -268,7 +296,7 @@ def row_crash(bench: Bench) -> Row:
     crash line to torchrun's exit), and the crash finder must name local rank 1 (from torchrun's prefix)."""
     from opskit.logs.crash import find_crashes
 
-    process, _ = bench.start("crash DP4", DP4, "bf16 ZeRO-0", env=fault_env("crash"))
+    process, _ = bench.start(f"crash {bench.all_dp}", bench.all_dp, "bf16 ZeRO-0", env=fault_env("crash"))
     lines, crashed_at = [], None
     limit = threading.Timer(240, kill_group, (process,))
     limit.start()
@@ -283,10 +311,10 @@ def row_crash(bench: Bench) -> Row:
     ranks = {c.local_rank for c in crashes if c.local_rank is not None}  # torchrun's own summary has no prefix
     ok = process.returncode != 0 and bool(crashes) and crashes[0].local_rank == 1 and ranks == {1}
     if not ok:
-        bench.failed_logs.append("===== crash DP4\n" + "\n".join(lines[-200:]))
+        bench.failed_logs.append(f"===== crash {bench.all_dp}\n" + "\n".join(lines[-200:]))
     where = crashes[0].where if crashes else "nothing"
     ended = f"ended {ended_after:.0f} s after the crash line" if ended_after is not None else "no crash line"
-    return Row("4. crash of local rank 1 (DP4)", ok,
+    return Row(f"4. crash of local rank 1 ({bench.all_dp})", ok,
                f"exit {process.returncode}, {ended}; {len(crashes)} crash line(s), first: {where}",
                {"crashes": [c.line for c in crashes], "ended_after_s": ended_after})
 
@@ -298,7 +326,7 @@ def row_hang(bench: Bench) -> Row:
     from opskit.logs.crash import line_source
     from opskit.logs.stacks import rank_stacks, stuck_ranks
 
-    process, _ = bench.start("hang DP4", DP4, "bf16 ZeRO-0", env=fault_env("hang"),
+    process, _ = bench.start(f"hang {bench.all_dp}", bench.all_dp, "bf16 ZeRO-0", env=fault_env("hang"),
                              extra=["--stack-dump-after-mins", str(HANG_DUMP_MINUTES)])
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
@@ -311,7 +339,7 @@ def row_hang(bench: Bench) -> Row:
             found_at = time.monotonic()
         if hang_at is not None:
             stacks = rank_stacks(list(lines)[hang_at:], nodes=[socket.gethostname()])
-            if len(stacks) == DP4.gpus:
+            if len(stacks) == bench.all_dp.gpus:
                 time.sleep(2)  # the last dump's remaining lines
                 stacks = rank_stacks(list(lines)[hang_at:], nodes=[socket.gethostname()])
                 break
@@ -322,12 +350,12 @@ def row_hang(bench: Bench) -> Row:
     stuck = stuck_ranks(stacks)
     ok = [s.local_rank for s in stuck] == [1]
     if not ok:
-        bench.failed_logs.append("===== hang DP4\n" + "\n".join(line_source(x)[2] for x in lines[-300:]))
+        bench.failed_logs.append(f"===== hang {bench.all_dp}\n" + "\n".join(line_source(x)[2] for x in lines[-300:]))
     others = sorted({s.innermost for s in stacks if s.local_rank != 1})
     figure = (f"{len(stacks)} rank(s) dumped {dumped_after:.0f} s after the hang; stuck: "
               f"{', '.join(s.where for s in stuck) or 'none named'}" if hang_at is not None
               else "the fault hook's hang line never came")
-    return Row("4. hang of local rank 1 (DP4)", ok, figure,
+    return Row(f"4. hang of local rank 1 ({bench.all_dp})", ok, figure,
                {"stuck": [f"{s.where}: {s.innermost}" for s in stuck], "waiting_ranks_innermost": others})
 
 
@@ -352,19 +380,20 @@ def row_weak_scaling(gpus: int) -> Row:
 
 def acceptance_rows(bench: Bench, jobs: int) -> list[Row]:
     """Rows 1-4: the uninterrupted runs first (in parallel), then every resume, check, crash and hang."""
-    fits = [(saved, target, precision) for saved, target, precision in LAYOUT_CHANGES
+    changes = LAYOUT_CHANGES + (LAYOUT_CHANGES_ON_2 if bench.gpus < DP4.gpus else [])
+    fits = [(saved, target, precision) for saved, target, precision in changes
             if max(saved.gpus, target.gpus) <= bench.gpus and (bench.cuda or precision != "fp16 ZeRO-1")]
     skipped = [Row(f"2. {precision} {saved} -> {target}", None,
                    "needs 4 GPUs" if max(saved.gpus, target.gpus) > bench.gpus else "fp16 needs a GPU")
-               for saved, target, precision in LAYOUT_CHANGES if (saved, target, precision) not in fits]
-    sources = {(TP2PP2, "bf16 ZeRO-0")} | {(saved, precision) for saved, _, precision in fits}
+               for saved, target, precision in changes if (saved, target, precision) not in fits]
+    sources = {(bench.base, "bf16 ZeRO-0")} | {(saved, precision) for saved, _, precision in fits}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         straight = dict(zip(sources, pool.map(lambda s: bench.run(f"{s[1]} {s[0]}", s[0], s[1]), sources), strict=True))
-        tp2pp2 = straight[(TP2PP2, "bf16 ZeRO-0")]
-        futures = [pool.submit(row_same_layout, bench, tp2pp2), pool.submit(row_check_and_convert, bench, tp2pp2)]
+        base = straight[(bench.base, "bf16 ZeRO-0")]
+        futures = [pool.submit(row, bench, base) for row in (row_same_layout, row_async_save, row_check_and_convert)]
         futures += [pool.submit(row_layout_change, bench, straight[(saved, precision)], saved, target, precision)
                     for saved, target, precision in fits]
-        futures += [pool.submit(row_crash, bench), pool.submit(row_hang, bench)] if bench.gpus >= DP4.gpus else []
+        futures += [pool.submit(row_crash, bench), pool.submit(row_hang, bench)]
         rows = [f.result() for f in futures]
     return rows + skipped
 

@@ -104,18 +104,26 @@ def plan_gib(mbs: int, gas: int, gpus: int, extra: list[str]) -> float:
     return make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), overrides)).memory.total_gib_per_gpu
 
 
+def trainer_flags(mbs: int, gbs: int, iters: int, data: Path, tokenizer: Path, extra: list[str],
+                  log_interval: int = 5) -> list[str]:
+    """``python -m opskit.train``'s flags for this file's 1.3B GPT-2: bf16, ZeRO-1, ``iters`` iterations of ``gbs``
+    samples, ``extra`` appended."""
+    return [
+        "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
+        "--max-position-embeddings", str(S), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+        "--train-samples", str(gbs * iters), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-samples", str(gbs),
+        "--bf16", "--zero-stage", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--log-interval", str(log_interval), "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer),
+        "--seed", "1", *extra,
+    ]
+
+
 def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters: int, mbs: int, gpus: int = 1,
                 gas: int = 1) -> dict:
     """One trainer run at data parallelism ``gpus`` (torchrun when > 1), global batch ``mbs * gas * gpus`` (``gas``
     micro-batches per GPU and iteration, so weak scaling). ``tokens_per_s`` counts all GPUs; ``mfu`` is per GPU."""
     gbs = mbs * gas * gpus
-    args = [
-        "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(HEADS), "--seq-length", str(S),
-        "--max-position-embeddings", str(S), "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
-        "--train-samples", str(gbs * iters), "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-samples", str(gbs),
-        "--bf16", "--zero-stage", "1", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "5",
-        "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), "--seed", "1", *extra,
-    ]
+    args = trainer_flags(mbs, gbs, iters, data, tokenizer, extra)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)] if gpus > 1 else \
         [sys.executable]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -36,9 +36,11 @@ ITERATIONS = 2 * MAX_KILL_RUNS + 4  # each killed run moves `latest` on by one o
 SAVE_TIME = re.compile(r"^time \(ms\) \| save-checkpoint: ([\d.]+)$", re.M)
 
 
-def chain_args(data, out: Path) -> list[str]:
-    """The flags of every run of the crash test (reference, killed and resumed): a save after every iteration."""
-    return tiny_trainer_args(data, out, train_samples=ITERATIONS * GBS, save_interval=1, tensorboard_dir=None)
+def chain_args(data, out: Path, async_save: bool = False) -> list[str]:
+    """The flags of every run of the crash test (reference, killed and resumed): a save after every iteration, in
+    the background with ``async_save``."""
+    return tiny_trainer_args(data, out, train_samples=ITERATIONS * GBS, save_interval=1, tensorboard_dir=None,
+                             async_save=async_save)
 
 
 def losses(stdout: str) -> dict[int, float]:
@@ -127,15 +129,26 @@ def interrupted_save(stdout: str) -> int | None:
     return int(begun[-1]) if begun and begun[-1] not in finished else None
 
 
-def test_sigkill_during_saves_resumes_from_a_complete_step_with_the_same_losses(kjv_data, reference, tmp_path):
+def handed_off(stdout: str, iteration: int) -> bool:
+    """Whether the save at ``iteration`` had returned to training while its files were still being written (a
+    background save: its ``save-checkpoint`` time printed, its ``successfully saved`` line not)."""
+    after = stdout[stdout.rindex(f"saving checkpoint at iteration {iteration:7d}"):]
+    return "time (ms) | save-checkpoint: " in after and "successfully saved checkpoint" not in after
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_during_saves_resumes_from_a_complete_step_with_the_same_losses(kjv_data, reference, tmp_path,
+                                                                                 async_save):
     """The chain's tasks killed with SIGKILL at moments spread over whole saves: after every kill ``latest`` names a
     complete step, and the next task (same flags) resumes from it and prints the uninterrupted run's losses; in the
-    end every step folder is complete (each one a kill cut short was written again by the next task)."""
+    end every step folder is complete (each one a kill cut short was written again by the next task). With
+    ``--async-save`` the kills land in the background writes, while training goes on (the reference run saved
+    synchronously: the losses are the same either way)."""
     save = tmp_path / "checkpoints"
     save.mkdir()
     shutil.copytree(reference.save / "global_step1", save / "global_step1")
     write_latest(save, "global_step1")
-    args = chain_args(kjv_data, tmp_path)
+    args = chain_args(kjv_data, tmp_path, async_save)
     step_bytes = sum(f.stat().st_size for f in (reference.save / "global_step1").iterdir())
     rng = random.Random(0)
     # Moments spread evenly over the save: the k-th kill at a random point of the k-th slice of its bytes.
@@ -157,7 +170,8 @@ def test_sigkill_during_saves_resumes_from_a_complete_step_with_the_same_losses(
         step = save / f"global_step{interrupted}"
         assert after in (f"global_step{interrupted - 1}", step.name), (before, after, interrupted)
         kills.append({"latest_moved": after == step.name, "written": folder_bytes(step) / step_bytes,
-                      "files": len(list(step.iterdir())) if step.is_dir() else 0})
+                      "files": len(list(step.iterdir())) if step.is_dir() else 0,
+                      "training_went_on": handed_off(stdout, interrupted)})
     before = assert_latest_is_complete(save)
     final = subprocess.run([sys.executable, "-m", "opskit.train", *args], capture_output=True, text=True,
                            timeout=300, env=dict(os.environ, OMP_NUM_THREADS="2"), cwd=REPO)
@@ -165,11 +179,17 @@ def test_sigkill_during_saves_resumes_from_a_complete_step_with_the_same_losses(
     assert assert_resumed_exactly(final.stdout, save, before, reference)[-1] == ITERATIONS
     assert assert_latest_is_complete(save) == f"global_step{ITERATIONS}"
     assert [s.iteration for s in list_steps(save)[1] if not s.complete] == []
+    went_on = sum(k["training_went_on"] for k in kills)
+    if async_save:  # the kills that matter: training had left the save to the writer thread
+        assert went_on >= KILLS // 2, kills
+    else:
+        assert went_on == 0, kills
     files = {n: sum(k["files"] == n for k in kills) for n in sorted({k["files"] for k in kills})}
     print(f"\n{runs} kills ({len(kills)} inside a save, {runs - len(kills)} after it had finished), {runs} clean "
           f"resumes; a save of {step_bytes} bytes took {statistics.median(reference.saves_ms):.1f} ms (median of the "
           f"reference run's; {min(reference.saves_ms):.1f}-{max(reference.saves_ms):.1f}); kills after "
-          f"`latest` moved: {sum(k['latest_moved'] for k in kills)}; files of the step being written at the kill -> "
+          f"`latest` moved: {sum(k['latest_moved'] for k in kills)}; kills while training went on (the save in "
+          f"the background): {went_on}; files of the step being written at the kill -> "
           f"kills: {files}; share of the step's bytes written at the kill: "
           f"{sorted(round(k['written'], 2) for k in kills)}")
 
@@ -234,13 +254,15 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "--lazy", str(point)], capture_output=True, timeout=30)
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("full_in", ["layer file", "optimizer shard"])
-def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, reference, small_fs, tmp_path, full_in):
+def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, reference, small_fs, tmp_path, full_in,
+                                                               async_save):
     """A file system with room for one step and part of the next: it fills inside the next step's first layer file,
     or inside its ZeRO optimizer shard (written after every model file: the likeliest case, 3/4 of the bytes). The
     first task saves global_step2; the next one fails to save global_step4 with one error line and exit 2,
     ``latest`` and every earlier file are untouched, the cut-short step is not complete, and the watchdog alerts on
-    the line."""
+    the line. A background save (``--async-save``) fails the same way, from its writer thread."""
     one_step = reference.save / "global_step1"
     room = sum(pages(f) for f in one_step.iterdir()) + sum(pages(f) for f in reference.save.iterdir() if f.is_file())
     if full_in == "layer file":  # DeepSpeed writes the layer files first
@@ -251,7 +273,7 @@ def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, referen
     fs = small_fs(room)
     save = fs / "checkpoints"
     args = tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, save_interval=2, exit_interval=2, save=save,
-                             load=save, tensorboard_dir=None)
+                             load=save, tensorboard_dir=None, async_save=async_save)
     first = run_trainer(args)
     assert first.returncode == 0, first.stderr[-3000:]
     assert read_latest(save) == "global_step2"

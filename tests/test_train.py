@@ -473,11 +473,14 @@ def test_pp2_resume_is_exact(pp2):
     assert latest(pp2["resumed"].save) == "global_step20"
 
 
-def test_bf16_zero0_pp2_resume_is_exact(kjv_data, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_bf16_zero0_pp2_resume_is_exact(kjv_data, tmp_path, async_save):
     """tr11's setting: bf16, ZeRO-0, PP=2, clipping. DeepSpeed 0.18.5-0.19.8 fail this resume with KeyError: 0
-    (docs/deepspeed-bf16-zero0.md); the trainer loads the optimizer states itself there (opskit.train.ds_compat)."""
+    (docs/deepspeed-bf16-zero0.md); the trainer loads the optimizer states itself there (opskit.train.ds_compat).
+    Saved in the background (``--async-save``), the steps resume the same way: both stages' files written before
+    ``latest`` moved, the last save finished before the run ended."""
     flags = dict(train_samples=160, save_interval=10, exit_interval=20, bf16=True, zero_stage=0, clip_grad=1.0,
-                 pipeline_model_parallel_size=2)
+                 pipeline_model_parallel_size=2, async_save=async_save)
     straight = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "straight", **flags), nproc=2))
     step = tmp_path / "straight" / "checkpoints" / "global_step10"
     assert {p.name for p in step.glob("bf16_zero_*")} == {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -488,6 +491,8 @@ def test_bf16_zero0_pp2_resume_is_exact(kjv_data, tmp_path):
     got, want = printed(resumed.stdout), printed(straight.stdout)
     assert sorted(got) == list(range(11, 21))
     assert all((f["loss"], f["lr"]) == (want[i]["loss"], want[i]["lr"]) for i, f in got.items()), (got, want)
+    assert latest(tmp_path / "resumed" / "checkpoints") == "global_step20"
+    assert ("save-checkpoint-background" in resumed.stdout) == async_save
 
 
 # ---------------------------------------------------------------------------------------------------------- 7b. TP=2

@@ -21,7 +21,8 @@ Every other flag is free: the spec sets it under ``megatron_args`` (``key_name: 
 Megatron-DeepSpeed spells ``--deepspeed_config`` with an underscore; the table keeps that spelling.
 
 Defaults are Megatron-DeepSpeed's (the trainer keeps its flags' semantics); a spec field with a default has the same
-one, or None (the flag is left out, so the trainer's default applies). Value bounds (``gt``/``ge``/``lt``/``le``)
+one, or None (the flag is left out, so the trainer's default applies), except the opskit choices of
+:data:`SPEC_DEFAULTS` (``checkpoint.async_save``: jobs save in the background unless the spec says not). Value bounds (``gt``/``ge``/``lt``/``le``)
 are the flag's too: the trainer's parser applies them and the spec field declares them with :func:`bounds`.
 tests/test_flags_property.py checks both.
 """
@@ -240,6 +241,9 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--save", derived=_RUN_DIR),
         Flag("--load", derived=_RUN_DIR),
         Flag("--save-interval", type=int, section="checkpoint", gt=0),
+        Flag("--async-save", switch=True, section="checkpoint",
+             help="write checkpoints in the background (Megatron-LM's flag): training goes on once the state is "
+                  "copied to host memory; `latest` moves when every rank's files are written"),
         Flag("--exit-interval", type=int),
         Flag("--exit-duration-in-mins", type=float, derived="slurm.time and slurm.exit_margin_mins"),
         Flag("--kill-switch-path", derived=_RUN_DIR, help="if this file exists: save and exit"),
@@ -302,6 +306,12 @@ FIELD_EXCEPTIONS: dict[str, str] = {
     "data.vocab_size": "opskit data prepare and the vocabulary padding rules",
 }
 """Fields of :data:`SECTIONS` that are no flag of their own name, and what they become instead."""
+
+SPEC_DEFAULTS: dict[str, object] = {
+    "checkpoint.async_save": True,
+}
+"""Spec fields whose default is opskit's choice rather than the trainer flag's (Megatron's, kept for commands written
+for Megatron-DeepSpeed): an opskit job saves in the background unless the spec sets ``async_save: false``."""
 
 DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("train_micro_batch_size_per_gpu",): "micro_batch_size",

@@ -278,6 +278,9 @@ class CheckpointSpec(_Section):
     """Checkpoints, evaluation, logging and the seed."""
 
     save_interval: int = Field(**flags.bounds("save_interval"))
+    async_save: bool = flags.SPEC_DEFAULTS["checkpoint.async_save"]
+    """Write checkpoints in the background (``--async-save``): training stands still only while the state is copied
+    to host memory (which needs about the size of each rank's files in host RAM)."""
     log_interval: int = Field(default=100, **flags.bounds("log_interval"))
     eval_interval: int | None = Field(default=None, **flags.bounds("eval_interval"))
     eval_iters: int | None = Field(default=None, **flags.bounds("eval_iters"))

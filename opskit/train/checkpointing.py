@@ -9,11 +9,13 @@ the previous complete step.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +42,9 @@ from opskit.ckpt.format.universal import (
 from opskit.rules.model import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
 from opskit.train.state import TrainState
+
+if TYPE_CHECKING:
+    from opskit.train.async_save import BackgroundSaves
 
 CHECKPOINT_VERSION = 3.0
 
@@ -76,14 +81,18 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
-def _write_through_python_file(zipfile_serialization: bool, state_dict, path: str) -> None:
+def write_through_python_file(zipfile_serialization: bool, state_dict, path: str, fsync: bool = False) -> None:
     """DeepSpeed's ``TorchCheckpointEngine.save``, but torch.save into a Python file, so that a failed write (disk
     full, quota) surfaces as the OSError with its errno, and the path is added. Given a path name, torch.save writes
     from C++ and raises a RuntimeError that names neither ("unexpected pos 576 vs 534"). The zip's records are then
-    named ``archive/...`` rather than ``<file stem>/...``; torch.load and opskit's reader take either."""
+    named ``archive/...`` rather than ``<file stem>/...``; torch.load and opskit's reader take either. ``fsync``:
+    also flush the file to the device before returning (a background save, where it costs the training nothing)."""
     try:
         with open(path, "wb") as f:
             torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile_serialization)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:
         # torch's zip writer replaces the file's OSError with that RuntimeError while closing the archive
         error = e if isinstance(e, OSError) else e.__context__
@@ -93,46 +102,75 @@ def _write_through_python_file(zipfile_serialization: bool, state_dict, path: st
 
 
 def _name_failed_writes(engine) -> None:
-    """Route the DeepSpeed engine's torch.save calls through :func:`_write_through_python_file` (idempotent; another
-    checkpoint engine, such as DeepSpeed's fast writer, is left as it is)."""
+    """Route the DeepSpeed engine's torch.save calls through :func:`write_through_python_file` (idempotent; another
+    checkpoint engine, such as DeepSpeed's fast writer or opskit's background one, is left as it is)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     writer = engine.checkpoint_engine
     if type(writer) is TorchCheckpointEngine:
-        writer.save = partial(_write_through_python_file, writer.zipfile_serialization)
+        writer.save = partial(write_through_python_file, writer.zipfile_serialization)
 
 
-def _failure_reason(error: OSError, where: Path) -> str:
+def failure_reason(error: OSError, where: Path) -> str:
     """``[Errno 28] No space left on device (<file>)``: the file the error names, else ``where``."""
     if error.errno is None:
         return f"{error} ({where})"
     return f"[Errno {error.errno}] {error.strerror} ({error.filename or where})"
 
 
-def save_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None:
+def save_checkpoint(engine, args: argparse.Namespace, state: TrainState,
+                    background: BackgroundSaves | None = None) -> None:
     """Save ``global_step{state.iteration}`` under ``--save`` from every rank, then move ``latest`` to it. The
     state's counters go into the saved ``args`` under Megatron's names, the consumed tokens into ``tokens``.
+
+    With ``background`` (``--async-save``), the previous background save is finished first, the files are handed to
+    the writer threads and this returns; ``background`` moves ``latest`` once every rank has written them. Either
+    way ``time (ms) | save-checkpoint: X`` is the time training stood still.
 
     Raises:
         CheckpointError: a file could not be written (disk full, quota, permissions): one line naming the step, the
             OS error and the file. ``latest`` still names the previous step, whose files are untouched; the files
             of this step written so far stay (an incomplete step for ``opskit ckpt list``).
     """
+    started = time.time()
+    if background is not None:
+        background.wait()
     iteration = state.iteration
     tag = step_tag(iteration)
     if dist.get_rank() == 0:
         print(f"saving checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
-    started = time.time()
+    _name_failed_writes(engine)
+    where = Path(args.save) / tag
+    try:
+        engine.save_checkpoint(args.save, tag=tag, client_state=_client_state(args, state), save_latest=False)
+        if background is None:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                where = Path(args.save) / "latest"
+                write_latest(args.save, tag)
+    except OSError as e:
+        raise CheckpointError(save_failed_message(tag, failure_reason(e, where))) from None
+    if background is not None:
+        background.started(tag, iteration, started)
+    elif dist.get_rank() == 0:
+        print(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
+    if dist.get_rank() == 0:
+        print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
+
+
+def _client_state(args: argparse.Namespace, state: TrainState) -> dict:
+    """What Megatron-DeepSpeed adds to ``mp_rank_XX_model_states.pt``: the args with the state's counters under
+    Megatron's names, the iteration, the consumed tokens, the vocabulary sizes, the RNG states."""
     saved_args = argparse.Namespace(**vars(args))
     saved_args.consumed_valid_samples = state.consumed_valid_samples
     saved_args.skipped_train_samples = state.skipped_train_samples
-    saved_args.applied_skip_train_iteration_ranges = state.applied_skip_train_iteration_ranges
+    saved_args.applied_skip_train_iteration_ranges = list(state.applied_skip_train_iteration_ranges)
     saved_args.consumed_train_samples = state.consumed_train_samples
-    saved_args.iteration = iteration
-    client_state = {
+    saved_args.iteration = state.iteration
+    return {
         "args": saved_args,
         "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": iteration,
+        "iteration": state.iteration,
         "tokens": state.consumed_train_tokens,
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size,
                             "original_vocab_size": args.original_vocab_size},
@@ -140,19 +178,6 @@ def save_checkpoint(engine, args: argparse.Namespace, state: TrainState) -> None
         **({"reshaped_from": state.reshaped_from} if state.reshaped_from else {}),
         **_rng_state(),
     }
-    _name_failed_writes(engine)
-    where = Path(args.save) / tag
-    try:
-        engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            where = Path(args.save) / "latest"
-            write_latest(args.save, tag)
-    except OSError as e:
-        raise CheckpointError(save_failed_message(tag, _failure_reason(e, where))) from None
-    if dist.get_rank() == 0:
-        print(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
-        print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ class TrainConfig:
     save: str | None
     load: str | None
     save_interval: int | None
+    async_save: bool
     exit_interval: int | None
     exit_duration_in_mins: float | None
     kill_switch_path: str | None

@@ -213,6 +213,8 @@ class Trainer:
                                        enabled=world.is_last_rank)
         self.tensorboard.restart_marker(self.state.iteration, world.size)
         self.emissions = Emissions.start(config.codecarbon_dir, world.rank)
+        # 8. saves in the background (--async-save): a writer thread per rank
+        self.background = _background_saves(self.engine, config)
 
     def _resume(self, model) -> None:
         """Load ``--load`` (if it has a checkpoint) into the engine and the state; heal the TP-duplicated parameters
@@ -287,6 +289,8 @@ class Trainer:
             self._log(step)
             if self.do_valid and state.iteration % config.eval_interval == 0:
                 self._evaluate_and_print(f"iteration {state.iteration}")
+            if self.background is not None:
+                self.background.poll()
             if config.save and state.iteration % config.save_interval == 0:
                 self._save()
                 self.emissions.flush()
@@ -397,7 +401,7 @@ class Trainer:
     def _save(self) -> None:
         from opskit.train.checkpointing import save_checkpoint
 
-        save_checkpoint(self.engine, self.args, self.state)
+        save_checkpoint(self.engine, self.args, self.state, self.background)
         self.state.last_saved = self.state.iteration
 
     def _finish(self, exit_reason: str | None) -> None:
@@ -413,6 +417,8 @@ class Trainer:
                 self._evaluate_and_print("the end of training for val data")
         if config.save and state.last_saved != state.iteration:
             self._save()
+        if self.background is not None:
+            self.background.wait()  # the last save complete, `latest` on it, before the run ends
         if exit_reason and rank == 0:
             print_datetime(exit_reason)
         if exit_reason is None and rank == 0 and config.finished_flag_path:
@@ -420,11 +426,24 @@ class Trainer:
         dist.barrier()  # every rank is done before the process groups go
 
     def close(self) -> None:
-        """Stop a profiler still running (its trace written), close TensorBoard's writer (it flushes its queue) and
-        stop CodeCarbon (it writes its last row)."""
+        """Stop a profiler still running (its trace written), close TensorBoard's writer (it flushes its queue),
+        stop CodeCarbon (it writes its last row) and the background checkpoint writer (a save it has not finished is
+        left incomplete: after an error, ``latest`` stays where it was)."""
+        if self.background is not None:
+            self.background.close()
         self.profiler.stop()
         self.tensorboard.close()
         self.emissions.stop()
+
+
+def _background_saves(engine, config: TrainConfig):
+    """``--async-save`` with ``--save``: the engine's files written by a thread per rank
+    (:class:`opskit.train.async_save.BackgroundSaves`); None otherwise."""
+    if not (config.save and config.async_save):
+        return None
+    from opskit.train.async_save import BackgroundSaves
+
+    return BackgroundSaves.install(engine, config.save)
 
 
 def _write_finished_flag(path: Path, state: TrainState) -> None:
