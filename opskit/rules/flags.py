@@ -22,9 +22,9 @@ Megatron-DeepSpeed spells ``--deepspeed_config`` with an underscore; the table k
 
 Defaults are Megatron-DeepSpeed's (the trainer keeps its flags' semantics); a spec field with a default has the same
 one, or None (the flag is left out, so the trainer's default applies), except the opskit choices of
-:data:`SPEC_DEFAULTS` (``checkpoint.async_save``: jobs save in the background unless the spec says not). Value bounds (``gt``/``ge``/``lt``/``le``)
-are the flag's too: the trainer's parser applies them and the spec field declares them with :func:`bounds`.
-tests/test_flags_property.py checks both.
+:data:`SPEC_DEFAULTS` (``checkpoint.async_save``: jobs save in the background unless the spec says not). Value
+bounds (``gt``/``ge``/``lt``/``le``) are the flag's too: the trainer's parser applies them and the spec field
+declares them with :func:`bounds`. tests/test_flags_property.py checks both.
 """
 
 from __future__ import annotations
