@@ -100,3 +100,13 @@ failed_at=$(python -c 'import json,sys; print(next(json.loads(l)["time"] for l i
 next_at=$(grep -oP '^\[opskit\] \K\S+ \S+(?= job \S+ \(array task \S+_2\) nodes \S+: start$)' "$RUN/logs/main_log.txt" |
           head -1)
 echo "crash recorded $failed_at -> task 2 running $next_at: $(($(date -d "$next_at" +%s) - $(date -d "$failed_at" +%s))) s"
+
+step "opskit goodput $NAME --out $RUN/goodput.png   (the crash's redone iterations: from the resume point to 6)"
+COLUMNS=120 opskit goodput "$NAME" --out "$RUN/goodput.png"
+redone=$(opskit goodput "$NAME" --json | python -c 'import json,sys; print(json.load(sys.stdin)["tasks"][0]["redone_iterations"])')
+if [ "$redone" -ne $((6 - ${resumed:-0})) ]; then
+    echo "goodput: task 1 lost $redone iterations; the crash at 6 after the save at ${resumed:-0} lost" \
+         "$((6 - ${resumed:-0}))" >&2
+    exit 1
+fi
+echo "redone iterations of task 1: $redone = 6 (the crash) - ${resumed:-0} (the last save): exact"

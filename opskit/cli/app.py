@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from opskit import __version__
-from opskit.cli import chain, ckpt, cron, data, logs, plan, rehearse, specs, status, submit, sync, train
+from opskit.cli import chain, ckpt, cron, data, goodput, logs, plan, rehearse, specs, status, submit, sync, train
 
 app = typer.Typer(
     name="opskit",
@@ -36,6 +36,7 @@ app.command("rehearse")(rehearse.rehearse)
 app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
             add_help_option=False)(train.train)
 app.command("status")(status.status)
+app.command("goodput")(goodput.goodput)
 app.command("sync")(sync.sync)
 app.command("kill-switch")(chain.kill_switch)
 app.command("cancel")(chain.cancel)

@@ -46,7 +46,11 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
             err_console.print(f"error: alert not sent: {failure}")
         code = 2 if outcome.failures else code
     if json_output:
-        print_json({**report.as_json(), "exit_code": code, "alerts": outcome.as_json() if outcome else None})
+        from opskit.run.goodput import summary
+        from opskit.run.paths import RunPaths
+
+        print_json({**report.as_json(), "exit_code": code, "alerts": outcome.as_json() if outcome else None,
+                    "goodput": summary(RunPaths.of(spec), spec.watchdog)})
         return code
     for line in report.pulse_lines:
         console.print(line)

@@ -382,8 +382,7 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
         return []
     since = max(log.last_iteration_at or 0, running_since.timestamp())
     silent = now.timestamp() - since
-    limit = max(wd.hang_factor * interval, wd.hang_min_minutes * 60)
-    if silent <= limit:
+    if silent <= wd.hang_limit_s(interval):
         return []
     last = log.records[-1]["iteration"] if log.records else None
     return [Finding("log.hang", "alert", f"no new iteration line for {silent / 60:.0f} min while running (usually "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -228,6 +230,7 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes, warnings=problems)
         if not dry_run:
             write_run(spec, run, job)
+            log_submission(run, "local", tasks)
             submission.local_tasks = local.run_array(
                 run.script, spec.job_name, tasks, spec.slurm.time_minutes * 60, spec.slurm.signal_margin_secs,
                 run.slurm_dir, on_start=on_local_task)
@@ -252,7 +255,20 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
     if not dry_run:
         write_run(spec, run, job)
         submission.job_id = client.sbatch(run.script, array=tasks, dependency=dependency, begin=begin)
+        log_submission(run, submission.job_id, tasks)
     return submission
+
+
+def log_submission(run: RunPaths, job_id: str, tasks: int) -> None:
+    """``[opskit] DATE submitted job J (N tasks)`` in main_log.txt, where the job script's lines go: the goodput
+    account's wall clock starts at a run's first one (opskit.run.goodput). One O_APPEND write."""
+    run.logs.mkdir(parents=True, exist_ok=True)
+    line = f"[opskit] {datetime.now():%Y-%m-%d %H:%M:%S} submitted job {job_id} ({tasks} tasks)\n"
+    fd = os.open(run.main_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
 
 
 def _collect(problems: list[str], check: Callable[[], list[str]]) -> list[str]:

@@ -456,6 +456,11 @@ class WatchdogSpec(_Section):
     """Bytes and inodes used on the run directory's file system (BigScience's fs-watchdog alerted at 85%)."""
     alerts: AlertsSpec = AlertsSpec()
 
+    def hang_limit_s(self, interval_s: float) -> float:
+        """Seconds without an iteration line that make a hang, for lines usually ``interval_s`` apart: the
+        watchdog's alert and the goodput account's hangs."""
+        return max(self.hang_factor * interval_s, self.hang_min_minutes * 60)
+
     @model_validator(mode="after")
     def _warn_below_alert(self) -> WatchdogSpec:
         if self.disk_warn_percent > self.disk_alert_percent:

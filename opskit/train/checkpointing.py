@@ -271,6 +271,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
         raise CheckpointError(point.error)
     if point.fallback and dist.get_rank() == 0:
         print(point.warning, flush=True)
+    started = time.time()
     tag, step_dir = point.step.path.name, point.step.path
     # Check the architecture before DeepSpeed loads the weights: a mismatch would fail there with a shape traceback.
     _check_args(plan.saved_args, args, str(step_dir), same_layout=not plan.reshaped)
@@ -298,6 +299,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
     state.reshaped_from = f"{tag} at {plan.saved}" if plan.reshaped else saved.get("reshaped_from")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
+        print(f"time (ms) | load-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:

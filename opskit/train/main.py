@@ -285,8 +285,8 @@ class Trainer:
             step = self._train_step()
             iterations_run += 1
             self.profiler.after_iteration(state.iteration)
-            self.after_iteration(state.iteration)
             self._log(step)
+            self.after_iteration(state.iteration)  # after the line: a test crash "after iteration N" has logged it
             if self.do_valid and state.iteration % config.eval_interval == 0:
                 self._evaluate_and_print(f"iteration {state.iteration}")
             if self.background is not None:
@@ -385,6 +385,7 @@ class Trainer:
         TensorBoard; at the full ``--seq-length`` (Megatron-DeepSpeed's evaluate), also under a curriculum."""
 
         config, state = self.config, self.state
+        started = time.time()
         if self.curriculum is not None:
             self.engine.reset_activation_shape()
         for name, valid_data in self.valid_sets:
@@ -397,6 +398,8 @@ class Trainer:
                                         loss, config.log_validation_ppl_to_tensorboard, name)
         if self.curriculum is not None:
             self.engine.reset_activation_shape()
+        if self.world.is_last_rank:  # what validation stopped training (the goodput account's evaluation)
+            print(f"time (ms) | evaluate: {(time.time() - started) * 1000:.2f}", flush=True)
 
     def _save(self) -> None:
         from opskit.train.checkpointing import save_checkpoint

@@ -1,0 +1,61 @@
+"""``opskit goodput NAME [--json] [--out goodput.png]``: where the run's wall clock went (opskit.run.goodput)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from opskit.cli._common import JsonOutput, SpecName, console, err_console, friendly_errors, print_json
+
+
+@friendly_errors
+def goodput(
+    name: SpecName,
+    json_output: JsonOutput = False,
+    out: Path = typer.Option(None, "--out", help="Also a PNG: one bar per task, coloured by category."),
+) -> None:
+    """Split the run's wall clock (first submit to now) into training that counts, redone training, saving, loading,
+    start-up, evaluation, hangs, queue wait and idle: the whole run and each chain task. Exit 0; 1 when the run has
+    no task yet or a file is unreadable."""
+    from opskit.run.goodput import CATEGORIES, account, write_plot
+    from opskit.run.paths import RunPaths
+    from opskit.spec.load import load_spec
+
+    spec = load_spec(name)
+    result = account(RunPaths.of(spec), spec.watchdog)
+    if out is not None:
+        write_plot(result, out)
+    if json_output:
+        print_json(result.as_json())
+        return
+    console.print(_totals_table(result, CATEGORIES))
+    console.print("per task (queue: the wait before it)")
+    for line in _task_lines(result, CATEGORIES):
+        console.print(f"  {line}")
+    for note in result.notes:
+        err_console.print(f"note: {note}")
+    if out is not None:
+        console.print(f"wrote {out}")
+
+
+def _totals_table(result, categories) -> Table:
+    table = Table(title=f"{result.start:%Y-%m-%d %H:%M} to {result.end:%Y-%m-%d %H:%M}: "
+                        f"{result.wall_seconds / 3600:.2f} h, goodput {result.goodput:.1%}", title_justify="left")
+    for column in ("category", "hours", "share"):
+        table.add_column(column, justify="left" if column == "category" else "right")
+    totals, wall = result.totals, result.wall_seconds or 1
+    for category in categories:
+        table.add_row(category, f"{totals[category] / 3600:.2f}", f"{totals[category] / wall:.1%}")
+    return table
+
+
+def _task_lines(result, categories) -> list[str]:
+    """One line per task: its iterations (of which redone) and the hours of each category it spent time in."""
+    lines = []
+    for task in result.tasks:
+        spent = ", ".join(f"{c} {task.seconds[c] / 3600:.2f}" for c in categories if task.seconds[c] >= 0.5)
+        lines.append(f"{task.task} {task.state or 'running'}: {task.iterations:,} iterations "
+                     f"({task.redone_iterations:,} redone); hours: {spent}")
+    return lines

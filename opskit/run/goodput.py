@@ -1,0 +1,349 @@
+"""Goodput: where a run's wall clock went, from its first submission to now (or to the end of its last task once
+training finished), task by task, from what the run already writes.
+
+The sources, read in one pass over ``main_log.txt`` and once from the ledger:
+
+- ``[opskit] DATE submitted job J ...`` (``opskit submit``) and the job script's ``[opskit] DATE job J (array task T)
+  nodes N: start`` / ``end, exit code X`` / ``SIGTERM: the job ends (STATE)`` lines: when each task ran;
+- the trainer's ``[before the start of training step] datetime: DATE`` (Megatron's), its iteration lines (each one's
+  window: the iterations since the previous line times their mean seconds, ``global batch size / samples per
+  second``), and its ``time (ms) | save-checkpoint / load-checkpoint / evaluate: X`` lines;
+- ``successfully saved checkpoint at iteration N`` and ``successfully loaded checkpoint ... at iteration N``: what a
+  failure loses (the iterations after the task's last save, or after its resume point when it saved nothing);
+- the ledger's state of each task (``FAILED``, ``NODE_FAIL``, ``TIMEOUT`` and ``CANCELLED`` lose that work).
+
+The categories (:data:`CATEGORIES`) of each task: ``startup`` (task start to the first iteration, less loading),
+``loading``, ``training`` (iteration windows less the saves and evaluations in them), ``redone`` (the training a
+failure threw away: the next task trains those iterations again), ``saving`` (what saves stopped training),
+``evaluation``, ``hang`` (a failed task's silence after its last iteration line, when longer than the watchdog's hang
+limit), and ``idle`` (the rest: shutdown, a task that exited at once); ``queue`` is the wait before each task and
+after the last one. The parts sum to the wall clock: idle is what the others leave, and a task whose parts overrun
+its wall (the log's whole-second dates) is noted.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from opskit.errors import OpskitError
+from opskit.logs.crash import line_source
+from opskit.logs.grammar import parse_iteration_line
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.spec.schema import WatchdogSpec
+
+CATEGORIES = ("training", "redone", "saving", "loading", "startup", "evaluation", "hang", "queue", "idle")
+LOSES_WORK = (*chain.FAILURES, "CANCELLED")
+"""Ledger states whose task's work since its last save is lost: the next task trains it again."""
+
+_DATE = "%Y-%m-%d %H:%M:%S"
+_OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job \S+ \(array task (\S+)\) nodes \S*: (.*)"
+                     r"|submitted job \S+)")
+_TIMER = re.compile(r"^time \(ms\) \| (save-checkpoint|load-checkpoint|evaluate): (\d+(?:\.\d+)?)\s*$")
+_TRAINING_START = re.compile(r"^\[before the start of training step\] datetime: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+_SAVED = re.compile(r"^  successfully saved checkpoint at iteration +(\d+) ")
+_LOADED = re.compile(r"^  successfully loaded checkpoint from .* at iteration (\d+)\s*$")
+_SIGTERM_STATE = re.compile(r"^SIGTERM: the job ends \((\w+)\)")
+
+
+class GoodputError(OpskitError, ValueError):
+    """A run with nothing to account for yet (no task started); one line naming the log."""
+
+
+@dataclass
+class TaskTime:
+    """One chain task's wall clock split into :data:`CATEGORIES` (seconds; ``queue`` is the wait before it)."""
+
+    task: str
+    state: str | None
+    """The ledger's (``COMPLETED``, ``FAILED``, ...); None while it runs or when the ledger has no line for it."""
+    start: datetime
+    end: datetime
+    seconds: dict[str, float]
+    iterations: int
+    """Iterations it trained (logged)."""
+    redone_iterations: int
+    """Of those, the ones its failure lost (trained again by the next task)."""
+
+    def as_json(self) -> dict:
+        return {"task": self.task, "state": self.state, "start": f"{self.start:{_DATE}}", "end": f"{self.end:{_DATE}}",
+                "iterations": self.iterations, "redone_iterations": self.redone_iterations,
+                "hours": {name: round(s / 3600, 4) for name, s in self.seconds.items()}}
+
+
+@dataclass
+class Goodput:
+    """A run's wall clock from ``start`` (first submission, else first task start) to ``end``, by category."""
+
+    start: datetime
+    end: datetime
+    tasks: list[TaskTime]
+    queue_after_s: float
+    """The wait after the last task (0 once training finished)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def wall_seconds(self) -> float:
+        return (self.end - self.start).total_seconds()
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Category -> seconds over the whole run."""
+        totals = {name: sum(t.seconds[name] for t in self.tasks) for name in CATEGORIES}
+        totals["queue"] += self.queue_after_s
+        return totals
+
+    @property
+    def goodput(self) -> float:
+        """Training that counts over the wall clock (0.85 is 85%)."""
+        return self.totals["training"] / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def as_json(self) -> dict:
+        wall = self.wall_seconds
+        return {"start": f"{self.start:{_DATE}}", "end": f"{self.end:{_DATE}}", "wall_hours": round(wall / 3600, 4),
+                "goodput": round(self.goodput, 4),
+                "categories": {name: {"hours": round(s / 3600, 4), "percent": round(100 * s / wall, 2) if wall else 0}
+                               for name, s in self.totals.items()},
+                "tasks": [t.as_json() for t in self.tasks], "notes": self.notes}
+
+
+@dataclass
+class _TaskLog:
+    """What the log says of one task, gathered line by line."""
+
+    task: str
+    start: datetime
+    end: datetime | None = None
+    end_state: str | None = None
+    training_start: datetime | None = None
+    loading_s: float = 0.0
+    saving_s: float = 0.0
+    evaluation_s: float = 0.0
+    pending_s: float = 0.0
+    """Saves and evaluations since the last iteration line (inside the next line's window, or after the last)."""
+    windows: list[tuple[int, int, float, float]] = field(default_factory=list)
+    """(first iteration, last iteration, wall seconds, training seconds) of each iteration line's window."""
+    resumed_from: int = 0
+    last_saved: int | None = None
+
+    def add_iteration(self, record: dict) -> None:
+        first = (self.windows[-1][1] if self.windows else self.resumed_from) + 1
+        count = record["iteration"] - first + 1
+        per_iteration = (record["global_batch_size"] / record["samples_per_second"]
+                         if record.get("samples_per_second") else record["elapsed_time_per_iteration_s"])
+        if count <= 0 or per_iteration is None:
+            return  # a repeated or garbled line
+        wall = count * per_iteration
+        self.windows.append((first, record["iteration"], wall, max(wall - self.pending_s, 0.0)))
+        self.pending_s = 0.0
+
+    def add_timer(self, name: str, seconds: float) -> None:
+        if name == "load-checkpoint":
+            self.loading_s += seconds
+            return
+        if name == "save-checkpoint":
+            self.saving_s += seconds
+        else:
+            self.evaluation_s += seconds
+        if self.training_start is not None:
+            self.pending_s += seconds
+
+
+def read_task_logs(log: Path) -> tuple[datetime | None, list[_TaskLog]]:
+    """The first ``submitted`` line's time and every task's :class:`_TaskLog`, in one pass over ``log``. Lines cut or
+    garbled (a crash mid-write, bad bytes) are skipped."""
+    first_submit, tasks = None, []
+    current: _TaskLog | None = None
+    with log.open(errors="replace") as f:
+        for raw in f:
+            if raw.startswith("[opskit] "):
+                current, first_submit = _opskit_line(raw, tasks, current, first_submit)
+                continue
+            if current is None:
+                continue
+            _trainer_line(line_source(raw.rstrip("\n"))[2], current)
+    return first_submit, tasks
+
+
+def _opskit_line(raw: str, tasks: list[_TaskLog], current: _TaskLog | None,
+                 first_submit: datetime | None) -> tuple[_TaskLog | None, datetime | None]:
+    m = _OPSKIT.match(raw)
+    if m is None:
+        return current, first_submit
+    try:
+        at = datetime.strptime(m[1], _DATE)
+    except ValueError:
+        return current, first_submit
+    if m[2] is None:  # a submission
+        return current, first_submit or at
+    message = m[3].rstrip()
+    if message == "start":
+        tasks.append(_TaskLog(m[2], at))
+        return tasks[-1], first_submit
+    if current is not None and current.task == m[2]:
+        if message.startswith("end, exit code"):
+            current.end = at
+        elif state := _SIGTERM_STATE.match(message):
+            current.end, current.end_state = at, state[1]
+    return current, first_submit
+
+
+def _trainer_line(text: str, task: _TaskLog) -> None:
+    if text.startswith(" iteration"):
+        if (record := parse_iteration_line(text)) is not None:
+            task.add_iteration(record)
+    elif text.startswith("time (ms)"):
+        if m := _TIMER.match(text):
+            task.add_timer(m[1], float(m[2]) / 1000)
+    elif text.startswith("[before the start of training step]"):
+        if m := _TRAINING_START.match(text):
+            task.training_start = datetime.strptime(m[1], _DATE)
+    elif text.startswith("  successfully"):
+        if m := _SAVED.match(text):
+            task.last_saved = int(m[1])
+        elif m := _LOADED.match(text):
+            task.resumed_from = int(m[1])
+
+
+def account(run: RunPaths, watchdog: WatchdogSpec | None = None, now: datetime | None = None) -> Goodput:
+    """The run's :class:`Goodput`.
+
+    Args:
+        watchdog: the spec's watchdog section: its hang limit tells a hang from a failed task's shutdown (default:
+            the section's defaults).
+        now: the end of the account while training has not finished (default: the current time).
+
+    Raises:
+        GoodputError: no task of the run has started (no log, or no ``[opskit] ... start`` line in it).
+        ChainError: a ledger line that is not a record (naming the file and line).
+    """
+    watchdog = watchdog or WatchdogSpec()
+    now = now or datetime.now()
+    if not run.main_log.is_file():
+        raise GoodputError(f"{run.main_log}: no such file: no task of this run has started")
+    first_submit, logs = read_task_logs(run.main_log)
+    if not logs:
+        raise GoodputError(f"{run.main_log}: no '[opskit] ... start' line: no task of this run has started")
+    states = _ledger_states(chain.read_ledger(run), logs)
+    finished = run.finished_flag.exists()
+    notes = [] if first_submit else [f"{run.main_log}: no 'submitted' line (a run submitted before opskit wrote it): "
+                                     "the account starts at the first task's start"]
+    tasks, previous_end = [], first_submit or logs[0].start
+    for i, log in enumerate(logs):
+        is_last = i == len(logs) - 1
+        end = log.end or states[i][1] or (now if is_last else logs[i + 1].start)
+        task = _split(log, states[i][0] or log.end_state, end, watchdog)
+        task.seconds["queue"] = max((log.start - previous_end).total_seconds(), 0.0)
+        notes += _overrun_note(task)
+        tasks.append(task)
+        previous_end = max(previous_end, end)
+    end = previous_end if finished else max(now, previous_end)
+    return Goodput(first_submit or logs[0].start, end, tasks, (end - previous_end).total_seconds(), notes)
+
+
+def summary(run: RunPaths, watchdog: WatchdogSpec | None = None) -> dict:
+    """The run's goodput for ``opskit status --json``: :meth:`Goodput.as_json` without the per-task list, or
+    ``{"error": "<one line>"}`` when there is none to give (no task yet, an unreadable ledger or log)."""
+    try:
+        account_json = account(run, watchdog).as_json()
+    except (OpskitError, OSError) as e:
+        return {"error": str(e)}
+    account_json.pop("tasks")
+    return account_json
+
+
+def _ledger_states(rows: list[chain.TaskOutcome], logs: list[_TaskLog]) -> list[tuple[str | None, datetime | None]]:
+    """(ledger state, ledger time) of each task start, matched in order by task id (a requeued task starts twice
+    and has a line per run)."""
+    by_task: dict[str, list[chain.TaskOutcome]] = {}
+    for row in rows:
+        by_task.setdefault(row.task, []).append(row)
+    matched = []
+    for log in logs:
+        row = by_task.get(log.task, []).pop(0) if by_task.get(log.task) else None
+        at = None
+        if row is not None:
+            try:
+                at = datetime.strptime(row.time, _DATE)
+            except ValueError:
+                at = None
+        matched.append((row.state if row else None, at))
+    return matched
+
+
+def _split(log: _TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpec) -> TaskTime:
+    """One task's seconds by category (queue left at 0)."""
+    wall = max((end - log.start).total_seconds(), 0.0)
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    seconds.update(saving=log.saving_s, loading=log.loading_s, evaluation=log.evaluation_s)
+    iterations = sum(last - first + 1 for first, last, _, _ in log.windows)
+    redone_iterations = 0
+    if log.training_start is None:  # it never trained: a start-up failure, or a task that exited at once
+        seconds["idle" if state == "SKIPPED" else "startup"] = max(wall - log.loading_s, 0.0)
+        return TaskTime(log.task, state, log.start, end, seconds, iterations, 0)
+    seconds["startup"] = max((log.training_start - log.start).total_seconds() - log.loading_s, 0.0)
+    training = sum(w[3] for w in log.windows)
+    if state in LOSES_WORK:
+        cut = log.last_saved if log.last_saved is not None else log.resumed_from
+        lost = [(max(first, cut + 1), last, trained * (last - max(first, cut + 1) + 1) / (last - first + 1))
+                for first, last, _, trained in log.windows if last > cut]
+        redone_iterations = sum(last - first + 1 for first, last, _ in lost)
+        seconds["redone"] = sum(s for _, _, s in lost)
+        seconds["hang"] = _hang_seconds(log, end, watchdog)
+    seconds["training"] = training - seconds["redone"]
+    seconds["idle"] = max(wall - sum(seconds.values()), 0.0)
+    return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations)
+
+
+def _hang_seconds(log: _TaskLog, end: datetime, watchdog: WatchdogSpec) -> float:
+    """A failed task's silence after its last iteration line, when longer than the watchdog's hang limit for its
+    iteration lines' interval; else 0 (its shutdown is idle)."""
+    if not log.windows:
+        return 0.0
+    last_line = log.training_start.timestamp() + sum(w[2] for w in log.windows)
+    silence = end.timestamp() - last_line - log.pending_s
+    interval = statistics.median(w[2] for w in log.windows)
+    return silence if silence > watchdog.hang_limit_s(interval) else 0.0
+
+
+def _overrun_note(task: TaskTime) -> list[str]:
+    """A task whose parts overrun its wall by more than 1% (the log's dates have whole seconds)."""
+    wall = (task.end - task.start).total_seconds()
+    parts = sum(s for name, s in task.seconds.items() if name != "queue")
+    if parts > wall * 1.01 + 2:
+        return [f"task {task.task}: its parts add up to {parts:.0f} s of its {wall:.0f} s"]
+    return []
+
+
+def write_plot(goodput: Goodput, path: Path) -> None:
+    """A PNG: one horizontal bar per task (hours, queue wait first), coloured by category.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = ("queue", "startup", "loading", "training", "redone", "saving", "evaluation", "hang", "idle")
+    colours = {"queue": "#bbbbbb", "startup": "#f0c05a", "loading": "#e89f3c", "training": "#3a9d4f",
+               "redone": "#d64541", "saving": "#4a78c2", "evaluation": "#8e6cc0", "hang": "#7a1f1f",
+               "idle": "#e6e6e6"}
+    tasks = goodput.tasks
+    figure, axes = plt.subplots(figsize=(10, 1.8 + 0.45 * len(tasks)))
+    for category in order:
+        left = [sum(t.seconds[c] for c in order[:order.index(category)]) / 3600 for t in tasks]
+        axes.barh([t.task for t in tasks], [t.seconds[category] / 3600 for t in tasks], left=left,
+                  color=colours[category], label=category)
+    axes.invert_yaxis()
+    axes.set_xlabel("hours")
+    axes.set_title(f"goodput {goodput.goodput:.1%} of {goodput.wall_seconds / 3600:.2f} h")
+    figure.legend(ncol=len(order), fontsize="small", loc="lower center", frameon=False)
+    figure.tight_layout(rect=(0, 0.12 / (1 + 0.25 * len(tasks)), 1, 1))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
