@@ -279,6 +279,20 @@ def test_model_state_memory_234_and_1872_GB(in_tmp):
     assert tr1.fits and tr1.total_gib_per_gpu < 32 and tr1.sharded_over == 16
 
 
+def test_tr11_checkpoint_is_the_chronicles_2_3_tb_and_its_background_saves_need_48_gib_per_node(in_tmp):
+    """"With 2.3TB checkpoint size and 40 secs to save": 14 bytes per parameter (16-bit weights, fp32 master weights,
+    Adam's moments; no gradients) of 176B is 2.47e12 bytes, 2.24 TiB; spread over 48 nodes."""
+    plan = plan_of("tr11-176B-ml")
+    memory, total = plan.memory, plan.parameters.total
+    assert memory.checkpoint_gb == pytest.approx(14 * total / 1e9)
+    assert memory.checkpoint_gb * 1e9 / 2**40 == pytest.approx(2.24, abs=0.01)
+    assert memory.async_save_host_gib_per_node == pytest.approx(memory.checkpoint_gb * 1e9 / 48 / GIB)
+    synchronous = make_plan(load_spec("tr11-176B-ml", {"checkpoint": {"async_save": False}}))
+    assert synchronous.memory.async_save_host_gib_per_node is None
+    bnb = plan_of("tr8b-104B:bnb")
+    assert bnb.memory.checkpoint_gb == pytest.approx(8 * bnb.parameters.total / 1e9)  # 8-bit moments: 2 + 4 + 2
+
+
 def test_bnb_counts_two_bytes_of_optimizer_state_per_parameter(in_tmp):
     base, bnb = plan_of("tr8b-104B").memory, plan_of("tr8b-104B:bnb").memory
     assert bnb.bytes_per_parameter == {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 2, "gradients": 4}

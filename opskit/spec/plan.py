@@ -212,6 +212,18 @@ class MemoryPlan:
     """Model states + activations (with the spec's checkpointing choice) on the heaviest GPU."""
     gpu_memory_gib: float | None
     fits: bool | None
+    checkpoint_gb: float
+    """One ``global_stepN`` on disk: every model-state byte but the gradients (:func:`checkpoint_bytes`)."""
+    async_save_host_gib_per_node: float | None
+    """Host RAM the background saves keep per node (the node's share of a step; torch may pin up to twice that),
+    None without ``checkpoint.async_save``."""
+
+
+def checkpoint_bytes(parameters: float, breakdown: dict[str, int]) -> float:
+    """Bytes of one saved step: the 16-bit weights (layer files), the fp32 master weights and the optimizer states
+    (the optimizer shards); gradients are not saved. tr11-176B-ml: 14 x 176.2e9 = 2.47e12 bytes, the chronicles'
+    "2.3TB checkpoint" in TiB (2.24)."""
+    return parameters * sum(v for k, v in breakdown.items() if k != "gradients")
 
 
 def bytes_per_parameter(spec: Spec) -> dict[str, int]:
@@ -317,7 +329,10 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         activation_gib_per_gpu_no_recompute=heaviest.activation_gib_no_recompute,
         activation_gib_per_gpu_recompute=heaviest.activation_gib_recompute,
         activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
-        gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb)
+        gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb,
+        checkpoint_gb=checkpoint_bytes(total, breakdown) / 1e9,
+        async_save_host_gib_per_node=checkpoint_bytes(total, breakdown) / p.nodes / GIB
+        if spec.checkpoint.async_save else None)
 
 
 def _optimizer_text(spec: Spec) -> str:
