@@ -202,6 +202,8 @@ class Trainer:
         model = build_model(config, world, self.padded_vocab_size)
         # 4. DeepSpeed engine: optimizer and LR schedule first (the schedule reads the state's counters)
         self.engine, self.optimizer = build_engine(config, model, ds_config, self.rampup, self.state)
+        # saves in the background (--async-save): a writer thread per rank, the engine's loads unchanged
+        self.background = _background_saves(self.engine, config)
         # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
         self._resume(model)
         if world.rank == 0:
@@ -213,8 +215,6 @@ class Trainer:
                                        enabled=world.is_last_rank)
         self.tensorboard.restart_marker(self.state.iteration, world.size)
         self.emissions = Emissions.start(config.codecarbon_dir, world.rank)
-        # 8. saves in the background (--async-save): a writer thread per rank
-        self.background = _background_saves(self.engine, config)
 
     def _resume(self, model) -> None:
         """Load ``--load`` (if it has a checkpoint) into the engine and the state; heal the TP-duplicated parameters
