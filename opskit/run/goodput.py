@@ -112,11 +112,14 @@ class Goodput:
 
 
 @dataclass
-class _TaskLog:
-    """What the log says of one task, gathered line by line."""
+class TaskLog:
+    """What main_log.txt says of one task start, gathered line by line (times: the log's dates, seconds: its
+    timers and iteration lines)."""
 
     task: str
     start: datetime
+    last_seen: datetime | None = None
+    """Its last ``[opskit]`` line's time (its start until another comes)."""
     end: datetime | None = None
     end_state: str | None = None
     training_start: datetime | None = None
@@ -129,6 +132,11 @@ class _TaskLog:
     """(first iteration, last iteration, wall seconds, training seconds) of each iteration line's window."""
     resumed_from: int = 0
     last_saved: int | None = None
+    saves: list[float] = field(default_factory=list)
+    """Each save's ``save-checkpoint`` seconds, in order."""
+
+    def __post_init__(self):
+        self.last_seen = self.last_seen or self.start
 
     def add_iteration(self, record: dict) -> None:
         first = (self.windows[-1][1] if self.windows else self.resumed_from) + 1
@@ -147,17 +155,22 @@ class _TaskLog:
             return
         if name == "save-checkpoint":
             self.saving_s += seconds
+            self.saves.append(seconds)
         else:
             self.evaluation_s += seconds
         if self.training_start is not None:
             self.pending_s += seconds
 
 
-def read_task_logs(log: Path) -> tuple[datetime | None, list[_TaskLog]]:
-    """The first ``submitted`` line's time and every task's :class:`_TaskLog`, in one pass over ``log``. Lines cut or
-    garbled (a crash mid-write, bad bytes) are skipped."""
+def read_task_logs(log: Path) -> tuple[datetime | None, list[TaskLog]]:
+    """The first ``submitted`` line's time and every task start's :class:`TaskLog`, in one pass over ``log`` (also
+    :mod:`opskit.run.history`'s reading). Lines cut or garbled (a crash mid-write, bad bytes) are skipped.
+
+    Raises:
+        OSError: the log cannot be read.
+    """
     first_submit, tasks = None, []
-    current: _TaskLog | None = None
+    current: TaskLog | None = None
     with log.open(errors="replace") as f:
         for raw in f:
             if raw.startswith("[opskit] "):
@@ -169,8 +182,8 @@ def read_task_logs(log: Path) -> tuple[datetime | None, list[_TaskLog]]:
     return first_submit, tasks
 
 
-def _opskit_line(raw: str, tasks: list[_TaskLog], current: _TaskLog | None,
-                 first_submit: datetime | None) -> tuple[_TaskLog | None, datetime | None]:
+def _opskit_line(raw: str, tasks: list[TaskLog], current: TaskLog | None,
+                 first_submit: datetime | None) -> tuple[TaskLog | None, datetime | None]:
     m = _OPSKIT.match(raw)
     if m is None:
         return current, first_submit
@@ -182,9 +195,10 @@ def _opskit_line(raw: str, tasks: list[_TaskLog], current: _TaskLog | None,
         return current, first_submit or at
     message = m[3].rstrip()
     if message == "start":
-        tasks.append(_TaskLog(m[2], at))
+        tasks.append(TaskLog(m[2], at))
         return tasks[-1], first_submit
     if current is not None and current.task == m[2]:
+        current.last_seen = at
         if message.startswith("end, exit code"):
             current.end = at
         elif state := _SIGTERM_STATE.match(message):
@@ -192,7 +206,7 @@ def _opskit_line(raw: str, tasks: list[_TaskLog], current: _TaskLog | None,
     return current, first_submit
 
 
-def _trainer_line(text: str, task: _TaskLog) -> None:
+def _trainer_line(text: str, task: TaskLog) -> None:
     if text.startswith(" iteration"):
         if (record := parse_iteration_line(text)) is not None:
             task.add_iteration(record)
@@ -256,7 +270,7 @@ def summary(run: RunPaths, watchdog: WatchdogSpec | None = None) -> dict:
     return account_json
 
 
-def _ledger_states(rows: list[chain.TaskOutcome], logs: list[_TaskLog]) -> list[tuple[str | None, datetime | None]]:
+def _ledger_states(rows: list[chain.TaskOutcome], logs: list[TaskLog]) -> list[tuple[str | None, datetime | None]]:
     """(ledger state, ledger time) of each task start, matched in order by task id (a requeued task starts twice
     and has a line per run)."""
     by_task: dict[str, list[chain.TaskOutcome]] = {}
@@ -275,7 +289,7 @@ def _ledger_states(rows: list[chain.TaskOutcome], logs: list[_TaskLog]) -> list[
     return matched
 
 
-def _split(log: _TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpec) -> TaskTime:
+def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpec) -> TaskTime:
     """One task's seconds by category (queue left at 0)."""
     wall = max((end - log.start).total_seconds(), 0.0)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
@@ -299,7 +313,7 @@ def _split(log: _TaskLog, state: str | None, end: datetime, watchdog: WatchdogSp
     return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations)
 
 
-def _hang_seconds(log: _TaskLog, end: datetime, watchdog: WatchdogSpec) -> float:
+def _hang_seconds(log: TaskLog, end: datetime, watchdog: WatchdogSpec) -> float:
     """A failed task's silence after its last iteration line, when longer than the watchdog's hang limit for its
     iteration lines' interval; else 0 (its shutdown is idle)."""
     if not log.windows:

@@ -5,24 +5,22 @@ From files the run already writes: the job script's ``[opskit] DATE TIME job J (
 (each task's first and last give its running time), Megatron's ``time (ms) | save-checkpoint: X`` lines (what a save
 stopped training; BigScience's logs have them too), the iteration lines' ``elapsed time per iteration``, and the
 ledger's task outcomes (``FAILED``, ``NODE_FAIL`` and ``TIMEOUT`` lose the work since the last save: failures).
-The log is streamed once, line by line; memory does not grow with it.
+The log is streamed once, line by line (:func:`opskit.run.goodput.read_task_logs`, the goodput account's reading);
+memory does not grow with its iteration lines.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
 from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.rules.reliability import lost_fraction, optimal_save_interval
 from opskit.run import chain
+from opskit.run.goodput import read_task_logs
 from opskit.run.paths import RunPaths
 
-_TASK_LINE = re.compile(rb"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) job \d+ \(array task (\S+)\) ")
-_SAVE_LINE = re.compile(rb"time \(ms\) \| save-checkpoint: (\d+(?:\.\d+)?)\s*$")  # a cut or garbled number: no save
 RECENT_ITERATIONS = 100
 
 
@@ -48,28 +46,6 @@ class SaveIntervalAdvice:
         return asdict(self)
 
 
-def log_figures(log: Path) -> tuple[dict[str, tuple[datetime, datetime]], list[float]]:
-    """In one pass over the log: array task -> (its first, its last ``[opskit]`` line's time), in the log's order,
-    and every ``time (ms) | save-checkpoint: X`` in seconds, in order; ({}, []) without the file. A line whose time
-    is no date, or whose save time is no number (garbled), is skipped."""
-    spans: dict[str, tuple[datetime, datetime]] = {}
-    saves: list[float] = []
-    if not log.is_file():
-        return spans, saves
-    with log.open("rb") as f:
-        for line in f:
-            if line.startswith(b"[opskit] ") and (m := _TASK_LINE.match(line)):
-                try:
-                    at = datetime.strptime(m[1].decode(), "%Y-%m-%d %H:%M:%S")
-                except ValueError:
-                    continue
-                task = m[2].decode(errors="replace")
-                spans[task] = (spans[task][0] if task in spans else at, at)
-            elif b"save-checkpoint" in line and (m := _SAVE_LINE.search(line)):
-                saves.append(float(m[1]) / 1000)
-    return spans, saves
-
-
 def save_interval_advice(run: RunPaths, spec_interval: int | None,
                          ledger: list[chain.TaskOutcome] | None = None) -> SaveIntervalAdvice:
     """The :class:`SaveIntervalAdvice` of a run from its log and ``ledger`` (default: the run's, read here).
@@ -77,13 +53,14 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None,
     Raises:
         ChainError: reading the ledger here, a line that is not a record (naming the file and line).
     """
-    spans, saves = log_figures(run.main_log)
-    hours = sum((end - start).total_seconds() for start, end in spans.values()) / 3600
+    _, tasks = read_task_logs(run.main_log) if run.main_log.is_file() else (None, [])
+    hours = sum((task.last_seen - task.start).total_seconds() for task in tasks) / 3600
+    saves = [seconds for task in tasks for seconds in task.saves]
     ledger = chain.read_ledger(run) if ledger is None else ledger
     failures = sum(row.state in chain.FAILURES for row in ledger)
     iteration = _iteration_seconds(run.main_log)
     notes = []
-    if not spans:
+    if not tasks:
         notes.append(f"{run.main_log}: no task of this run has started (no [opskit] job lines)")
     if not failures:
         notes.append(f"no failure in {hours:.1f} h of running: the mean time between failures is not known yet")
@@ -92,7 +69,7 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None,
     if iteration is None:
         notes.append(f"{run.main_log}: no iteration line: the iteration time is not known yet")
     save_s = statistics.median(saves) if saves else None
-    return advise(len(spans), hours, failures, save_s, iteration, spec_interval, notes)
+    return advise(len({task.task for task in tasks}), hours, failures, save_s, iteration, spec_interval, notes)
 
 
 def advise(tasks: int, hours: float, failures: int, save_s: float | None, iteration_s: float | None,
