@@ -109,6 +109,7 @@ def crontab_lines() -> list[str]:
     return done.stdout.splitlines() if done.returncode == 0 else []
 
 
+@pytest.mark.usefixtures("slurm")  # the status its cron line runs asks squeue: SLURM must run whatever ran before
 def test_cron_via_crontab_round_trip(tmp_path, user_crontab, monkeypatch):
     monkeypatch.chdir(tmp_path)
     foreign = "17 3 * * * /bin/true # somebody else's line"

@@ -197,6 +197,7 @@ def tree(root: Path) -> dict[str, tuple]:
     return {str(p): (s.st_mode, s.st_size, s.st_mtime_ns) for p in [root, *root.rglob("*")] if (s := p.lstat())}
 
 
+@pytest.mark.usefixtures("slurm")  # its cron jobs are sbatch-ed: SLURM must run whatever ran before
 def test_two_runs_keep_their_own_cron_job(tmp_path, monkeypatch):
     name = f"opskit-twincron-{uuid.uuid4().hex[:8]}"
     spec_a, spec_b = twin_specs(tmp_path, name, cron_partition="debug")
