@@ -40,22 +40,31 @@ def goodput(
         console.print(f"wrote {out}")
 
 
+def _duration(seconds: float) -> str:
+    """``0.4 s``, ``42 s``, ``17.5 min``, ``3.25 h``: the unit that keeps a short run's figures readable."""
+    if seconds < 90:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
 def _totals_table(result, categories) -> Table:
     table = Table(title=f"{result.start:%Y-%m-%d %H:%M} to {result.end:%Y-%m-%d %H:%M}: "
-                        f"{result.wall_seconds / 3600:.2f} h, goodput {result.goodput:.1%}", title_justify="left")
-    for column in ("category", "hours", "share"):
+                        f"{_duration(result.wall_seconds)}, goodput {result.goodput:.1%}", title_justify="left")
+    for column in ("category", "time", "share"):
         table.add_column(column, justify="left" if column == "category" else "right")
     totals, wall = result.totals, result.wall_seconds or 1
     for category in categories:
-        table.add_row(category, f"{totals[category] / 3600:.2f}", f"{totals[category] / wall:.1%}")
+        table.add_row(category, _duration(totals[category]), f"{totals[category] / wall:.1%}")
     return table
 
 
 def _task_lines(result, categories) -> list[str]:
-    """One line per task: its iterations (of which redone) and the hours of each category it spent time in."""
+    """One line per task: its iterations (of which redone) and the time of each category it spent time in."""
     lines = []
     for task in result.tasks:
-        spent = ", ".join(f"{c} {task.seconds[c] / 3600:.2f}" for c in categories if task.seconds[c] >= 0.5)
+        spent = ", ".join(f"{c} {_duration(task.seconds[c])}" for c in categories if task.seconds[c] >= 0.5)
         lines.append(f"{task.task} {task.state or 'running'}: {task.iterations:,} iterations "
-                     f"({task.redone_iterations:,} redone); hours: {spent}")
+                     f"({task.redone_iterations:,} redone); {spent}")
     return lines
