@@ -167,6 +167,30 @@ def test_a_running_task_counts_to_now_and_a_run_without_saves_loses_from_its_sta
     assert task.seconds["idle"] == approx(2.0)
 
 
+def test_iterations_an_exit_trained_after_the_last_line_count_from_its_save_line(tmp_path):
+    """``--log-interval`` > 1: SIGUSR1 at iteration 14 after the line of 10; the exit's save names 14. Iterations
+    11-14 count at the logged time per iteration; in a failed task they are redone when no save completed them."""
+    run = RunPaths(tmp_path / "run")
+    log = MainLog(run).opskit("submitted job 7 (2 tasks)").opskit("start", "7_1")
+    log.start_training(5).iterate(1, 10, 2.0).wait(8.0)  # 11-14, unlogged
+    log.opskit("SIGUSR1: asking the trainer to save and exit", "7_1")
+    log.trainer(f"saving checkpoint at iteration      14 to {run.checkpoints}").wait(3.0)
+    log.trainer(f"  successfully saved checkpoint at iteration      14 to {run.checkpoints}")
+    log.trainer("time (ms) | save-checkpoint: 3000.00").wait(1.0).opskit("end, exit code 0", "7_1")
+    log.write()
+    ledger(run, ("7_1", "COMPLETED", log.now))
+    [task] = account(run, now=log.now).tasks
+    assert task.iterations == 14 and task.seconds["training"] == approx(28.0)
+    assert task.seconds["saving"] == approx(3.0) and task.seconds["idle"] == approx(1.0)
+    failed = RunPaths(tmp_path / "failed")
+    log = MainLog(failed).opskit("start", "8_1")
+    log.start_training(5).iterate(1, 10, 2.0, saves={10: 1.0}).wait(8.0)
+    log.trainer(f"saving checkpoint at iteration      14 to {failed.checkpoints}").wait(30.0)  # killed in the save
+    log.opskit("SIGTERM: the job ends (TIMEOUT)", "8_1").write()
+    [task] = account(failed, now=log.now).tasks
+    assert (task.iterations, task.redone_iterations) == (14, 4) and task.seconds["redone"] == approx(8.0)
+
+
 def test_bad_logs_and_ledgers(tmp_path):
     run = RunPaths(tmp_path / "run")
     with pytest.raises(GoodputError, match="no such file: no task of this run has started"):

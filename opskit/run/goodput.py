@@ -10,6 +10,8 @@ The sources, read in one pass over ``main_log.txt`` and once from the ledger:
   second``), and its ``time (ms) | save-checkpoint / load-checkpoint / evaluate: X`` lines;
 - ``successfully saved checkpoint at iteration N`` and ``successfully loaded checkpoint ... at iteration N``: what a
   failure loses (the iterations after the task's last save, or after its resume point when it saved nothing);
+  ``saving checkpoint at iteration N`` after the last iteration line: the iterations an exit trained unlogged
+  (``--log-interval`` > 1), at the logged windows' median time per iteration;
 - the ledger's state of each task (``FAILED``, ``NODE_FAIL``, ``TIMEOUT`` and ``CANCELLED`` lose that work).
 
 The categories (:data:`CATEGORIES`) of each task: ``startup`` (task start to the first iteration, less loading),
@@ -46,6 +48,7 @@ _OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job \S+ \
 _TIMER = re.compile(r"^time \(ms\) \| (save-checkpoint|load-checkpoint|evaluate): (\d+(?:\.\d+)?)\s*$")
 _TRAINING_START = re.compile(r"^\[before the start of training step\] datetime: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _SAVED = re.compile(r"^  successfully saved checkpoint at iteration +(\d+) ")
+_SAVING = re.compile(r"^saving checkpoint at iteration +(\d+) ")
 _LOADED = re.compile(r"^  successfully loaded checkpoint from .* at iteration (\d+)\s*$")
 _SIGTERM_STATE = re.compile(r"^SIGTERM: the job ends \((\w+)\)")
 
@@ -134,6 +137,9 @@ class TaskLog:
     last_saved: int | None = None
     saves: list[float] = field(default_factory=list)
     """Each save's ``save-checkpoint`` seconds, in order."""
+    reached: int = 0
+    """The last iteration a ``saving checkpoint at iteration N`` line says was trained (an exit's save comes after
+    iterations no line logged when ``--log-interval`` > 1)."""
 
     def __post_init__(self):
         self.last_seen = self.last_seen or self.start
@@ -216,6 +222,9 @@ def _trainer_line(text: str, task: TaskLog) -> None:
     elif text.startswith("[before the start of training step]"):
         if m := _TRAINING_START.match(text):
             task.training_start = datetime.strptime(m[1], _DATE)
+    elif text.startswith("saving checkpoint"):
+        if m := _SAVING.match(text):
+            task.reached = max(task.reached, int(m[1]))
     elif text.startswith("  successfully"):
         if m := _SAVED.match(text):
             task.last_saved = int(m[1])
@@ -294,32 +303,52 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
     wall = max((end - log.start).total_seconds(), 0.0)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     seconds.update(saving=log.saving_s, loading=log.loading_s, evaluation=log.evaluation_s)
-    iterations = sum(last - first + 1 for first, last, _, _ in log.windows)
-    redone_iterations = 0
     if log.training_start is None:  # it never trained: a start-up failure, or a task that exited at once
         seconds["idle" if state == "SKIPPED" else "startup"] = max(wall - log.loading_s, 0.0)
-        return TaskTime(log.task, state, log.start, end, seconds, iterations, 0)
+        return TaskTime(log.task, state, log.start, end, seconds, 0, 0)
     seconds["startup"] = max((log.training_start - log.start).total_seconds() - log.loading_s, 0.0)
-    training = sum(w[3] for w in log.windows)
+    tail = _unlogged_tail(log, end)
+    windows = log.windows + [tail] if tail else log.windows
+    iterations = sum(last - first + 1 for first, last, _, _ in windows)
+    training = sum(w[3] for w in windows)
+    redone_iterations = 0
     if state in LOSES_WORK:
         cut = log.last_saved if log.last_saved is not None else log.resumed_from
         lost = [(max(first, cut + 1), last, trained * (last - max(first, cut + 1) + 1) / (last - first + 1))
-                for first, last, _, trained in log.windows if last > cut]
+                for first, last, _, trained in windows if last > cut]
         redone_iterations = sum(last - first + 1 for first, last, _ in lost)
         seconds["redone"] = sum(s for _, _, s in lost)
-        seconds["hang"] = _hang_seconds(log, end, watchdog)
+        seconds["hang"] = _hang_seconds(log, end, watchdog, tail[2] if tail else 0.0)
     seconds["training"] = training - seconds["redone"]
     seconds["idle"] = max(wall - sum(seconds.values()), 0.0)
     return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations)
 
 
-def _hang_seconds(log: TaskLog, end: datetime, watchdog: WatchdogSpec) -> float:
-    """A failed task's silence after its last iteration line, when longer than the watchdog's hang limit for its
-    iteration lines' interval; else 0 (its shutdown is idle)."""
+def _silence_after_last_line(log: TaskLog, end: datetime) -> float:
+    """Seconds from the task's last iteration line to its end, less the saves and evaluations after that line."""
+    last_line = log.training_start.timestamp() + sum(w[2] for w in log.windows)
+    return end.timestamp() - last_line - log.pending_s
+
+
+def _unlogged_tail(log: TaskLog, end: datetime) -> tuple[int, int, float, float] | None:
+    """The iterations trained after the last iteration line that a later ``saving checkpoint`` line names (an exit's
+    save at ``--log-interval`` > 1), as one more window: their count at the median training seconds per iteration
+    of the logged windows, at most the silence after the last line; None when there are none."""
+    if not log.windows or log.reached <= log.windows[-1][1]:
+        return None
+    first = log.windows[-1][1] + 1
+    per_iteration = statistics.median(trained / (last - start + 1) for start, last, _, trained in log.windows)
+    seconds = max(min((log.reached - first + 1) * per_iteration, _silence_after_last_line(log, end)), 0.0)
+    return first, log.reached, seconds, seconds
+
+
+def _hang_seconds(log: TaskLog, end: datetime, watchdog: WatchdogSpec, tail_s: float) -> float:
+    """A failed task's silence after its last iteration line (less the training of ``tail_s``, iterations trained
+    after it), when longer than the watchdog's hang limit for its iteration lines' interval; else 0 (its shutdown
+    is idle)."""
     if not log.windows:
         return 0.0
-    last_line = log.training_start.timestamp() + sum(w[2] for w in log.windows)
-    silence = end.timestamp() - last_line - log.pending_s
+    silence = _silence_after_last_line(log, end) - tail_s
     interval = statistics.median(w[2] for w in log.windows)
     return silence if silence > watchdog.hang_limit_s(interval) else 0.0
 
