@@ -64,6 +64,16 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
         staging.unlink(missing_ok=True)
 
 
+def append_lines(path: Path, lines: Iterable[str]) -> None:
+    """Append ``lines`` (each ended with a newline here) to ``path`` in one O_APPEND write, creating it (0644): other
+    writers' lines (a rank's output, another task's ledger record) never interleave with them mid-line."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(line + "\n" for line in lines).encode())
+    finally:
+        os.close(fd)
+
+
 def write_marker(folder: Path, what: str, entries: Iterable[str] | None = None, source: dict | None = None,
                  digests: str | None = None) -> None:
     """Mark ``folder`` as written by opskit's ``what`` (e.g. ``"ckpt convert"``): ``<folder>/.opskit``.

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from opskit.ckpt.format.info import FALLBACK_LINE, resume_point
 from opskit.ckpt.format.layout import SAVE_FAILED_LINE, save_failed_message, step_dirs
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import append_lines, atomic_write_text
 from opskit.logs.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
 from opskit.logs.eta import progress, progress_lines
 from opskit.logs.parse import LogFormatError, read_tail, timeline
@@ -732,7 +732,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
                     unknown=("scheduler", "log.hang", "checkpoint.age") if error is not None else (),
                     main_log=run.main_log, run_missing=run_missing, state_error=state_error)
     if spec.watchdog.append_to_main_log and run.main_log.parent.is_dir():
-        _append(run.main_log, pulse)
+        append_lines(run.main_log, pulse)
     return report
 
 
@@ -780,15 +780,6 @@ def _run_missing(spec: Spec, run: RunPaths) -> Finding:
                    f"{spec.base_dir}): nothing of the run can be checked here; not submitted yet (`opskit submit "
                    f"{spec.cli_name}`), or paths.output names another folder than the jobs write to",
                    {"run_dir": str(run.root)})
-
-
-def _append(path: Path, lines: list[str]) -> None:
-    """One O_APPEND write, so the lines never interleave with a rank's output mid-line."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, "".join(line + "\n" for line in lines).encode())
-    finally:
-        os.close(fd)
 
 
 def watch(spec: Spec, interval_s: float, on_report: Callable[[Report], int], sleep=time.sleep) -> int:

@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, atomic_write_text, has_marker, write_marker
+from opskit.fsutil import OutputRefusedError, append_lines, atomic_write_text, has_marker, write_marker
 from opskit.logs.crash import Crash, find_crashes
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
@@ -271,13 +271,8 @@ def record(run: RunPaths, outcome: TaskOutcome) -> None:
     """Append one line to the ledger: a single O_APPEND write, so concurrent writers never interleave a line."""
     if outcome.state not in STATES:
         raise ChainError(f"ledger state {outcome.state!r}: expected one of {', '.join(STATES)}")
-    line = json.dumps(asdict(outcome), separators=(",", ":")) + "\n"
     run.root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    append_lines(run.ledger, [json.dumps(asdict(outcome), separators=(",", ":"))])
 
 
 def read_ledger(run: RunPaths) -> list[TaskOutcome]:

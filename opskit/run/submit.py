@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -17,7 +16,7 @@ import yaml
 from opskit.ckpt.format.universal import Layout
 from opskit.ckpt.reshape import resume_layout_note
 from opskit.errors import OpskitError
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import append_lines, atomic_write_text
 from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.run.render import RenderedJob, data_files, render_job
@@ -261,14 +260,10 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
 
 def log_submission(run: RunPaths, job_id: str, tasks: int) -> None:
     """``[opskit] DATE submitted job J (N tasks)`` in main_log.txt, where the job script's lines go: the goodput
-    account's wall clock starts at a run's first one (opskit.run.goodput). One O_APPEND write."""
+    account's wall clock starts at a run's first one (opskit.run.goodput)."""
     run.logs.mkdir(parents=True, exist_ok=True)
-    line = f"[opskit] {datetime.now():%Y-%m-%d %H:%M:%S} submitted job {job_id} ({tasks} tasks)\n"
-    fd = os.open(run.main_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    line = f"[opskit] {datetime.now():%Y-%m-%d %H:%M:%S} submitted job {job_id} ({tasks} tasks)"
+    append_lines(run.main_log, [line])
 
 
 def _collect(problems: list[str], check: Callable[[], list[str]]) -> list[str]:
