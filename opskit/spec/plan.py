@@ -319,6 +319,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         return stage.model_state_gib + active
 
     heaviest = max(stages, key=peak)
+    step_bytes = checkpoint_bytes(total, breakdown)
     return MemoryPlan(
         bytes_per_parameter=dict(breakdown), total_bytes_per_parameter=per_param,
         replica_gb=model_state_bytes(total, per_param) / 1e9,
@@ -330,9 +331,8 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         activation_gib_per_gpu_recompute=heaviest.activation_gib_recompute,
         activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
         gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb,
-        checkpoint_gb=checkpoint_bytes(total, breakdown) / 1e9,
-        async_save_host_gib_per_node=checkpoint_bytes(total, breakdown) / p.nodes / GIB
-        if spec.checkpoint.async_save else None)
+        checkpoint_gb=step_bytes / 1e9,
+        async_save_host_gib_per_node=step_bytes / p.nodes / GIB if spec.checkpoint.async_save else None)
 
 
 def _optimizer_text(spec: Spec) -> str:

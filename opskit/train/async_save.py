@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from opskit.ckpt.format.layout import save_failed_message, write_latest
 from opskit.train.checkpointing import CheckpointError, failure_reason, write_through_python_file
+from opskit.train.log import saved_line, timer_line
 
 _END_OF_SAVE = object()
 """Queued after a save's last file: the writer has written the step when it gets there."""
@@ -224,6 +224,5 @@ class BackgroundSaves:
             except OSError as e:
                 raise CheckpointError(save_failed_message(pending.tag, failure_reason(e, Path(self.save_dir)))) \
                     from None
-            print(f"  successfully saved checkpoint at iteration {pending.iteration:7d} to {self.save_dir}",
-                  flush=True)
-            print(f"time (ms) | save-checkpoint-background: {(time.time() - pending.started) * 1000:.2f}", flush=True)
+            print(saved_line(pending.iteration, self.save_dir), flush=True)
+            print(timer_line("save-checkpoint-background", pending.started), flush=True)

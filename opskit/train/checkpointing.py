@@ -41,6 +41,7 @@ from opskit.ckpt.format.universal import (
 )
 from opskit.rules.model import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
+from opskit.train.log import saved_line, timer_line
 from opskit.train.state import TrainState
 
 if TYPE_CHECKING:
@@ -153,9 +154,9 @@ def save_checkpoint(engine, args: argparse.Namespace, state: TrainState,
     if background is not None:
         background.started(tag, iteration, started)
     elif dist.get_rank() == 0:
-        print(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
+        print(saved_line(iteration, args.save), flush=True)
     if dist.get_rank() == 0:
-        print(f"time (ms) | save-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
+        print(timer_line("save-checkpoint", started), flush=True)
 
 
 def _client_state(args: argparse.Namespace, state: TrainState) -> dict:
@@ -299,7 +300,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
     state.reshaped_from = f"{tag} at {plan.saved}" if plan.reshaped else saved.get("reshaped_from")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
-        print(f"time (ms) | load-checkpoint: {(time.time() - started) * 1000:.2f}", flush=True)
+        print(timer_line("load-checkpoint", started), flush=True)
 
 
 def base_optimizer(engine) -> torch.optim.Optimizer:

@@ -13,6 +13,18 @@ def print_datetime(message: str) -> None:
     print(f"[{message}] datetime: {time.strftime('%Y-%m-%d %H:%M:%S')} ", flush=True)
 
 
+def timer_line(name: str, started: float) -> str:
+    """Megatron's ``time (ms) | NAME: X``, X the milliseconds since ``started`` (time.time()): ``save-checkpoint``
+    (what a save stopped training), ``save-checkpoint-background``, ``load-checkpoint`` and ``evaluate``, which
+    opskit.run.goodput and opskit.run.history read."""
+    return f"time (ms) | {name}: {(time.time() - started) * 1000:.2f}"
+
+
+def saved_line(iteration: int, save_dir: str) -> str:
+    """Megatron's line once a step is complete and ``latest`` names it (what goodput and the tests look for)."""
+    return f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}"
+
+
 def memory_line(rank: int, iteration: int) -> str:
     """Megatron's one-time GPU memory report: ``[Rank N] (after K iterations) memory (MB) | allocated: ... |``."""
     import torch

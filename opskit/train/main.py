@@ -52,6 +52,7 @@ from opskit.train.log import (  # torch-free: torch is imported where it is used
     iteration_line,
     memory_line,
     print_datetime,
+    timer_line,
     validation_lines,
 )
 from opskit.train.profile import StepProfiler
@@ -399,7 +400,7 @@ class Trainer:
         if self.curriculum is not None:
             self.engine.reset_activation_shape()
         if self.world.is_last_rank:  # what validation stopped training (the goodput account's evaluation)
-            print(f"time (ms) | evaluate: {(time.time() - started) * 1000:.2f}", flush=True)
+            print(timer_line("evaluate", started), flush=True)
 
     def _save(self) -> None:
         from opskit.train.checkpointing import save_checkpoint
