@@ -5,6 +5,7 @@ The real chain (SLURM, the trainer, a crash through the fault hook) is checked i
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timedelta
 
 import pytest
@@ -130,8 +131,11 @@ def test_the_redone_iterations_are_the_ones_the_next_task_trains_again(crashed_a
     """What the failed task lost is exactly what the next one trained twice: from its resume point to the crash."""
     first, second = account(crashed_and_resumed).tasks
     text = crashed_and_resumed.main_log.read_text()
-    assert "at iteration 8" in text
-    assert first.redone_iterations == 10 - 8
+    [resumed_from] = [int(n) for n in re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)", text)]
+    logged = [int(n) for n in re.findall(r" iteration +(\d+)/", text)]
+    trained_twice = sorted(set(logged[:first.iterations]) & set(logged[first.iterations:]))
+    assert trained_twice == list(range(resumed_from + 1, 11)) and first.redone_iterations == len(trained_twice)
+    assert first.iterations - first.redone_iterations == resumed_from and second.iterations == 20 - resumed_from
 
 
 def test_a_hang_is_the_silence_after_the_last_line_until_the_cancel(tmp_path):
