@@ -180,13 +180,22 @@ class Bench:
             kill_group(process)
             output, _ = process.communicate()
         run = Run(name, process.returncode, output.splitlines(), save, time.monotonic() - started)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {run.returncode} in {run.seconds:.0f} s", flush=True)
         if run.returncode != 0:
             self.keep_log(run)
         return run
 
     def keep_log(self, run: Run) -> None:
+        self.keep_text(f"===== {run.name}: exit {run.returncode}\n" + "\n".join(run.lines[-400:]))
+
+    def keep_text(self, text: str) -> None:
+        """A failed run's log, kept for the table's end and, when there is an ``--out``, written at once (a call cut
+        short by its time limit still brings it back)."""
         with self._lock:
-            self.failed_logs.append(f"===== {run.name}: exit {run.returncode}\n" + "\n".join(run.lines[-400:]))
+            self.failed_logs.append(text)
+            if self.out:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / "failed_runs.log").write_text("\n\n".join(self.failed_logs))
 
 
 def copy_of_step(run: Run, into: Path, step: int = SAVED) -> Path:
@@ -275,7 +284,7 @@ def row_check_and_convert(bench: Bench, straight: Run) -> Row:
     figure = (f"check {'OK' if report.get('ok') else 'FAILED'} (exit {check.returncode}); convert exit "
               f"{convert.returncode}, max |logit diff| {verified}")
     if not ok:
-        bench.failed_logs.append(f"===== ckpt check\n{check.stdout[-3000:]}{check.stderr[-3000:]}\n"
+        bench.keep_text(f"===== ckpt check\n{check.stdout[-3000:]}{check.stderr[-3000:]}\n"
                                  f"===== ckpt convert\n{convert.stdout[-3000:]}{convert.stderr[-3000:]}")
     return Row(f"3. ckpt check + convert of {bench.base} step 20", ok, figure,
                {"check": report, "convert": convert.stdout.strip()[-500:]})
@@ -311,7 +320,7 @@ def row_crash(bench: Bench) -> Row:
     ranks = {c.local_rank for c in crashes if c.local_rank is not None}  # torchrun's own summary has no prefix
     ok = process.returncode != 0 and bool(crashes) and crashes[0].local_rank == 1 and ranks == {1}
     if not ok:
-        bench.failed_logs.append(f"===== crash {bench.all_dp}\n" + "\n".join(lines[-200:]))
+        bench.keep_text(f"===== crash {bench.all_dp}\n" + "\n".join(lines[-200:]))
     where = crashes[0].where if crashes else "nothing"
     ended = f"ended {ended_after:.0f} s after the crash line" if ended_after is not None else "no crash line"
     return Row(f"4. crash of local rank 1 ({bench.all_dp})", ok,
@@ -350,7 +359,7 @@ def row_hang(bench: Bench) -> Row:
     stuck = stuck_ranks(stacks)
     ok = [s.local_rank for s in stuck] == [1]
     if not ok:
-        bench.failed_logs.append(f"===== hang {bench.all_dp}\n" + "\n".join(line_source(x)[2] for x in lines[-300:]))
+        bench.keep_text(f"===== hang {bench.all_dp}\n" + "\n".join(line_source(x)[2] for x in lines[-300:]))
     others = sorted({s.innermost for s in stacks if s.local_rank != 1})
     figure = (f"{len(stacks)} rank(s) dumped {dumped_after:.0f} s after the hang; stuck: "
               f"{', '.join(s.where for s in stuck) or 'none named'}" if hang_at is not None
@@ -378,6 +387,14 @@ def row_weak_scaling(gpus: int) -> Row:
 
 # ------------------------------------------------------------------------------------------------------------ main
 
+def guarded(row, *args) -> Row:
+    """``row(*args)``, or a FAIL row naming the exception (e.g. a run that failed left no step to resume)."""
+    try:
+        return row(*args)
+    except Exception as error:  # noqa: BLE001 - one row's failure must not hide the others'
+        return Row(f"{row.__name__}{tuple(str(a) for a in args[2:])}", False, f"{type(error).__name__}: {error}")
+
+
 def acceptance_rows(bench: Bench, jobs: int) -> list[Row]:
     """Rows 1-4: the uninterrupted runs first (in parallel), then every resume, check, crash and hang."""
     changes = LAYOUT_CHANGES + (LAYOUT_CHANGES_ON_2 if bench.gpus < DP4.gpus else [])
@@ -390,10 +407,11 @@ def acceptance_rows(bench: Bench, jobs: int) -> list[Row]:
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         straight = dict(zip(sources, pool.map(lambda s: bench.run(f"{s[1]} {s[0]}", s[0], s[1]), sources), strict=True))
         base = straight[(bench.base, "bf16 ZeRO-0")]
-        futures = [pool.submit(row, bench, base) for row in (row_same_layout, row_async_save, row_check_and_convert)]
-        futures += [pool.submit(row_layout_change, bench, straight[(saved, precision)], saved, target, precision)
-                    for saved, target, precision in fits]
-        futures += [pool.submit(row_crash, bench), pool.submit(row_hang, bench)]
+        futures = [pool.submit(guarded, row, bench, base)
+                   for row in (row_same_layout, row_async_save, row_check_and_convert)]
+        futures += [pool.submit(guarded, row_layout_change, bench, straight[(saved, precision)], saved, target,
+                                precision) for saved, target, precision in fits]
+        futures += [pool.submit(guarded, row_crash, bench), pool.submit(guarded, row_hang, bench)]
         rows = [f.result() for f in futures]
     return rows + skipped
 
@@ -451,8 +469,6 @@ def main() -> int:
         (opts.out / "gpu_acceptance.json").write_text(json.dumps(
             {"header": header, "rows": [{"name": r.name, "verdict": r.verdict, "figure": r.figure, **r.detail}
                                         for r in rows]}, indent=1, default=str))
-        if bench.failed_logs:
-            (opts.out / "failed_runs.log").write_text("\n\n".join(bench.failed_logs))
     print_table(rows, header)
     return 0 if all(r.ok is not False for r in rows) else 1
 
