@@ -493,6 +493,30 @@ def test_bf16_zero0_pp2_resume_is_exact(kjv_data, tmp_path, async_save):
     assert all((f["loss"], f["lr"]) == (want[i]["loss"], want[i]["lr"]) for i, f in got.items()), (got, want)
     assert latest(tmp_path / "resumed" / "checkpoints") == "global_step20"
     assert ("save-checkpoint-background" in resumed.stdout) == async_save
+    assert "did not fit its host arena" not in straight.stdout + resumed.stdout  # the reserve covers every file
+
+
+def test_host_arena_buffers_are_files_of_their_own(tmp_path):
+    """The background saves' buffers: each exactly its tensor's storage (``torch.save`` writes a storage whole), on
+    separate aligned bytes of the arena, saved byte for byte as a plain tensor is; a tensor with no room left gets
+    None (the engine then allocates it on its own)."""
+    import torch
+
+    from opskit.train.async_save import HostArena
+
+    arena = HostArena(4096, pin=False)
+    weight = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
+    first, second = arena.take(weight), arena.take(torch.zeros(5))
+    first.copy_(weight)
+    assert first.untyped_storage().nbytes() == 24 and second.untyped_storage().nbytes() == 20
+    assert second.data_ptr() - first.data_ptr() == 512
+    (tmp_path / "arena").mkdir()
+    torch.save({"w": first}, tmp_path / "arena" / "w.pt")  # same name: the zip's records carry it
+    torch.save({"w": weight}, tmp_path / "w.pt")
+    assert (tmp_path / "arena" / "w.pt").read_bytes() == (tmp_path / "w.pt").read_bytes()
+    assert arena.take(torch.zeros(1024)) is None  # 4096 bytes do not fit after offset 1024
+    assert arena.take(torch.zeros(0)) is None
+    assert torch.equal(first, weight)  # untouched by the refusals
 
 
 # ---------------------------------------------------------------------------------------------------------- 7b. TP=2

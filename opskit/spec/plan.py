@@ -26,6 +26,14 @@ from dataclasses import asdict, dataclass, field
 
 from opskit.errors import OpskitError
 from opskit.rules.checks import batch_sizes_of, valid_node_counts
+from opskit.rules.memory import (
+    ADAM_STATE_BYTES,
+    BNB_OPTIMIZER_STATE_BYTES,
+    SHARDED_BY_ZERO,
+    bytes_per_parameter,
+    checkpoint_bytes,
+    sharded_over_dp,
+)
 from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.spec.schema import Spec, deepspeed_resume_problem, padded_vocab_size
@@ -39,21 +47,6 @@ SECONDS_PER_DAY = 86_400
 
 # Mixed-precision Adam: 4 (fp32 weights) + 2 (half weights) + 8 (Adam states) + 4 (gradients) bytes per parameter.
 BYTES_PER_PARAMETER = 18
-MIXED_PRECISION_BYTES = {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 8, "gradients": 4}
-"""The tr1-13B / tr8-104B READMEs' breakdown ("Memory usage"): fp32 master weights, fp16/bf16 weights, Adam's two
-fp32 moments, fp32 gradients."""
-FP32_BYTES = {"fp32_weights": 4, "half_weights": 0, "optimizer_states": 8, "gradients": 4}
-"""fp32 training: no half-precision copy."""
-BNB_OPTIMIZER_STATE_BYTES = 2
-"""bitsandbytes' 8-bit Adam (``--use-bnb-optimizer``: ``bnb.optim.Adam8bit``): exp_avg and exp_avg_sq as uint8, one
-byte each, with one fp32 absmax per block of 2048 values (4 / 2048 bytes per state and parameter: left out); Dettmers
-et al. 2022, "8-bit Optimizers via Block-wise Quantization". It replaces Adam's 8 bytes of fp32 moments only: the fp32
-master weights stay 4 bytes under fp16 / bf16."""
-ADAM_STATE_BYTES = MIXED_PRECISION_BYTES["optimizer_states"]
-SHARDED_BY_ZERO = ("fp32_weights", "optimizer_states")
-"""What ZeRO stage 1 partitions over data parallelism: the optimizer states, fp32 master weights included (Rajbhandari
-et al. 2020, ZeRO, section 5.1 "P_os"); DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, BLOOM-176B's "bf16 must use
-z0! it implements its own zero stage 1 equivalent") partitions the same ones."""
 
 ACHIEVED_TFLOPS = {"V100": 45.0, "A100": 150.0}
 """TFLOPs per GPU BigScience planned with, by GPU model: tr1-13B README "Estimated run time" (V100, 45) and
@@ -219,21 +212,10 @@ class MemoryPlan:
     None without ``checkpoint.async_save``."""
 
 
-def checkpoint_bytes(parameters: float, breakdown: dict[str, int]) -> float:
-    """Bytes of one saved step: the 16-bit weights (layer files), the fp32 master weights and the optimizer states
-    (the optimizer shards); gradients are not saved. tr11-176B-ml: 14 x 176.2e9 = 2.47e12 bytes, the chronicles'
-    "2.3TB checkpoint" in TiB (2.24)."""
-    return parameters * sum(v for k, v in breakdown.items() if k != "gradients")
-
-
-def bytes_per_parameter(spec: Spec) -> dict[str, int]:
-    """Model-state bytes of one parameter by kind (:data:`MIXED_PRECISION_BYTES`, :data:`FP32_BYTES`), with
-    :data:`BNB_OPTIMIZER_STATE_BYTES` of optimizer states under ``--use-bnb-optimizer`` (the word embedding's exception:
-    :func:`stable_embedding_states`)."""
-    breakdown = dict(FP32_BYTES if spec.model.precision == "fp32" else MIXED_PRECISION_BYTES)
-    if _bnb(spec):
-        breakdown["optimizer_states"] = BNB_OPTIMIZER_STATE_BYTES
-    return breakdown
+def spec_bytes_per_parameter(spec: Spec) -> dict[str, int]:
+    """Model-state bytes of one parameter by kind for this spec (:func:`opskit.rules.memory.bytes_per_parameter`; the
+    word embedding's exception under ``--use-bnb-optimizer``: :func:`stable_embedding_states`)."""
+    return bytes_per_parameter(spec.model.precision, _bnb(spec))
 
 
 def stable_embedding_states(spec: Spec) -> bool:
@@ -276,9 +258,9 @@ def pipeline_stages(spec: Spec) -> list[tuple[int, bool, bool]]:
 def _memory_plan(spec: Spec) -> MemoryPlan:
     m, p, b = spec.model, spec.parallel, spec.batch
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
-    breakdown = bytes_per_parameter(spec)
+    breakdown = spec_bytes_per_parameter(spec)
     per_param = sum(breakdown.values())
-    sharded = p.zero_stage >= 1 or m.precision == "bf16"
+    sharded = sharded_over_dp(p.zero_stage, m.precision)
     shards = dp if sharded else 1
     sharding = ("ZeRO-1: fp32 weights and optimizer states over DP" if p.zero_stage >= 1 else
                 "bf16 optimizer (ZeRO-0): fp32 weights and optimizer states over DP" if sharded else

@@ -1,12 +1,13 @@
 """Checkpoint saves in the background (``--async-save``, Megatron-LM's flag), in Megatron-DeepSpeed's layout.
 
-A save copies every tensor DeepSpeed hands to its checkpoint engine into host memory (pinned buffers kept from one
-save to the next, copied on the current CUDA stream, so the optimizer step after the save cannot overwrite what is
-being copied) and returns to training; one writer thread per rank writes the files. The first save also pins its
-buffers (18 GB took 15 s on an H100 host: docs/benchmarks.md). The next save waits for the previous one. ``latest``
-moves only when every rank's writer has written every file of the step: the ranks agree with an all-reduce on a gloo
-group after each iteration while a save is under way, then rank 0 writes ``latest`` (atomically). A crash before
-that leaves ``latest`` at the previous complete step, as a synchronous save does.
+A save copies every tensor DeepSpeed hands to its checkpoint engine into host memory (buffers kept from one save to
+the next, copied on the current CUDA stream, so the optimizer step after the save cannot overwrite what is being
+copied) and returns to training; one writer thread per rank writes the files. The buffers are carved from a
+:class:`HostArena` that a thread reserves and page-locks while the run starts, so the first save does not stop
+training to pin them (18 GB took 15 s on an H100 host: docs/benchmarks.md). The next save waits for the previous one.
+``latest`` moves only when every rank's writer has written every file of the step: the ranks agree with an
+all-reduce on a gloo group after each iteration while a save is under way, then rank 0 writes ``latest``
+(atomically). A crash before that leaves ``latest`` at the previous complete step, as a synchronous save does.
 
 Why our own engine rather than DeepSpeed's ``DecoupledCheckpointEngine`` (0.19): it writes through DeepSpeed's
 ``FastCheckpointEngine`` (the async_io op, which needs libaio built in), waits for each rank's own writes only and
@@ -40,20 +41,73 @@ _END_OF_SAVE = object()
 _CLOSE_TIMEOUT_S = 60
 """How long closing waits for the file being written (the rest of the queue is dropped)."""
 
+_ALIGNMENT = 512
+"""Bytes each arena buffer starts on (a multiple of every dtype's size, and of a cache line)."""
+
+_TOUCH_CHUNK = 1 << 28
+"""Bytes the arena's thread faults in at a time before page-locking it (256 MiB)."""
+
+
+class HostArena:
+    """Host memory for one rank's checkpoint snapshots, reserved ahead of the first save: a thread faults its pages in
+    and, on a CUDA machine, page-locks it (``cudaHostRegister``) while training starts, so device-to-host copies into
+    it are asynchronous. Each buffer it hands out has a storage of its own, exactly its size (``torch.save`` writes a
+    view's whole storage: views of one big tensor would write the arena into every file).
+
+    Args:
+        nbytes: bytes to reserve (the rank's share of a step, :func:`opskit.rules.memory.checkpoint_bytes`).
+        pin: page-lock it (only where CUDA is available).
+    """
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes = max(int(nbytes), 0)
+        self._memory = torch.empty(self.nbytes, dtype=torch.uint8)  # no page is touched yet
+        self._bytes = memoryview(self._memory.numpy())
+        self._offset = 0
+        self.pinned = False
+        self._ready = threading.Thread(target=self._prepare, args=(pin,), name="opskit-checkpoint-arena", daemon=True)
+        self._ready.start()
+
+    def _prepare(self, pin: bool) -> None:
+        for start in range(0, self.nbytes, _TOUCH_CHUNK):  # page faults here, not in the save
+            self._memory[start:start + _TOUCH_CHUNK].zero_()
+        if pin and self.nbytes:
+            self.pinned = torch.cuda.cudart().cudaHostRegister(self._memory.data_ptr(), self.nbytes, 0) == 0
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A buffer shaped and typed like ``tensor``, or None when the arena has no room left for it. Waits for the
+        arena's preparation (the first save only, and only if it comes that early)."""
+        self._ready.join()
+        nbytes = tensor.numel() * tensor.element_size()
+        start = -(-self._offset // _ALIGNMENT) * _ALIGNMENT
+        if nbytes == 0 or start + nbytes > self.nbytes:
+            return None
+        self._offset = start + nbytes
+        return torch.frombuffer(self._bytes[start:start + nbytes], dtype=tensor.dtype).view(tensor.shape)
+
+    def release(self) -> None:
+        """Undo the page-locking (the buffers stay readable)."""
+        self._ready.join()
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._memory.data_ptr())
+            self.pinned = False
+
 
 class BackgroundCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed's checkpoint engine that snapshots each file's tensors into host memory and queues the file for a
     writer thread; files are torch.save'd as :func:`~opskit.train.checkpointing.write_through_python_file` does for
     a synchronous save (same bytes on disk, an OSError naming its file), then fsync'ed.
 
-    Host memory: one buffer per tensor of this rank's files (pinned for CUDA tensors), kept for the next save, so
-    about the size of the rank's files (tr11: 2.3 TB over 384 GPUs, about 6 GB per rank), up to twice that pinned
-    (torch's pinned allocator rounds each buffer up to a power of two).
+    Host memory: one buffer per tensor of this rank's files, kept for the next save, carved from ``arena`` (about
+    the size of the rank's files: tr11's 2.3 TB over 384 GPUs is about 6 GB per rank); a tensor the arena has no room
+    for gets a buffer of its own (pinned for a CUDA tensor, which torch's allocator rounds up to a power of two).
     """
 
-    def __init__(self, zipfile_serialization: bool):
+    def __init__(self, zipfile_serialization: bool, arena: HostArena | None = None):
         super().__init__(None)
         self.zipfile_serialization = zipfile_serialization
+        self.arena = arena
+        self._outside_arena = 0  # bytes of buffers the arena had no room for, this save
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._written = threading.Event()
         self._written.set()
@@ -79,6 +133,10 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         self._queue.put(_END_OF_SAVE)
+        if self._outside_arena:
+            print(f"warning: {self._outside_arena / 2**20:,.1f} MiB of this rank's checkpoint did not fit its host "
+                  f"arena of {self.arena.nbytes / 2**20:,.1f} MiB: allocated at this save instead", flush=True)
+            self._outside_arena = 0
         return True
 
     def preserves_storage_sharing(self) -> bool:
@@ -100,6 +158,8 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         self._dropping = True
         self._queue.put(None)
         self._thread.join(timeout=_CLOSE_TIMEOUT_S)
+        if self.arena is not None and not self._thread.is_alive():
+            self.arena.release()
 
     def _snapshot(self, item, file_name: str, copies: list[int]):
         """``item`` with every tensor replaced by its copy in this file's host buffers; containers rebuilt, other
@@ -128,7 +188,12 @@ class BackgroundCheckpointEngine(TorchCheckpointEngine):
         return buffer
 
     def _new_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Host memory for a copy of ``tensor``: pinned for a CUDA tensor (an asynchronous copy), else plain."""
+        """Host memory for a copy of ``tensor``: from the arena, else its own (pinned for a CUDA tensor, so the copy
+        is asynchronous)."""
+        if self.arena is not None:
+            if (buffer := self.arena.take(tensor)) is not None:
+                return buffer
+            self._outside_arena += tensor.numel() * tensor.element_size()
         return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
 
     def _write_queued_files(self) -> None:
@@ -169,10 +234,12 @@ class BackgroundSaves:
         self.pending: _PendingSave | None = None
 
     @classmethod
-    def install(cls, engine, save_dir: str) -> BackgroundSaves:
-        """Give the DeepSpeed ``engine`` a :class:`BackgroundCheckpointEngine` (its loads are unchanged). Collective:
-        every rank calls it, in the same order among the process groups it creates."""
-        writer = BackgroundCheckpointEngine(engine.checkpoint_engine.zipfile_serialization)
+    def install(cls, engine, save_dir: str, reserve_bytes: int) -> BackgroundSaves:
+        """Give the DeepSpeed ``engine`` a :class:`BackgroundCheckpointEngine` (its loads are unchanged) with a
+        :class:`HostArena` of ``reserve_bytes``. Collective: every rank calls it, in the same order among the process
+        groups it creates."""
+        arena = HostArena(reserve_bytes, pin=torch.cuda.is_available())
+        writer = BackgroundCheckpointEngine(engine.checkpoint_engine.zipfile_serialization, arena)
         engine.checkpoint_engine = writer
         return cls(writer, save_dir)
 

@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.fsutil import atomic_write_text
+from opskit.rules.memory import bytes_per_parameter, checkpoint_bytes, sharded_over_dp
 from opskit.rules.model import megatron_flops_per_iteration
 from opskit.train.args import parse_args
 from opskit.train.build import (
@@ -204,7 +205,7 @@ class Trainer:
         # 4. DeepSpeed engine: optimizer and LR schedule first (the schedule reads the state's counters)
         self.engine, self.optimizer = build_engine(config, model, ds_config, self.rampup, self.state)
         # saves in the background (--async-save): a writer thread per rank, the engine's loads unchanged
-        self.background = _background_saves(self.engine, config)
+        self.background = _background_saves(self.engine, config, world)
         # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
         self._resume(model)
         if world.rank == 0:
@@ -440,14 +441,24 @@ class Trainer:
         self.emissions.stop()
 
 
-def _background_saves(engine, config: TrainConfig):
+def _background_saves(engine, config: TrainConfig, world: World):
     """``--async-save`` with ``--save``: the engine's files written by a thread per rank
-    (:class:`opskit.train.async_save.BackgroundSaves`); None otherwise."""
+    (:class:`opskit.train.async_save.BackgroundSaves`), into host memory reserved for this rank's share of a step;
+    None otherwise."""
     if not (config.save and config.async_save):
         return None
     from opskit.train.async_save import BackgroundSaves
 
-    return BackgroundSaves.install(engine, config.save)
+    return BackgroundSaves.install(engine, config.save, _saved_bytes_of_rank(engine.module, config, world))
+
+
+def _saved_bytes_of_rank(module, config: TrainConfig, world: World) -> int:
+    """Bytes this rank writes per save (:func:`opskit.rules.memory.checkpoint_bytes` of its stage's parameters and
+    its data-parallel shards), plus 2% and 64 MiB for padding and the small tensors (RNG states, counters)."""
+    parameters = sum(p.numel() for p in module.parameters())
+    shards = world.dp if sharded_over_dp(config.zero_stage, config.params_dtype) else 1
+    breakdown = bytes_per_parameter(config.params_dtype, config.use_bnb_optimizer)
+    return int(checkpoint_bytes(parameters, breakdown, shards) * 1.02) + (64 << 20)
 
 
 def _write_finished_flag(path: Path, state: TrainState) -> None:

@@ -1,0 +1,51 @@
+"""Model-state bytes per parameter and what a step's checkpoint holds: one rule for ``opskit plan`` (memory per GPU,
+checkpoint size, host memory of background saves) and the trainer (the host memory it reserves for them).
+
+Bytes are per parameter, 1 byte = 8 bits; "shards" is the number of data-parallel ranks the sharded kinds are split
+over (1 when they are not).
+"""
+
+from __future__ import annotations
+
+MIXED_PRECISION_BYTES = {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 8, "gradients": 4}
+"""The tr1-13B / tr8-104B READMEs' breakdown ("Memory usage"): fp32 master weights, fp16/bf16 weights, Adam's two
+fp32 moments, fp32 gradients."""
+FP32_BYTES = {"fp32_weights": 4, "half_weights": 0, "optimizer_states": 8, "gradients": 4}
+"""fp32 training: no half-precision copy."""
+BNB_OPTIMIZER_STATE_BYTES = 2
+"""bitsandbytes' 8-bit Adam (``--use-bnb-optimizer``: ``bnb.optim.Adam8bit``): exp_avg and exp_avg_sq as uint8, one
+byte each, with one fp32 absmax per block of 2048 values (4 / 2048 bytes per state and parameter: left out); Dettmers
+et al. 2022, "8-bit Optimizers via Block-wise Quantization". It replaces Adam's 8 bytes of fp32 moments only: the fp32
+master weights stay 4 bytes under fp16 / bf16."""
+ADAM_STATE_BYTES = MIXED_PRECISION_BYTES["optimizer_states"]
+SHARDED_BY_ZERO = ("fp32_weights", "optimizer_states")
+"""What ZeRO stage 1 partitions over data parallelism: the optimizer states, fp32 master weights included (Rajbhandari
+et al. 2020, ZeRO, section 5.1 "P_os"); DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, BLOOM-176B's "bf16 must use
+z0! it implements its own zero stage 1 equivalent") partitions the same ones."""
+
+
+def bytes_per_parameter(precision: str, bnb_optimizer: bool) -> dict[str, int]:
+    """Model-state bytes of one parameter by kind (:data:`MIXED_PRECISION_BYTES` for ``fp16``/``bf16``,
+    :data:`FP32_BYTES` for ``fp32``), with :data:`BNB_OPTIMIZER_STATE_BYTES` of optimizer states under
+    ``--use-bnb-optimizer``."""
+    breakdown = dict(FP32_BYTES if precision == "fp32" else MIXED_PRECISION_BYTES)
+    if bnb_optimizer:
+        breakdown["optimizer_states"] = BNB_OPTIMIZER_STATE_BYTES
+    return breakdown
+
+
+def sharded_over_dp(zero_stage: int, precision: str) -> bool:
+    """Whether :data:`SHARDED_BY_ZERO` kinds are split over data-parallel ranks: ZeRO stage >= 1, or bf16 (DeepSpeed's
+    BF16_Optimizer at ZeRO-0)."""
+    return zero_stage >= 1 or precision == "bf16"
+
+
+def checkpoint_bytes(parameters: float, breakdown: dict[str, int], shards: int = 1) -> float:
+    """Bytes saved for ``parameters`` parameters: the 16-bit weights (layer files), the fp32 master weights and the
+    optimizer states (the optimizer shards, ``1 / shards`` of them); gradients are not saved. A whole step: shards 1
+    (tr11-176B-ml: 14 x 176.2e9 = 2.47e12 bytes, the chronicles' "2.3TB checkpoint" in TiB, 2.24); one rank: its
+    stage's parameters and its data-parallel shards."""
+    saved = {k: v for k, v in breakdown.items() if k != "gradients"}
+    kept = sum(v for k, v in saved.items() if k not in SHARDED_BY_ZERO)
+    split = sum(v for k, v in saved.items() if k in SHARDED_BY_ZERO)
+    return parameters * (kept + split / shards)
