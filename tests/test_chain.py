@@ -330,7 +330,8 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
     alert = one(r"\*\*\*ALERT: .*: 2 consecutive failed tasks \(\S+_1 FAILED exit 1 on localhost, \S+_2 FAILED exit 1 "
                 r"on localhost\); the chain is stopped, later tasks exit at start\. Fix the cause, then `opskit "
                 r"submit .* --yes`\*\*\*$", tasks[1][1])
-    one(r"exiting at once: the chain was stopped after 2 consecutive failures$", tasks[2][1])
+    one(r"exiting at once: the chain was stopped \(after failures or starts that saved nothing: chain-stopped says "
+        r"which\)$", tasks[2][1])
     rows = chain.read_ledger(run)
     assert [(r.task, r.state, r.exit_code, r.nodes) for r in rows] == [
         (f"{sub.job_id}_1", "FAILED", 1, "localhost"), (f"{sub.job_id}_2", "FAILED", 1, "localhost"),
@@ -356,6 +357,51 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
     bad = cli("nodes", "add", str(tmp_path / "spec.yaml"), "r7i5n2;reboot")
     assert (bad.returncode, bad.stderr) == (1, "error: node 'r7i5n2;reboot': expected a host name (letters, digits, "
                                                 ". _ -)\n")
+
+
+def test_starts_that_save_nothing_stop_the_chain_and_cancel_its_queue(kjv_data, tmp_path, slurm, cancel_after):
+    """A restart storm: every start dies before its first save (no crash signature, so no bad node). After
+    slurm.max_stalled_starts starts (2), before slurm.max_failures (3), the chain stops with chain.restart_storm, the
+    array's pending tasks are cancelled (none left to start and skip), and `opskit status` raises that alert."""
+    crash_dir = tmp_path / "crash"
+    crash_dir.mkdir()
+    (crash_dir / "sitecustomize.py").write_text('import os\nif "RANK" in os.environ:\n    os._exit(3)\n')
+    name = f"opskit-storm-{uuid.uuid4().hex[:8]}"
+    pythonpath = f"{crash_dir}:{Path(__file__).resolve().parents[1]}"
+    spec = chain_spec(tmp_path, kjv_data, name, 50, array=4, max_failures=3, max_stalled_starts=2,
+                      env={"OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
+    sub = submit(spec)
+    cancel_after.append(sub.job_id)
+    wait_gone(name, sub.job_id)
+    rows = chain.read_ledger(sub.run)
+    job = sub.job_id
+    assert [(r.task, r.state, r.checkpoint) for r in rows] == [
+        (f"{job}_1", "FAILED", ""), (f"{job}_2", "FAILED", ""), (f"{job}_2", "ALERT", None)], rows
+    assert re.match(rf"\*\*\*ALERT: .*: 2 starts in a row saved nothing \({job}_1 FAILED exit 1 on localhost, "
+                    rf"{job}_2 FAILED exit 1 on localhost; latest still absent\); the chain is stopped, its queued "
+                    r"tasks cancelled\.", rows[2].reason), rows[2].reason
+    one(rf"cancelled the pending tasks of job\(s\) {job}$", sub.run.main_log.read_text())
+    assert chain.stopped_code(sub.run.stopped_flag.read_text()) == "chain.restart_storm"
+    status = cli("status", str(tmp_path / "spec.yaml"), "--json")
+    storm = next(f for f in json.loads(status.stdout)["findings"] if f["key"] == "chain.restart_storm")
+    assert storm["severity"] == "alert" and "2 starts in a row saved nothing" in storm["message"]
+
+
+def test_stalled_starts_count_starts_that_left_latest_where_it_was():
+    """Only starts count (SKIPPED and CANCELLED tasks do not), a start that moved ``latest`` ends the run of stalled
+    ones, and a ledger line from before checkpoints were recorded (None) is not taken for a stall."""
+    def row(task, state, checkpoint):
+        return chain.TaskOutcome("2026-01-01 00:00:00", "1", task, state, 1, "n1", "", checkpoint)
+
+    rows = [row("1", "FAILED", None), row("2", "COMPLETED", "global_step100"), row("3", "FAILED", "global_step100"),
+            row("4", "SKIPPED", "global_step100"), row("5", "CANCELLED", "global_step100"),
+            row("6", "TIMEOUT", "global_step100")]
+    assert [r.task for r in chain.stalled_starts(rows)] == ["3", "6"]
+    assert chain.stalled_starts([*rows, row("7", "COMPLETED", "global_step200")]) == []
+    assert [r.task for r in chain.stalled_starts([row("1", "FAILED", ""), row("2", "FAILED", "")])] == ["1", "2"]
+    assert chain.stalled_starts([row("1", "FAILED", None), row("2", "FAILED", None)]) == []
+    assert chain.stopped_code("2026-01-01 00:00:00 [chain.restart_storm] ***ALERT: x***") == "chain.restart_storm"
+    assert chain.stopped_code("2026-01-01 00:00:00 ***ALERT: x***") is None  # a flag from before the codes
 
 
 def test_a_crash_on_one_gpu_of_a_node_ends_the_job_and_status_names_its_local_rank(kjv_data, tmp_path, slurm,

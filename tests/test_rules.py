@@ -351,3 +351,23 @@ def test_every_rule_is_applied_by_both_the_spec_and_the_trainer():
     for rule in rules:
         assert f"{rule}(" in spec_text, rule
         assert (f"{rule}(" in train_text) != (rule in spec_only), rule
+
+
+def test_the_slowest_rank_is_measured_against_its_own_stages_other_ranks():
+    """Ranks of different stages do different work: stage 1's 30 ms is not slow next to stage 0's 10 ms; a rank at
+    13 ms among 10 ms peers of its stage is 1.3x; a stage of one rank is compared with nobody; the line reads back."""
+    from opskit.rules.stragglers import SlowestRank, parse_slowest_rank_line, slowest_rank, straggler
+
+    places = [("n1", 0, 0), ("n1", 1, 0), ("n2", 0, 1), ("n2", 1, 1), ("n3", 0, 0), ("n3", 1, 1)]
+    slow = slowest_rank(11, 20, [10.0, 10.0, 30.0, 30.0, 13.0, 30.0], places)
+    assert (slow.rank, slow.node, slow.local_rank, slow.stage, round(slow.ratio, 6), slow.others_ms) == (
+        4, "n3", 0, 0, 1.3, 10.0)
+    assert parse_slowest_rank_line(slow.line()) == SlowestRank(11, 20, 4, "n3", 0, 0, 13.0, 1.3, 10.0)
+    assert parse_slowest_rank_line("[default3]:" + slow.line()) is None  # the caller strips torchrun's prefix
+    assert slowest_rank(1, 10, [10.0, 30.0], [("n1", 0, 0), ("n1", 1, 1)]) is None
+    same = [SlowestRank(i, i + 9, 4, "n3", 0, 0, 13.0, 1.3, 10.0) for i in (1, 11, 21)]
+    assert straggler(same, 1.2) == same[-1]
+    assert straggler(same[:2], 1.2) is None  # 2 intervals are not 3
+    assert straggler(same, 1.35) is None
+    moved = [*same[:2], SlowestRank(21, 30, 1, "n1", 1, 0, 13.0, 1.3, 10.0)]
+    assert straggler(moved, 1.2) is None  # noise moves around; a straggler stays

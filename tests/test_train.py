@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -494,6 +495,36 @@ def test_bf16_zero0_pp2_resume_is_exact(kjv_data, tmp_path, async_save):
     assert latest(tmp_path / "resumed" / "checkpoints") == "global_step20"
     assert ("save-checkpoint-background" in resumed.stdout) == async_save
     assert "did not fit its host arena" not in straight.stdout + resumed.stdout  # the reserve covers every file
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["clean", "slow-rank"])
+def test_the_forward_time_line_names_a_slow_rank_and_status_a_straggler(kjv_data, tmp_path, monkeypatch, slow):
+    """DP=2 on this host, local rank 1's forward passes made twice as long from iteration 9 (the test fault hook):
+    each log interval's line names the slowest rank against its stage's other rank, rank 1 at >= 1.5x once the
+    slowdown runs, and `opskit status`'s check names the host and local rank 1 a straggler. A clean run: lines, no
+    straggler."""
+    from opskit.monitor.watchdog import check_stragglers
+    from opskit.rules.stragglers import parse_slowest_rank_line
+    from opskit.run.paths import RunPaths
+    from opskit.spec.schema import WatchdogSpec
+
+    if slow:
+        monkeypatch.setenv("OPSKIT_TEST_FAULT", f"slow:{socket.gethostname()}:iteration=9:factor=2:local_rank=1")
+    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "run", train_samples=8 * 24, log_interval=4,
+                                                   save=None, load=None), nproc=2))
+    reports = [r for line in done.stdout.splitlines() if (r := parse_slowest_rank_line(line))]
+    assert [(r.first, r.last) for r in reports] == [(i, i + 3) for i in range(1, 25, 4)], done.stdout[-3000:]
+    run = RunPaths(tmp_path / "run")
+    run.main_log.parent.mkdir(parents=True, exist_ok=True)
+    run.main_log.write_text(done.stdout)
+    findings = check_stragglers(run, WatchdogSpec())
+    if not slow:
+        assert findings == []
+        return
+    assert all(r.rank == 1 and r.local_rank == 1 and r.ratio >= 1.5 for r in reports[2:]), reports
+    [finding] = findings
+    assert finding.key == "log.straggler" and finding.data["node"] == socket.gethostname()
+    assert finding.message.startswith(f"straggler: {socket.gethostname()} local rank 1 (rank 1, stage 0) took ")
 
 
 def test_host_arena_buffers_are_files_of_their_own(tmp_path):

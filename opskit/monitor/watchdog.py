@@ -25,7 +25,15 @@ from pathlib import Path
 from opskit.ckpt.format.info import FALLBACK_LINE, resume_point
 from opskit.ckpt.format.layout import SAVE_FAILED_LINE, save_failed_message, step_dirs
 from opskit.fsutil import append_lines, atomic_write_text
-from opskit.logs.crash import JOB_HEADER, SIGNATURES, SOFTWARE_ERRORS, expand_nodelist, find_crashes, may_hold_crash
+from opskit.logs.crash import (
+    JOB_HEADER,
+    SIGNATURES,
+    SOFTWARE_ERRORS,
+    expand_nodelist,
+    find_crashes,
+    line_source,
+    may_hold_crash,
+)
 from opskit.logs.eta import progress, progress_lines
 from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
@@ -33,6 +41,7 @@ from opskit.logs.stacks import rank_stacks, stuck_ranks
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.monitor.findings import Finding, Report
 from opskit.monitor.pulse import pulse_lines, unreachable_line
+from opskit.rules.stragglers import parse_slowest_rank_line, straggler
 from opskit.run import chain
 from opskit.run.history import advise, save_interval_advice
 from opskit.run.paths import RunPaths
@@ -50,6 +59,9 @@ NEW_RECORDS = 5000
 NEW_TEXT = 8 << 20
 # Bytes of main_log.txt's end searched for the stacks of a hang: tr11's 384 ranks at ~10 KiB of stacks each.
 STACK_TEXT = 16 << 20
+# Bytes of its end searched for the forward-time lines of stragglers: one line per log interval, a few KiB of other
+# lines between two of them.
+STRAGGLER_TEXT = 1 << 20
 HAND_OVER_S = 600  # an exclusive reservation still lets the next task of a chain wait this long
 _JOB_WORD = "[opskit] "  # what every JOB_HEADER line holds
 SAVE_INTERVAL_EXCESS = 0.01
@@ -239,7 +251,10 @@ def _absent(spec: Spec, run: RunPaths) -> Finding:
     if run.finished_flag.exists():
         return Finding("scheduler.finished", "ok", f"training finished ({chain.flag_text(run.finished_flag)})")
     if run.stopped_flag.exists():
-        return Finding("scheduler.stopped", "alert", f"the chain stopped itself: {chain.flag_text(run.stopped_flag)}")
+        text = chain.flag_text(run.stopped_flag)
+        storm = chain.stopped_code(text) == chain.RESTART_STORM  # its own code: the fix differs from a failure's
+        return Finding(chain.RESTART_STORM if storm else "scheduler.stopped", "alert",
+                       f"the chain stopped itself: {text}")
     return Finding("scheduler.absent", "alert", f"{spec.job_name} is not RUNNING or SCHEDULED (nothing in squeue, "
                    f"no finished flag): `opskit submit {spec.cli_name}`")
 
@@ -391,16 +406,47 @@ def _hang(log: LogRead, wd: WatchdogSpec, now: datetime, running_since: datetime
                     {"silent_s": round(silent), "interval_s": interval, "last_iteration": last})]
 
 
+def check_stragglers(run: RunPaths, wd: WatchdogSpec, tail: int = STRAGGLER_TEXT) -> list[Finding]:
+    """``log.straggler``: the latest job's last 3 forward-time lines (:mod:`opskit.rules.stragglers`, in the last
+    ``tail`` bytes of main_log) name one node and local rank at ``watchdog.straggler_ratio`` or more; with
+    ``watchdog.exclude_stragglers`` its node goes on the bad-node list (the next submission excludes it)."""
+    text = _log_tail(run.main_log, tail)
+    headers = list(JOB_HEADER.finditer(text))
+    if headers:
+        text = text[headers[-1].start():]
+    reports = [r for line in text.splitlines() if (r := parse_slowest_rank_line(line_source(line)[2]))]
+    slow = straggler(reports, wd.straggler_ratio)
+    if slow is None:
+        return []
+    where = f"{slow.node} local rank {slow.local_rank} (rank {slow.rank}, stage {slow.stage})"
+    told = f"`opskit nodes add NAME {slow.node}` keeps it out of the next task"
+    if wd.exclude_stragglers:
+        why = f"{datetime.now():%Y-%m-%d %H:%M:%S} straggler: {slow.ratio:.2f}x its stage's other ranks"
+        told = (f"{slow.node} put on the bad-node list: the next submission excludes it"
+                if chain.add_bad_nodes(run, {slow.node: why}) else f"{slow.node} was on the bad-node list already")
+    return [Finding("log.straggler", "warn", f"straggler: {where} took {slow.ratio:.2f}x the forward time of its "
+                    f"stage's other ranks in 3 log intervals in a row (last: iterations {slow.first}-{slow.last}, "
+                    f"{slow.ms:.1f} vs {slow.others_ms:.1f} ms); {told}",
+                    {"node": slow.node, "local_rank": slow.local_rank, "rank": slow.rank, "ratio": slow.ratio})]
+
+
+def _log_tail(main_log: Path, tail: int) -> str:
+    """The last ``tail`` bytes of ``main_log`` as text ("" when unreadable)."""
+    try:
+        with open(main_log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: int = STACK_TEXT) -> Finding:
     """The ``log.hang`` finding with the rank(s) the others wait for, from the stacks every rank printed after
     ``--stack-dump-after-mins`` (:mod:`opskit.logs.stacks`) in the last ``tail`` bytes of ``main_log``; the finding as
     it was when no stacks are there. ``job_nodes``: the running job's node list when its header is not in that tail.
     ``data["stuck"]``: one ``{"node", "local_rank", "frame"}`` per named rank."""
-    try:
-        with open(main_log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
+    text = _log_tail(main_log, tail)
+    if not text:
         return hang
     headers = list(JOB_HEADER.finditer(text))
     if headers:  # the running job's stacks only: an earlier job's ranks are not this hang's
@@ -719,6 +765,7 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
                               spec.checkpoint.save_interval)
         findings = [with_stuck_ranks(f, run.main_log, state.job_nodes) if f.key == "log.hang" else f
                     for f in findings]
+        findings += check_stragglers(run, spec.watchdog)
     if not run_missing:
         checkpoint = check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
                                       _save_due(run, ledger, state, records, spec.checkpoint.save_interval))

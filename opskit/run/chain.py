@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+from opskit.ckpt.format.layout import latest_state
 from opskit.errors import OpskitError
 from opskit.fsutil import OutputRefusedError, append_lines, atomic_write_text, has_marker, write_marker
 from opskit.logs.crash import Crash, find_crashes
@@ -265,6 +266,8 @@ class TaskOutcome:
     exit_code: int | None = None
     nodes: str = ""
     reason: str = ""
+    checkpoint: str | None = None
+    """``latest``'s tag when the task ended (``""``: none yet); None in lines written before it was recorded."""
 
 
 def record(run: RunPaths, outcome: TaskOutcome) -> None:
@@ -304,6 +307,29 @@ def consecutive_failures(rows: list[TaskOutcome]) -> list[TaskOutcome]:
         elif row.state in FAILURES:
             failed.append(row)
     return failed
+
+
+STARTS = ("COMPLETED", *FAILURES)
+"""Ledger states of a task that started training (SKIPPED tasks exited at start, CANCELLED ones were the user's)."""
+
+
+def stalled_starts(rows: list[TaskOutcome]) -> list[TaskOutcome]:
+    """The latest task starts in a row that each left ``latest`` where the start before them left it (a restart
+    storm); a start whose checkpoint is unknown (a ledger line from before it was recorded) ends the run of them."""
+    stalled: list[TaskOutcome] = []
+    before = ""
+    for row in (r for r in rows if r.state in STARTS):
+        if row.checkpoint is not None and row.checkpoint == before:
+            stalled.append(row)
+        else:
+            stalled = []
+        before = row.checkpoint if row.checkpoint is not None else before
+    return stalled
+
+
+def _latest_tag(run: RunPaths) -> str:
+    """``latest``'s tag in the run's checkpoint folder, ``""`` without one or when unusable."""
+    return latest_state(run.checkpoints)[0] or ""
 
 
 # --------------------------------------------------------------------------- bad nodes
@@ -420,11 +446,13 @@ def _down_nodes(nodelist: str, lines: list[str]) -> dict[str, str]:
 
 def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str, exit_code: int | None,
                nodes: str, max_failures: int, now: datetime | None = None, job_nodes: int | None = None,
-               partition: str | None = None) -> list[str]:
+               partition: str | None = None, max_stalled_starts: int | None = None) -> list[str]:
     """The job script's epilogue: record the task's outcome (under SLURM, a FAILED or CANCELLED task with a node
     SLURM holds down is NODE_FAIL, the reason naming the node); on a failure, put crashed nodes on the bad-node list
     (and, under SLURM, ``job_nodes`` given, on the run's pending tasks: :func:`exclude_in_queue`) and, at
-    ``max_failures`` consecutive failures, stop the chain and raise the alert.
+    ``max_failures`` consecutive failures, stop the chain and raise the alert. At ``max_stalled_starts`` starts in a
+    row that moved no ``latest`` (:func:`stalled_starts`), stop it with the ``chain.restart_storm`` alert instead and
+    cancel the run's pending tasks (under SLURM).
 
     Returns:
         lines for main_log.txt (the script prefixes them with its ``[opskit] ... job ...:`` header).
@@ -450,17 +478,58 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
                     lines.append(exclude_in_queue(run, job_nodes, partition))
                 except client.SlurmError as e:
                     lines.append(f"queued tasks not updated, they may start on {','.join(new)} ({e})")
-    record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason))
-    failed = consecutive_failures(read_ledger(run))
-    if state in FAILURES and len(failed) >= max_failures and not run.stopped_flag.exists():
-        summary = ", ".join(f"{r.task} {r.state}" + (f" exit {r.exit_code}" if r.state == "FAILED" else "") +
-                            f" on {r.nodes}" for r in failed[-max_failures:])
-        alert = (f"***ALERT: {spec_name}: {len(failed)} consecutive failed tasks ({summary}); the chain is stopped, "
-                 f"later tasks exit at start. Fix the cause, then `opskit submit {spec_name} --yes`***")
-        atomic_write_text(run.stopped_flag, f"{stamp} {alert}\n")
-        record(run, TaskOutcome(stamp, job_id, task, "ALERT", None, nodes, alert))
-        lines.append(alert)
+    record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason, _latest_tag(run)))
+    if run.stopped_flag.exists():
+        return lines
+    rows = read_ledger(run)
+    stalled, failed = stalled_starts(rows), consecutive_failures(rows)
+    if max_stalled_starts is not None and len(stalled) >= max_stalled_starts:
+        alert = (f"***ALERT: {spec_name}: {len(stalled)} starts in a row saved nothing ({_summary(stalled)}; "
+                 f"latest still {stalled[-1].checkpoint or 'absent'}); the chain is stopped, its queued tasks "
+                 f"cancelled. Fix the cause, then `opskit submit {spec_name} --yes`***")
+        lines += _stop_chain(run, TaskOutcome(stamp, job_id, task, "ALERT", None, nodes, alert), RESTART_STORM)
+        if job_nodes:
+            lines.append(_cancel_pending(run))
+    elif state in FAILURES and len(failed) >= max_failures:
+        alert = (f"***ALERT: {spec_name}: {len(failed)} consecutive failed tasks ({_summary(failed[-max_failures:])})"
+                 f"; the chain is stopped, later tasks exit at start. Fix the cause, then `opskit submit {spec_name} "
+                 f"--yes`***")
+        lines += _stop_chain(run, TaskOutcome(stamp, job_id, task, "ALERT", None, nodes, alert), "chain.failures")
     return lines
+
+
+RESTART_STORM = "chain.restart_storm"
+
+
+def _summary(rows: list[TaskOutcome]) -> str:
+    return ", ".join(f"{r.task} {r.state}" + (f" exit {r.exit_code}" if r.state == "FAILED" else "") +
+                     f" on {r.nodes}" for r in rows)
+
+
+def _stop_chain(run: RunPaths, alert: TaskOutcome, code: str) -> list[str]:
+    """Write the stopped flag (``TIME [code] ALERT``: :func:`stopped_code` reads the code back) and the ALERT line."""
+    atomic_write_text(run.stopped_flag, f"{alert.time} [{code}] {alert.reason}\n")
+    record(run, alert)
+    return [alert.reason]
+
+
+def stopped_code(flag_text: str) -> str | None:
+    """The finding code a stopped flag names (``chain.restart_storm``, ``chain.failures``), None in flags written
+    before codes were."""
+    found = re.match(r"\S+ \S+ \[([a-z_.]+)\] ", flag_text)
+    return found.group(1) if found else None
+
+
+def _cancel_pending(run: RunPaths) -> str:
+    """Cancel the run's pending tasks (under SLURM): a storm would start each of them only to skip it."""
+    try:
+        pending = [e for e in run_jobs(run, "", client.squeue()) if e.state == "PENDING"]
+        ids = sorted({e.array_id for e in pending}, key=int)
+        if ids:
+            client.scancel_pending(ids)
+    except (client.SlurmError, ChainError) as e:
+        return f"queued tasks not cancelled ({e}): they will exit at start"
+    return f"cancelled the pending tasks of job(s) {', '.join(ids)}" if ids else "no task was queued"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -468,13 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     ``... skipped RUN_DIR JOB_ID TASK NODES REASON``: what the job script calls; prints main_log lines."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args[:1] == ["ended"] and len(args) == 9:
-            _, root, spec_name, job_id, task, state, code, nodes, max_failures = args
+        if args[:1] == ["ended"] and len(args) in (9, 10):  # 9: scripts rendered before max_stalled_starts
+            _, root, spec_name, job_id, task, state, code, nodes, max_failures, *stalled = args
             job_nodes = os.environ.get("SLURM_JOB_NUM_NODES", "")  # SLURM's (the local executor sets none)
             for line in task_ended(RunPaths(Path(root)), spec_name, job_id, task, state,
                                    int(code) if code.lstrip("-").isdigit() else None, nodes, int(max_failures),
                                    job_nodes=int(job_nodes) if job_nodes.isdigit() else None,
-                                   partition=os.environ.get("SLURM_JOB_PARTITION")):
+                                   partition=os.environ.get("SLURM_JOB_PARTITION"),
+                                   max_stalled_starts=int(stalled[0]) if stalled else None):
                 print(line)
             return 0
         if args[:1] == ["skipped"] and len(args) == 6:

@@ -227,6 +227,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         master_port=s.master_port,
         time_limit_s=int(s.time_minutes * 60),
         max_failures=s.max_failures,
+        max_stalled_starts=s.max_stalled_starts,
         env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},
         trainer_args=_one_flag_per_line(trainer_args(spec, run)),
         ds_config=ds_config,

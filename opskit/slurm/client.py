@@ -127,6 +127,11 @@ def scancel(job_ids: list[str]) -> None:
     _run(["scancel", *job_ids])
 
 
+def scancel_pending(job_ids: list[str]) -> None:
+    """Cancel the pending tasks of jobs (arrays): a running task of them is left alone."""
+    _run(["scancel", "--state=PENDING", *job_ids])
+
+
 def scontrol(action: str, job_ids: list[str]) -> None:
     """``scontrol hold|release ID,...``: a held job stays pending and keeps its queue age until released."""
     if action not in ("hold", "release"):

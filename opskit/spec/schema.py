@@ -317,6 +317,10 @@ class SlurmSpec(_Section):
     max_failures: int = Field(default=3, gt=0)
     """Consecutive failed tasks (FAILED, NODE_FAIL or TIMEOUT in the run's ledger) after which the chain stops with an
     alert."""
+    max_stalled_starts: int = Field(default=3, gt=0)
+    """Task starts in a row that leave ``latest`` where the start before them left it (a restart storm: each start
+    burns an allocation and saves nothing), after which the chain stops with the ``chain.restart_storm`` alert and its
+    queued tasks are cancelled."""
     cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
     """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
     cron_account: str | None = Field(default=None, pattern=_ONE_LINE)
@@ -444,6 +448,11 @@ class WatchdogSpec(_Section):
     ``--stack-dump-after-mins`` (which takes at most 10^6)."""
     cancel_hung: bool = False
     """``scancel`` the running task when its hang is found, so the chain moves on (it resumes from the last save)."""
+    straggler_ratio: float = Field(default=1.2, gt=1)
+    """A rank whose forward passes take this many times the median of its pipeline stage's other ranks', in 3 log
+    intervals in a row, is named a straggler (``log.straggler``; opskit.rules.stragglers)."""
+    exclude_stragglers: bool = False
+    """Put a straggler's node on the run's bad-node list, so the next submission and restart run without it."""
     spike_window: int = Field(default=100, ge=5)
     spike_threshold: float = Field(default=6.0, gt=0)
     """Robust z-score above which an lm loss / grad norm value is a spike (opskit.logs.spikes)."""

@@ -8,7 +8,10 @@ node, when given):
 - ``crash``: print the lines a GPU that broke mid-training leaves (``CUDA error: an illegal memory access was
   encountered`` raised from NCCL's watchdog, as :mod:`opskit.logs.crash` recognises) and exit 1 at once, as a dead
   rank does;
-- ``hang``: sleep for an hour inside the iteration, as a rank stuck in a collective does.
+- ``hang``: sleep for an hour inside the iteration, as a rank stuck in a collective does;
+- ``slow`` (with ``:factor=F``): from iteration ``N`` on, make every forward pass of the node's ranks take ``F`` times
+  as long (on CPU ranks: :class:`opskit.train.rank_times.ForwardTimes` sleeps the difference), as a throttled GPU or
+  a node with a failing fan does.
 
 Never set it for a real training. Unset (always, outside tests) it costs one dictionary lookup per iteration.
 """
@@ -29,17 +32,38 @@ CRASH_LINES = (
 HANG_S = 3600
 
 
-def inject_test_fault(iteration: int, environ: Mapping[str, str] = os.environ) -> None:
-    """Crash or hang here when ``OPSKIT_TEST_FAULT`` asks for it on this node after ``iteration`` (see the module
-    docstring); a malformed value is ignored (it is a test's, never a user's)."""
+def _fault_here(environ: Mapping[str, str]) -> tuple[str, dict[str, str], str] | None:
+    """(kind, options, node) of ``OPSKIT_TEST_FAULT`` when it targets this node, array task and local rank."""
     kind, _, rest = environ.get("OPSKIT_TEST_FAULT", "").partition(":")
     node, _, options = rest.partition(":")
     wanted = dict(option.partition("=")[::2] for option in options.split(":") if option)
     here = environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if node != here or wanted.get("iteration") != str(iteration) or any(
-            wanted.get(option, environ.get(variable)) != environ.get(variable)
-            for option, variable in (("task", "SLURM_ARRAY_TASK_ID"), ("local_rank", "LOCAL_RANK"))):
+    if node != here or any(wanted.get(option, environ.get(variable)) != environ.get(variable)
+                           for option, variable in (("task", "SLURM_ARRAY_TASK_ID"), ("local_rank", "LOCAL_RANK"))):
+        return None
+    return kind, wanted, here
+
+
+def slowdown_factor(iteration: int, environ: Mapping[str, str] = os.environ) -> float:
+    """How many times longer this rank's forward passes must take in ``iteration`` (``slow``, see the module
+    docstring): 1.0 unless asked; a malformed value is ignored."""
+    fault = _fault_here(environ)
+    if fault is None or fault[0] != "slow" or not fault[1].get("iteration", "").isdigit():
+        return 1.0
+    try:
+        factor = float(fault[1].get("factor", "1"))
+    except ValueError:
+        return 1.0
+    return factor if iteration >= int(fault[1]["iteration"]) else 1.0
+
+
+def inject_test_fault(iteration: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Crash or hang here when ``OPSKIT_TEST_FAULT`` asks for it on this node after ``iteration`` (see the module
+    docstring); a malformed value is ignored (it is a test's, never a user's)."""
+    fault = _fault_here(environ)
+    if fault is None or fault[1].get("iteration") != str(iteration):
         return
+    kind, _, here = fault
     if kind == "crash":
         print("\n".join(CRASH_LINES).format(rank=environ.get("RANK", "0")), file=sys.stderr, flush=True)
         os._exit(1)

@@ -45,7 +45,7 @@ from opskit.train.build import (
 )
 from opskit.train.config import TrainConfig, TrainerError
 from opskit.train.exit import ExitPolicy, ExitRequests
-from opskit.train.fault import inject_test_fault
+from opskit.train.fault import inject_test_fault, slowdown_factor
 from opskit.train.log import (  # torch-free: torch is imported where it is used
     IntervalStats,
     TensorBoard,
@@ -206,6 +206,11 @@ class Trainer:
         self.engine, self.optimizer = build_engine(config, model, ds_config, self.rampup, self.state)
         # saves in the background (--async-save): a writer thread per rank, the engine's loads unchanged
         self.background = _background_saves(self.engine, config, world)
+        # each rank's forward time, for the straggler line of each log interval
+        from opskit.train.rank_times import ForwardTimes
+
+        self.forward_times = ForwardTimes(model, self.engine.stage_id,
+                                          functools.partial(slowdown_factor, environ=dict(os.environ)))
         # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
         self._resume(model)
         if world.rank == 0:
@@ -284,6 +289,7 @@ class Trainer:
             if self._skip_range_at_next_iteration():
                 continue
             self.profiler.before_iteration(state.iteration + 1)
+            self.forward_times.iteration = state.iteration + 1
             step = self._train_step()
             iterations_run += 1
             self.profiler.after_iteration(state.iteration)
@@ -377,6 +383,9 @@ class Trainer:
                 tflops=tflops, curriculum_seqlen=curriculum_seqlen), flush=True)
         self.tensorboard.interval(state.iteration, state.consumed_train_samples, state.consumed_train_tokens, seconds,
                                   step.global_batch_size, state.seqlen, world.dp, tflops)
+        first = state.iteration - state.interval.iterations + 1
+        if line := self.forward_times.interval_line(first, state.iteration, world.is_last_rank):
+            print(line, flush=True)
         if not self.memory_reported and torch.cuda.is_available():
             print(memory_line(world.rank, state.iteration), flush=True)
             self.memory_reported = True
