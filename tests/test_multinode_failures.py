@@ -24,6 +24,7 @@ from conftest import REPO, write_spec
 from test_submit import OPSKIT, iterations_logged, one, tasks_of
 
 from opskit.run import chain
+from opskit.run.paths import RunPaths
 from opskit.run.submit import submit
 from opskit.spec.load import load_spec
 
@@ -33,7 +34,8 @@ GBS = 8
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "max_position_embeddings": 32}
 
 
-def node_spec(tmp_path: Path, data, iterations: int, save_interval: int, fault: str = "", **sections):
+def node_spec(tmp_path: Path, data, iterations: int, save_interval: int, fault: str = "", log_interval: int = 1,
+              model: dict = MODEL, **sections):
     """A 2-node chain of the tiny model: one CPU and one OpenMP thread per node (the nodes have CPUs=1), the fault
     hook in the job's environment, this worktree's opskit on every node."""
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -41,10 +43,11 @@ def node_spec(tmp_path: Path, data, iterations: int, save_interval: int, fault: 
         env["OPSKIT_TEST_FAULT"] = fault
     slurm = {"job_name": f"mnf-{tmp_path.name[-12:]}", "cpus_per_task": 1, "array": 3, "max_failures": 3,
              "time": "10", "master_port": random.randint(20000, 29000), "env": env, **sections.pop("slurm", {})}
-    path = write_spec(tmp_path / "spec.yaml", data, tmp_path / "run", model=MODEL, parallel={"nodes": 2},
+    path = write_spec(tmp_path / "spec.yaml", data, tmp_path / "run", model=model, parallel={"nodes": 2},
                       batch={"micro_batch_size": 4, "global_batch_size": GBS, "train_samples": iterations * GBS},
                       optimizer={"lr_warmup_samples": 32},
-                      checkpoint={"save_interval": save_interval, "log_interval": 1}, slurm=slurm, **sections)
+                      checkpoint={"save_interval": save_interval, "log_interval": log_interval}, slurm=slurm,
+                      **sections)
     return load_spec(str(path))
 
 
@@ -255,6 +258,63 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
     one(r"successfully loaded checkpoint from .* at iteration +20$", resumed)
 
 
+@pytest.mark.parametrize("fault", ["slow:node2:iteration=20:factor=1.3", ""], ids=["node2-30%-slower", "clean"])
+def test_a_slow_node_is_named_a_straggler_within_three_log_intervals(cluster, kjv_data, tmp_path, fault):
+    """node2's forward passes 30% slower from iteration 20 (the fault hook's slow kind) in a 2-node DP run: the
+    trainer's lines name node2 from the first interval after it, and `opskit status` calls it a straggler once 3
+    intervals are logged (iteration 50 of 60). The same spec without the fault: lines, no straggler."""
+    # forward passes of ~10 ms: the 2-core host's scheduling noise is a small part of them
+    wider = {**MODEL, "hidden_size": 256, "seq_length": 128, "max_position_embeddings": 128}
+    # 1.15, not the default 1.2: this host's two nodes share two cores, so a 30% slower node2 measured 1.22-1.31x
+    spec = node_spec(tmp_path, kjv_data, iterations=60, save_interval=1000, fault=fault, log_interval=10, model=wider,
+                     watchdog={"straggler_ratio": 1.15})
+    sub = submit(spec)
+    cluster.jobs.append(sub.job_id)
+    wait_for(lambda: sub.run.finished_flag.exists(), 240, "training never finished")
+    from opskit.logs.crash import line_source
+    from opskit.rules.stragglers import parse_slowest_rank_line
+
+    log = sub.run.main_log.read_text()
+    reports = [r for line in log.splitlines() if (r := parse_slowest_rank_line(line_source(line)[2]))]
+    assert [(r.first, r.last) for r in reports] == [(i, i + 9) for i in range(1, 61, 10)], log[-3000:]
+    print("\n" + ", ".join(f"{r.first}-{r.last}: {r.node} {r.ratio:.2f}x" for r in reports))
+    report = json.loads(opskit(cluster, "status", str(tmp_path / "spec.yaml"), "--json").stdout)
+    found = [f for f in report["findings"] if f["key"] == "log.straggler"]
+    if not fault:
+        assert found == [], found
+        return
+    assert [(r.node, r.local_rank) for r in reports[2:5]] == [("node2", 0)] * 3, reports
+    assert all(r.ratio >= 1.15 for r in reports[2:5]), reports
+    [straggler] = found
+    assert (straggler["data"]["node"], straggler["data"]["local_rank"]) == ("node2", 0), straggler
+
+
+@pytest.mark.parametrize("fault, problem", [("slow_gemm:node2", r"GEMM .* TFLOP/s, \d+% of the median"),
+                                            ("allreduce_fail:node2", r"all-reduce failed: RuntimeError: test fault"),
+                                            ("", None)], ids=["slow-gemm", "allreduce-fails", "healthy"])
+def test_preflight_names_a_slow_or_cut_off_node_and_keeps_it_out(cluster, kjv_data, tmp_path, fault, problem):
+    """`opskit preflight` on the 3 nodes: node2's GEMM 3x slower, or its all-reduce failing (the fault hook), makes
+    it the one node excluded, with its figure, and `--exclude` puts it on the bad-node list the next submission
+    reads; healthy nodes all pass (exit 0). Its wall time is printed."""
+    node_spec(tmp_path, kjv_data, iterations=10, save_interval=1000)
+    env = {**cluster.env, **({"OPSKIT_TEST_FAULT": fault} if fault else {})}
+    started = time.monotonic()
+    done = subprocess.run([OPSKIT, "preflight", str(tmp_path / "spec.yaml"), "--nodes", "node[1-3]", "--json",
+                           "--exclude"], capture_output=True, text=True, timeout=300, env=env)
+    print(f"\npreflight of 3 nodes ({fault or 'healthy'}): {time.monotonic() - started:.1f} s")
+    assert done.stdout.startswith("{"), done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert [n["node"] for n in result["nodes"]] == ["node1", "node2", "node3"], result
+    if problem is None:
+        assert (done.returncode, result["excluded"]) == (0, []), result
+        assert all(n["allreduce_s"] is not None for n in result["nodes"]), result
+        return
+    assert (done.returncode, result["excluded"]) == (1, ["node2"]), [(n["node"], n["problems"]) for n in result["nodes"]]
+    [node2] = [n for n in result["nodes"] if n["node"] == "node2"]
+    assert any(re.match(problem, p) for p in node2["problems"]), result
+    assert list(chain.read_bad_nodes(RunPaths(tmp_path / "run"))) == ["node2"]
+
+
 def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
     # 30 min: task 1 must still be running after the controller's restart, however loaded the machine
     spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2, "time": "30"})
@@ -306,6 +366,13 @@ def test_fault_hook_fires_only_on_its_node_iteration_and_task():
                              ("crash:node2:iteration=5:task=2", 5), ("crash:node2:iteration=5:local_rank=1", 5),
                              ("", 5), ("nonsense", 5)):
         assert inject_test_fault(iteration, {**here, "LOCAL_RANK": "0", "OPSKIT_TEST_FAULT": fault}) is None
+    from opskit.train.fault import slowdown_factor
+
+    slow = {**here, "LOCAL_RANK": "0", "OPSKIT_TEST_FAULT": "slow:node2:iteration=20:factor=1.3"}
+    assert [slowdown_factor(i, slow) for i in (19, 20, 500)] == [1.0, 1.3, 1.3]
+    assert slowdown_factor(20, {**slow, "SLURMD_NODENAME": "node1"}) == 1.0
+    assert slowdown_factor(20, {**slow, "OPSKIT_TEST_FAULT": "slow:node2:iteration=20:factor=x"}) == 1.0
+    assert inject_test_fault(20, slow) is None  # slow is no crash
     code = "from opskit.train.fault import inject_test_fault as f; f(5); print('survived')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
                           env={**os.environ, **here, "LOCAL_RANK": "1", "RANK": "9",

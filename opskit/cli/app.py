@@ -5,7 +5,22 @@ from __future__ import annotations
 import typer
 
 from opskit import __version__
-from opskit.cli import chain, ckpt, cron, data, goodput, logs, plan, rehearse, specs, status, submit, sync, train
+from opskit.cli import (
+    chain,
+    ckpt,
+    cron,
+    data,
+    goodput,
+    logs,
+    plan,
+    preflight,
+    rehearse,
+    specs,
+    status,
+    submit,
+    sync,
+    train,
+)
 
 app = typer.Typer(
     name="opskit",
@@ -37,6 +52,7 @@ app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown
             add_help_option=False)(train.train)
 app.command("status")(status.status)
 app.command("goodput")(goodput.goodput)
+app.command("preflight")(preflight.preflight)
 app.command("sync")(sync.sync)
 app.command("kill-switch")(chain.kill_switch)
 app.command("cancel")(chain.cancel)

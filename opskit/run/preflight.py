@@ -1,0 +1,154 @@
+"""``opskit preflight``: check nodes before training trusts them (BigScience bisected a 5% slow node by hand with
+spare nodes). Each node runs :mod:`opskit.run.node_check` (one ``srun`` step, a task per node); this module reads
+their records and names the nodes to keep out:
+
+- no record (the task died or never started), or fewer GPUs than ``parallel.gpus_per_node`` (when any node has
+  GPUs: on a CPU cluster no node shows one);
+- a GEMM below the fleet's median by more than ``margin`` (its slowest device against the median of every node's
+  slowest device);
+- less free disk at the checkpoint folder than one step (``opskit plan``'s ``checkpoint_gb``: the folder is
+  shared, every node's writes land there), or GPU Xid lines in the kernel log;
+- every all-reduce it took part in failed (one with each ring neighbour) while other pairs succeeded (when all
+  failed, none is singled out: a note says so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from opskit.errors import OpskitError
+from opskit.logs.crash import expand_nodelist
+from opskit.run import chain
+from opskit.run.paths import RunPaths
+from opskit.spec.schema import Spec
+
+TIMEOUT_S = 300
+
+
+class PreflightError(OpskitError):
+    """The check could not run (srun missing, no node to check): one line."""
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """One node's figures and, when it must be kept out, why (``problems`` empty: fit)."""
+
+    node: str
+    gemm_tflops: float | None
+    """Its slowest device's GEMM TFLOP/s (None without a record)."""
+    free_gb: float | None
+    allreduce_s: float | None
+    """Its slowest successful pair all-reduce, in seconds (None: none succeeded)."""
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    nodes: list[NodeVerdict]
+    median_tflops: float | None
+    notes: list[str]
+
+    @property
+    def excluded(self) -> list[NodeVerdict]:
+        return [n for n in self.nodes if n.problems]
+
+    def as_json(self) -> dict:
+        return {"nodes": [asdict(n) for n in self.nodes], "median_tflops": self.median_tflops,
+                "excluded": [n.node for n in self.excluded], "notes": self.notes}
+
+
+def judge(records: dict[str, dict | None], expected_devices: int, margin: float, min_free_gb: float) -> Preflight:
+    """The verdicts on ``records`` (node -> its node_check record, None when it wrote none).
+
+    Args:
+        expected_devices: GPUs each node must show (0: not checked).
+        margin: a node whose slowest GEMM is below ``(1 - margin) x`` the median of the nodes' slowest is excluded.
+        min_free_gb: free GB needed at the checkpoint folder.
+    """
+    slowest = {node: min(r["gemm_tflops"].values()) for node, r in records.items() if r and r.get("gemm_tflops")}
+    median = statistics.median(slowest.values()) if slowest else None
+    # a node is cut off when every all-reduce it took part in failed while some pair elsewhere succeeded
+    reduced = {node: bool(r) and (any(pair["ok"] for pair in r["allreduce"]) or not r["allreduce"])
+               for node, r in records.items()}  # one node alone has no pair
+    notes = []
+    if reduced and not any(reduced.values()):
+        notes.append(f"every all-reduce failed ({len(reduced)} nodes): the network or the rendezvous ports, not one "
+                     "node")
+    verdicts = []
+    for node, record in records.items():
+        problems = []
+        if record is None:
+            problems.append("no result (its check died or never started)")
+        else:
+            if expected_devices and record["devices"] < expected_devices:
+                problems.append(f"{record['devices']} GPU(s), expected {expected_devices}")
+            if median and slowest.get(node, 0) < (1 - margin) * median:
+                problems.append(f"GEMM {slowest[node]:.3g} TFLOP/s, {slowest[node] / median:.0%} of the median "
+                                f"{median:.3g}")
+            if record["free_gb"] < min_free_gb:
+                problems.append(f"{record['free_gb']:.0f} GB free at the checkpoints, a step needs {min_free_gb:.0f}")
+            if record.get("xid"):
+                problems.append(f"{len(record['xid'])} GPU Xid line(s) in the kernel log: {record['xid'][-1]}")
+            if not reduced[node] and any(reduced.values()):
+                failed = record["allreduce"][0] if record["allreduce"] else {}
+                problems.append(f"all-reduce failed: {failed.get('error', 'wrong sum')}")
+        seconds = [pair["seconds"] for pair in record["allreduce"] if pair["ok"]] if record else []
+        verdicts.append(NodeVerdict(node, slowest.get(node), record["free_gb"] if record else None,
+                                    max(seconds) if seconds else None, problems))
+    return Preflight(verdicts, median, notes)
+
+
+def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool) -> Preflight:
+    """Check ``nodes`` (SLURM's node-list syntax) with one ``srun`` step of a task per node (their records kept in
+    ``<run>/preflight/<time>-<pid>/<node>.json``), judge them
+    (:func:`judge`: this spec's GPUs per node and step size), and with ``exclude`` put the failing ones on the
+    run's bad-node list (the next submission excludes them).
+
+    Raises:
+        PreflightError: not a node list, or no node reported (srun could not start the step).
+        OutputRefusedError: the run directory holds files opskit did not write.
+    """
+    try:
+        names = expand_nodelist(nodes)
+    except ValueError:
+        raise PreflightError(f"--nodes {nodes!r}: not a SLURM node list (e.g. node[1-3],gpu7)") from None
+    if not names:
+        raise PreflightError(f"--nodes {nodes!r}: no node to check")
+    run = RunPaths.of(spec)
+    chain.claim_run_dir(run, "preflight")  # the node records go into it
+    out = run.root / "preflight" / f"{datetime.now():%Y-%m-%dT%H-%M-%S}-{os.getpid()}"
+    s = spec.slurm
+    command = ["srun", f"--nodes={len(names)}", f"--ntasks={len(names)}", "--ntasks-per-node=1",
+               f"--nodelist={','.join(names)}", "--time=10", f"--job-name={spec.job_name}-preflight",
+               *([f"--partition={s.partition}"] if s.partition else []),
+               *([f"--account={s.account}"] if s.account else []),
+               sys.executable, "-m", "opskit.run.node_check", str(out), str(run.checkpoints), str(s.master_port + 1)]
+    try:
+        step = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PreflightError(f"srun: {e}") from None
+    records = {name: _read_record(out / f"{name}.json") for name in names}
+    if not any(records.values()):
+        said = (step.stderr.strip().splitlines() or [f"exit {step.returncode}"])[-1]
+        raise PreflightError(f"no node reported ({' '.join(command[:6])} ...: {said[:300]})")
+    from opskit.spec.plan import make_plan
+
+    gpus = spec.parallel.gpus_per_node if any(r and r["devices"] for r in records.values()) else 0
+    verdict = judge(records, gpus, margin, make_plan(spec).memory.checkpoint_gb)
+    if exclude and verdict.excluded:
+        chain.add_bad_nodes(run, {n.node: "preflight: " + "; ".join(n.problems) for n in verdict.excluded})
+    return verdict
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
