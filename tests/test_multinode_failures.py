@@ -309,7 +309,8 @@ def test_preflight_names_a_slow_or_cut_off_node_and_keeps_it_out(cluster, kjv_da
         assert (done.returncode, result["excluded"]) == (0, []), result
         assert all(n["allreduce_s"] is not None for n in result["nodes"]), result
         return
-    assert (done.returncode, result["excluded"]) == (1, ["node2"]), [(n["node"], n["problems"]) for n in result["nodes"]]
+    named = [(n["node"], n["problems"]) for n in result["nodes"]]
+    assert (done.returncode, result["excluded"]) == (1, ["node2"]), named
     [node2] = [n for n in result["nodes"] if n["node"] == "node2"]
     assert any(re.match(problem, p) for p in node2["problems"]), result
     assert list(chain.read_bad_nodes(RunPaths(tmp_path / "run"))) == ["node2"]
