@@ -5,8 +5,8 @@ neighbours in the ring of the step's nodes (gloo on CPUs, NCCL on GPUs). ``opski
 and decides.
 
 ``python -m opskit.run.node_check OUT_DIR CHECKPOINT_DIR PORT``; the step's first node hosts the rendezvous at PORT.
-Test-only (``OPSKIT_TEST_FAULT``): ``slow_gemm:NODE[:factor=F]`` makes the node's GEMM F (3) times slower,
-``allreduce_fail:NODE`` makes its all-reduce fail.
+Test-only (``OPSKIT_TEST_FAULT``, :mod:`opskit.train.fault`): ``slow_gemm:NODE[:factor=F]`` makes the node's GEMM F
+(3) times slower, ``allreduce_fail:NODE`` makes its all-reduces fail.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from opskit.train.fault import fault_here, node_name
 
 GEMM_SIZE = {"cuda": 8192, "cpu": 512}
 """Square matrices multiplied (bf16 on a GPU, fp32 on a CPU): a few ms per product."""
@@ -31,19 +32,6 @@ GEMM_WINDOWS = 20
 ALLREDUCE_TIMEOUT_S = 15
 """Seconds a pair waits for its other node (to connect, then in the all-reduce): a dead neighbour costs this, twice."""
 XID = re.compile(r"NVRM: Xid \(.*")
-
-
-def node_name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def _fault(kind: str) -> dict[str, str] | None:
-    """``OPSKIT_TEST_FAULT``'s options when it asks ``kind`` of this node (tests only)."""
-    want, _, rest = os.environ.get("OPSKIT_TEST_FAULT", "").partition(":")
-    node, _, options = rest.partition(":")
-    if want != kind or node != node_name():
-        return None
-    return dict(option.partition("=")[::2] for option in options.split(":") if option)
 
 
 def gemm_tflops(device: str) -> float:
@@ -58,8 +46,8 @@ def gemm_tflops(device: str) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     (a @ b).sum().item()  # warm-up, and the kernels chosen
-    slow = _fault("slow_gemm")
-    factor = float(slow.get("factor", "3")) if slow is not None else 1.0
+    fault = fault_here()
+    factor = float(fault[1].get("factor", "3")) if fault and fault[0] == "slow_gemm" else 1.0
     best = 0.0
     for _ in range(GEMM_WINDOWS):
         products, started = 0, time.perf_counter()
@@ -120,7 +108,7 @@ def _pair_allreduce(nodes: list[str], pair: tuple[int, int], rank: int, port: in
     host = pair[0] if (pair[0] + 1) % len(nodes) == pair[1] else pair[1]  # the ring's "i" of (i, i+1)
     started = time.perf_counter()
     try:
-        if _fault("allreduce_fail") is not None:
+        if (fault := fault_here()) and fault[0] == "allreduce_fail":
             raise RuntimeError("test fault: this node's network is down")
         timeout = timedelta(seconds=ALLREDUCE_TIMEOUT_S)
         store = dist.TCPStore(nodes[host], port + host, 2, rank == host, timeout=timeout)

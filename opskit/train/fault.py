@@ -11,7 +11,9 @@ node, when given):
 - ``hang``: sleep for an hour inside the iteration, as a rank stuck in a collective does;
 - ``slow`` (with ``:factor=F``): from iteration ``N`` on, make every forward pass of the node's ranks take ``F`` times
   as long (on CPU ranks: :class:`opskit.train.rank_times.ForwardTimes` sleeps the difference), as a throttled GPU or
-  a node with a failing fan does.
+  a node with a failing fan does;
+- ``slow_gemm`` (``:factor=F``, default 3) and ``allreduce_fail``: ``opskit preflight``'s check on the node
+  (:mod:`opskit.run.node_check`) finds its GEMM slower, or its all-reduces failing.
 
 Never set it for a real training. Unset (always, outside tests) it costs one dictionary lookup per iteration.
 """
@@ -32,12 +34,18 @@ CRASH_LINES = (
 HANG_S = 3600
 
 
-def _fault_here(environ: Mapping[str, str]) -> tuple[str, dict[str, str], str] | None:
+def node_name(environ: Mapping[str, str] = os.environ) -> str:
+    """This node's name as SLURM knows it (``$SLURMD_NODENAME``), else the host name: the name a fault targets, and
+    the one the straggler line and ``opskit preflight`` report."""
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def fault_here(environ: Mapping[str, str] = os.environ) -> tuple[str, dict[str, str], str] | None:
     """(kind, options, node) of ``OPSKIT_TEST_FAULT`` when it targets this node, array task and local rank."""
     kind, _, rest = environ.get("OPSKIT_TEST_FAULT", "").partition(":")
     node, _, options = rest.partition(":")
     wanted = dict(option.partition("=")[::2] for option in options.split(":") if option)
-    here = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    here = node_name(environ)
     if node != here or any(wanted.get(option, environ.get(variable)) != environ.get(variable)
                            for option, variable in (("task", "SLURM_ARRAY_TASK_ID"), ("local_rank", "LOCAL_RANK"))):
         return None
@@ -47,7 +55,7 @@ def _fault_here(environ: Mapping[str, str]) -> tuple[str, dict[str, str], str] |
 def slowdown_factor(iteration: int, environ: Mapping[str, str] = os.environ) -> float:
     """How many times longer this rank's forward passes must take in ``iteration`` (``slow``, see the module
     docstring): 1.0 unless asked; a malformed value is ignored."""
-    fault = _fault_here(environ)
+    fault = fault_here(environ)
     if fault is None or fault[0] != "slow" or not fault[1].get("iteration", "").isdigit():
         return 1.0
     try:
@@ -60,7 +68,7 @@ def slowdown_factor(iteration: int, environ: Mapping[str, str] = os.environ) -> 
 def inject_test_fault(iteration: int, environ: Mapping[str, str] = os.environ) -> None:
     """Crash or hang here when ``OPSKIT_TEST_FAULT`` asks for it on this node after ``iteration`` (see the module
     docstring); a malformed value is ignored (it is a test's, never a user's)."""
-    fault = _fault_here(environ)
+    fault = fault_here(environ)
     if fault is None or fault[1].get("iteration") != str(iteration):
         return
     kind, _, here = fault

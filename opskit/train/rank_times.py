@@ -11,7 +11,6 @@ interval) and the last rank prints the slowest rank against its stage's other ra
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 
@@ -19,11 +18,7 @@ import torch
 import torch.distributed as dist
 
 from opskit.rules.stragglers import slowest_rank
-
-
-def node_name() -> str:
-    """This node's name as SLURM knows it (``$SLURMD_NODENAME``), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+from opskit.train.fault import node_name
 
 
 class ForwardTimes:
