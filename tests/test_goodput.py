@@ -138,6 +138,21 @@ def test_the_redone_iterations_are_the_ones_the_next_task_trains_again(crashed_a
     assert first.iterations - first.redone_iterations == resumed_from and second.iterations == 20 - resumed_from
 
 
+def test_a_load_line_that_reaches_the_log_after_the_first_iteration_line_still_sets_the_resume_point(
+        crashed_and_resumed):
+    """On several nodes rank 0's ``successfully loaded`` line and the last rank's first iteration line reach
+    main_log.txt in either order (seen in the 3-node crash test): task 2 trained 9-20 (12), either way."""
+    log = crashed_and_resumed.main_log
+    lines = log.read_text().splitlines()
+    loaded = next(i for i, line in enumerate(lines) if "successfully loaded" in line)
+    first_iteration = next(i for i, line in enumerate(lines) if i > loaded and " iteration        9/" in line)
+    lines.insert(first_iteration, lines.pop(loaded))  # now just after iteration 9's line
+    log.write_text("\n".join(lines) + "\n")
+    second = account(crashed_and_resumed).tasks[1]
+    assert second.iterations == 12
+    assert second.seconds["training"] == approx(12 * 2.0 + 4.0 + 3 * 3.0 - 3 * 3.0 - 4.0)
+
+
 def test_a_hang_is_the_silence_after_the_last_line_until_the_cancel(tmp_path):
     run = RunPaths(tmp_path / "run")
     log = MainLog(run).opskit("submitted job 7 (2 tasks)").wait(10).opskit("start", "7_1")

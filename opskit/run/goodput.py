@@ -107,9 +107,11 @@ class Goodput:
 
     def as_json(self) -> dict:
         wall = self.wall_seconds
+        # seconds next to hours: a short run's parts rounded to 0.0001 h (0.36 s) would not add up to its wall time
         return {"start": f"{self.start:{_DATE}}", "end": f"{self.end:{_DATE}}", "wall_hours": round(wall / 3600, 4),
-                "goodput": round(self.goodput, 4),
-                "categories": {name: {"hours": round(s / 3600, 4), "percent": round(100 * s / wall, 2) if wall else 0}
+                "wall_seconds": round(wall, 3), "goodput": round(self.goodput, 4),
+                "categories": {name: {"hours": round(s / 3600, 4), "seconds": round(s, 3),
+                                      "percent": round(100 * s / wall, 2) if wall else 0}
                                for name, s in self.totals.items()},
                 "tasks": [t.as_json() for t in self.tasks], "notes": self.notes}
 
@@ -154,6 +156,16 @@ class TaskLog:
         wall = count * per_iteration
         self.windows.append((first, record["iteration"], wall, max(wall - self.pending_s, 0.0)))
         self.pending_s = 0.0
+
+    def resumed(self, iteration: int) -> None:
+        """The ``loaded checkpoint ... at iteration N`` line. Rank 0 prints it and the last rank the iteration lines:
+        on several nodes the first iteration line can reach main_log.txt before it, its window then counted from the
+        previous resume point; that window is cut to start after ``iteration`` (its time scaled to the count)."""
+        if self.windows and self.windows[0][0] == self.resumed_from + 1 <= iteration < self.windows[0][1]:
+            first, last, wall, trained = self.windows[0]
+            keep = (last - iteration) / (last - first + 1)
+            self.windows[0] = (iteration + 1, last, wall * keep, trained * keep)
+        self.resumed_from = iteration
 
     def add_timer(self, name: str, seconds: float) -> None:
         if name == "load-checkpoint":
@@ -229,7 +241,7 @@ def _trainer_line(text: str, task: TaskLog) -> None:
         if m := _SAVED.match(text):
             task.last_saved = int(m[1])
         elif m := _LOADED.match(text):
-            task.resumed_from = int(m[1])
+            task.resumed(int(m[1]))
 
 
 def account(run: RunPaths, watchdog: WatchdogSpec | None = None, now: datetime | None = None) -> Goodput:
