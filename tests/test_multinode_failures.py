@@ -271,6 +271,8 @@ def test_a_slow_node_is_named_a_straggler_within_three_log_intervals(cluster, kj
     sub = submit(spec)
     cluster.jobs.append(sub.job_id)
     wait_for(lambda: sub.run.finished_flag.exists(), 240, "training never finished")
+    # the flag can come before the last rank's last lines have passed through srun into main_log.txt
+    wait_for(lambda: "iterations 51-60: " in sub.run.main_log.read_text(), 60, "no line for iterations 51-60")
     from opskit.logs.crash import line_source
     from opskit.rules.stragglers import parse_slowest_rank_line
 
