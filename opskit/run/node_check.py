@@ -22,6 +22,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from opskit.logs.crash import expand_nodelist
 from opskit.train.fault import fault_here, node_name
 
 GEMM_SIZE = {"cuda": 8192, "cpu": 512}
@@ -85,8 +86,7 @@ def allreduces(port: int) -> list[dict]:
     (i, i+1) at ``port + i``; with two nodes, one pair): one record per pair, ``{"peer", "ok", "seconds"|"error"}``.
     A node whose every pair fails, while other pairs succeed, is the broken one (``opskit.run.preflight``)."""
     rank = int(os.environ["SLURM_PROCID"])
-    nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
-                           text=True, timeout=30).stdout.split()
+    nodes = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])  # in srun's task order: node i is SLURM_PROCID i
     pairs = sorted({tuple(sorted((i, (i + 1) % len(nodes)))) for i in range(len(nodes))} - {(0, 0)})
     mine = [(a, b) for a, b in pairs if rank in (a, b)]
     results: dict[tuple[int, int], dict] = {}
