@@ -15,10 +15,18 @@ Environment (as bench/bare_gpt.py): ``MBS``, ``GAS``, ``STEPS`` (timed optimizer
 ``F.scaled_dot_product_attention``: not megatron-core's own, it shows what the attention costs; name "mcore-gpt-sdpa").
 megatron-core needs CUDA (its schedule, buffers, clipping and RNG tracker allocate on "cuda"). Prints one JSON line.
 
+The peer of issue 33 (tr11's layout, bench/pipeline_layout.py's shape) runs under torchrun with ``TP``, ``PP`` and
+the shape in ``LAYERS``, ``HIDDEN``, ``HEADS``, ``SEQ`` (default: the 1.3B GPT-2) and ``RECOMPUTE=full`` (megatron-
+core's full, uniform recompute of every layer, as ``--checkpoint-activations``); its pipeline schedule is megatron-
+core's 1F1B with batched p2p. megatron-core has no ALiBi: the peer keeps learned positions (cheaper than ALiBi's bias).
+The last pipeline stage prints the line, with MFU per GPU.
+
 Usage (GPU machine)::
 
     MBS=4 GAS=16 STEPS=12 python bench/mcore_gpt.py
     python bench/trainer_throughput.py mcore bare --mbs 4 --gas 16
+    TP=2 PP=2 LAYERS=30 HIDDEN=4096 HEADS=32 MBS=2 GAS=16 RECOMPUTE=full ATTN=sdpa \
+        torchrun --nproc_per_node 4 bench/mcore_gpt.py
 """
 
 from __future__ import annotations
@@ -33,9 +41,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_throughput import HEADS, H, L, S, median_step_seconds, step_result  # noqa: E402
-from trainer_throughput import PADDED_VOCAB as V  # noqa: E402
+import trainer_throughput  # noqa: E402
+from trainer_throughput import PEAK_FLOPS, VOCAB, median_step_seconds, step_result  # noqa: E402
 
+from opskit.rules.model import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
+
+TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
+L = int(os.environ.get("LAYERS", trainer_throughput.L))
+H = int(os.environ.get("HIDDEN", trainer_throughput.H))
+HEADS = int(os.environ.get("HEADS", trainer_throughput.HEADS))
+S = int(os.environ.get("SEQ", trainer_throughput.S))
+V = padded_vocab_size(VOCAB, 128, TP)
+RECOMPUTE = os.environ.get("RECOMPUTE", "none")
 MBS = int(os.environ.get("MBS", "4"))
 GAS = int(os.environ.get("GAS", "1"))
 STEPS = int(os.environ.get("STEPS", "12"))
@@ -71,20 +88,28 @@ def build():
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.module import Float16Module
 
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29534", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.distributed.init_process_group("nccl")
+    else:
+        torch.cuda.set_device(0)
+        torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29534", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if (
+        RECOMPUTE == "full") else {}
     config = TransformerConfig(
         num_layers=L, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=4 * H, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        attention_backend=AttnBackend.local, bias_activation_fusion=True, bias_dropout_fusion=True)
+        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
+        attention_backend=AttnBackend.local, bias_activation_fusion=True, bias_dropout_fusion=True, **recompute)
     spec = get_gpt_layer_local_spec()
     if SDPA:
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention()
     gpt = GPTModel(config, spec, vocab_size=V, max_sequence_length=S, share_embeddings_and_output_weights=True,
-                   position_embedding_type="learned_absolute").cuda()
+                   position_embedding_type="learned_absolute", pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage()).cuda()
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True)
     model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
@@ -111,6 +136,7 @@ def forward_step(data, model):
 
 
 def main() -> None:
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model, optimizer = build()
@@ -123,10 +149,26 @@ def main() -> None:
                                   num_microbatches=GAS, seq_length=S, micro_batch_size=MBS)
         ok, _, _ = optimizer.step()
         assert ok, "megatron-core's optimizer skipped the step"
-        return torch.stack([d["lm loss"] for d in losses]).mean()
+        return torch.stack([d["lm loss"] for d in losses]).mean() if losses else None
 
     seconds, loss = median_step_seconds(step, WARM, STEPS)
-    print(json.dumps(step_result("mcore-gpt-sdpa" if SDPA else "mcore-gpt", MBS, GAS, seconds, loss)), flush=True)
+    name = "mcore-gpt-sdpa" if SDPA else "mcore-gpt"
+    if TP * PP == 1:
+        print(json.dumps(step_result(name, MBS, GAS, seconds, loss)), flush=True)
+    elif parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        print(json.dumps(layout_result(name, seconds, loss)), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def layout_result(name: str, seconds: float, loss: torch.Tensor) -> dict:
+    """bench/pipeline_layout.py's row for this run: seconds per iteration, tokens/s, MFU per GPU (Megatron's model
+    FLOPs without recompute), this GPU's peak memory (GiB)."""
+    gbs = MBS * GAS * torch.distributed.get_world_size() // (TP * PP)
+    flops = megatron_flops_per_iteration(gbs, S, L, H, V, recompute=False)
+    return {"name": name, "tp": TP, "pp": PP, "recompute": RECOMPUTE, "micro_batches": GAS, "mbs": MBS,
+            "s_per_iter": round(seconds, 4), "tokens_per_s": round(gbs * S / seconds),
+            "mfu_per_gpu": round(flops / seconds / torch.distributed.get_world_size() / PEAK_FLOPS, 4),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(loss.item(), 3)}
 
 
 if __name__ == "__main__":

@@ -10,10 +10,16 @@ and what does not grow with ``m``). Two runs, at ``m1 < m2`` micro-batches, give
 its optimizer step is over the same number of parameters per GPU), so the measured bubble at ``m`` is
 ``(b - c1) / t(m)``.
 
+With one micro-batch count there is no fit and no bubble. ``--recompute none`` drops ``--checkpoint-activations``
+(what ``opskit plan`` advises where the activations fit); ``--extra=FLAG`` adds trainer flags (e.g.
+``--extra=--torch-compile``); ``--peer`` also runs megatron-core's GPTModel at the same layout, batch and recompute
+(bench/mcore_gpt.py, its own 1F1B schedule, flash attention through SDPA, learned positions instead of ALiBi).
+
 Usage (a host with TP*PP GPUs; DeepSpeed and megatron-core installed)::
 
     python bench/pipeline_layout.py --tp 2 --pp 2                      # 4 GPUs: 30 layers, hidden 4096
     python bench/pipeline_layout.py --tp 1 --pp 2 --micro-batches 8 32   # 2 GPUs (more time per call)
+    python bench/pipeline_layout.py --micro-batches 16 --recompute none --extra=--torch-compile --peer
 """
 
 from __future__ import annotations
@@ -35,17 +41,19 @@ from opskit.rules.model import megatron_flops_per_iteration, padded_vocab_size  
 
 
 def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, iters: int, tp: int,
-                  pp: int, data: Path, tokenizer: Path) -> list[str]:
-    """``python -m opskit.train`` flags of one run: tr11's choices (bf16, ZeRO-0, activation checkpointing, BLOOM)."""
-    return [
+                  pp: int, data: Path, tokenizer: Path, recompute: str = "full") -> list[str]:
+    """``python -m opskit.train`` flags of one run: tr11's choices (bf16, ZeRO-0, BLOOM; activation checkpointing
+    with ``recompute="full"``)."""
+    flags = [
         "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mbs),
         "--global-batch-size", str(gbs), "--train-samples", str(gbs * iters), "--lr", "6e-5", "--min-lr", "6e-6",
-        "--lr-warmup-samples", str(gbs), "--bf16", "--zero-stage", "0", "--checkpoint-activations",
+        "--lr-warmup-samples", str(gbs), "--bf16", "--zero-stage", "0",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--seed", "1",
         "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), *BLOOM,
     ]
+    return [*flags, "--checkpoint-activations"] if recompute == "full" else flags
 
 
 def timed_run(flags: list[str], gpus: int, gbs: int) -> dict:
@@ -63,7 +71,8 @@ def timed_run(flags: list[str], gpus: int, gbs: int) -> dict:
     return {"s_per_iter": round(seconds, 4), "peak_gib": round(max(peaks) / 1024, 1) if peaks else None}
 
 
-def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, tp: int, pp: int) -> float:
+def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, tp: int, pp: int,
+             recompute: str = "full") -> float:
     """``opskit plan``'s memory estimate (GiB on the heaviest GPU) for the same run, from bench/specs/gpt2-1.3B.yaml
     with this shape, layout and batch."""
     from opskit.spec.load import load_spec
@@ -72,7 +81,7 @@ def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int,
     overrides = {
         "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": seq,
                   "max_position_embeddings": seq, "position_embedding_type": "alibi", "embed_layernorm": True,
-                  "checkpoint_activations": True},
+                  "checkpoint_activations": recompute == "full"},
         "parallel": {"gpus_per_node": tp * pp, "tensor_model_parallel_size": tp,
                      "pipeline_model_parallel_size": pp, "zero_stage": 0},
         "batch": {"micro_batch_size": mbs, "global_batch_size": gbs, "train_samples": gbs * 100},
@@ -89,16 +98,36 @@ def measure(layers: int, tp: int, pp: int, micro_batches: list[int], args, data:
     rows = []
     for m in micro_batches:
         gbs = args.mbs * m
-        run = timed_run(trainer_flags(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, args.iters, tp, pp,
-                                      data, tokenizer), gpus, gbs)
+        flags = trainer_flags(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, args.iters, tp, pp, data,
+                              tokenizer, args.recompute)
+        run = timed_run([*flags, *args.extra], gpus, gbs)
         flops = megatron_flops_per_iteration(gbs, args.seq, layers, args.hidden, vocab, recompute=False)
         rows.append({"micro_batches": m, **run, "tokens_per_s": round(gbs * args.seq / run["s_per_iter"]),
                      "mfu_per_gpu": round(flops / run["s_per_iter"] / gpus / PEAK_FLOPS, 4),
-                     "plan_gib": round(plan_gib(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, tp, pp), 1)})
-    (m1, t1), (m2, t2) = [(r["micro_batches"], r["s_per_iter"]) for r in (rows[0], rows[-1])]
-    slope = (t2 - t1) / (m2 - m1)
-    return {"tp": tp, "pp": pp, "layers": layers, "rows": rows, "s_per_micro_batch": round(slope, 4),
-            "intercept_s": round(t1 - slope * m1, 4)}
+                     "plan_gib": round(plan_gib(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, tp, pp,
+                                                args.recompute), 1)})
+        print(json.dumps({"tp": tp, "pp": pp, **rows[-1]}), flush=True)
+    result = {"tp": tp, "pp": pp, "layers": layers, "recompute": args.recompute, "extra": args.extra, "rows": rows}
+    if len(rows) == 2:
+        (m1, t1), (m2, t2) = [(r["micro_batches"], r["s_per_iter"]) for r in rows]
+        slope = (t2 - t1) / (m2 - m1)
+        result.update(s_per_micro_batch=round(slope, 4), intercept_s=round(t1 - slope * m1, 4))
+    return result
+
+
+def peer_run(args) -> dict:
+    """megatron-core's GPTModel at this layout, shape, batch (the largest micro-batch count) and recompute: the JSON
+    line bench/mcore_gpt.py's last stage prints."""
+    env = dict(os.environ, TP=str(args.tp), PP=str(args.pp), LAYERS=str(args.layers), HIDDEN=str(args.hidden),
+               HEADS=str(args.heads), SEQ=str(args.seq), MBS=str(args.mbs), GAS=str(max(args.micro_batches)),
+               STEPS=str(args.iters), RECOMPUTE=args.recompute, ATTN="sdpa")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp * args.pp)]
+    done = subprocess.run([*launcher, str(REPO / "bench" / "mcore_gpt.py")], capture_output=True, text=True,
+                          cwd=REPO, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+    return json.loads(lines[-1])
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,21 +147,33 @@ def main() -> None:
     add_layout_arguments(parser)
     # 8 and 16 micro-batches, 6 iterations: both layouts' four runs fit one 10-minute device call (8 and 32 at 8
     # iterations did not finish in 290 s)
-    parser.add_argument("--micro-batches", type=int, nargs=2, default=[8, 16], metavar=("M1", "M2"))
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16], metavar="M",
+                        help="one count, or two for the bubble fit")
     parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--recompute", choices=("full", "none"), default="full")
+    parser.add_argument("--extra", action="append", default=[], help="a trainer flag, given as --extra=FLAG")
+    parser.add_argument("--peer", action="store_true", help="megatron-core's GPTModel at the same layout too")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if len(args.micro_batches) > 2:
+        parser.error("--micro-batches takes one or two counts")
     with tempfile.TemporaryDirectory() as tmp:
         tokens = args.mbs * max(args.micro_batches) * args.seq * (args.iters + 2)
         data, tokenizer = make_data(Path(tmp), max(tokens, 1 << 16))  # whole 8192-token documents
         layout = measure(args.layers, args.tp, args.pp, args.micro_batches, args, data, tokenizer)
         single = measure(args.layers // (args.tp * args.pp), 1, 1, args.micro_batches, args, data, tokenizer)
     p = args.pp
-    for row in layout["rows"]:
+    for row in layout["rows"] if "intercept_s" in layout else []:
         m = row["micro_batches"]
         row["bubble_measured"] = round((layout["intercept_s"] - single["intercept_s"]) / row["s_per_iter"], 4)
         row["bubble_schedule"] = round((p - 1) / (m + p - 1), 4)
-    result = {"layout": layout, "one_gpu": single, "peak_flops": PEAK_FLOPS}
+    mfus = layout["rows"][-1]["mfu_per_gpu"], single["rows"][-1]["mfu_per_gpu"]
+    result = {"layout": layout, "one_gpu": single, "peak_flops": PEAK_FLOPS,
+              "layout_over_one_gpu_mfu": round(mfus[0] / mfus[1], 4) if mfus[1] else None}  # None: 0.0% (a CPU)
+    if args.peer:
+        result["peer"] = peer = peer_run(args)
+        if "tokens_per_s" in peer:
+            result["opskit_over_peer_tokens"] = round(layout["rows"][-1]["tokens_per_s"] / peer["tokens_per_s"], 4)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

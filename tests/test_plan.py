@@ -1129,3 +1129,29 @@ def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field
     assert args[args.index("--valid-weighted-split-paths-path") + 1] == str(data / "valid-splits.txt")
     assert args[args.index("--save") + 1] == str(in_tmp / "scratch" / "checkpoints" / "rel" / "checkpoints")
     assert ("data.train_weighted_split_paths_path", data / "train-splits.txt") in data_files(spec)
+
+
+def test_bf16_at_zero0_counts_the_16bit_gradients_deepspeed_keeps_and_advises_on_recompute(in_tmp):
+    """tr11's layout (bf16, ZeRO-0): DeepSpeed's bf16 optimizer keeps every parameter's 16-bit gradient until the
+    step, 2 bytes on each GPU beside the READMEs' 18 (unsharded, not in the checkpoint); and a spec that recomputes
+    where the activations would fit is told what recompute costs."""
+    tr11 = plan_of("tr11-176B-ml").memory
+    stage = tr11.stages[0]
+    per_gpu = stage.parameters_per_gpu
+    assert tr11.half_gradient_bytes_per_parameter == 2 and tr11.total_bytes_per_parameter == 18
+    # (2 bf16 weights + 4 fp32 gradients + 2 bf16 gradients) + (4 fp32 weights + 8 Adam) / DP 8, word embeddings' part
+    assert stage.model_state_gib * 2**30 == pytest.approx(per_gpu * (2 + 4 + 2 + 12 / 8))
+    assert tr11.checkpoint_gb == pytest.approx(176.2e9 * 14 / 1e9, rel=0.01)  # gradients of neither kind saved
+    assert tr11.no_recompute_fits is False and not any("recomputes" in w for w in plan_of("tr11-176B-ml").warnings)
+
+    zero1 = plan_of("tr1-13B").memory  # fp16, ZeRO-1: its optimizer measured within the plan without them
+    assert zero1.half_gradient_bytes_per_parameter == 0
+    bench = make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), {
+        "model": {"checkpoint_activations": True}, "parallel": {"gpu_memory_gb": 80},
+        "batch": {"micro_batch_size": 4}}))
+    assert bench.memory.no_recompute_fits is True
+    assert any("checkpoint_activations recomputes every layer" in w for w in bench.warnings)
+    tight = make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), {
+        "model": {"checkpoint_activations": True}, "parallel": {"gpu_memory_gb": 30},
+        "batch": {"micro_batch_size": 4}}))
+    assert tight.memory.no_recompute_fits is False and not any("recomputes" in w for w in tight.warnings)

@@ -32,6 +32,7 @@ from opskit.rules.memory import (
     SHARDED_BY_ZERO,
     bytes_per_parameter,
     checkpoint_bytes,
+    half_gradient_bytes,
     sharded_over_dp,
 )
 from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
@@ -184,6 +185,9 @@ class StagePlan:
 class MemoryPlan:
     bytes_per_parameter: dict[str, int]
     total_bytes_per_parameter: int
+    half_gradient_bytes_per_parameter: int
+    """16-bit gradients DeepSpeed's bf16 optimizer keeps on each GPU beside the READMEs' bytes
+    (:func:`opskit.rules.memory.half_gradient_bytes`); in ``model_state_gib`` of every stage, not in the replica."""
     replica_gb: float
     """Model states of one full replica, 1e9 bytes: bytes/param * parameters."""
     replica_gb_readme: float
@@ -205,11 +209,19 @@ class MemoryPlan:
     """Model states + activations (with the spec's checkpointing choice) on the heaviest GPU."""
     gpu_memory_gib: float | None
     fits: bool | None
+    no_recompute_fits: bool | None
+    """Whether the heaviest GPU fits without activation checkpointing, with :data:`RECOMPUTE_MARGIN` of the GPU
+    left over (None without ``parallel.gpu_memory_gb``): where it does, full recompute only costs time."""
     checkpoint_gb: float
     """One ``global_stepN`` on disk: every model-state byte but the gradients (:func:`checkpoint_bytes`)."""
     async_save_host_gib_per_node: float | None
     """Host RAM the background saves keep per node (the node's share of a step; torch may pin up to twice that),
     None without ``checkpoint.async_save``."""
+
+
+RECOMPUTE_MARGIN = 0.15
+"""Share of GPU memory the advice to drop activation checkpointing leaves unplanned: the estimate's measured error
+(within 10%, docs/benchmarks.md) plus the allocator's fragmentation."""
 
 
 def spec_bytes_per_parameter(spec: Spec) -> dict[str, int]:
@@ -265,7 +277,8 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     sharding = ("ZeRO-1: fp32 weights and optimizer states over DP" if p.zero_stage >= 1 else
                 "bf16 optimizer (ZeRO-0): fp32 weights and optimizer states over DP" if sharded else
                 "none (ZeRO-0): every DP rank holds all model states")
-    kept = sum(v for k, v in breakdown.items() if k not in SHARDED_BY_ZERO)
+    half_grads = half_gradient_bytes(m.precision, p.zero_stage)
+    kept = sum(v for k, v in breakdown.items() if k not in SHARDED_BY_ZERO) + half_grads
     split = sum(v for k, v in breakdown.items() if k in SHARDED_BY_ZERO)
     optimizer = breakdown["optimizer_states"]
     # StableEmbedding's 32-bit states: the extra bytes of each word-embedding parameter (first stage, tied LM head)
@@ -301,9 +314,11 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         return stage.model_state_gib + active
 
     heaviest = max(stages, key=peak)
+    without = max(stage.model_state_gib + stage.activation_gib_no_recompute for stage in stages)
     step_bytes = checkpoint_bytes(total, breakdown)
     return MemoryPlan(
         bytes_per_parameter=dict(breakdown), total_bytes_per_parameter=per_param,
+        half_gradient_bytes_per_parameter=half_grads,
         replica_gb=model_state_bytes(total, per_param) / 1e9,
         replica_gb_readme=float(per_param * round(total / 1e9)),
         sharded_over=shards, sharding=sharding, optimizer=_optimizer_text(spec), stages=stages,
@@ -313,6 +328,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         activation_gib_per_gpu_recompute=heaviest.activation_gib_recompute,
         activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
         gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb,
+        no_recompute_fits=None if p.gpu_memory_gb is None else without <= p.gpu_memory_gb * (1 - RECOMPUTE_MARGIN),
         checkpoint_gb=step_bytes / 1e9,
         async_save_host_gib_per_node=step_bytes / p.nodes / GIB if spec.checkpoint.async_save else None)
 
@@ -666,6 +682,11 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
         found.append(f"GPU memory: {mem.total_gib_per_gpu:.1f} GiB estimated on pipeline stage {mem.heaviest_stage} "
                      f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
                      f"{spec.parallel.gpu or 'GPU'}")
+    if mem.activation_checkpointing and mem.no_recompute_fits:
+        without = max(s.model_state_gib + s.activation_gib_no_recompute for s in mem.stages)
+        found.append(f"model.checkpoint_activations recomputes every layer's forward (4/3 of the compute), yet "
+                     f"without it the heaviest GPU needs ~{without:.1f} GiB of {mem.gpu_memory_gib:g}: turning it "
+                     f"off should give up to ~1.3x the tokens/s")
     if problem := deepspeed_resume_problem(spec):
         found.append(problem)
     cl = plan.curriculum
