@@ -12,14 +12,16 @@ its optimizer step is over the same number of parameters per GPU), so the measur
 
 With one micro-batch count there is no fit and no bubble. ``--recompute none`` drops ``--checkpoint-activations``
 (what ``opskit plan`` advises where the activations fit); ``--extra=FLAG`` adds trainer flags (e.g.
-``--extra=--torch-compile``); ``--peer`` also runs megatron-core's GPTModel at the same layout, batch and recompute
-(bench/mcore_gpt.py, its own 1F1B schedule, flash attention through SDPA, learned positions instead of ALiBi).
+``--extra=--torch-compile``); ``--runs`` picks the runs: ``layout``, ``single`` (the default pair) and ``peer``,
+megatron-core's GPTModel at the same layout, batch and recompute (bench/mcore_gpt.py, its own 1F1B schedule, flash
+attention through SDPA, learned positions instead of ALiBi). The memory line the trainer prints is at the first log
+interval (Megatron's rule): ``--log-interval`` 2 makes it cover iteration 2, with Adam's states and activations.
 
 Usage (a host with TP*PP GPUs; DeepSpeed and megatron-core installed)::
 
     python bench/pipeline_layout.py --tp 2 --pp 2                      # 4 GPUs: 30 layers, hidden 4096
     python bench/pipeline_layout.py --tp 1 --pp 2 --micro-batches 8 32   # 2 GPUs (more time per call)
-    python bench/pipeline_layout.py --micro-batches 16 --recompute none --extra=--torch-compile --peer
+    python bench/pipeline_layout.py --micro-batches 16 --recompute none --extra=--torch-compile --runs layout,peer
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs:
         "--global-batch-size", str(gbs), "--train-samples", str(gbs * iters), "--lr", "6e-5", "--min-lr", "6e-6",
         "--lr-warmup-samples", str(gbs), "--bf16", "--zero-stage", "0",
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1", "--seed", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "2", "--seed", "1",
         "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), *BLOOM,
     ]
     return [*flags, "--checkpoint-activations"] if recompute == "full" else flags
@@ -58,14 +60,15 @@ def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs:
 
 def timed_run(flags: list[str], gpus: int, gbs: int) -> dict:
     """One trainer run under torchrun (``gpus`` processes): median seconds per iteration after the first two (from
-    the log's samples per second, 3 decimals), and the largest ``max allocated`` of any rank (GiB, None on CPU)."""
+    the log's samples per second, one line per 2 iterations), and the largest ``max allocated`` of any rank at the
+    first log line (iteration 2: Adam's states and the activations; GiB, None on CPU)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)]
     done = subprocess.run([*launcher, "-m", "opskit.train", *flags], capture_output=True, text=True, cwd=REPO,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if done.returncode != 0:
         sys.exit(f"trainer exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     records = [r for line in done.stdout.splitlines() if (r := parse_iteration_line(line))]
-    seconds = statistics.median(gbs / r["samples_per_second"] for r in records[2:])
+    seconds = statistics.median(gbs / r["samples_per_second"] for r in records[1:])
     peaks = [float(line.split("max allocated:")[1].split("|")[0]) for line in done.stdout.splitlines()
              if "max allocated:" in line]
     return {"s_per_iter": round(seconds, 4), "peak_gib": round(max(peaks) / 1024, 1) if peaks else None}
@@ -152,28 +155,36 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--recompute", choices=("full", "none"), default="full")
     parser.add_argument("--extra", action="append", default=[], help="a trainer flag, given as --extra=FLAG")
-    parser.add_argument("--peer", action="store_true", help="megatron-core's GPTModel at the same layout too")
+    parser.add_argument("--runs", default="layout,single",
+                        help="which runs, comma-separated: layout (TP x PP), single (one GPU, the same share), peer "
+                             "(megatron-core's GPTModel at the layout)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if len(args.micro_batches) > 2:
-        parser.error("--micro-batches takes one or two counts")
+    runs = set(args.runs.split(","))
+    if len(args.micro_batches) > 2 or not runs <= {"layout", "single", "peer"}:
+        parser.error("--micro-batches takes one or two counts; --runs names layout, single or peer")
+    result = {"peak_flops": PEAK_FLOPS}
     with tempfile.TemporaryDirectory() as tmp:
         tokens = args.mbs * max(args.micro_batches) * args.seq * (args.iters + 2)
         data, tokenizer = make_data(Path(tmp), max(tokens, 1 << 16))  # whole 8192-token documents
-        layout = measure(args.layers, args.tp, args.pp, args.micro_batches, args, data, tokenizer)
-        single = measure(args.layers // (args.tp * args.pp), 1, 1, args.micro_batches, args, data, tokenizer)
-    p = args.pp
-    for row in layout["rows"] if "intercept_s" in layout else []:
-        m = row["micro_batches"]
-        row["bubble_measured"] = round((layout["intercept_s"] - single["intercept_s"]) / row["s_per_iter"], 4)
-        row["bubble_schedule"] = round((p - 1) / (m + p - 1), 4)
-    mfus = layout["rows"][-1]["mfu_per_gpu"], single["rows"][-1]["mfu_per_gpu"]
-    result = {"layout": layout, "one_gpu": single, "peak_flops": PEAK_FLOPS,
-              "layout_over_one_gpu_mfu": round(mfus[0] / mfus[1], 4) if mfus[1] else None}  # None: 0.0% (a CPU)
-    if args.peer:
-        result["peer"] = peer = peer_run(args)
-        if "tokens_per_s" in peer:
-            result["opskit_over_peer_tokens"] = round(layout["rows"][-1]["tokens_per_s"] / peer["tokens_per_s"], 4)
+        if "layout" in runs:
+            result["layout"] = measure(args.layers, args.tp, args.pp, args.micro_batches, args, data, tokenizer)
+        if "single" in runs:
+            result["one_gpu"] = measure(args.layers // (args.tp * args.pp), 1, 1, args.micro_batches, args, data,
+                                        tokenizer)
+    if "peer" in runs:
+        result["peer"] = peer_run(args)
+        print(json.dumps(result["peer"]), flush=True)
+    layout, single, peer = (result.get(k) for k in ("layout", "one_gpu", "peer"))
+    if layout and single:
+        for row in layout["rows"] if "intercept_s" in layout else []:
+            m, p = row["micro_batches"], args.pp
+            row["bubble_measured"] = round((layout["intercept_s"] - single["intercept_s"]) / row["s_per_iter"], 4)
+            row["bubble_schedule"] = round((p - 1) / (m + p - 1), 4)
+        mfus = layout["rows"][-1]["mfu_per_gpu"], single["rows"][-1]["mfu_per_gpu"]
+        result["layout_over_one_gpu_mfu"] = round(mfus[0] / mfus[1], 4) if mfus[1] else None  # None: 0.0% (a CPU)
+    if layout and peer and "tokens_per_s" in peer:
+        result["opskit_over_peer_tokens"] = round(layout["rows"][-1]["tokens_per_s"] / peer["tokens_per_s"], 4)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -63,6 +63,16 @@ _WORKER_PREFIX = re.compile(r"\[[A-Za-z_-]*(\d+)\]:")
 # that task's: ``job`` (SLURM_JOB_ID), ``task`` (``<array job>_<task id>``), ``nodes`` (its compressed node list).
 JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (?P<job>\d+) \(array task (?P<task>\S+)\) "
                         r"nodes (?P<nodes>\S+): start$", re.M)
+# The line it writes as each training step of the task starts (opskit.run.in_job: a restart inside the allocation may
+# run on other nodes): srun's labels after it index ``nodes``, the step's node list, not the job's.
+STEP_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job \d+ \(array task \S+\) nodes \S+: training step \d+ on nodes "
+                         r"(?P<nodes>\S+)$", re.M)
+
+
+def last_header(text: str) -> re.Match | None:
+    """The last job or training-step header in ``text``: its ``nodes`` are what srun's labels after it index."""
+    found = [m for regex in (JOB_HEADER, STEP_HEADER) for m in regex.finditer(text)]
+    return max(found, key=lambda m: m.start(), default=None)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

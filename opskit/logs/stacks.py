@@ -1,5 +1,6 @@
 """Which rank hung: the Python stacks each trainer rank prints when one iteration runs past
-``--stack-dump-after-mins`` (:mod:`opskit.train.stacks`, Python's ``faulthandler``), read back from main_log.txt.
+``--stack-dump-after-mins`` (:mod:`opskit.train.stacks`, Python's ``faulthandler``) or when the in-job watchdog asks
+(:mod:`opskit.train.heartbeat`), read back from main_log.txt.
 
 In a hang every rank stops: the one that broke and all the others, which wait for it in the next collective. The
 stacks tell them apart, as ``py-spy dump`` on every node did for BigScience: the waiting ranks sit in
@@ -16,8 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from opskit.logs.crash import line_source, place, task_node
+from opskit.rules.heartbeat import DUMP_HEADER
 
-_DUMP_START = re.compile(r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$")  # faulthandler's first line of a timed dump
+# faulthandler's first line of a timed dump, or the line before one the in-job watchdog asked for
+_DUMP_START = re.compile(r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$|" + re.escape(DUMP_HEADER) + "$")
 _THREAD = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+(?: \[[^\]]*\])? \(most recent call first\):$")
 _FRAME = re.compile(r'\s+File "(.*)", line (\d+) in (\S+)$')
 # Frames of a rank that waits for the others: a collective, or DeepSpeed's and torch's wrappers of one.

@@ -29,8 +29,10 @@ from opskit.logs.crash import (
     JOB_HEADER,
     SIGNATURES,
     SOFTWARE_ERRORS,
+    STEP_HEADER,
     expand_nodelist,
     find_crashes,
+    last_header,
     line_source,
     may_hold_crash,
 )
@@ -337,8 +339,8 @@ def read_log(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRea
         # The line was written at or before the file's mtime: an upper bound, so a hang is never reported early.
         state.last_iteration_at = info.st_mtime
     job_nodes = state.job_nodes if start else ""
-    for header in JOB_HEADER.finditer(text) if _JOB_WORD in text else ():  # a C substring search, not a regex
-        state.job_nodes = header["nodes"]  # scan (8 MiB on a first run)
+    if _JOB_WORD in text and (header := last_header(text)):  # a C substring search first, not a regex scan
+        state.job_nodes = header["nodes"]  # (8 MiB on a first run)
     state.offset, state.inode, state.history = chunk.offset, info.st_ino, records[-keep:]
     state.skipped += chunk.skipped
     return LogRead(records, new, text, chunk.skipped, state.last_iteration_at, job_nodes)
@@ -448,9 +450,8 @@ def with_stuck_ranks(hang: Finding, main_log: Path, job_nodes: str = "", tail: i
     text = _log_tail(main_log, tail)
     if not text:
         return hang
-    headers = list(JOB_HEADER.finditer(text))
-    if headers:  # the running job's stacks only: an earlier job's ranks are not this hang's
-        text, job_nodes = text[headers[-1].start():], headers[-1]["nodes"]
+    if header := last_header(text):  # the running step's stacks only: an earlier step's ranks are not this hang's
+        text, job_nodes = text[header.start():], header["nodes"]
     stacks = rank_stacks(text.splitlines(), _task_nodes(job_nodes))
     if not stacks:
         return hang
@@ -567,7 +568,7 @@ def _crashes(text: str, job_nodes: str = "") -> list[Finding]:
     crashes, nodes = [], _task_nodes(job_nodes)
     lines = text.splitlines()
     for line in lines:
-        if header := JOB_HEADER.match(line):
+        if header := JOB_HEADER.match(line) or STEP_HEADER.match(line):
             nodes = _task_nodes(header["nodes"])
         elif may_hold_crash(line):
             crashes += find_crashes([line], nodes=nodes, signatures=SIGNATURES + SOFTWARE_ERRORS)

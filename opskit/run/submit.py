@@ -18,6 +18,7 @@ from opskit.ckpt.reshape import resume_layout_note
 from opskit.errors import OpskitError
 from opskit.fsutil import append_lines, atomic_write_text
 from opskit.run import chain
+from opskit.run.goodput import read_task_logs
 from opskit.run.paths import RunPaths
 from opskit.run.render import RenderedJob, data_files, render_job
 from opskit.slurm import client, local
@@ -127,6 +128,32 @@ def check_resume_layout(spec: Spec, run: RunPaths) -> list[str]:
     return [note] if note else []
 
 
+def recovery_problems(spec: Spec, run: RunPaths, executor: str) -> list[str]:
+    """In-job recovery settings that cannot work: under SLURM, more nodes with the spares than the partition has (the
+    tasks would pend for ever); an in-job timeout no longer than the longest save in the run's log (the watchdog would
+    stop every step that saves)."""
+    problems = []
+    s, nodes = spec.slurm, spec.parallel.nodes
+    if executor == "slurm" and s.spare_nodes:
+        try:
+            have = len(client.partition_nodes(s.partition))
+        except client.SlurmError:
+            have = None  # the queue's own answer comes at sbatch
+        if have is not None and have < nodes + s.spare_nodes:
+            problems.append(f"slurm.spare_nodes {s.spare_nodes}: the job would ask for {nodes + s.spare_nodes} nodes "
+                            f"(parallel.nodes {nodes} + spares) and partition {s.partition or '(all)'} has {have}")
+    try:
+        saves = [seconds for task in read_task_logs(run.main_log)[1] for seconds in task.saves]
+    except OSError:
+        saves = []
+    timeout = spec.watchdog.in_job_timeout_s
+    if saves and max(saves) >= timeout:
+        problems.append(f"watchdog.in_job_timeout_mins: {timeout / 60:g} min is shorter than a save of this run "
+                        f"({max(saves):.0f} s in {run.main_log}): the in-job watchdog would call it a hang; set "
+                        f"it above {max(saves) / 60 * 1.5:.1f}")
+    return problems
+
+
 def write_run(spec: Spec, run: RunPaths, job: RenderedJob) -> None:
     """Create (and mark) the run directory, then write the job script, DeepSpeed config and the resolved spec into
     it (atomically).
@@ -212,6 +239,7 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         notes += _collect(problems, lambda: check_resume_layout(spec, run))
         removable, flag_problems = check_flags(spec, run, yes)
         problems += flag_problems
+        problems += recovery_problems(spec, run, executor)
         if executor == "slurm":
             exclude = sorted(_collect(problems, lambda: list(chain.read_bad_nodes(run))))
     job = render_job(spec, run, exclude=exclude)

@@ -321,6 +321,11 @@ class SlurmSpec(_Section):
     """Task starts in a row that leave ``latest`` where the start before them left it (a restart storm: each start
     burns an allocation and saves nothing), after which the chain stops with the ``chain.restart_storm`` alert and its
     queued tasks are cancelled."""
+    spare_nodes: int = Field(default=0, ge=0)
+    """Nodes the job asks for beyond ``parallel.nodes``: a node blamed for a crash or a hang is swapped for one of them
+    and training restarts inside the same allocation (opskit.run.in_job)."""
+    in_job_restarts: int = Field(default=2, ge=0)
+    """Training restarts inside one job after a crash or a hang, before the chain's next task takes over."""
     cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
     """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
     cron_account: str | None = Field(default=None, pattern=_ONE_LINE)
@@ -446,6 +451,10 @@ class WatchdogSpec(_Section):
     hang_min_minutes: float = Field(default=30, ge=0, le=10**6)
     """...and never before this many minutes (start-up, checkpoint loading, evaluation). Half of it is the trainer's
     ``--stack-dump-after-mins`` (which takes at most 10^6)."""
+    in_job_timeout_mins: float | None = Field(default=None, gt=0, le=10**6)
+    """The in-job watchdog: a rank with no heartbeat for this long (and for ``hang_factor`` times its usual time
+    between iterations) is hung, and the job restarts training without it; null: ``hang_min_minutes / 2``, when the
+    trainer's own stack dump fires. It must exceed a save's blocking time (``opskit submit`` checks the run's log)."""
     cancel_hung: bool = False
     """``scancel`` the running task when its hang is found, so the chain moves on (it resumes from the last save)."""
     straggler_ratio: float = Field(default=1.2, gt=1)
@@ -469,6 +478,13 @@ class WatchdogSpec(_Section):
         """Seconds without an iteration line that make a hang, for lines usually ``interval_s`` apart: the
         watchdog's alert and the goodput account's hangs."""
         return max(self.hang_factor * interval_s, self.hang_min_minutes * 60)
+
+    @property
+    def in_job_timeout_s(self) -> float:
+        """The in-job watchdog's floor in seconds (``in_job_timeout_mins``, else ``hang_min_minutes / 2``, at least
+        10 s: one missed poll of the heartbeat files must not call a rank hung)."""
+        minutes = self.in_job_timeout_mins or self.hang_min_minutes / 2
+        return max(minutes * 60, 10.0)
 
     @model_validator(mode="after")
     def _warn_below_alert(self) -> WatchdogSpec:

@@ -222,6 +222,9 @@ class Trainer:
                                        enabled=world.is_last_rank)
         self.tensorboard.restart_marker(self.state.iteration, world.size)
         self.emissions = Emissions.start(config.codecarbon_dir, world.rank)
+        # 8. the in-job watchdog's heartbeat (the job script sets its folder; opskit.run.in_job watches it)
+        self.heartbeat = _heartbeat(world.rank)
+        self._beat("start")
 
     def _resume(self, model) -> None:
         """Load ``--load`` (if it has a checkpoint) into the engine and the state; heal the TP-duplicated parameters
@@ -286,6 +289,7 @@ class Trainer:
         iterations_run = 0
         while state.iteration < self.train_iters:
             arm_stack_dump(config.stack_dump_after_mins)  # a hung iteration prints every rank's stacks
+            self._beat("train")
             if self._skip_range_at_next_iteration():
                 continue
             self.profiler.before_iteration(state.iteration + 1)
@@ -412,9 +416,14 @@ class Trainer:
         if self.world.is_last_rank:  # what validation stopped training (the goodput account's evaluation)
             print(timer_line("evaluate", started), flush=True)
 
+    def _beat(self, phase: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.state.iteration, phase)
+
     def _save(self) -> None:
         from opskit.train.checkpointing import save_checkpoint
 
+        self._beat("save")
         save_checkpoint(self.engine, self.args, self.state, self.background)
         self.state.last_saved = self.state.iteration
 
@@ -445,9 +454,23 @@ class Trainer:
         left incomplete: after an error, ``latest`` stays where it was)."""
         if self.background is not None:
             self.background.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.profiler.stop()
         self.tensorboard.close()
         self.emissions.stop()
+
+
+def _heartbeat(rank: int):
+    """This rank's :class:`opskit.train.heartbeat.Heartbeat`, None outside a job that watches one; a folder it cannot
+    write is one warning line, not a failed run (the watchdog then sees no beat and never calls the step hung)."""
+    from opskit.train.heartbeat import Heartbeat
+
+    try:
+        return Heartbeat.from_environ()
+    except (OSError, ValueError) as e:
+        print(f"WARNING: rank {rank}: no heartbeat for the in-job watchdog ({e})", flush=True)
+        return None
 
 
 def _background_saves(engine, config: TrainConfig, world: World):
