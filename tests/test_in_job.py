@@ -94,8 +94,8 @@ def test_steps_take_the_first_usable_nodes_and_blame_only_their_own_lines(tmp_pa
     run = run_dir(tmp_path)
     log = run.node_logs / "77-node2.log"
     log.write_text("\n".join(CRASH_LINES).format(rank=1) + "\n")  # an earlier step's crash: not this one's
-    nodes, heartbeats = in_job.start_step(run, "77", 2, "node[1-3]")
-    assert nodes == ["node1", "node2"] and heartbeats.name == "77.0.heartbeats"
+    nodes, heartbeats, lines = in_job.start_step(run, "77", 2, "node[1-3]")
+    assert nodes == ["node1", "node2"] and heartbeats.name == "77.0.heartbeats" and lines == []
     assert in_job.blame_failed_step(run, "77") == (
         False, ["the step failed with no crash line, hang or node down to blame: no restart in this job"])
 
@@ -123,7 +123,7 @@ def test_the_watchdog_names_the_rank_behind_stops_the_step_and_the_restart_swaps
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setattr(in_job, "DUMP_WAIT_S", 0.1)
     run = run_dir(tmp_path)
-    _, folder = in_job.start_step(run, "9", 2, "node1,node2,node3")
+    _, folder, _ = in_job.start_step(run, "9", 2, "node1,node2,node3")
     folder.mkdir(parents=True)
     for rank, node, iteration in ((0, "node1", 31), (1, "node2", 30)):
         beat_file(folder, rank).write_bytes(encode(rank, node, 0, iteration, "train"))
@@ -145,6 +145,21 @@ def test_the_watchdog_names_the_rank_behind_stops_the_step_and_the_restart_swaps
     assert in_job.start_step(run, "9", 2, "node1,node2,node3")[0] == ["node1", "node3"]
 
 
+def test_the_pre_flight_check_keeps_its_failing_nodes_out_of_every_step(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    run = run_dir(tmp_path)
+    checked = []
+
+    def check(nodes):
+        checked.append(nodes)
+        return {"node2": "GEMM 3.1 TFLOP/s, 33% of the median"} if "node2" in nodes else {}
+
+    nodes, _, lines = in_job.start_step(run, "4", 2, "node[1-3]", check)
+    assert nodes == ["node1", "node3"] and lines == ["pre-flight: node2 kept out: GEMM 3.1 TFLOP/s, 33% of the median"]
+    assert in_job.start_step(run, "4", 2, "node[1-3]", check)[:3:2] == (["node1", "node3"], [])
+    assert checked == [["node1", "node2", "node3"], ["node1", "node3"]]
+
+
 def test_a_step_that_ends_on_its_own_is_not_watched_further(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     run = run_dir(tmp_path)
@@ -161,8 +176,8 @@ def test_the_job_script_entry_point_says_what_it_needs_in_one_line(tmp_path):
 
     root = tmp_path / "run"
     started = call("start", str(root), "3", "2", "node[1-3]")
-    nodes, folder = started.stdout.split()
-    assert started.returncode == 0 and nodes == "node1,node2" and folder.endswith("3.0.heartbeats")
+    step, nodes, folder = started.stdout.split()
+    assert started.returncode == 0 and step == "STEP" and nodes == "node1,node2" and folder.endswith("3.0.heartbeats")
     short = call("start", str(root), "4", "3", "node[1-2]")
     assert short.returncode == 3 and short.stdout == "no restart in this job: 2 usable node(s) of the allocation " \
                                                       "for 3: \n"

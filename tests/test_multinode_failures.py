@@ -375,6 +375,31 @@ def test_preflight_names_a_slow_or_cut_off_node_and_keeps_it_out(cluster, kjv_da
     assert list(chain.read_bad_nodes(RunPaths(tmp_path / "run"))) == ["node2"]
 
 
+@pytest.mark.parametrize("fault, problem", [("slow_gemm:node2", r"GEMM .* TFLOP/s, \d+% of the median"),
+                                            ("allreduce_fail:node2", r"all-reduce failed: RuntimeError: test fault")],
+                         ids=["slow-gemm", "allreduce-fails"])
+def test_the_job_checks_its_nodes_first_and_trains_on_the_spare(cluster, kjv_data, tmp_path, fault, problem):
+    """slurm.preflight (on by default) in a 3-node allocation for 2-node training: node2's slow GEMM or failing
+    all-reduce keeps it out before training starts; training runs on node1 and node3 and no task fails."""
+    spec = node_spec(tmp_path, kjv_data, iterations=10, save_interval=5, fault=fault,
+                     slurm={"spare_nodes": 1, "array": 1})
+    sub = submit(spec)
+    cluster.jobs.append(sub.job_id)
+    run = sub.run
+    wait_for(lambda: not queue(cluster, sub.job_id), 300, "the job never ended")
+    rows = chain.read_ledger(run)
+    assert [(r.state, r.nodes) for r in rows] == [("COMPLETED", "node[1-3]")], run.main_log.read_text()[-3000:]
+    log = run.main_log.read_text()
+    kept_out = one(r"^\[opskit\] (\S+ \S+) .*: pre-flight: node2 kept out: (.*)$", log)
+    assert re.match(problem, kept_out[2]), kept_out[0]
+    one(r"training step 0 on nodes node1,node3$", log)
+    assert run.finished_flag.exists() and list(chain.read_bad_nodes(run)) == ["node2"]
+    started = re.search(r"^\[opskit\] (\S+ \S+) job .*: start$", log, re.M)[1]
+    took = (datetime.strptime(kept_out[1], "%Y-%m-%d %H:%M:%S") - datetime.strptime(started, "%Y-%m-%d %H:%M:%S"))
+    print(f"\n{fault}: job start -> node2 kept out by the pre-flight check of 3 nodes: {took.total_seconds():.0f} s")
+    assert took.total_seconds() <= 40
+
+
 def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
     # 30 min: task 1 must still be running after the controller's restart, however loaded the machine
     spec = node_spec(tmp_path, kjv_data, iterations=100_000, save_interval=1000, slurm={"array": 2, "time": "30"})

@@ -6,8 +6,9 @@ what the allocation cannot fix. Plain Python (no torch): it runs in the batch sh
 The job's state is ``<run>/in-job/<job id>.json``: the allocation's nodes, the nodes needed, the nodes this job
 excluded (and why), and each step's nodes, heartbeat folder, start offsets in the per-node logs and hang record.
 
-``python -m opskit.run.in_job start RUN_DIR JOB_ID NEED NODELIST`` prints ``NODES HEARTBEAT_DIR`` for the next step
-(exit 3: fewer than NEED usable nodes left); ``watch RUN_DIR JOB_ID PID TIMEOUT_S STARTUP_S HANG_FACTOR`` watches the
+``python -m opskit.run.in_job start RUN_DIR JOB_ID NEED NODELIST [--preflight]`` checks the usable nodes first (under
+SLURM, ``opskit preflight``) and prints ``STEP NODES HEARTBEAT_DIR`` for the next step after its log lines (exit 3:
+fewer than NEED usable nodes left); ``watch RUN_DIR JOB_ID PID TIMEOUT_S STARTUP_S HANG_FACTOR`` watches the
 step run by process PID; ``failed RUN_DIR JOB_ID`` blames the failed step and says whether to restart (exit 0) or not
 (exit 3). Lines for main_log.txt go to stdout.
 """
@@ -20,12 +21,14 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import psutil
 
+from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text
 from opskit.logs.crash import expand_nodelist, find_crashes
 from opskit.logs.stacks import rank_stacks, stuck_ranks
@@ -59,11 +62,19 @@ def _save(run: RunPaths, job_id: str, state: dict) -> None:
 # --------------------------------------------------------------------------- start: the next step's nodes
 
 
-def start_step(run: RunPaths, job_id: str, need: int, nodelist: str) -> tuple[list[str], Path]:
+def start_step(run: RunPaths, job_id: str, need: int, nodelist: str,
+               check: Callable[[list[str]], dict[str, str]] | None = None) -> tuple[list[str], Path, list[str]]:
     """The nodes of the job's next training step, and its heartbeat folder: the first ``need`` nodes of the
     allocation (``nodelist``, SLURM's syntax, in its order) that this job did not exclude, those on the run's
     bad-node list last (SLURM gave them to the job only when the partition had no others: they are tried rather than
     nothing); recorded with each node log's size, so that :func:`blame_failed_step` reads only this step's lines.
+
+    Args:
+        check: the pre-flight check (:func:`preflight_check`): usable nodes -> the failing ones with why, excluded
+            for the rest of the job before any is picked.
+
+    Returns:
+        (nodes, heartbeat folder, lines for main_log.txt).
 
     Raises:
         InJobError: fewer than ``need`` usable nodes are left.
@@ -71,6 +82,11 @@ def start_step(run: RunPaths, job_id: str, need: int, nodelist: str) -> tuple[li
     path = state_path(run, job_id)
     state = (_load(run, job_id) if path.exists() else
              {"allocation": expand_nodelist(nodelist), "need": need, "excluded": {}, "steps": []})
+    lines = []
+    if check is not None:
+        failing = check([n for n in state["allocation"] if n not in state["excluded"]])
+        state["excluded"].update(failing)
+        lines += [f"pre-flight: {node} kept out: {why}" for node, why in failing.items()]
     bad = chain.read_bad_nodes(run)
     usable = sorted((n for n in state["allocation"] if n not in state["excluded"]), key=lambda n: n in bad)
     if len(usable) < need:
@@ -82,7 +98,24 @@ def start_step(run: RunPaths, job_id: str, need: int, nodelist: str) -> tuple[li
                            "log_offsets": {n: _size(_node_log(run, job_id, n)) for n in nodes},
                            "main_log_offset": _size(run.main_log), "hang": None})
     _save(run, job_id, state)
-    return nodes, heartbeats
+    return nodes, heartbeats, lines
+
+
+def preflight_check(run: RunPaths, margin: float = 0.2) -> Callable[[list[str]], dict[str, str]]:
+    """``opskit preflight`` on the job's usable nodes, with the run's copy of its spec (``slurm/spec.yaml``): the
+    failing nodes (put on the bad-node list) -> their problems. A check that cannot run excludes nobody."""
+    from opskit.run.preflight import PreflightError, run_preflight
+    from opskit.spec.load import load_spec
+
+    def check(nodes: list[str]) -> dict[str, str]:
+        try:
+            verdict = run_preflight(load_spec(str(run.resolved_spec)), ",".join(nodes), margin, exclude=True, run=run)
+        except (PreflightError, OpskitError) as e:
+            print(f"pre-flight not run: {e}")
+            return {}
+        return {n.node: "; ".join(n.problems) for n in verdict.excluded}
+
+    return check
 
 
 class InJobError(Exception):
@@ -294,10 +327,12 @@ def _down(nodes: list[str]) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args[:1] == ["start"] and len(args) == 5:
-            _, root, job_id, need, nodelist = args
-            nodes, heartbeats = start_step(RunPaths(Path(root)), job_id, int(need), nodelist)
-            print(",".join(nodes), heartbeats)
+        if args[:1] == ["start"] and len(args) in (5, 6):  # 6: with --preflight
+            _, root, job_id, need, nodelist, *preflight = args
+            run = RunPaths(Path(root))
+            check = preflight_check(run) if preflight == ["--preflight"] and _under_slurm() else None
+            nodes, heartbeats, lines = start_step(run, job_id, int(need), nodelist, check)
+            print("\n".join([*lines, f"STEP {','.join(nodes)} {heartbeats}"]))
             return 0
         if args[:1] == ["watch"] and len(args) == 7:
             _, root, job_id, pid, timeout, startup, factor = args

@@ -105,11 +105,12 @@ def judge(records: dict[str, dict | None], expected_devices: int, margin: float,
     return Preflight(verdicts, median, notes)
 
 
-def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool) -> Preflight:
+def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool, run: RunPaths | None = None) -> Preflight:
     """Check ``nodes`` (SLURM's node-list syntax) with one ``srun`` step of a task per node (their records kept in
     ``<run>/preflight/<time>-<pid>/<node>.json``), judge them
     (:func:`judge`: this spec's GPUs per node and step size), and with ``exclude`` put the failing ones on the
-    run's bad-node list (the next submission excludes them).
+    run's bad-node list (the next submission excludes them). ``run``: the run directory, when not the spec's own
+    (the job script's copy of the spec lives inside it).
 
     Raises:
         PreflightError: not a node list, or no node reported (srun could not start the step).
@@ -121,7 +122,7 @@ def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool) -> Prefl
         raise PreflightError(f"--nodes {nodes!r}: not a SLURM node list (e.g. node[1-3],gpu7)") from None
     if not names:
         raise PreflightError(f"--nodes {nodes!r}: no node to check")
-    run = RunPaths.of(spec)
+    run = run or RunPaths.of(spec)
     chain.claim_run_dir(run, "preflight")  # the node records go into it
     out = run.root / "preflight" / f"{datetime.now():%Y-%m-%dT%H-%M-%S}-{os.getpid()}"
     s = spec.slurm

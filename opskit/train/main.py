@@ -209,8 +209,8 @@ class Trainer:
         # each rank's forward time, for the straggler line of each log interval
         from opskit.train.rank_times import ForwardTimes
 
-        self.forward_times = ForwardTimes(model, self.engine.stage_id,
-                                          functools.partial(slowdown_factor, environ=dict(os.environ)))
+        self.forward_times = None if os.environ.get(RANK_TIMES_ENV) == "off" else ForwardTimes(
+            model, self.engine.stage_id, functools.partial(slowdown_factor, environ=dict(os.environ)))
         # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
         self._resume(model)
         if world.rank == 0:
@@ -293,7 +293,8 @@ class Trainer:
             if self._skip_range_at_next_iteration():
                 continue
             self.profiler.before_iteration(state.iteration + 1)
-            self.forward_times.iteration = state.iteration + 1
+            if self.forward_times is not None:
+                self.forward_times.iteration = state.iteration + 1
             step = self._train_step()
             iterations_run += 1
             self.profiler.after_iteration(state.iteration)
@@ -388,7 +389,8 @@ class Trainer:
         self.tensorboard.interval(state.iteration, state.consumed_train_samples, state.consumed_train_tokens, seconds,
                                   step.global_batch_size, state.seqlen, world.dp, tflops)
         first = state.iteration - state.interval.iterations + 1
-        if line := self.forward_times.interval_line(first, state.iteration, world.is_last_rank):
+        if self.forward_times is not None and (line := self.forward_times.interval_line(first, state.iteration,
+                                                                                         world.is_last_rank)):
             print(line, flush=True)
         if not self.memory_reported and torch.cuda.is_available():
             print(memory_line(world.rank, state.iteration), flush=True)
@@ -459,6 +461,10 @@ class Trainer:
         self.profiler.stop()
         self.tensorboard.close()
         self.emissions.stop()
+
+
+RANK_TIMES_ENV = "OPSKIT_RANK_TIMES"
+"""``off``: no per-rank forward timing and no straggler line (to measure their cost, bench/trainer_throughput.py)."""
 
 
 def _heartbeat(rank: int):
