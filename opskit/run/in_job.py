@@ -118,7 +118,7 @@ def preflight_check(run: RunPaths, margin: float = 0.2) -> Callable[[list[str]],
     return check
 
 
-class InJobError(Exception):
+class InJobError(OpskitError):
     """The allocation cannot go on training (too few usable nodes)."""
 
 
