@@ -186,6 +186,35 @@ def test_a_running_task_counts_to_now_and_a_run_without_saves_loses_from_its_sta
     assert task.seconds["idle"] == approx(2.0)
 
 
+def test_an_in_job_restart_splits_the_task_into_steps_and_its_hang_and_redone_work_count(tmp_path):
+    """One task, two training steps (opskit.run.in_job): step 0 trains 1-12 (save after 10), hangs 20 s until the
+    in-job watchdog stops it; step 1 starts at once on the spare, loads step 10 and trains 11-30. Step 0's 11-12 are
+    redone, its silence a hang, and the ledger's COMPLETED row is the task's last step's."""
+    run = RunPaths(tmp_path / "run")
+    log = MainLog(run).opskit("submitted job 7 (2 tasks)").opskit("start", "7_1")
+    log.opskit("training step 0 on nodes n1,n2", "7_1")
+    log.start_training(10).iterate(1, 12, 1.0, saves={10: 2.0}).wait(20)
+    log.opskit("in-job watchdog: 2 of 2 ranks silent for up to 20 s (limit 15 s; last iteration 11); hung: n2 local "
+               "rank 0 (from the stacks); stopping the step", "7_1")
+    log.wait(2).opskit("blamed n2: hung (silent 20 s)", "7_1")
+    log.opskit("in-job restart 1 of 2: training resumes from the last checkpoint", "7_1")
+    log.opskit("training step 1 on nodes n1,n3", "7_1")
+    log.start_training(10, load_from=10, load_s=3.0).iterate(11, 30, 1.0).wait(1)
+    log.opskit("end, exit code 0", "7_1").write()
+    ledger(run, ("7_1", "COMPLETED", log.now))
+    result = account(run)
+    first, second = result.tasks
+    assert [(t.label, t.state, t.iterations, t.redone_iterations) for t in result.tasks] == [
+        ("7_1", "RESTARTED", 12, 2), ("7_1 step 1", "COMPLETED", 20, 0)]
+    # the hang lasts until the step is stopped (the watchdog's 20 s, then 2 s stopping it and blaming the node)
+    assert first.seconds["hang"] == approx(22.0) and first.seconds["redone"] == approx(2.0)
+    assert first.seconds["training"] == approx(10.0) and first.seconds["idle"] == approx(0.0)
+    assert second.seconds["queue"] == 0 and second.seconds["loading"] == approx(3.0)
+    assert second.seconds["startup"] == approx(10.0) and second.seconds["training"] == approx(20.0)
+    assert sum(result.totals.values()) == pytest.approx(result.wall_seconds, rel=0.01)
+    assert [t["step"] for t in result.as_json()["tasks"]] == [0, 1]
+
+
 def test_iterations_an_exit_trained_after_the_last_line_count_from_its_save_line(tmp_path):
     """``--log-interval`` > 1: SIGUSR1 at iteration 14 after the line of 10; the exit's save names 14. Iterations
     11-14 count at the logged time per iteration; in a failed task they are redone when no save completed them."""

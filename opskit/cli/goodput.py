@@ -65,6 +65,6 @@ def _task_lines(result, categories) -> list[str]:
     lines = []
     for task in result.tasks:
         spent = ", ".join(f"{c} {_duration(task.seconds[c])}" for c in categories if task.seconds[c] >= 0.5)
-        lines.append(f"{task.task} {task.state or 'running'}: {task.iterations:,} iterations "
+        lines.append(f"{task.label} {task.state or 'running'}: {task.iterations:,} iterations "
                      f"({task.redone_iterations:,} redone); {spent}")
     return lines

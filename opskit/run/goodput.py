@@ -39,8 +39,11 @@ from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
 CATEGORIES = ("training", "redone", "saving", "loading", "startup", "evaluation", "hang", "queue", "idle")
-LOSES_WORK = (*chain.FAILURES, "CANCELLED")
-"""Ledger states whose task's work since its last save is lost: the next task trains it again."""
+RESTARTED = "RESTARTED"
+"""The state of a training step that the job restarted inside its allocation (opskit.run.in_job): its work since its
+last save is lost like a failed task's, and the task goes on in its next step."""
+LOSES_WORK = (*chain.FAILURES, "CANCELLED", RESTARTED)
+"""Ledger states whose task's work since its last save is lost: the next task (or step) trains it again."""
 
 _DATE = "%Y-%m-%d %H:%M:%S"
 _OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job \S+ \(array task (\S+)\) nodes \S*: (.*)"
@@ -51,6 +54,8 @@ _SAVED = re.compile(r"^  successfully saved checkpoint at iteration +(\d+) ")
 _SAVING = re.compile(r"^saving checkpoint at iteration +(\d+) ")
 _LOADED = re.compile(r"^  successfully loaded checkpoint from .* at iteration (\d+)\s*$")
 _SIGTERM_STATE = re.compile(r"^SIGTERM: the job ends \((\w+)\)")
+_NEXT_STEP = re.compile(r"^training step ([1-9]\d*) on nodes ")
+_IN_JOB_HANG = "in-job watchdog: "
 
 
 class GoodputError(OpskitError, ValueError):
@@ -59,7 +64,8 @@ class GoodputError(OpskitError, ValueError):
 
 @dataclass
 class TaskTime:
-    """One chain task's wall clock split into :data:`CATEGORIES` (seconds; ``queue`` is the wait before it)."""
+    """One chain task's (or one training step's, after an in-job restart) wall clock split into :data:`CATEGORIES`
+    (seconds; ``queue`` is the wait before it)."""
 
     task: str
     state: str | None
@@ -71,9 +77,17 @@ class TaskTime:
     """Iterations it trained (logged)."""
     redone_iterations: int
     """Of those, the ones its failure lost (trained again by the next task)."""
+    step: int = 0
+    """The training step in its job (0 unless the job restarted training inside its allocation)."""
+
+    @property
+    def label(self) -> str:
+        """``7_1``, or ``7_1 step 1`` for a step after an in-job restart."""
+        return f"{self.task} step {self.step}" if self.step else self.task
 
     def as_json(self) -> dict:
-        return {"task": self.task, "state": self.state, "start": f"{self.start:{_DATE}}", "end": f"{self.end:{_DATE}}",
+        return {"task": self.task, "step": self.step, "state": self.state, "start": f"{self.start:{_DATE}}",
+                "end": f"{self.end:{_DATE}}",
                 "iterations": self.iterations, "redone_iterations": self.redone_iterations,
                 "hours": {name: round(s / 3600, 4) for name, s in self.seconds.items()}}
 
@@ -123,6 +137,11 @@ class TaskLog:
 
     task: str
     start: datetime
+    step: int = 0
+    """Its training step in the job (opskit.run.in_job: each in-job restart starts a new one, logged as a new
+    :class:`TaskLog` of the same task)."""
+    hung: bool = False
+    """The in-job watchdog stopped this step for a hang: its silence after the last iteration line is one."""
     last_seen: datetime | None = None
     """Its last ``[opskit]`` line's time (its start until another comes)."""
     end: datetime | None = None
@@ -217,7 +236,13 @@ def _opskit_line(raw: str, tasks: list[TaskLog], current: TaskLog | None,
         return tasks[-1], first_submit
     if current is not None and current.task == m[2]:
         current.last_seen = at
-        if message.startswith("end, exit code"):
+        if step := _NEXT_STEP.match(message):  # an in-job restart: the step before it ends here
+            current.end, current.end_state = at, RESTARTED
+            tasks.append(TaskLog(m[2], at, step=int(step[1])))
+            return tasks[-1], first_submit
+        if message.startswith(_IN_JOB_HANG):
+            current.hung = True
+        elif message.startswith("end, exit code"):
             current.end = at
         elif state := _SIGTERM_STATE.match(message):
             current.end, current.end_state = at, state[1]
@@ -299,6 +324,9 @@ def _ledger_states(rows: list[chain.TaskOutcome], logs: list[TaskLog]) -> list[t
         by_task.setdefault(row.task, []).append(row)
     matched = []
     for log in logs:
+        if log.end_state == RESTARTED:  # a step the job restarted: the task's ledger row is its last step's
+            matched.append((RESTARTED, log.end))
+            continue
         row = by_task.get(log.task, []).pop(0) if by_task.get(log.task) else None
         at = None
         if row is not None:
@@ -317,7 +345,7 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
     seconds.update(saving=log.saving_s, loading=log.loading_s, evaluation=log.evaluation_s)
     if log.training_start is None:  # it never trained: a start-up failure, or a task that exited at once
         seconds["idle" if state == "SKIPPED" else "startup"] = max(wall - log.loading_s, 0.0)
-        return TaskTime(log.task, state, log.start, end, seconds, 0, 0)
+        return TaskTime(log.task, state, log.start, end, seconds, 0, 0, log.step)
     seconds["startup"] = max((log.training_start - log.start).total_seconds() - log.loading_s, 0.0)
     tail = _unlogged_tail(log, end)
     windows = log.windows + [tail] if tail else log.windows
@@ -333,7 +361,7 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
         seconds["hang"] = _hang_seconds(log, end, watchdog, tail[2] if tail else 0.0)
     seconds["training"] = training - seconds["redone"]
     seconds["idle"] = max(wall - sum(seconds.values()), 0.0)
-    return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations)
+    return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations, log.step)
 
 
 def _silence_after_last_line(log: TaskLog, end: datetime) -> float:
@@ -362,7 +390,7 @@ def _hang_seconds(log: TaskLog, end: datetime, watchdog: WatchdogSpec, tail_s: f
         return 0.0
     silence = _silence_after_last_line(log, end) - tail_s
     interval = statistics.median(w[2] for w in log.windows)
-    return silence if silence > watchdog.hang_limit_s(interval) else 0.0
+    return silence if log.hung or silence > watchdog.hang_limit_s(interval) else 0.0
 
 
 def _overrun_note(task: TaskTime) -> list[str]:
@@ -393,7 +421,7 @@ def write_plot(goodput: Goodput, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(10, 1.8 + 0.45 * len(tasks)))
     for category in order:
         left = [sum(t.seconds[c] for c in order[:order.index(category)]) / 3600 for t in tasks]
-        axes.barh([t.task for t in tasks], [t.seconds[category] / 3600 for t in tasks], left=left,
+        axes.barh([t.label for t in tasks], [t.seconds[category] / 3600 for t in tasks], left=left,
                   color=colours[category], label=category)
     axes.invert_yaxis()
     axes.set_xlabel("hours")

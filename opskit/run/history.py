@@ -18,7 +18,7 @@ from pathlib import Path
 from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.rules.reliability import lost_fraction, optimal_save_interval
 from opskit.run import chain
-from opskit.run.goodput import read_task_logs
+from opskit.run.goodput import RESTARTED, read_task_logs
 from opskit.run.paths import RunPaths
 
 RECENT_ITERATIONS = 100
@@ -57,7 +57,8 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None,
     hours = sum((task.last_seen - task.start).total_seconds() for task in tasks) / 3600
     saves = [seconds for task in tasks for seconds in task.saves]
     ledger = chain.read_ledger(run) if ledger is None else ledger
-    failures = sum(row.state in chain.FAILURES for row in ledger)
+    # a training step the job restarted inside its allocation lost its work as a failed task does
+    failures = sum(row.state in chain.FAILURES for row in ledger) + sum(t.end_state == RESTARTED for t in tasks)
     iteration = _iteration_seconds(run.main_log)
     notes = []
     if not tasks:
