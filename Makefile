@@ -1,9 +1,9 @@
-# The commands of the README: `make demo`, `make demo-multinode` and `make test`. All install everything they need first.
+# The commands of the README: `make demo`, `make demo-multinode`, `make demo-recovery`, `make test`. All install first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: demo demo-multinode test install system-deps lint clean
+.PHONY: demo demo-multinode demo-recovery test install system-deps lint clean
 
 # Python environment: torch first, pinned (an unpinned torch pulls GBs of CUDA wheels), then opskit with all extras.
 $(VENV)/.installed: pyproject.toml
@@ -31,6 +31,9 @@ demo: install system-deps
 # A 3-node SLURM on this machine (root): a 2-node chain, a crash on node2, the next task excluding it.
 demo-multinode: install system-deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo-multinode.sh
+
+demo-recovery: install system-deps
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo-recovery.sh
 
 test: install system-deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
