@@ -186,6 +186,7 @@ class Trainer:
 
         self.args, self.config, self.world, self.exits = args, config, world, exits
         self.after_iteration = after_iteration
+        self.heartbeat = None  # step 8; a save before it (a resume that saves at once) beats nothing
         self.state = TrainState(seqlen=config.seq_length)
         self.memory_reported = False  # Megatron reports GPU memory once, at the first log line
 
