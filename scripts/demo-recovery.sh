@@ -30,7 +30,7 @@ write_spec() {  # name, fault, description
     cat >"trainings/$1.yaml" <<EOF
 $MARKER
 # (make demo-recovery rewrites this file; it refuses to touch one it did not write)
-description: $3
+description: "$3"
 model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32, max_position_embeddings: 32,
         position_embedding_type: alibi, embed_layernorm: true, hidden_dropout: 0.0, attention_dropout: 0.0,
         precision: fp32}

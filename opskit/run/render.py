@@ -230,7 +230,7 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         max_stalled_starts=s.max_stalled_starts,
         train_nodes=spec.parallel.nodes,
         in_job_restarts=s.in_job_restarts,
-        preflight=" --preflight" if s.preflight else "",
+        preflight="--preflight" if s.preflight else "",
         in_job_watch=f"{spec.watchdog.in_job_timeout_s:g} {spec.watchdog.hang_min_minutes * 60:g} "
                      f"{spec.watchdog.hang_factor:g}",
         env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},

@@ -327,8 +327,8 @@ class SlurmSpec(_Section):
     in_job_restarts: int = Field(default=2, ge=0)
     """Training restarts inside one job after a crash or a hang, before the chain's next task takes over."""
     preflight: bool = True
-    """Check the allocation's nodes before each training step (``opskit preflight``: GPUs, a timed GEMM, free disk,
-    Xid lines, all-reduces) and keep the failing ones out, a spare taking their place."""
+    """Check the allocation's nodes at each task's start, before training (``opskit preflight``: GPUs, a timed GEMM,
+    free disk, Xid lines, all-reduces) and keep the failing ones out, a spare taking their place."""
     cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
     """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
     cron_account: str | None = Field(default=None, pattern=_ONE_LINE)
