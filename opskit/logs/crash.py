@@ -64,9 +64,10 @@ _WORKER_PREFIX = re.compile(r"\[[A-Za-z_-]*(\d+)\]:")
 JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (?P<job>\d+) \(array task (?P<task>\S+)\) "
                         r"nodes (?P<nodes>\S+): start$", re.M)
 # The line it writes as each training step of the task starts (opskit.run.in_job: a restart inside the allocation may
-# run on other nodes): srun's labels after it index ``nodes``, the step's node list, not the job's.
-STEP_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job \d+ \(array task \S+\) nodes \S+: training step \d+ on nodes "
-                         r"(?P<nodes>\S+)$", re.M)
+# run on other nodes): srun's labels after it index ``nodes``, the step's node list, not the job's; ``step`` counts from
+# 0 in each job.
+STEP_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job \d+ \(array task \S+\) nodes \S+: "
+                         r"training step (?P<step>\d+) on nodes (?P<nodes>\S+)$", re.M)
 
 
 def last_header(text: str) -> re.Match | None:

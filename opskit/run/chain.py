@@ -435,6 +435,14 @@ def exclude_in_queue(run: RunPaths, job_nodes: int, partition: str | None) -> st
     return f"queued task(s) {', '.join(ids)} now exclude {','.join(bad)} (ExcNodeList)"
 
 
+def exclude_in_queue_line(run: RunPaths, job_nodes: int, partition: str | None, nodes: list[str]) -> str:
+    """:func:`exclude_in_queue`'s line, or, when SLURM did not answer, that the queued tasks may start on ``nodes``."""
+    try:
+        return exclude_in_queue(run, job_nodes, partition)
+    except client.SlurmError as e:
+        return f"queued tasks not updated, they may start on {','.join(nodes)} ({e})"
+
+
 def _down_nodes(nodelist: str, lines: list[str]) -> dict[str, str]:
     """The job's nodes SLURM holds down (:func:`client.down_nodes`); {} with a line in ``lines`` when sinfo fails."""
     try:
@@ -474,10 +482,7 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
             if new:
                 lines.append(f"bad node(s) {','.join(new)} ({crashed}): the next `opskit submit` excludes them")
             if new and job_nodes:
-                try:
-                    lines.append(exclude_in_queue(run, job_nodes, partition))
-                except client.SlurmError as e:
-                    lines.append(f"queued tasks not updated, they may start on {','.join(new)} ({e})")
+                lines.append(exclude_in_queue_line(run, job_nodes, partition, new))
     record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason, _latest_tag(run)))
     if run.stopped_flag.exists():
         return lines

@@ -32,9 +32,10 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.errors import OpskitError
-from opskit.logs.crash import line_source
+from opskit.logs.crash import STEP_HEADER, line_source
 from opskit.logs.grammar import parse_iteration_line
 from opskit.run import chain
+from opskit.run.in_job import HANG_LINE
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
@@ -54,8 +55,6 @@ _SAVED = re.compile(r"^  successfully saved checkpoint at iteration +(\d+) ")
 _SAVING = re.compile(r"^saving checkpoint at iteration +(\d+) ")
 _LOADED = re.compile(r"^  successfully loaded checkpoint from .* at iteration (\d+)\s*$")
 _SIGTERM_STATE = re.compile(r"^SIGTERM: the job ends \((\w+)\)")
-_NEXT_STEP = re.compile(r"^training step ([1-9]\d*) on nodes ")
-_IN_JOB_HANG = "in-job watchdog: "
 
 
 class GoodputError(OpskitError, ValueError):
@@ -236,11 +235,11 @@ def _opskit_line(raw: str, tasks: list[TaskLog], current: TaskLog | None,
         return tasks[-1], first_submit
     if current is not None and current.task == m[2]:
         current.last_seen = at
-        if step := _NEXT_STEP.match(message):  # an in-job restart: the step before it ends here
+        if (step := STEP_HEADER.match(raw)) and step["step"] != "0":  # an in-job restart: the step before ends here
             current.end, current.end_state = at, RESTARTED
-            tasks.append(TaskLog(m[2], at, step=int(step[1])))
+            tasks.append(TaskLog(m[2], at, step=int(step["step"])))
             return tasks[-1], first_submit
-        if message.startswith(_IN_JOB_HANG):
+        if message.startswith(HANG_LINE):
             current.hung = True
         elif message.startswith("end, exit code"):
             current.end = at

@@ -38,6 +38,8 @@ from opskit.run.paths import RunPaths
 from opskit.slurm import client
 
 CANNOT_CONTINUE = 3
+HANG_LINE = "in-job watchdog: "
+"""How the monitor's main_log line on a hang begins (the goodput account reads it back)."""
 POLL_S = 1.0
 DUMP_WAIT_S = 5.0
 """How long the watchdog waits for the ranks' stacks after asking for them."""
@@ -104,13 +106,13 @@ def start_step(run: RunPaths, job_id: str, need: int, nodelist: str,
 def preflight_check(run: RunPaths, margin: float = 0.2) -> Callable[[list[str]], dict[str, str]]:
     """``opskit preflight`` on the job's usable nodes, with the run's copy of its spec (``slurm/spec.yaml``): the
     failing nodes (put on the bad-node list) -> their problems. A check that cannot run excludes nobody."""
-    from opskit.run.preflight import PreflightError, run_preflight
+    from opskit.run.preflight import run_preflight
     from opskit.spec.load import load_spec
 
     def check(nodes: list[str]) -> dict[str, str]:
         try:
             verdict = run_preflight(load_spec(str(run.resolved_spec)), ",".join(nodes), margin, exclude=True, run=run)
-        except (PreflightError, OpskitError) as e:
+        except OpskitError as e:
             print(f"pre-flight not run: {e}")
             return {}
         return {n.node: "; ".join(n.problems) for n in verdict.excluded}
@@ -180,7 +182,7 @@ def watch_step(run: RunPaths, job_id: str, pid: int, limits: Limits, now=time.ti
     folder = Path(step["heartbeats"])
     seen: dict[int, float] = {}
     intervals: dict[int, list[float]] = {}
-    while psutil.pid_exists(pid) and _running(pid):
+    while _running(pid):
         beats = read_beats(folder)
         for b in beats:
             if b.rank in seen and b.seconds > seen[b.rank] and b.phase == "train":
@@ -220,7 +222,7 @@ def _report_hang(run: RunPaths, job_id: str, state: dict, beats: list[Beat], sil
     age = max(now() - b.seconds for b in silent)
     oldest = min(silent, key=lambda b: b.seconds)
     who = ", ".join(f"{node} local rank {lr}" for node, lr in named) if named else "not named (every rank alike)"
-    print(f"in-job watchdog: {len(silent)} of {len(beats)} ranks silent for up to {age:.0f} s (limit "
+    print(f"{HANG_LINE}{len(silent)} of {len(beats)} ranks silent for up to {age:.0f} s (limit "
           f"{limits.limit(oldest, []):.0f} s; last iteration {oldest.iteration}); hung: {who}"
           + (f" ({how})" if named else "") + "; stopping the step", flush=True)
     step["hang"] = {"nodes": sorted({node for node, _ in named}), "ranks": [b.rank for b in hung],
@@ -286,10 +288,8 @@ def blame_failed_step(run: RunPaths, job_id: str, now: datetime | None = None) -
     chain.add_bad_nodes(run, {n: f"{stamp} job {job_id} (in-job): {why}" for n, why in blamed.items()})
     lines = [f"blamed {node}: {why}" for node, why in blamed.items()]
     if _under_slurm():  # the chain's queued tasks keep out of it too
-        try:
-            lines.append(chain.exclude_in_queue(run, len(state["allocation"]), os.environ.get("SLURM_JOB_PARTITION")))
-        except client.SlurmError as e:
-            lines.append(f"queued tasks not updated, they may start on {','.join(blamed)} ({e})")
+        lines.append(chain.exclude_in_queue_line(run, len(state["allocation"]), os.environ.get("SLURM_JOB_PARTITION"),
+                                                 list(blamed)))
     usable = [n for n in state["allocation"] if n not in state["excluded"]]
     if len(usable) < state["need"]:
         lines.append(f"{len(usable)} usable node(s) left for {state['need']}: the chain's next task takes over")
