@@ -58,12 +58,15 @@ def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs:
     return [*flags, "--checkpoint-activations"] if recompute == "full" else flags
 
 
-def timed_run(flags: list[str], gpus: int, gbs: int) -> dict:
+def timed_run(flags: list[str], gpus: int, gbs: int, sync_points: str | None = None) -> dict:
     """One trainer run under torchrun (``gpus`` processes): median seconds per iteration after the first two (from
     the log's samples per second, one line per 2 iterations), and the largest ``max allocated`` of any rank at the
-    first log line (iteration 2: Adam's states and the activations; GiB, None on CPU)."""
+    first log line (iteration 2: Adam's states and the activations; GiB, None on CPU). With ``sync_points`` (a
+    folder) the trainer runs under bench/sync_points.py, which counts its synchronizing calls there (and slows it)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus)]
-    done = subprocess.run([*launcher, "-m", "opskit.train", *flags], capture_output=True, text=True, cwd=REPO,
+    trainer = ([str(REPO / "bench" / "sync_points.py"), "--out", sync_points, "--"] if sync_points
+               else ["-m", "opskit.train"])
+    done = subprocess.run([*launcher, *trainer, *flags], capture_output=True, text=True, cwd=REPO,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if done.returncode != 0:
         sys.exit(f"trainer exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
@@ -103,7 +106,7 @@ def measure(layers: int, tp: int, pp: int, micro_batches: list[int], args, data:
         gbs = args.mbs * m
         flags = trainer_flags(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, args.iters, tp, pp, data,
                               tokenizer, args.recompute)
-        run = timed_run([*flags, *args.extra], gpus, gbs)
+        run = timed_run([*flags, *args.extra], gpus, gbs, args.sync_points if gpus > 1 else None)
         flops = megatron_flops_per_iteration(gbs, args.seq, layers, args.hidden, vocab, recompute=False)
         rows.append({"micro_batches": m, **run, "tokens_per_s": round(gbs * args.seq / run["s_per_iter"]),
                      "mfu_per_gpu": round(flops / run["s_per_iter"] / gpus / PEAK_FLOPS, 4),
@@ -158,6 +161,8 @@ def main() -> None:
     parser.add_argument("--runs", default="layout,single",
                         help="which runs, comma-separated: layout (TP x PP), single (one GPU, the same share), peer "
                              "(megatron-core's GPTModel at the layout)")
+    parser.add_argument("--sync-points", default=None, metavar="DIR",
+                        help="run the layout under bench/sync_points.py: its synchronizing calls per rank in DIR")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     runs = set(args.runs.split(","))
