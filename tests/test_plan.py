@@ -778,8 +778,9 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
     assert "--pp-partition-method 'type:transformer|embedding'" in job.script  # quoted for the shell
     assert json.loads(job.ds_config) == {
         "train_micro_batch_size_per_gpu": 2, "train_batch_size": 192, "gradient_clipping": 1.0,  # the ramp's start
-        "zero_optimization": {"stage": 0}, "bf16": {"enabled": True}, "steps_per_print": 2000,
-        "wall_clock_breakdown": False}
+        "zero_optimization": {"stage": 0}, "bf16": {"enabled": True, "immediate_grad_update": True},
+        "pipeline": {"pipe_partitioned": False, "grad_partitioned": False}, "steps_per_print": 2000,
+        "wall_clock_breakdown": False}  # BigScience's heredoc plus the two speed settings of opskit.rules.deepspeed
     script = jean_zay / "train.slurm"
     script.write_text(job.script)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
@@ -1131,21 +1132,20 @@ def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field
     assert ("data.train_weighted_split_paths_path", data / "train-splits.txt") in data_files(spec)
 
 
-def test_bf16_at_zero0_counts_the_16bit_gradients_deepspeed_keeps_and_advises_on_recompute(in_tmp):
-    """tr11's layout (bf16, ZeRO-0): DeepSpeed's bf16 optimizer keeps every parameter's 16-bit gradient until the
-    step, 2 bytes on each GPU beside the READMEs' 18 (unsharded, not in the checkpoint); and a spec that recomputes
-    where the activations would fit is told what recompute costs."""
+def test_bf16_at_zero0_keeps_no_16bit_gradients_and_the_plan_advises_on_recompute(in_tmp):
+    """tr11's layout (bf16, ZeRO-0): the trainer's DeepSpeed config frees each 16-bit gradient once it is added into
+    the fp32 buffer (``bf16.immediate_grad_update``), so a GPU holds the READMEs' 18 bytes split as ZeRO-1 splits
+    them; and a spec that recomputes where the activations would fit is told what recompute costs."""
     tr11 = plan_of("tr11-176B-ml").memory
     stage = tr11.stages[0]
     per_gpu = stage.parameters_per_gpu
-    assert tr11.half_gradient_bytes_per_parameter == 2 and tr11.total_bytes_per_parameter == 18
-    # (2 bf16 weights + 4 fp32 gradients + 2 bf16 gradients) + (4 fp32 weights + 8 Adam) / DP 8, word embeddings' part
-    assert stage.model_state_gib * 2**30 == pytest.approx(per_gpu * (2 + 4 + 2 + 12 / 8))
-    assert tr11.checkpoint_gb == pytest.approx(176.2e9 * 14 / 1e9, rel=0.01)  # gradients of neither kind saved
+    assert tr11.total_bytes_per_parameter == 18
+    # (2 bf16 weights + 4 fp32 gradients) + (4 fp32 weights + 8 Adam) / DP 8, word embeddings' part
+    assert stage.model_state_gib * 2**30 == pytest.approx(per_gpu * (2 + 4 + 12 / 8))
+    assert tr11.checkpoint_gb == pytest.approx(176.2e9 * 14 / 1e9, rel=0.01)  # gradients not saved
     assert tr11.no_recompute_fits is False and not any("recomputes" in w for w in plan_of("tr11-176B-ml").warnings)
+    assert deepspeed_config(load_spec("tr11-176B-ml"))["bf16"]["immediate_grad_update"] is True
 
-    zero1 = plan_of("tr1-13B").memory  # fp16, ZeRO-1: its optimizer measured within the plan without them
-    assert zero1.half_gradient_bytes_per_parameter == 0
     bench = make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), {
         "model": {"checkpoint_activations": True}, "parallel": {"gpu_memory_gb": 80},
         "batch": {"micro_batch_size": 4}}))

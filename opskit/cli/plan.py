@@ -94,9 +94,6 @@ def _tables(spec, result) -> list[Table]:
     memory = _table("memory")
     parts = " + ".join(f"{v} {k.replace('_', ' ')}" for k, v in m.bytes_per_parameter.items() if v)
     memory.add_row("bytes per parameter", f"{m.total_bytes_per_parameter} = {parts}")
-    if m.half_gradient_bytes_per_parameter:
-        memory.add_row("  + on each GPU", f"{m.half_gradient_bytes_per_parameter} for 16-bit gradients "
-                                          "(DeepSpeed's bf16 optimizer keeps them until the step)")
     rounded = (f" ({m.total_bytes_per_parameter} x {pp.readme_billions}B = {m.replica_gb_readme:,.0f} GB as the "
                "READMEs round it)" if pp.readme_billions else "")
     memory.add_row("model states per replica", f"{_num(m.replica_gb)} GB{rounded}")

@@ -24,20 +24,6 @@ et al. 2020, ZeRO, section 5.1 "P_os"); DeepSpeed's BF16_Optimizer (bf16 with Ze
 z0! it implements its own zero stage 1 equivalent") partitions the same ones."""
 
 
-HALF_GRADIENT_BYTES = 2
-"""The 16-bit gradients (each parameter's ``.grad``) that DeepSpeed's BF16_Optimizer keeps from the first backward
-pass of an iteration to its step: it adds them into its fp32 gradient buffer after each micro-batch and clears them
-only at the step unless ``bf16.immediate_grad_update`` is on (off by default in DeepSpeed 0.19,
-``deepspeed/runtime/bf16_optimizer.py``). Not in the READMEs' 18 bytes: GPU memory, never saved."""
-
-
-def half_gradient_bytes(precision: str, zero_stage: int) -> int:
-    """Bytes per parameter of 16-bit gradients kept beside :data:`MIXED_PRECISION_BYTES` on the GPU:
-    :data:`HALF_GRADIENT_BYTES` under DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, tr11's choice), else 0
-    (fp32 has none; ZeRO-1's optimizer was measured within the plan without them, docs/benchmarks.md)."""
-    return HALF_GRADIENT_BYTES if precision == "bf16" and zero_stage == 0 else 0
-
-
 def bytes_per_parameter(precision: str, bnb_optimizer: bool) -> dict[str, int]:
     """Model-state bytes of one parameter by kind (:data:`MIXED_PRECISION_BYTES` for ``fp16``/``bf16``,
     :data:`FP32_BYTES` for ``fp32``), with :data:`BNB_OPTIMIZER_STATE_BYTES` of optimizer states under

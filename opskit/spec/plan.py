@@ -32,7 +32,6 @@ from opskit.rules.memory import (
     SHARDED_BY_ZERO,
     bytes_per_parameter,
     checkpoint_bytes,
-    half_gradient_bytes,
     sharded_over_dp,
 )
 from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
@@ -185,9 +184,6 @@ class StagePlan:
 class MemoryPlan:
     bytes_per_parameter: dict[str, int]
     total_bytes_per_parameter: int
-    half_gradient_bytes_per_parameter: int
-    """16-bit gradients DeepSpeed's bf16 optimizer keeps on each GPU beside the READMEs' bytes
-    (:func:`opskit.rules.memory.half_gradient_bytes`); in ``model_state_gib`` of every stage, not in the replica."""
     replica_gb: float
     """Model states of one full replica, 1e9 bytes: bytes/param * parameters."""
     replica_gb_readme: float
@@ -277,8 +273,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     sharding = ("ZeRO-1: fp32 weights and optimizer states over DP" if p.zero_stage >= 1 else
                 "bf16 optimizer (ZeRO-0): fp32 weights and optimizer states over DP" if sharded else
                 "none (ZeRO-0): every DP rank holds all model states")
-    half_grads = half_gradient_bytes(m.precision, p.zero_stage)
-    kept = sum(v for k, v in breakdown.items() if k not in SHARDED_BY_ZERO) + half_grads
+    kept = sum(v for k, v in breakdown.items() if k not in SHARDED_BY_ZERO)
     split = sum(v for k, v in breakdown.items() if k in SHARDED_BY_ZERO)
     optimizer = breakdown["optimizer_states"]
     # StableEmbedding's 32-bit states: the extra bytes of each word-embedding parameter (first stage, tied LM head)
@@ -318,7 +313,6 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     step_bytes = checkpoint_bytes(total, breakdown)
     return MemoryPlan(
         bytes_per_parameter=dict(breakdown), total_bytes_per_parameter=per_param,
-        half_gradient_bytes_per_parameter=half_grads,
         replica_gb=model_state_bytes(total, per_param) / 1e9,
         replica_gb_readme=float(per_param * round(total / 1e9)),
         sharded_over=shards, sharding=sharding, optimizer=_optimizer_text(spec), stages=stages,
