@@ -52,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 REPO = Path(__file__).resolve().parents[1]
@@ -296,7 +298,13 @@ def row_check_and_convert(bench: Bench, straight: Run) -> Row:
 
 
 def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the run's process group (torchrun and its workers), if it still runs."""
+    """SIGKILL the run: torchrun's workers first (torchrun starts them in sessions of their own, so killing its
+    process group alone left the hang row's workers spinning in NCCL on every GPU, measured: they slowed the next
+    bench of the same call to half speed), then torchrun's process group."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
 
@@ -459,7 +467,8 @@ def main() -> int:
         bench = Bench(opts.data.resolve(), Path(scratch), opts.out, gpus, cuda)
         rows = acceptance_rows(bench, opts.jobs or (12 if cuda else 1))
     if opts.no_throughput or not cuda or gpus < 2:
-        rows.append(Row("5. weak scaling 1.3B GPT-2", None, "needs 2+ GPUs" if cuda else "needs GPUs"))
+        why = "--no-throughput" if opts.no_throughput else "needs 2+ GPUs" if cuda else "needs GPUs"
+        rows.append(Row("5. weak scaling 1.3B GPT-2", None, why))
     else:
         rows.append(row_weak_scaling(gpus))
     device = torch.cuda.get_device_name(0) if cuda else "CPU (gloo)"
