@@ -16,8 +16,9 @@ Environment (as bench/bare_gpt.py): ``MBS``, ``GAS``, ``STEPS`` (timed optimizer
 megatron-core needs CUDA (its schedule, buffers, clipping and RNG tracker allocate on "cuda"). Prints one JSON line.
 
 The peer of issue 33 (tr11's layout, bench/pipeline_layout.py's shape) runs under torchrun with ``TP``, ``PP`` and
-the shape in ``LAYERS``, ``HIDDEN``, ``HEADS``, ``SEQ`` (default: the 1.3B GPT-2) and ``RECOMPUTE=full`` (megatron-
-core's full, uniform recompute of every layer, as ``--checkpoint-activations``); its pipeline schedule is megatron-
+the shape in ``LAYERS``, ``HIDDEN``, ``HEADS``, ``SEQ`` (default: the 1.3B GPT-2), ``RECOMPUTE=full`` (megatron-
+core's full, uniform recompute of every layer, as ``--checkpoint-activations``) and ``SP=1`` (its sequence
+parallelism, with its overlapped backward, as ``--sequence-parallel``); its pipeline schedule is megatron-
 core's 1F1B with batched p2p. megatron-core has no ALiBi: the peer keeps learned positions (cheaper than ALiBi's bias).
 The last pipeline stage prints the line, with MFU per GPU.
 
@@ -53,6 +54,7 @@ HEADS = int(os.environ.get("HEADS", trainer_throughput.HEADS))
 S = int(os.environ.get("SEQ", trainer_throughput.S))
 V = padded_vocab_size(VOCAB, 128, TP)
 RECOMPUTE = os.environ.get("RECOMPUTE", "none")
+SP = os.environ.get("SP") == "1"  # megatron-core's sequence_parallel (TP > 1), as opskit's --sequence-parallel
 MBS = int(os.environ.get("MBS", "4"))
 GAS = int(os.environ.get("GAS", "1"))
 STEPS = int(os.environ.get("STEPS", "12"))
@@ -102,7 +104,7 @@ def build():
     config = TransformerConfig(
         num_layers=L, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=4 * H, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP,
+        tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP, sequence_parallel=SP and TP > 1,
         attention_backend=AttnBackend.local, bias_activation_fusion=True, bias_dropout_fusion=True, **recompute)
     spec = get_gpt_layer_local_spec()
     if SDPA:
@@ -165,7 +167,7 @@ def layout_result(name: str, seconds: float, loss: torch.Tensor) -> dict:
     FLOPs without recompute), this GPU's peak memory (GiB)."""
     gbs = MBS * GAS * torch.distributed.get_world_size() // (TP * PP)
     flops = megatron_flops_per_iteration(gbs, S, L, H, V, recompute=False)
-    return {"name": name, "tp": TP, "pp": PP, "recompute": RECOMPUTE, "micro_batches": GAS, "mbs": MBS,
+    return {"name": name, "tp": TP, "pp": PP, "sp": SP, "recompute": RECOMPUTE, "micro_batches": GAS, "mbs": MBS,
             "s_per_iter": round(seconds, 4), "tokens_per_s": round(gbs * S / seconds),
             "mfu_per_gpu": round(flops / seconds / torch.distributed.get_world_size() / PEAK_FLOPS, 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(loss.item(), 3)}

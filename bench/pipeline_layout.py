@@ -14,7 +14,8 @@ With one micro-batch count there is no fit and no bubble. ``--recompute none`` d
 (what ``opskit plan`` advises where the activations fit); ``--extra=FLAG`` adds trainer flags (e.g.
 ``--extra=--torch-compile``); ``--runs`` picks the runs: ``layout``, ``single`` (the default pair) and ``peer``,
 megatron-core's GPTModel at the same layout, batch and recompute (bench/mcore_gpt.py, its own 1F1B schedule, flash
-attention through SDPA, learned positions instead of ALiBi). The memory line the trainer prints is at the first log
+attention through SDPA, learned positions instead of ALiBi; with its sequence parallelism when ``--extra`` names
+``--sequence-parallel``). The memory line the trainer prints is at the first log
 interval (Megatron's rule): ``--log-interval`` 2 makes it cover iteration 2, with Adam's states and activations.
 
 Usage (a host with TP*PP GPUs; DeepSpeed and megatron-core installed)::
@@ -78,7 +79,7 @@ def timed_run(flags: list[str], gpus: int, gbs: int, sync_points: str | None = N
 
 
 def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, tp: int, pp: int,
-             recompute: str = "full") -> float:
+             recompute: str = "full", sequence_parallel: bool = False) -> float:
     """``opskit plan``'s memory estimate (GiB on the heaviest GPU) for the same run, from bench/specs/gpt2-1.3B.yaml
     with this shape, layout and batch."""
     from opskit.spec.load import load_spec
@@ -89,7 +90,7 @@ def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int,
                   "max_position_embeddings": seq, "position_embedding_type": "alibi", "embed_layernorm": True,
                   "checkpoint_activations": recompute == "full"},
         "parallel": {"gpus_per_node": tp * pp, "tensor_model_parallel_size": tp,
-                     "pipeline_model_parallel_size": pp, "zero_stage": 0},
+                     "pipeline_model_parallel_size": pp, "zero_stage": 0, "sequence_parallel": sequence_parallel},
         "batch": {"micro_batch_size": mbs, "global_batch_size": gbs, "train_samples": gbs * 100},
         "optimizer": {"lr_warmup_samples": gbs},
     }
@@ -111,7 +112,7 @@ def measure(layers: int, tp: int, pp: int, micro_batches: list[int], args, data:
         rows.append({"micro_batches": m, **run, "tokens_per_s": round(gbs * args.seq / run["s_per_iter"]),
                      "mfu_per_gpu": round(flops / run["s_per_iter"] / gpus / PEAK_FLOPS, 4),
                      "plan_gib": round(plan_gib(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, tp, pp,
-                                                args.recompute), 1)})
+                                                args.recompute, "--sequence-parallel" in args.extra), 1)})
         print(json.dumps({"tp": tp, "pp": pp, **rows[-1]}), flush=True)
     result = {"tp": tp, "pp": pp, "layers": layers, "recompute": args.recompute, "extra": args.extra, "rows": rows}
     if len(rows) == 2:
@@ -126,7 +127,8 @@ def peer_run(args) -> dict:
     line bench/mcore_gpt.py's last stage prints."""
     env = dict(os.environ, TP=str(args.tp), PP=str(args.pp), LAYERS=str(args.layers), HIDDEN=str(args.hidden),
                HEADS=str(args.heads), SEQ=str(args.seq), MBS=str(args.mbs), GAS=str(max(args.micro_batches)),
-               STEPS=str(args.iters), RECOMPUTE=args.recompute, ATTN="sdpa")
+               STEPS=str(args.iters), RECOMPUTE=args.recompute, ATTN="sdpa",
+               SP="1" if "--sequence-parallel" in args.extra else "0")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.tp * args.pp)]
     done = subprocess.run([*launcher, str(REPO / "bench" / "mcore_gpt.py")], capture_output=True, text=True,
                           cwd=REPO, env=env)

@@ -473,6 +473,10 @@ def test_formula_sources():
     assert activation_bytes_per_layer(2048, 1, 5120, 32, attention_scores=True) == 2048 * 5120 * (
         34 + 5 * 32 * 2048 / 5120)
     assert activation_bytes_per_layer(2048, 1, 5120, 32) == 2048 * 5120 * 34  # fused attention keeps no scores
+    # TP 4: 10 + 24/4 bytes per s*b*h; sequence parallelism splits all but the two gathered linear inputs (4 + 30/4)
+    assert activation_bytes_per_layer(2048, 1, 5120, 32, tp=4) == 2048 * 5120 * 16
+    assert activation_bytes_per_layer(2048, 1, 5120, 32, tp=4, sequence_parallel=True) == 2048 * 5120 * 11.5
+    assert activation_bytes_per_layer(2048, 1, 5120, 32, sequence_parallel=True) == 2048 * 5120 * 34
     assert pipeline_bubble_factor(12, 12) == pytest.approx(23 / 12)
     assert BatchRampup(64).iterations_to_samples(65) == 2
     assert parse_slurm_time("100:00:00") - 10 == 5990
@@ -1130,6 +1134,25 @@ def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field
     assert args[args.index("--valid-weighted-split-paths-path") + 1] == str(data / "valid-splits.txt")
     assert args[args.index("--save") + 1] == str(in_tmp / "scratch" / "checkpoints" / "rel" / "checkpoints")
     assert ("data.train_weighted_split_paths_path", data / "train-splits.txt") in data_files(spec)
+
+
+def test_sequence_parallel_splits_the_activations_and_needs_a_divisible_sequence(in_tmp):
+    """``parallel.sequence_parallel`` renders ``--sequence-parallel`` and divides what full recompute keeps per layer
+    by TP (tr11: TP 4); a sequence the TP ranks cannot split evenly is refused, naming the fields."""
+    plain, split = (make_plan(load_spec("tr11-176B-ml", {"parallel": {"sequence_parallel": sp}})).memory.stages[0]
+                    for sp in (False, True))
+    inputs = split.layers * split.in_flight_microbatches * 2 * 2048 * 2 * 14336  # every layer's 16-bit input...
+    recomputed = activation_bytes_per_layer(2048, 2, 14336, 112, tp=4, sequence_parallel=True)  # ...and one layer's
+    assert split.activation_gib_recompute * 2**30 == pytest.approx(inputs / 4 + recomputed)
+    assert plain.activation_gib_recompute * 2**30 == pytest.approx(inputs + 2048 * 2 * 14336 * (10 + 24 / 4))
+    assert split.model_state_gib == plain.model_state_gib
+    for sp in (False, True):
+        spec = load_spec("tiny", {"parallel": {"sequence_parallel": sp}})
+        assert ("--sequence-parallel" in trainer_args(spec, RunPaths.of(spec))) == sp
+    with pytest.raises(SpecError, match=r"parallel\.sequence_parallel splits model\.seq_length 2050 over "
+                                        r"parallel\.tensor_model_parallel_size 4"):
+        load_spec("tr11-176B-ml", {"parallel": {"sequence_parallel": True},
+                                   "model": {"seq_length": 2050, "max_position_embeddings": 2050}})
 
 
 def test_bf16_at_zero0_keeps_no_16bit_gradients_and_the_plan_advises_on_recompute(in_tmp):

@@ -66,6 +66,14 @@ def tensor_parallel_problems(num_attention_heads: int, ffn_hidden_size: int, tp:
     return []
 
 
+def sequence_parallel_problems(sequence_parallel: bool, seq_length: int, tp: int, name: Namer) -> list[str]:
+    """Sequence parallelism splits the sequence over TP (megatron-core's first-dimension scatter asserts)."""
+    if sequence_parallel and tp > 1 and seq_length % tp:
+        return [f"{name('sequence_parallel')} splits {name('seq_length', seq_length)} over "
+                f"{name('tensor_model_parallel_size', tp)}: use a sequence length divisible by TP"]
+    return []
+
+
 TRAINER_PARTITION_METHOD = "type:transformer|embedding"
 """How opskit's trainer balances pipeline stages without ``--pp-partition-method``: transformer layers and the two
 embeddings count alike (BLOOM-176B's choice), so any layer count splits."""

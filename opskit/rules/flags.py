@@ -156,6 +156,9 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     ("parallelism", (
         Flag("--tensor-model-parallel-size", type=int, default=1, section="parallel", gt=0),
         Flag("--pipeline-model-parallel-size", type=int, default=1, section="parallel", gt=0),
+        Flag("--sequence-parallel", section="parallel", switch=True,
+             help="Megatron's sequence parallelism: LayerNorms, dropouts and residual adds on s/TP tokens per TP "
+                  "rank, reduce-scatter + all-gather instead of all-reduce (no effect at TP = 1)"),
         Flag("--sync-tp-duplicated-parameters", switch=True,
              help="average the parameters every TP rank holds a copy of (LayerNorms, row-parallel biases, position "
                   "embeddings) over the TP group after every step, so they stay bitwise equal"),

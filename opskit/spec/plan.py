@@ -139,24 +139,30 @@ def model_state_bytes(parameters: float, bytes_per_parameter: float = BYTES_PER_
 
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                               attention_scores: bool = False) -> float:
+                               attention_scores: bool = False, sequence_parallel: bool = False) -> float:
     """Activations one transformer layer keeps for the backward pass of one micro-batch, without recomputation.
 
-    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations and tensor parallelism ``t`` (no sequence
-    parallelism); ``s*b*h*(34 + 5*a*s/h)`` at t = 1. Source: Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", section 4.1 and Table 2. The ``5*a*s/(h*t)`` term is the ``[b, a, s,
-    s]`` attention scores, softmax and dropout mask that Megatron's unfused softmax keeps (BigScience's runs); opskit's
-    trainer uses fused attention kernels (flash / FlexAttention) that keep none of them, so the term is counted only
-    with ``attention_scores=True``. Measured against the trainer: docs/benchmarks.md.
+    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations and tensor parallelism ``t``. Source:
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1 and Table 2.
+    With sequence parallelism their ``10`` replicated bytes are split too, ``s*b*h*(34 + 5*a*s/h)/t``, except that
+    opskit's trainer keeps the two column-parallel linears' inputs gathered (``4*s*b*h``; Megatron gathers them again
+    in backward): ``s*b*h*(4 + 30/t + 5*a*s/(h*t))``, the same at t = 1. The ``5*a*s/(h*t)`` term is
+    the ``[b, a, s, s]`` attention scores, softmax and dropout mask that Megatron's unfused softmax keeps (BigScience's
+    runs); opskit's trainer uses fused attention kernels (flash / FlexAttention) that keep none of them, so the term
+    is counted only with ``attention_scores=True``. Measured against the trainer: docs/benchmarks.md.
     """
     scores = 5 * heads * seq / (hidden * tp) if attention_scores else 0.0
+    if sequence_parallel:
+        return seq * micro_batch * hidden * (4 + 30 / tp + scores)
     return seq * micro_batch * hidden * (10 + 24 / tp + scores)
 
 
-def checkpointed_bytes_per_layer(seq: int, micro_batch: int, hidden: int) -> float:
+def checkpointed_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int = 1,
+                                 sequence_parallel: bool = False) -> float:
     """What full activation checkpointing keeps per layer and micro-batch: the layer's 16-bit input, ``2*s*b*h``
-    bytes (replicated over TP without sequence parallelism); Korthikanti et al. 2022, section 4.2."""
-    return 2 * seq * micro_batch * hidden
+    bytes, replicated over TP, or with sequence parallelism this rank's ``1/t`` of it; Korthikanti et al. 2022,
+    section 4.2."""
+    return 2 * seq * micro_batch * hidden / (tp if sequence_parallel else 1)
 
 
 @dataclass(frozen=True)
@@ -285,8 +291,10 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         2 * h if _embedding_norm(spec) else 0)
     microbatches = max(b.global_batch_size // (b.micro_batch_size * dp), 1)
     scale = 2 if m.precision == "fp32" else 1  # the activation formulas count 16-bit activations
-    full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp)
-    kept_layer = scale * checkpointed_bytes_per_layer(m.seq_length, b.micro_batch_size, h)
+    sp = p.sequence_parallel and tp > 1
+    full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp,
+                                                    sequence_parallel=sp)
+    kept_layer = scale * checkpointed_bytes_per_layer(m.seq_length, b.micro_batch_size, h, tp, sequence_parallel=sp)
     stages = []
     for index, (layers, first, last) in enumerate(pipeline_stages(spec)):
         params = layers * layer_parameters(h, m.ffn_size) + (embedding if first else 0) + (

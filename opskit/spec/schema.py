@@ -136,6 +136,9 @@ class ParallelSpec(_Section):
     when its per-GPU estimate exceeds it."""
     tensor_model_parallel_size: int = Field(default=1, **flags.bounds("tensor_model_parallel_size"))
     pipeline_model_parallel_size: int = Field(default=1, **flags.bounds("pipeline_model_parallel_size"))
+    sequence_parallel: bool = False
+    """``--sequence-parallel`` (Megatron): TP ranks split the sequence outside the TP regions of each block, which
+    divides those activations by TP (:func:`opskit.spec.plan.activation_bytes_per_layer`); no effect at TP = 1."""
     pp_partition_method: str | None = Field(default=None, pattern=_ONE_LINE)
     """``--pp-partition-method`` (Megatron-DeepSpeed), e.g. ``type:transformer|embedding`` (BLOOM-176B): counts the
     embeddings as layers when balancing pipeline stages, so num_layers need not be a multiple of PP."""
@@ -609,6 +612,7 @@ class Spec(_Section):
         m, p = self.model, self.parallel
         tp = p.tensor_model_parallel_size
         return [*checks.tensor_parallel_problems(m.num_attention_heads, m.ffn_size, tp, _field_name),
+                *checks.sequence_parallel_problems(p.sequence_parallel, m.seq_length, tp, _field_name),
                 *checks.partition_method_problems(p.pp_partition_method, _field_name),
                 *checks.pipeline_problems(m.num_layers, p.pipeline_model_parallel_size, p.pp_partition_method,
                                           _field_name),

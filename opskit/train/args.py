@@ -77,6 +77,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                                    args.max_position_embeddings, flag_name),
         *checks.tensor_parallel_problems(args.num_attention_heads, args.ffn_hidden_size or 4 * args.hidden_size, tp,
                                          flag_name),
+        *checks.sequence_parallel_problems(args.sequence_parallel, args.seq_length, tp, flag_name),
         *checks.pipeline_problems(args.num_layers, pp, args.pp_partition_method or checks.TRAINER_PARTITION_METHOD,
                                   flag_name),
         *checks.pad_vocab_problems(args.pad_vocab_size_to, args.make_vocab_size_divisible_by, tp, None, flag_name),

@@ -242,6 +242,7 @@ def build_model(config: TrainConfig, world: World, padded_vocab_size: int):
         stable_embedding=config.use_bnb_optimizer,
         init_method_std=config.init_method_std, hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout, tensor_parallel=True,
+        sequence_parallel=config.sequence_parallel and world.tp > 1,  # Megatron's rule: nothing to split at TP = 1
     )
     model = GPTModelPipe(cfg, make_topology(world.tp, world.pp, world.dp), seed=config.seed,
                          activation_checkpoint_interval=1 if config.checkpoint_activations else 0,

@@ -47,6 +47,7 @@ class TrainConfig:
     # parallelism
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
+    sequence_parallel: bool
     sync_tp_duplicated_parameters: bool
     deepspeed_config: str | None
     zero_stage: int

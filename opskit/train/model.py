@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opskit.rules.model import has_embedding_layernorm
+from opskit.train import sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class GPTConfig:
     attention_dropout: float = 0.1
     layernorm_epsilon: float = 1e-5
     tensor_parallel: bool = False
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (``--sequence-parallel``, TP > 1): between the TP regions of a block each TP
+    rank holds ``s / TP`` of the sequence (activations ``[s/TP, b, h]``, sequence first as in Megatron), its
+    LayerNorms, residual adds and dropouts run on those tokens only, and the all-reduce after each row-parallel
+    linear becomes a reduce-scatter after it and an all-gather before the next column-parallel one (Korthikanti et
+    al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2.2). Not overlapped with
+    compute: megatron-core's overlapping path is CUDA-only (:class:`_PlainAtOneRank`)."""
 
     @property
     def head_dim(self) -> int:
@@ -79,7 +87,9 @@ def _mp_config():
 
 def linear(cfg: GPTConfig, in_features: int, out_features: int, std: float, parallel: str | None) -> nn.Module:
     """A Linear with Megatron's init (N(0, std) weight, zero bias). ``parallel``: ``"column"`` (output split over TP),
-    ``"row"`` (input split, output all-reduced) or None. Forward: ``[..., in] -> [..., out(/TP for column)]``."""
+    ``"row"`` (input split, output all-reduced) or None. Forward: ``[..., in] -> [..., out(/TP for column)]``; with
+    sequence parallelism a column-parallel one all-gathers its input's first dimension first and a row-parallel one
+    reduce-scatters its output's."""
     if not cfg.tensor_parallel:
         layer = nn.Linear(in_features, out_features)
         init_normal(layer.weight, std)
@@ -89,9 +99,9 @@ def linear(cfg: GPTConfig, in_features: int, out_features: int, std: float, para
     init = lambda w: init_normal(w, std)  # noqa: E731
     if parallel == "column":
         return column(in_features, out_features, config=_mp_config(), init_method=init, bias=True,
-                      gather_output=False)
+                      gather_output=False, sequence_parallel=cfg.sequence_parallel)
     return row(in_features, out_features, config=_mp_config(), init_method=init, bias=True, input_is_parallel=True,
-               skip_bias_add=False)
+               skip_bias_add=False, sequence_parallel=cfg.sequence_parallel)
 
 
 class _NoExtraState:
@@ -113,16 +123,43 @@ class _PlainAtOneRank:
     """megatron-core's Column/RowParallelLinear returning only the output, and at TP = 1 computed as ``F.linear``
     (the same product: no rank to gather from or reduce over). megatron-core's own autograd function adds the bias
     and sums its gradient in separate passes over ``[b, s, out]``; ``F.linear`` lets torch.compile put the bias in
-    the GEMM's epilogue (measured on an H100: docs/benchmarks.md)."""
+    the GEMM's epilogue (measured on an H100: docs/benchmarks.md). With ``sequence_parallel`` the subclass's
+    ``sequence_parallel_forward`` runs instead, on :mod:`opskit.train.sequence_parallel`'s collectives:
+    megatron-core's own sequence-parallel path allocates on CUDA, so it cannot run on a CPU, where the trainer is
+    tested."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, sequence_parallel: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.one_rank = self.tp_group is None or self.tp_group.size() == 1
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_rank:
             return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            return self.sequence_parallel_forward(x)
         return super().forward(x)[0]
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm(h, eps)`` of the model (keys ``weight``, ``bias``); under sequence parallelism its weight and
+    bias gradients are summed over TP (:func:`opskit.train.sequence_parallel.summed_grads`)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.sequence_parallel = cfg.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return super().forward(x)
+        weight, bias = sequence_parallel.summed_grads(_tp_group(), self.weight, self.bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 @lru_cache(maxsize=1)
@@ -132,9 +169,19 @@ def _parallel_linears() -> tuple[type, type]:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     class Column(_PlainAtOneRank, _NoExtraState, ColumnParallelLinear):
-        pass
+        def sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+            """``[s/TP, b, in] -> [s, b, out/TP]``: all-gather forward, reduce-scatter backward (the TP ranks'
+            input gradients are partial sums)."""
+            return F.linear(sequence_parallel.gather(x, self.tp_group, partial_grads=True), self.weight,
+                            self.bias)
 
     class Row(_PlainAtOneRank, _NoExtraState, RowParallelLinear):
+        def sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
+            """``[s, b, in/TP] -> [s/TP, b, out]``: reduce-scatter of the partial products, then the bias on this
+            rank's tokens (its gradient summed over TP)."""
+            output = sequence_parallel.reduce_scatter(F.linear(x, self.weight), self.tp_group)
+            return output + sequence_parallel.summed_grads(self.tp_group, self.bias)[0]
+
         def _forward_impl(self, *args, **kwargs):
             # megatron-core 0.16's RowParallelLinear passes tp_group=None here, which makes it warn on every call:
             # a graph break in each torch.compile'd layer. Its own group is the same one.
@@ -234,6 +281,19 @@ class EmbeddingPipe(nn.Module):
         return self.embedding_dropout(x)
 
 
+def to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Pipeline layer 2 under sequence parallelism: the embeddings ``[b, s, h]`` (whole on every TP rank) -> this
+    rank's ``[s/TP, b, h]``, sequence first (Megatron-DeepSpeed's transpose there). Backward all-gathers."""
+    return sequence_parallel.scatter(x.transpose(0, 1), _tp_group())
+
+
+def from_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Pipeline layer L+3 under sequence parallelism: ``[s/TP, b, h]`` -> the whole ``[b, s, h]`` on every TP rank,
+    for the final LayerNorm and the LM head. Backward keeps this rank's part of the gradient: the LM head's copy
+    region has already summed it over TP."""
+    return sequence_parallel.gather(x, _tp_group(), partial_grads=False).transpose(0, 1)
+
+
 def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     """The tied output layer: ``[b, s, h] @ W_emb^T -> [b, s, V_pad / TP]`` logits (this rank's vocabulary slice), in
     the model's dtype (:func:`lm_loss` takes them to fp32). Under TP the input passes megatron-core's copy region:
@@ -305,10 +365,12 @@ class SelfAttention(nn.Module):
         self.query_key_value = linear(cfg, cfg.hidden_size, 3 * cfg.hidden_size, cfg.init_method_std, "column")
         self.dense = linear(cfg, cfg.hidden_size, cfg.hidden_size, output_std, "row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
-        b, s, _ = x.shape
-        heads, head_dim = self.local_heads, self.cfg.head_dim
-        qkv = self.query_key_value(x).view(b, s, heads, 3, head_dim)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]; sequence parallel [s/TP, b, h]
+        qkv = self.query_key_value(x)  # [b, s, 3h/TP]; sequence parallel: gathered, [s, b, 3h/TP]
+        if self.cfg.sequence_parallel:
+            qkv = qkv.transpose(0, 1)
+        b, s, _ = qkv.shape
+        qkv = qkv.unflatten(-1, (self.local_heads, 3, self.cfg.head_dim))
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each [b, heads, s, head_dim]
         dropout = self.cfg.attention_dropout if self.training else 0.0
         if self.cfg.position_embedding_type == "alibi" and q.is_cuda and dropout == 0.0:
@@ -318,7 +380,8 @@ class SelfAttention(nn.Module):
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout)
         else:  # no bias to add: the fused causal kernels (flash attention on GPUs)
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return self.dense(context.transpose(1, 2).reshape(b, s, -1))
+        context = context.permute(2, 0, 1, 3) if self.cfg.sequence_parallel else context.transpose(1, 2)
+        return self.dense(context.reshape(*context.shape[:2], -1))  # the row-parallel linear reduce-scatters
 
 
 class MLP(nn.Module):
@@ -342,13 +405,13 @@ class ParallelTransformerLayerPipe(nn.Module):
         self.cfg = cfg
         # Megatron's scaled_init_method_normal for the two output projections: std / sqrt(2 * num_layers).
         output_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.input_layernorm = LayerNorm(cfg)
         self.self_attention = SelfAttention(cfg, output_std)
-        self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.post_attention_layernorm = LayerNorm(cfg)
         self.mlp = MLP(cfg, output_std)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]; sequence parallel [s/TP, b, h]
         x = x + self.dropout(self.self_attention(self.input_layernorm(x)))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 

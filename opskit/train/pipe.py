@@ -3,7 +3,8 @@
 Layer indices (reference section 2.1): 0 cast, 1 embedding (tied), 2 transpose, 3..L+2 transformer blocks, L+3 undo
 transpose, L+4 final LayerNorm, L+5 tied embedding as LM head (no state_dict of its own), L+6 cast. Our activations are
 already ``[b, s, h]`` and our casts happen elsewhere, so 0, 2, L+3 and L+6 are identity functions kept only for the
-numbering: they make the files ``layer_01``, ``layer_03..layer_{L+2}``, ``layer_{L+4}``.
+numbering: they make the files ``layer_01``, ``layer_03..layer_{L+2}``, ``layer_{L+4}``. Under sequence parallelism 2
+and L+3 enter and leave it (``[b, s, h]`` <-> this TP rank's ``[s/TP, b, h]``, :func:`model.to_sequence_parallel`).
 
 The topology always carries a model axis, even at TP=1, because DeepSpeed names files after it (``-model_00``) and
 numbers ``mp_rank_XX`` as ``pp * TP + tp``.
@@ -22,8 +23,10 @@ from opskit.train.model import (
     FinalLayerNorm,
     GPTConfig,
     ParallelTransformerLayerPipe,
+    from_sequence_parallel,
     lm_logits,
     lm_loss,
+    to_sequence_parallel,
 )
 
 
@@ -52,12 +55,14 @@ class GPTModelPipe(PipelineModule):
 
     def __init__(self, cfg: GPTConfig, topology: PipeModelDataParallelTopology, seed: int,
                  activation_checkpoint_interval: int = 0, partition_method: str = "type:transformer|embedding"):
+        enter, leave = ((to_sequence_parallel, from_sequence_parallel) if cfg.sequence_parallel
+                        else (_keep_layer_number, _keep_layer_number))
         layers = [
             _keep_layer_number,
             TiedLayerSpec("embed", EmbeddingPipe, cfg, tied_weight_attr=["word_embeddings.weight"]),
-            _keep_layer_number,
+            enter,
             *[LayerSpec(ParallelTransformerLayerPipe, cfg) for _ in range(cfg.num_layers)],
-            _keep_layer_number,
+            leave,
             LayerSpec(FinalLayerNorm, cfg),
             TiedLayerSpec("embed", EmbeddingPipe, cfg, forward_fn=lm_logits,
                           tied_weight_attr=["word_embeddings.weight"]),

@@ -1,0 +1,107 @@
+"""Sequence parallelism's collectives (``--sequence-parallel``): the tokens ``[s, ...]`` split over the TP group along
+their first (sequence) dimension, rank ``r`` holding rows ``r*s/TP .. (r+1)*s/TP``, and the autograd functions that
+move between the split and the whole (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4.2.2: the ``g`` / ``g-bar`` conjugates).
+
+megatron-core has the same functions (``megatron.core.tensor_parallel.mappings``) but allocates their outputs with
+``torch.cuda.current_device()``, so they cannot run on a CPU, where the trainer is tested; these allocate beside their
+input. All take the TP process group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n, ...] -> [n * TP, ...]``, the ranks' parts in rank order."""
+    out = x.new_empty((x.shape[0] * group.size(), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n * TP, ...] -> [n, ...]``: this rank's rows of the sum over the group."""
+    out = x.new_empty((x.shape[0] // group.size(), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _split(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n * TP, ...] -> [n, ...]``: this rank's rows."""
+    rows = x.shape[0] // group.size()
+    return x[group.rank() * rows:(group.rank() + 1) * rows].contiguous()
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, partial_grads):
+        ctx.group, ctx.partial_grads = group, partial_grads
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_reduce_scatter if ctx.partial_grads else _split)(grad, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group), None
+
+
+def scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """The whole tokens (the same on every rank) -> this rank's part; backward all-gathers."""
+    return _Scatter.apply(x, group)
+
+
+def gather(x: torch.Tensor, group, partial_grads: bool) -> torch.Tensor:
+    """This rank's tokens -> the whole; backward reduce-scatters when each rank's gradient is a partial sum
+    (``partial_grads``: a column-parallel linear follows), else keeps this rank's part of a gradient every rank
+    holds whole."""
+    return _Gather.apply(x, group, partial_grads)
+
+
+def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """Partial sums of the whole tokens (a row-parallel linear's products) -> this rank's part of their sum;
+    backward all-gathers."""
+    return _ReduceScatter.apply(x, group)
+
+
+class _SumGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        parts = flat.split([g.numel() for g in grads])
+        return None, *(part.view_as(g).to(g.dtype) for part, g in zip(parts, grads, strict=True))
+
+
+def summed_grads(group, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``params`` unchanged forward; backward, their gradients summed over the group (one fp32 all-reduce for all).
+    For the parameters every TP rank holds whole but applies to its own tokens only (LayerNorms, row-parallel
+    biases): each rank's gradient is its tokens' share, and the sum is what TP = 1 computes (Megatron all-reduces
+    the same gradients, the parameters marked ``sequence_parallel``)."""
+    return _SumGrads.apply(group, *params)
