@@ -5,7 +5,8 @@ Transformer Models", section 4.2.2: the ``g`` / ``g-bar`` conjugates).
 
 megatron-core has the same functions (``megatron.core.tensor_parallel.mappings``) but allocates their outputs with
 ``torch.cuda.current_device()``, so they cannot run on a CPU, where the trainer is tested; these allocate beside their
-input. All take the TP process group.
+input. All take the TP process group and run outside torch.compile's graphs (dynamo cannot keep a process group in an
+autograd function's context): a compiled block breaks its graph at each of them.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ class _ReduceScatter(torch.autograd.Function):
         return _gather(grad, ctx.group), None
 
 
+@torch.compiler.disable
 def scatter(x: torch.Tensor, group) -> torch.Tensor:
     """The whole tokens (the same on every rank) -> this rank's part; backward all-gathers."""
     return _Scatter.apply(x, group)
 
 
+@torch.compiler.disable
 def gather(x: torch.Tensor, group, partial_grads: bool) -> torch.Tensor:
     """This rank's tokens -> the whole; backward reduce-scatters when each rank's gradient is a partial sum
     (``partial_grads``: a column-parallel linear follows), else keeps this rank's part of a gradient every rank
@@ -79,6 +82,7 @@ def gather(x: torch.Tensor, group, partial_grads: bool) -> torch.Tensor:
     return _Gather.apply(x, group, partial_grads)
 
 
+@torch.compiler.disable
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums of the whole tokens (a row-parallel linear's products) -> this rank's part of their sum;
     backward all-gathers."""
@@ -99,6 +103,7 @@ class _SumGrads(torch.autograd.Function):
         return None, *(part.view_as(g).to(g.dtype) for part, g in zip(parts, grads, strict=True))
 
 
+@torch.compiler.disable
 def summed_grads(group, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``params`` unchanged forward; backward, their gradients summed over the group (one fp32 all-reduce for all).
     For the parameters every TP rank holds whole but applies to its own tokens only (LayerNorms, row-parallel
