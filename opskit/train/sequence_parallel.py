@@ -35,15 +35,17 @@ def _split(x: torch.Tensor, group) -> torch.Tensor:
     return x[group.rank() * rows:(group.rank() + 1) * rows].contiguous()
 
 
-class _Scatter(torch.autograd.Function):
+class _ToPart(torch.autograd.Function):
+    """Forward: this rank's part of the whole (``summed``: of the ranks' sum); backward: all-gather."""
+
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, summed):
         ctx.group = group
-        return _split(x, group)
+        return (_reduce_scatter if summed else _split)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
+        return _gather(grad, ctx.group), None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -57,21 +59,10 @@ class _Gather(torch.autograd.Function):
         return (_reduce_scatter if ctx.partial_grads else _split)(grad, ctx.group), None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.group), None
-
-
 @torch.compiler.disable
 def scatter(x: torch.Tensor, group) -> torch.Tensor:
     """The whole tokens (the same on every rank) -> this rank's part; backward all-gathers."""
-    return _Scatter.apply(x, group)
+    return _ToPart.apply(x, group, False)
 
 
 @torch.compiler.disable
@@ -86,7 +77,7 @@ def gather(x: torch.Tensor, group, partial_grads: bool) -> torch.Tensor:
 def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """Partial sums of the whole tokens (a row-parallel linear's products) -> this rank's part of their sum;
     backward all-gathers."""
-    return _ReduceScatter.apply(x, group)
+    return _ToPart.apply(x, group, True)
 
 
 class _SumGrads(torch.autograd.Function):
