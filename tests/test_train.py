@@ -580,12 +580,14 @@ def test_tp2_trains_like_tp1_and_resumes_exactly(tp2, baseline):
 
 
 def test_sequence_parallel_trains_like_tp1_and_resumes_exactly(kjv_data, tmp_path, baseline):
-    """``--sequence-parallel`` at TP=2, at TP=2 x PP=2 (the split tokens ``[s/2, b, h]`` cross the stages) and
-    compiled: each TP rank normalises and adds its half of the sequence, reduce-scatter and all-gather replace the
-    all-reduces, the LayerNorm and row-parallel bias gradients are summed over TP. TP=1's losses within 1e-5
-    relative (fp32; compiled 1e-4), the replicated parameters bitwise equal on both TP ranks, and an exact resume."""
+    """``--sequence-parallel`` at TP=2, at TP=2 x PP=2 with full recompute (the split tokens ``[s/2, b, h]``
+    cross the stages; the blocks' collectives run again in backward) and compiled: each TP rank normalises and
+    adds its half of the sequence, reduce-scatter and all-gather replace the all-reduces, the LayerNorm and
+    row-parallel bias gradients are summed over TP. TP=1's losses within 1e-5 relative (fp32; compiled 1e-4), the
+    replicated parameters bitwise equal on both TP ranks, and an exact resume."""
     runs = {}
-    for name, exit_interval, pp, extra in (("stopped", 10, 1, {}), ("resumed", 20, 1, {}), ("pp2", 10, 2, {}),
+    for name, exit_interval, pp, extra in (("stopped", 10, 1, {}), ("resumed", 20, 1, {}),
+                                           ("pp2", 10, 2, {"checkpoint_activations": True}),
                                            ("compiled", 5, 1, {"torch_compile": True})):
         out = tmp_path / (name if name in ("pp2", "compiled") else "tp2")
         args = tiny_trainer_args(kjv_data, out, train_samples=TRAIN_SAMPLES, tensor_model_parallel_size=2,
