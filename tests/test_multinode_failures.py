@@ -69,10 +69,12 @@ def opskit(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProc
     return subprocess.run([OPSKIT, *args], capture_output=True, text=True, timeout=timeout, env=cluster.env)
 
 
-def wait_for(condition, timeout: float, what: str, interval: float = 0.5):
+def wait_for(condition, timeout: float, what: str, interval: float = 0.5, evidence=lambda: ""):
+    """``condition()``'s first truthy value within ``timeout`` s; else fail with ``what`` and ``evidence()`` (what
+    the run left, read at the moment of the failure)."""
     deadline = time.monotonic() + timeout
     while not (value := condition()):
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, f"{what}{evidence()}"
         time.sleep(interval)
     return value
 
@@ -198,7 +200,8 @@ def test_a_dead_node_ends_the_task_and_the_chain_continues_on_the_others(cluster
     wait_for(lambda: (second, "RUNNING", "node[1,3]") in queue(cluster, sub.job_id), 90, "task 2 never started")
     running = time.monotonic()
     wait_for(lambda: second in dict(tasks_of(run.main_log.read_text())) and iterations_logged(
-        dict(tasks_of(run.main_log.read_text()))[second]), 120, "task 2 never trained")
+        dict(tasks_of(run.main_log.read_text()))[second]), 120, "task 2 never trained",
+        evidence=lambda: f"; main log ends:\n{run.main_log.read_text()[-4000:]}\nqueue: {queue(cluster, sub.job_id)}")
     resumed = dict(tasks_of(run.main_log.read_text()))[second]
     step = int(one(r"successfully loaded checkpoint from .* at iteration +(\d+)$", resumed).group(1))
     assert step > 0 and step % 50 == 0 and iterations_logged(resumed)[0][0] == step + 1
