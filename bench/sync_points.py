@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-HERE = os.sep + "torch" + os.sep
+TORCH_FILES = os.sep + "torch" + os.sep
 
 
 def _call_site(depth: int = 4) -> str:
     """The innermost ``depth`` frames outside torch, warnings and this file, innermost first."""
     frames = [f for f in traceback.extract_stack()[:-2]
-              if HERE not in f.filename and "warnings" not in f.filename and __file__ not in f.filename]
+              if TORCH_FILES not in f.filename and "warnings" not in f.filename and __file__ not in f.filename]
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-depth:]))
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from opskit.rules.formats import parse_data_path, parse_skip_ranges, parse_split
+from opskit.rules.model import splits_sequence
 
 Namer = Callable[..., str]
 """``name(key)`` or ``name(key, value)``: the setting as its user wrote it, e.g. ``model.num_attention_heads 12`` in a
@@ -68,7 +69,7 @@ def tensor_parallel_problems(num_attention_heads: int, ffn_hidden_size: int, tp:
 
 def sequence_parallel_problems(sequence_parallel: bool, seq_length: int, tp: int, name: Namer) -> list[str]:
     """Sequence parallelism splits the sequence over TP (megatron-core's first-dimension scatter asserts)."""
-    if sequence_parallel and tp > 1 and seq_length % tp:
+    if splits_sequence(sequence_parallel, tp) and seq_length % tp:
         return [f"{name('sequence_parallel')} splits {name('seq_length', seq_length)} over "
                 f"{name('tensor_model_parallel_size', tp)}: use a sequence length divisible by TP"]
     return []

@@ -34,6 +34,12 @@ def has_embedding_layernorm(embed_layernorm: bool, use_bnb_optimizer: bool) -> b
     return bool(embed_layernorm or use_bnb_optimizer)
 
 
+def splits_sequence(sequence_parallel: bool, tp: int) -> bool:
+    """Whether ``--sequence-parallel`` splits anything: only at TP > 1 (Megatron-LM turns it off at TP = 1, where
+    there is no rank to split over)."""
+    return sequence_parallel and tp > 1
+
+
 def megatron_flops_per_iteration(batch_size: int, seq: int, layers: int, hidden: int, vocab: int,
                                  recompute: bool) -> float:
     """Model FLOPs of one iteration: ``24 c B s l h^2 (1 + s/(6h) + V/(16 l h))``, c = 4 with activation recompute

@@ -34,7 +34,7 @@ from opskit.rules.memory import (
     checkpoint_bytes,
     sharded_over_dp,
 )
-from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration
+from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration, splits_sequence
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.spec.schema import Spec, deepspeed_resume_problem, padded_vocab_size
 
@@ -291,7 +291,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         2 * h if _embedding_norm(spec) else 0)
     microbatches = max(b.global_batch_size // (b.micro_batch_size * dp), 1)
     scale = 2 if m.precision == "fp32" else 1  # the activation formulas count 16-bit activations
-    sp = p.sequence_parallel and tp > 1
+    sp = splits_sequence(p.sequence_parallel, tp)
     full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp,
                                                     sequence_parallel=sp)
     kept_layer = scale * checkpointed_bytes_per_layer(m.seq_length, b.micro_batch_size, h, tp, sequence_parallel=sp)

@@ -31,6 +31,7 @@ from opskit.rules.deepspeed import (
     installed_deepspeed_version,
     with_flags,
 )
+from opskit.rules.model import splits_sequence
 from opskit.train.config import TrainConfig, TrainerError
 from opskit.train.ds_compat import fuse_zero_overflow_check, release_last_stage_outputs, skip_inference_shm_op
 from opskit.train.schedules import AnnealingLR, SeqlenCurriculum
@@ -242,7 +243,7 @@ def build_model(config: TrainConfig, world: World, padded_vocab_size: int):
         stable_embedding=config.use_bnb_optimizer,
         init_method_std=config.init_method_std, hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout, tensor_parallel=True,
-        sequence_parallel=config.sequence_parallel and world.tp > 1,  # Megatron's rule: nothing to split at TP = 1
+        sequence_parallel=splits_sequence(config.sequence_parallel, world.tp),
     )
     model = GPTModelPipe(cfg, make_topology(world.tp, world.pp, world.dp), seed=config.seed,
                          activation_checkpoint_interval=1 if config.checkpoint_activations else 0,

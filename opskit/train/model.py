@@ -299,12 +299,11 @@ def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
     the model's dtype (:func:`lm_loss` takes them to fp32). Under TP the input passes megatron-core's copy region:
     identity forward, all-reduce backward."""
     if embedding.tensor_parallel:
-        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         # the group given, as megatron-core wants it soon: without one it warns on every call, a graph break under
         # torch.compile
-        hidden = copy_to_tensor_model_parallel_region(hidden, parallel_state.get_tensor_model_parallel_group())
+        hidden = copy_to_tensor_model_parallel_region(hidden, _tp_group())
     return F.linear(hidden, embedding.word_embeddings.weight)
 
 
