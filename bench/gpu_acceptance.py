@@ -6,7 +6,9 @@ LayerNorm, clip 1.0, GBS 16 of MBS 2, 20 iterations saved at 10 and 20; each res
 
 1. ``resume TP2xPP2 bf16 ZeRO-0``: tr11's choices; the same-layout resume must give the uninterrupted losses exactly.
    The same saved in the background (``--async-save``: pinned copies on the CUDA stream, writer threads): the run's
-   losses are the synchronous run's, and its ``global_step10`` resumes exactly. On 2 GPUs both use PP2.
+   losses are the synchronous run's, and its ``global_step10`` resumes exactly. The same with
+   ``--sequence-parallel``: losses within ``LAYOUT_REL`` of the run without, and an exact resume of its own step.
+   On 2 GPUs all use PP2 (sequence parallelism then splits nothing).
 2. every layout change README's "Changing the number of nodes" promises, each within ``LAYOUT_REL`` (the CPU tests'
    bf16 bound) of its uninterrupted run: TP2xPP2 -> DP4, TP2xPP2 -> TP2xDP2, DP4 -> TP2xPP2 (bf16 ZeRO-0),
    DP4 -> TP2xDP2 (bf16 ZeRO-1), DP4 -> DP2 (fp16 ZeRO-1), DP2 -> DP4 (8-bit Adam, fp32 ZeRO-0). A host of 2 GPUs
@@ -213,14 +215,14 @@ def copy_of_step(run: Run, into: Path, step: int = SAVED) -> Path:
     return into
 
 
-def compare(resumed: Run, straight: Run, exact: bool) -> tuple[bool, str, dict]:
-    """Iterations 11..20 of ``resumed`` against ``straight``: same LR and consumed samples, lm loss equal (``exact``)
-    or within ``LAYOUT_REL``; (ok, figure, detail)."""
+def compare(resumed: Run, straight: Run, exact: bool, first: int = SAVED + 1) -> tuple[bool, str, dict]:
+    """Iterations ``first``..20 (default 11..20) of ``resumed`` against ``straight``: same LR and consumed samples,
+    lm loss equal (``exact``) or within ``LAYOUT_REL``; (ok, figure, detail)."""
     if resumed.returncode != 0 or straight.returncode != 0:
         failed = resumed if resumed.returncode != 0 else straight
         return False, f"{failed.name}: exit {failed.returncode}", {}
     got, want = resumed.records(), straight.records()
-    wanted = range(SAVED + 1, ITERATIONS + 1)
+    wanted = range(first, ITERATIONS + 1)
     if sorted(got) != list(wanted) or any(i not in want for i in wanted):
         return False, f"iterations {sorted(got)} after the resume", {}
     diffs = [abs(got[i]["lm_loss"] - want[i]["lm_loss"]) for i in wanted]
@@ -259,6 +261,20 @@ def row_async_save(bench: Bench, straight: Run) -> Row:
                if line.startswith("time (ms) | save-checkpoint: ")]
     return Row(name, ok and same, f"{'same' if same else 'DIFFERENT'} losses as saved synchronously; resume "
                                   f"{figure}; blocked ms per save {blocked}", {**detail, "blocked_ms": blocked})
+
+
+def row_sequence_parallel(bench: Bench, straight: Run) -> Row:
+    """The base layout with ``--sequence-parallel`` (tr11's choices): its losses within ``LAYOUT_REL`` of the run
+    without (the same sums in another order), and a resume of its ``global_step10`` gives its own losses exactly."""
+    name = f"1. sequence parallel {bench.base} bf16 ZeRO-0 (losses, exact resume)"
+    split = bench.run(f"sp {bench.base}", bench.base, "bf16 ZeRO-0", extra=["--sequence-parallel"])
+    if split.returncode != 0:
+        return Row(name, False, f"{split.name}: exit {split.returncode}")
+    ok_losses, against_plain, _ = compare(split, straight, exact=False, first=1)
+    resumed = bench.run(f"resume sp {bench.base}", bench.base, "bf16 ZeRO-0",
+                        copy_of_step(split, bench.scratch / "from-sp"), extra=["--sequence-parallel"])
+    ok, figure, detail = compare(resumed, split, exact=True)
+    return Row(name, ok and ok_losses, f"vs no split: {against_plain}; resume {figure}", detail)
 
 
 def row_layout_change(bench: Bench, straight: Run, saved: Layout, target: Layout, precision: str) -> Row:
@@ -421,7 +437,7 @@ def acceptance_rows(bench: Bench, jobs: int) -> list[Row]:
         straight = dict(zip(sources, pool.map(lambda s: bench.run(f"{s[1]} {s[0]}", s[0], s[1]), sources), strict=True))
         base = straight[(bench.base, "bf16 ZeRO-0")]
         futures = [pool.submit(guarded, row, bench, base)
-                   for row in (row_same_layout, row_async_save, row_check_and_convert)]
+                   for row in (row_same_layout, row_async_save, row_sequence_parallel, row_check_and_convert)]
         futures += [pool.submit(guarded, row_layout_change, bench, straight[(saved, precision)], saved, target,
                                 precision) for saved, target, precision in fits]
         futures += [pool.submit(guarded, row_crash, bench), pool.submit(guarded, row_hang, bench)]

@@ -133,8 +133,9 @@ def peer_run(args) -> dict:
     done = subprocess.run([*launcher, str(REPO / "bench" / "mcore_gpt.py")], capture_output=True, text=True,
                           cwd=REPO, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {"error": f"exit {done.returncode}: {done.stderr[-3000:]}"}
+    if done.returncode != 0 or not lines:  # the workers' own error lines first: torchrun's summary hides them
+        errors = [line for line in done.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line]
+        return {"error": f"exit {done.returncode}: {errors[-5:]} {done.stderr[-1500:]}"}
     return json.loads(lines[-1])
 
 

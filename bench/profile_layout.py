@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=4, help="first traced iteration (after warm-up)")
     parser.add_argument("--iters", type=int, default=2, help="traced iterations")
     parser.add_argument("--extra", default="", help="more trainer flags for both runs (e.g. --torch-compile)")
+    parser.add_argument("--runs", default="layout,one_gpu", help="which runs, comma-separated: layout, one_gpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     gbs, total = args.mbs * args.micro_batches, args.start + args.iters
@@ -126,6 +127,8 @@ def main() -> None:
         data, tokenizer = make_data(tmp, max(gbs * args.seq * (total + 2), 1 << 16))
         for name, layers, tp, pp in (("layout", args.layers, args.tp, args.pp),
                                      ("one_gpu", args.layers // (args.tp * args.pp), 1, 1)):
+            if name not in args.runs.split(","):
+                continue
             flags = trainer_flags(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, total, tp, pp, data,
                                   tokenizer) + args.extra.split()
             result[name] = profiled_run(flags, tp * pp, args.start, args.iters, tmp / f"tb-{name}")

@@ -148,18 +148,14 @@ def _tp_group():
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm(h, eps)`` of the model (keys ``weight``, ``bias``); under sequence parallelism its weight and
-    bias gradients are summed over TP (:func:`opskit.train.sequence_parallel.summed_grads`)."""
+    """A transformer block's ``nn.LayerNorm(h, eps)`` (keys ``weight``, ``bias``); under sequence parallelism it
+    normalises this rank's tokens only, so its parameters are marked for the step's TP gradient sum
+    (:func:`opskit.train.sequence_parallel.mark_token_split`)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.sequence_parallel = cfg.sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:
-            return super().forward(x)
-        weight, bias = sequence_parallel.summed_grads(_tp_group(), self.weight, self.bias)
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        if cfg.sequence_parallel:
+            sequence_parallel.mark_token_split(self.weight, self.bias)
 
 
 @lru_cache(maxsize=1)
@@ -176,11 +172,16 @@ def _parallel_linears() -> tuple[type, type]:
                             self.bias)
 
     class Row(_PlainAtOneRank, _NoExtraState, RowParallelLinear):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.sequence_parallel:
+                sequence_parallel.mark_token_split(self.bias)
+
         def sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
             """``[s, b, in/TP] -> [s/TP, b, out]``: reduce-scatter of the partial products, then the bias on this
-            rank's tokens (its gradient summed over TP)."""
-            output = sequence_parallel.reduce_scatter(F.linear(x, self.weight), self.tp_group)
-            return output + sequence_parallel.summed_grads(self.tp_group, self.bias)[0]
+            rank's tokens (megatron-core marks it ``sequence_parallel``: its gradient is summed over TP at the
+            step, :func:`opskit.train.sequence_parallel.token_split_parameters`)."""
+            return sequence_parallel.reduce_scatter(F.linear(x, self.weight), self.tp_group) + self.bias
 
         def _forward_impl(self, *args, **kwargs):
             # megatron-core 0.16's RowParallelLinear passes tp_group=None here, which makes it warn on every call:

@@ -28,6 +28,7 @@ from opskit.train.model import (
     lm_loss,
     to_sequence_parallel,
 )
+from opskit.train.sequence_parallel import token_split_parameters
 
 
 def _keep_layer_number(x):
@@ -78,6 +79,21 @@ class GPTModelPipe(PipelineModule):
             base_seed=seed,
             activation_checkpoint_interval=activation_checkpoint_interval,
         )
+        self._token_split = token_split_parameters(self)
+
+    def get_tied_weights_and_groups(self) -> list[tuple[torch.nn.Parameter, object]]:
+        """DeepSpeed's tied weights with their groups, plus, under sequence parallelism, each parameter a TP rank
+        applies to its own tokens only, with the TP group. The pipeline engine all-reduces each one's accumulated
+        gradient (the fp32 one under its bf16 optimizer) over its group once per step, after the last micro-batch's
+        backward and before the DP reduction, clipping and the optimizer step (``_exec_reduce_tied_grads``): one
+        sum per parameter and step, where Megatron-LM sums the same gradients (``finalize_model_grads``)."""
+        tied = super().get_tied_weights_and_groups()
+        if not self._token_split:
+            return tied
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        return [*tied, *((param, group) for param in self._token_split)]
 
 
 def word_embeddings(model: GPTModelPipe) -> list[torch.nn.Module]:

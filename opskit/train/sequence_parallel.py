@@ -80,24 +80,16 @@ def reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return _ToPart.apply(x, group, True)
 
 
-class _SumGrads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, *tensors):
-        ctx.group = group
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, group=ctx.group)
-        parts = flat.split([g.numel() for g in grads])
-        return None, *(part.view_as(g).to(g.dtype) for part, g in zip(parts, grads, strict=True))
+def mark_token_split(*params: torch.Tensor) -> None:
+    """Mark parameters every TP rank holds whole but applies to its own tokens only (a block's LayerNorms, the
+    row-parallel biases): each rank's gradient is then its tokens' share, and their sum over TP is what TP = 1
+    computes. megatron-core's attribute name, ``sequence_parallel``."""
+    for param in params:
+        param.sequence_parallel = True
 
 
-@torch.compiler.disable
-def summed_grads(group, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``params`` unchanged forward; backward, their gradients summed over the group (one fp32 all-reduce for all).
-    For the parameters every TP rank holds whole but applies to its own tokens only (LayerNorms, row-parallel
-    biases): each rank's gradient is its tokens' share, and the sum is what TP = 1 computes (Megatron all-reduces
-    the same gradients, the parameters marked ``sequence_parallel``)."""
-    return _SumGrads.apply(group, *params)
+def token_split_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """``module``'s parameters marked by :func:`mark_token_split` (or by megatron-core), in module order. Their
+    gradients are summed over TP once per optimizer step, after the last micro-batch's backward, as Megatron-LM
+    does (``finalize_model_grads``): :meth:`opskit.train.pipe.GPTModelPipe.get_tied_weights_and_groups`."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
