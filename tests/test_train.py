@@ -586,9 +586,8 @@ def test_sequence_parallel_trains_like_tp1_and_resumes_exactly(kjv_data, tmp_pat
     normalises and adds its half of the sequence, reduce-scatter and all-gather replace the all-reduces, and those
     gradients, each rank's tokens' share, are summed over TP once per step. TP=1's losses within 1e-5 relative (fp32;
     compiled 1e-4; bf16 2e-2), the replicated parameters bitwise equal on both TP ranks, and an exact resume."""
-    runs = {}
-    for name, exit_interval, pp, extra in (("stopped", 10, 1, {}), ("resumed", 20, 1, {}),
-                                           ("pp2", 10, 2, {"checkpoint_activations": True, "bf16": True, "zero_stage": 0}),
+    runs, tr11 = {}, {"checkpoint_activations": True, "bf16": True, "zero_stage": 0}
+    for name, exit_interval, pp, extra in (("stopped", 10, 1, {}), ("resumed", 20, 1, {}), ("pp2", 10, 2, tr11),
                                            ("compiled", 5, 1, {"torch_compile": True})):
         out = tmp_path / (name if name in ("pp2", "compiled") else "tp2")
         args = tiny_trainer_args(kjv_data, out, train_samples=TRAIN_SAMPLES, tensor_model_parallel_size=2,
@@ -600,7 +599,7 @@ def test_sequence_parallel_trains_like_tp1_and_resumes_exactly(kjv_data, tmp_pat
     for got, rel in ((resumed, 1e-5), (records(runs["pp2"].stdout), 2e-2), (records(runs["compiled"].stdout), 1e-4)):
         for iteration, record in got.items():
             assert close(record["lm_loss"], baseline.records[iteration]["lm_loss"], rel=rel), (iteration, record)
-    for step in (tmp_path / "tp2" / "checkpoints" / "global_step20", tmp_path / "pp2" / "checkpoints" / "global_step10"):
+    for step in (tmp_path / "tp2/checkpoints/global_step20", tmp_path / "pp2/checkpoints/global_step10"):
         ranks = [_load(step / f"layer_03-model_{t:02d}-model_states.pt") for t in (0, 1)]
         for key in ("input_layernorm.weight", "post_attention_layernorm.bias", "self_attention.dense.bias",
                     "mlp.dense_4h_to_h.bias"):
