@@ -18,7 +18,8 @@ megatron-core needs CUDA (its schedule, buffers, clipping and RNG tracker alloca
 The peer of issue 33 (tr11's layout, bench/pipeline_layout.py's shape) runs under torchrun with ``TP``, ``PP`` and
 the shape in ``LAYERS``, ``HIDDEN``, ``HEADS``, ``SEQ`` (default: the 1.3B GPT-2), ``RECOMPUTE=full`` (megatron-
 core's full, uniform recompute of every layer, as ``--checkpoint-activations``) and ``SP=1`` (its sequence
-parallelism, with its overlapped backward, as ``--sequence-parallel``); its pipeline schedule is megatron-
+parallelism, as ``--sequence-parallel``: its local layer spec refuses it, it needs Transformer Engine's or Apex's
+LayerNorm, neither on the lent GPU machines, 2026-11-28); its pipeline schedule is megatron-
 core's 1F1B with batched p2p. megatron-core has no ALiBi: the peer keeps learned positions (cheaper than ALiBi's bias).
 The last pipeline stage prints the line, with MFU per GPU.
 
