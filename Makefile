@@ -36,7 +36,7 @@ demo-recovery: install system-deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo-recovery.sh
 
 test: install system-deps
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q --durations=20
 
 lint: install
 	$(PY) -m pip install -q ruff
