@@ -179,8 +179,8 @@ def _parallel_linears() -> tuple[type, type]:
 
         def sequence_parallel_forward(self, x: torch.Tensor) -> torch.Tensor:
             """``[s, b, in/TP] -> [s/TP, b, out]``: reduce-scatter of the partial products, then the bias on this
-            rank's tokens (megatron-core marks it ``sequence_parallel``: its gradient is summed over TP at the
-            step, :func:`opskit.train.sequence_parallel.token_split_parameters`)."""
+            rank's tokens (marked in ``__init__``: its gradient is summed over TP once per step,
+            :func:`opskit.train.sequence_parallel.token_split_parameters`)."""
             return sequence_parallel.reduce_scatter(F.linear(x, self.weight), self.tp_group) + self.bias
 
         def _forward_impl(self, *args, **kwargs):
