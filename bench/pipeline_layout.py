@@ -15,8 +15,9 @@ With one micro-batch count there is no fit and no bubble. ``--recompute none`` d
 ``--extra=--torch-compile``); ``--runs`` picks the runs: ``layout``, ``single`` (the default pair) and ``peer``,
 megatron-core's GPTModel at the same layout, batch and recompute (bench/mcore_gpt.py, its own 1F1B schedule, flash
 attention through SDPA, learned positions instead of ALiBi; with its sequence parallelism when ``--extra`` names
-``--sequence-parallel``, which needs Transformer Engine or Apex: see bench/mcore_gpt.py). The memory line the trainer prints is at the first log
-interval (Megatron's rule): ``--log-interval`` 2 makes it cover iteration 2, with Adam's states and activations.
+``--sequence-parallel``, which needs Transformer Engine or Apex: see bench/mcore_gpt.py). The memory line the
+trainer prints is at the first log interval (Megatron's rule): ``--log-interval`` 2 makes it cover iteration 2, with
+Adam's states and activations.
 
 Usage (a host with TP*PP GPUs; DeepSpeed and megatron-core installed)::
 

@@ -141,7 +141,8 @@ class _PlainAtOneRank:
         return super().forward(x)[0]
 
 
-def _tp_group():
+def tp_group():
+    """This rank's TP process group (megatron-core's ``parallel_state``, set up by the trainer's build)."""
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
@@ -285,14 +286,14 @@ class EmbeddingPipe(nn.Module):
 def to_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
     """Pipeline layer 2 under sequence parallelism: the embeddings ``[b, s, h]`` (whole on every TP rank) -> this
     rank's ``[s/TP, b, h]``, sequence first (Megatron-DeepSpeed's transpose there). Backward all-gathers."""
-    return sequence_parallel.scatter(x.transpose(0, 1), _tp_group())
+    return sequence_parallel.scatter(x.transpose(0, 1), tp_group())
 
 
 def from_sequence_parallel(x: torch.Tensor) -> torch.Tensor:
     """Pipeline layer L+3 under sequence parallelism: ``[s/TP, b, h]`` -> the whole ``[b, s, h]`` on every TP rank,
     for the final LayerNorm and the LM head. Backward keeps this rank's part of the gradient: the LM head's copy
     region has already summed it over TP."""
-    return sequence_parallel.gather(x, _tp_group(), partial_grads=False).transpose(0, 1)
+    return sequence_parallel.gather(x, tp_group(), partial_grads=False).transpose(0, 1)
 
 
 def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -304,7 +305,7 @@ def lm_logits(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
 
         # the group given, as megatron-core wants it soon: without one it warns on every call, a graph break under
         # torch.compile
-        hidden = copy_to_tensor_model_parallel_region(hidden, _tp_group())
+        hidden = copy_to_tensor_model_parallel_region(hidden, tp_group())
     return F.linear(hidden, embedding.word_embeddings.weight)
 
 

@@ -27,6 +27,7 @@ from opskit.train.model import (
     lm_logits,
     lm_loss,
     to_sequence_parallel,
+    tp_group,
 )
 from opskit.train.sequence_parallel import token_split_parameters
 
@@ -90,9 +91,7 @@ class GPTModelPipe(PipelineModule):
         tied = super().get_tied_weights_and_groups()
         if not self._token_split:
             return tied
-        from megatron.core import parallel_state
-
-        group = parallel_state.get_tensor_model_parallel_group()
+        group = tp_group()
         return [*tied, *((param, group) for param in self._token_split)]
 
 
