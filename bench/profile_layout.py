@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--runs", default="layout,one_gpu", help="which runs, comma-separated: layout, one_gpu")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if not set(args.runs.split(",")) <= {"layout", "one_gpu"}:
+        parser.error(f"--runs names layout or one_gpu, got {args.runs!r}")
     gbs, total = args.mbs * args.micro_batches, args.start + args.iters
     result = {"config": vars(args) | {"out": None}}
     with tempfile.TemporaryDirectory() as tmp:
