@@ -333,6 +333,7 @@ class Trainer:
         """One iteration: the ramp-up's global batch at the curriculum's sequence length through the pipeline, the
         optimizer step, and the state advanced by it."""
         from opskit.rules.schedule import num_microbatches
+        from opskit.train.pipe import set_dropout_position
 
         config, engine, state = self.config, self.engine, self.state
         global_batch_size = self.rampup.batch_size(state.consumed_train_samples)
@@ -342,6 +343,7 @@ class Trainer:
             state.seqlen = seqlen
             engine.reset_activation_shape()  # the pipeline stages then exchange the new shapes
         skipped_before = engine.skipped_steps
+        set_dropout_position(engine.module, state.consumed_train_samples // (config.micro_batch_size * self.world.dp))
         loss = float(engine.train_batch(data_iter=self.data))
         if self.tp_duplicated:
             self._sync_tp_duplicated()

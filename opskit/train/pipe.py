@@ -51,6 +51,18 @@ def _seed_layer(seed) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def set_dropout_position(model: PipelineModule, micro_batches_done: int) -> None:
+    """Place DeepSpeed's per-micro-batch dropout seeds at ``micro_batches_done``, the micro-batches this rank has
+    trained so far in the run (``consumed samples / (MBS * DP)``), before an iteration's ``train_batch``.
+
+    DeepSpeed seeds layer ``l`` of a forward with ``base_seed * (micro_offset + 1) + l``, where ``micro_offset`` is
+    a counter on the module that every forward advances and no checkpoint saves: a resumed run restarted it at 0 and
+    drew other dropout masks than the uninterrupted run (an inexact resume whenever dropout is on), and validation's
+    forwards moved it too. Set from the consumed samples, which every checkpoint saves, the masks of an iteration
+    are a function of the run's position alone, whatever came before in this process."""
+    model.micro_offset = micro_batches_done
+
+
 class GPTModelPipe(PipelineModule):
     """GPT/BLOOM pipeline. DeepSpeed checkpoints only ``ParallelTransformerLayerPipe`` layers of a ``GPTModelPipe``
     when activation checkpointing is on, which is why the class carries Megatron-DeepSpeed's name."""
