@@ -16,6 +16,7 @@ from opskit.rules import checks
 from opskit.rules.deepspeed import (
     Contradiction,
     bf16_zero0_optimizer_load_broken,
+    bf16_zero0_optimizer_saved_twice,
     deepspeed_config,
     deepspeed_version_problem,
     with_flags,
@@ -231,6 +232,9 @@ def test_deepspeed_version_rule_for_spec_and_trainer():
     # 0.18.5-0.19.8 fail loading bf16 ZeRO-0 optimizer states (KeyError: 0); the trainer loads them itself there
     assert deepspeed_version_problem("bf16", 0, 2, 1.0, "0.19.8", checks.flag_name) is None
     assert [bf16_zero0_optimizer_load_broken(v) for v in ("0.18.4", "0.18.5", "0.19.8", "0.20.0")] == \
+        [False, True, True, False]
+    # the same change saved those states twice (in mp_rank files too); the trainer saves them once there
+    assert [bf16_zero0_optimizer_saved_twice(v) for v in ("0.18.4", "0.18.5", "0.19.8", "0.20.0")] == \
         [False, True, True, False]
     assert deepspeed_version_problem("bf16", 1, 1, 1.0, "0.19.8", checks.flag_name) is None
     # The trainer meets the clipping rule with the DeepSpeed installed here (0.19.8 in CI).

@@ -145,6 +145,18 @@ def bf16_zero0_optimizer_load_broken(version: str) -> bool:
     return (0, 18, 5) <= version_tuple(version) <= (0, 19, 8)
 
 
+def bf16_zero0_optimizer_saved_twice(version: str) -> bool:
+    """DeepSpeed 0.18.5-0.19.8 saves BF16_Optimizer's states (bf16 + ZeRO-0) twice: in its own
+    ``bf16_zero_pp_rank_D_mp_rank_MM_optim_states.pt`` shards and, DP rank 0's part again, as the ``optimizer`` of each
+    ``mp_rank_MM_model_states.pt`` (fp32 master weights and Adam's moments, 12 / DP bytes per parameter once more:
+    a step of 14 bytes per parameter weighs 26 at DP=1). deepspeedai/DeepSpeed#7786
+    (0.18.5) changed ``_save_checkpoint``'s ``zero_optimizer_state = zero_optimization() or bfloat16_enabled()`` to
+    ``zero_optimization()`` in the same commit as the load of :func:`bf16_zero0_optimizer_load_broken`, hence the same
+    versions (read in engine.py at v0.18.4, v0.18.5 and v0.19.5, measured on 0.19.8). opskit's trainer saves them
+    once, in the shards, as Megatron-DeepSpeed's BLOOM checkpoints have them (opskit.train.ds_compat)."""
+    return bf16_zero0_optimizer_load_broken(version)  # one change made both
+
+
 def deepspeed_version_problem(precision: str, zero_stage: int, pp: int, clip_grad: float, version: str,
                               name: Namer) -> VersionProblem | None:
     """Why this DeepSpeed version cannot resume (or clips wrongly) a run of this precision / ZeRO stage / PP, or None.

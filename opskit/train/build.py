@@ -33,7 +33,12 @@ from opskit.rules.deepspeed import (
 )
 from opskit.rules.model import splits_sequence
 from opskit.train.config import TrainConfig, TrainerError
-from opskit.train.ds_compat import fuse_zero_overflow_check, release_last_stage_outputs, skip_inference_shm_op
+from opskit.train.ds_compat import (
+    fuse_zero_overflow_check,
+    release_last_stage_outputs,
+    save_bf16_zero0_optimizer_once,
+    skip_inference_shm_op,
+)
 from opskit.train.schedules import AnnealingLR, SeqlenCurriculum
 from opskit.train.state import TrainState
 
@@ -310,4 +315,5 @@ def build_engine(config: TrainConfig, model, ds_config: dict, rampup, state: Tra
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     fuse_zero_overflow_check(engine.optimizer)
     release_last_stage_outputs(engine)
+    save_bf16_zero0_optimizer_once(engine)
     return engine, optimizer

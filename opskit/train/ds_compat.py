@@ -1,5 +1,5 @@
-"""Work-arounds for DeepSpeed defects the trainer meets: the optimizer-state load only on the versions that have
-that defect; the two changes to the training step (same results, less time and memory) wherever the method they
+"""Work-arounds for DeepSpeed defects the trainer meets: the optimizer-state load and save only on the versions that
+have those defects; the two changes to the training step (same results, less time and memory) wherever the method they
 replace exists.
 
 bf16 + ZeRO-0 on DeepSpeed 0.18.5-0.19.8 (:func:`opskit.rules.deepspeed.bf16_zero0_optimizer_load_broken`): the
@@ -9,6 +9,10 @@ list indexed by DP rank (``KeyError: 0``), and from a universal checkpoint not a
 ZeRO stage >= 1). The trainer then asks the engine for everything but the optimizer and loads BF16_Optimizer's own
 states with :func:`load_bf16_zero0_optimizer`, through BF16_Optimizer's public ``load_state_dict``.
 docs/deepspeed-bf16-zero0.md has a reproduction for an upstream report.
+
+The same versions save BF16_Optimizer's states twice (:func:`save_bf16_zero0_optimizer_once`): in its shards and
+again in each ``mp_rank_MM_model_states.pt``. The trainer has the engine save them once, in the shards, as
+Megatron-DeepSpeed's BLOOM checkpoints have them; steps saved with the extra copy still load (the copy is never read).
 
 ZeRO-1/2's inf/NaN check before each optimizer step (:func:`fuse_zero_overflow_check`): DeepSpeed 0.19.8 tests each
 gradient on its own (amax, amin, two isfinite, and, not, add: ~7 kernel launches a parameter, ~2,000 for a 24-layer
@@ -30,16 +34,54 @@ import sys
 from pathlib import Path
 
 
-def loads_optimizer_itself(engine) -> bool:
-    """Whether this engine's optimizer states must be loaded by :func:`load_bf16_zero0_optimizer` (bf16 + ZeRO-0 on
-    an affected DeepSpeed)."""
+def _bf16_zero0_affected(engine, defect) -> bool:
+    """Whether this engine runs BF16_Optimizer (bf16 + ZeRO-0) on a DeepSpeed version for which ``defect`` (a rule of
+    :mod:`opskit.rules.deepspeed`, taking the version) holds."""
     import deepspeed
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    from opskit.rules.deepspeed import bf16_zero0_optimizer_load_broken, installed_deepspeed_version
+    from opskit.rules.deepspeed import installed_deepspeed_version
 
     version = installed_deepspeed_version() or deepspeed.__version__
-    return isinstance(engine.optimizer, BF16_Optimizer) and bf16_zero0_optimizer_load_broken(version)
+    return isinstance(engine.optimizer, BF16_Optimizer) and defect(version)
+
+
+def loads_optimizer_itself(engine) -> bool:
+    """Whether this engine's optimizer states must be loaded by :func:`load_bf16_zero0_optimizer` (bf16 + ZeRO-0 on
+    an affected DeepSpeed)."""
+    from opskit.rules.deepspeed import bf16_zero0_optimizer_load_broken
+
+    return _bf16_zero0_affected(engine, bf16_zero0_optimizer_load_broken)
+
+
+def save_bf16_zero0_optimizer_once(engine) -> bool:
+    """Make this engine leave BF16_Optimizer's states out of ``mp_rank_MM_model_states.pt``: they are in its
+    ``bf16_zero_pp_rank_D_mp_rank_MM_optim_states.pt`` shards already (bf16 + ZeRO-0 on an affected DeepSpeed,
+    :func:`opskit.rules.deepspeed.bf16_zero0_optimizer_saved_twice`).
+
+    DeepSpeed 0.19.8's ``_save_checkpoint`` (engine.py:5381) passes ``zero_optimizer_state = zero_optimization()``,
+    False at stage 0, to ``_common_checkpoint_state`` (engine.py:5017), which then stores ``optimizer.state_dict()``
+    (engine.py:5020) beside the shards ``save_checkpoint`` writes for any optimizer with a ``dp_process_group``
+    (engine.py:1916-1921, 4933). Here ``_common_checkpoint_state`` is called with it True, as up to 0.18.4
+    (``zero_optimization() or bfloat16_enabled()``): ``optimizer`` None, and the ``param_shapes`` and
+    ``shared_params`` that ``ds_to_universal`` reads, Megatron-DeepSpeed's layout (BLOOM's checkpoints). Nothing
+    read that copy: its load is the one these versions break (:func:`loads_optimizer_itself`). Only this engine
+    object changes.
+
+    Returns:
+        Whether the engine was changed (False for other optimizers and DeepSpeed versions).
+    """
+    from opskit.rules.deepspeed import bf16_zero0_optimizer_saved_twice
+
+    if not _bf16_zero0_affected(engine, bf16_zero0_optimizer_saved_twice):
+        return False
+    common_state = engine._common_checkpoint_state
+
+    def common_state_without_optimizer(module_state_dict, zero_optimizer_state, save_frozen_param):
+        return common_state(module_state_dict, True, save_frozen_param)
+
+    engine._common_checkpoint_state = common_state_without_optimizer
+    return True
 
 
 def load_bf16_zero0_optimizer(engine, step_dir: Path, universal: Path | None) -> None:
