@@ -11,6 +11,9 @@
 - Completeness: :func:`opskit.ckpt.format.info.describe_step` (headers), then, with ``crc``, every byte of every file
   the step needs (optimizer shards included) against its zip record's CRC-32
   (:func:`opskit.ckpt.format.tensorfile.verify_crc`): the only check here that sees bytes flipped inside tensor data.
+- A redundant copy: an ``mp_rank`` file holding optimizer state that the step's optimizer shards hold already (bf16 +
+  ZeRO-0 steps saved before opskit's fix, :func:`opskit.ckpt.format.info.redundant_optimizer_bytes`) is reported with
+  its bytes: a finding, not a problem (the resume reads the shards).
 - A weights-only backup's copy of a step (:func:`opskit.ckpt.format.manifest.weights_only_copy`) is checked as a step of
   weights: the shards its backup left out are reported in ``left_out``, not as problems (what the copy serves,
   ``convert``/``inspect``, reads no optimizer state); every other check reads every file it has.
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.format.info import describe_step
+from opskit.ckpt.format.info import describe_step, redundant_optimizer_bytes
 from opskit.ckpt.format.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
 from opskit.ckpt.format.manifest import weights_only_copy
 from opskit.ckpt.format.tensorfile import TensorFileError, TensorRef, verify_crc
@@ -35,7 +38,8 @@ class CheckReport:
     replicated tensor (``d == 0`` when consistent); ``rng``: ``{"pp": s, "key": k, "agree": bool}``; ``nonfinite``:
     ``{"file": name, "key": k, "nan": n, "inf": n}``; ``problems``: missing/unreadable files; ``corrupt``: files whose
     bytes fail their CRC-32; ``crc_bytes``: bytes read for the CRC checks; ``left_out``: the optimizer shards a
-    weights-only backup's copy lacks (file names; empty for any other step)."""
+    weights-only backup's copy lacks (file names; empty for any other step); ``redundant``: ``{"file": name, "bytes":
+    n}`` for each ``mp_rank`` file with a redundant copy of the optimizer state (not a problem)."""
 
     step: Path
     tp_diffs: list[dict] = field(default_factory=list)
@@ -45,6 +49,11 @@ class CheckReport:
     corrupt: list[str] = field(default_factory=list)
     crc_bytes: int = 0
     left_out: list[str] = field(default_factory=list)
+    redundant: list[dict] = field(default_factory=list)
+
+    @property
+    def redundant_bytes(self) -> int:
+        return sum(r["bytes"] for r in self.redundant)
 
     @property
     def tp_mismatches(self) -> list[dict]:
@@ -59,7 +68,8 @@ class CheckReport:
         return {"step": str(self.step), "ok": self.ok, "tp_mismatches": self.tp_mismatches,
                 "tp_checked": len(self.tp_diffs), "rng": self.rng, "nonfinite": self.nonfinite,
                 "problems": self.problems, "corrupt": self.corrupt, "crc_bytes": self.crc_bytes,
-                "weights_only_backup": bool(self.left_out), "left_out": self.left_out}
+                "weights_only_backup": bool(self.left_out), "left_out": self.left_out, "redundant": self.redundant,
+                "redundant_bytes": self.redundant_bytes}
 
 
 def replicated_diff(shards: list) -> tuple[float, list[int]]:
@@ -129,10 +139,13 @@ def check_step(path: str | Path, progress=None, crc: bool = True) -> CheckReport
     for pp in range(info.pp):
         states = []
         for t in range(info.tp):
+            mp_file = Path(path) / f"mp_rank_{pp * info.tp + t:02d}_model_states.pt"
             try:
-                states.append(load_state(Path(path) / f"mp_rank_{pp * info.tp + t:02d}_model_states.pt"))
+                states.append(load_state(mp_file))
             except CheckpointFormatError:  # missing or unreadable: already in problems
                 continue
+            if nbytes := redundant_optimizer_bytes(states[-1], info):
+                report.redundant.append({"file": mp_file.name, "bytes": nbytes})
         for key in RNG_KEYS:
             if states and key in states[0]:
                 report.rng.append({"pp": pp, "key": key,

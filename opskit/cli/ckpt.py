@@ -158,6 +158,11 @@ def check(
                 console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
         for n in report.nonfinite:
             console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf")
+        if report.redundant:
+            nbytes = report.redundant_bytes
+            console.print(f"redundant copy: {len(report.redundant)} mp_rank file(s) hold {_human(nbytes)} ({nbytes:,} "
+                          "bytes) of optimizer state that the optimizer shards hold already (saved by DeepSpeed "
+                          "0.18.5-0.19.8 before opskit saved it once); the resume reads the shards only")
         verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
         console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
                       f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"

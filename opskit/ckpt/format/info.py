@@ -6,7 +6,9 @@ The one definition of a complete step (:func:`describe_step`; ``ckpt list/check/
 the watchdog and the trainer's resume all use it): ``mp_rank_00_model_states.pt`` loads and has ``args``; every file
 the step's TP x PP x DP layout needs is there -- the layer files ``args`` implies (embedding, blocks, final LayerNorm,
 per TP rank), the ``TP * PP`` ``mp_rank_XX`` files, and the optimizer shards DeepSpeed 0.19.8 writes
-(:func:`optimizer_shards`) -- and each is readable to its end: zip directory intact, every record's local header
+(:func:`optimizer_shards`; where a step has them they are its only copy of the optimizer state, the ``mp_rank`` files
+hold none: :func:`redundant_optimizer_bytes` measures the copy older bf16 ZeRO-0 steps carry, which no resume reads) --
+and each is readable to its end: zip directory intact, every record's local header
 where the directory says and its data inside the file (a truncated copy fails that), data.pkl's CRC-32 right and its
 pickle loadable. Bytes flipped inside tensor data pass these header checks: ``ckpt check`` also reads every file and
 compares each record's CRC-32 (:func:`opskit.ckpt.format.tensorfile.verify_crc`). A weights-only backup's copy of a step
@@ -136,6 +138,29 @@ def optimizer_shards(state: dict, mp_size: int, names: set[str]) -> tuple[list[s
         return [], dp
     return [f"{prefix}zero_pp_rank_{d}_mp_rank_{mp:02d}{ZERO_FILE_SUFFIX}" for mp in range(mp_size)
             for d in range(dp)], dp
+
+
+def redundant_optimizer_bytes(state, info: StepInfo) -> int:
+    """Bytes of optimizer state that one of ``info``'s ``mp_rank_XX_model_states.pt`` files (``state``, its pickle
+    with :class:`~opskit.ckpt.format.tensorfile.TensorRef` tensors) holds although the step's optimizer shards hold
+    it: the storages under its ``optimizer`` entry when ``info`` needs shards (:func:`optimizer_shards`), else 0 (at
+    ZeRO-0 without bf16 that entry is the only copy). bf16 + ZeRO-0 steps saved by DeepSpeed 0.18.5-0.19.8 without
+    opskit.train.ds_compat's ``save_bf16_zero0_optimizer_once`` carry DP rank 0's states there a second time
+    (:func:`opskit.rules.deepspeed.bf16_zero0_optimizer_saved_twice`); a resume reads the shards only, so the copy
+    costs disk, save and backup time and nothing else."""
+    if not any(OPTIMIZER_FILE.match(f.name) for f in info.files) or not isinstance(state, dict):
+        return 0
+    storages: dict[int, int] = {}  # record offset -> bytes: tensors viewing one storage count it once
+    pending = [state.get("optimizer")]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, TensorRef):
+            storages[item.offset] = item.storage_numel * item.itemsize
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return sum(storages.values())
 
 
 def saved_files_digest(path: str | Path) -> str:
