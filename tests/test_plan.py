@@ -272,7 +272,7 @@ def test_model_state_memory_234_and_1872_GB(in_tmp):
     # "Total: 234GB (18*13)", "Total: 1872GB (18*104)"
     assert model_state_bytes(13e9) == 234e9 and model_state_bytes(104e9) == 1872e9
     tr1, tr8 = plan_of("tr1-13B").memory, plan_of("tr8-104B").memory
-    assert tr1.bytes_per_parameter == {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 8, "gradients": 4}
+    assert tr1.bytes_per_parameter == {"fp32_weights": 4, "model_weights": 2, "optimizer_states": 8, "gradients": 4}
     assert (tr1.replica_gb_readme, tr8.replica_gb_readme) == (234, 1872)
     assert tr1.replica_gb == pytest.approx(18 * 12_854_282_240 / 1e9)  # 231.4 GB with the exact count
     # "we use 256GB (8x 32GB gpus) per each full replica": the estimate fits a V100 with room for activations.
@@ -281,21 +281,24 @@ def test_model_state_memory_234_and_1872_GB(in_tmp):
 
 def test_tr11_checkpoint_is_the_chronicles_2_3_tb_and_its_background_saves_need_48_gib_per_node(in_tmp):
     """"With 2.3TB checkpoint size and 40 secs to save": 14 bytes per parameter (16-bit weights, fp32 master weights,
-    Adam's moments; no gradients) of 176B is 2.47e12 bytes, 2.24 TiB; spread over 48 nodes."""
+    Adam's moments; no gradients) of 176B, and the last stage's optimizer part of its tied embedding (12 bytes of
+    each of its 3.6e9 parameters), is 2.51e12 bytes, 2.28 TiB; spread over 48 nodes."""
     plan = plan_of("tr11-176B-ml")
-    memory, total = plan.memory, plan.parameters.total
-    assert memory.checkpoint_gb == pytest.approx(14 * total / 1e9)
-    assert memory.checkpoint_gb * 1e9 / 2**40 == pytest.approx(2.24, abs=0.01)
+    memory, total, tied = plan.memory, plan.parameters.total, plan.parameters.embedding
+    assert memory.checkpoint_bytes == pytest.approx(14 * total + 12 * tied)
+    assert memory.checkpoint_gb == memory.checkpoint_bytes / 1e9
+    assert memory.checkpoint_bytes / 2**40 == pytest.approx(2.28, abs=0.01)
     assert memory.async_save_host_gib_per_node == pytest.approx(memory.checkpoint_gb * 1e9 / 48 / GIB)
     synchronous = make_plan(load_spec("tr11-176B-ml", {"checkpoint": {"async_save": False}}))
     assert synchronous.memory.async_save_host_gib_per_node is None
     bnb = plan_of("tr8b-104B:bnb")
-    assert bnb.memory.checkpoint_gb == pytest.approx(8 * bnb.parameters.total / 1e9)  # 8-bit moments: 2 + 4 + 2
+    # 8-bit moments: 2 + 4 + 2, the tied embedding's 4 + 2 on the last stage too
+    assert bnb.memory.checkpoint_bytes == pytest.approx(8 * bnb.parameters.total + 6 * bnb.parameters.embedding)
 
 
 def test_bnb_counts_two_bytes_of_optimizer_state_per_parameter(in_tmp):
     base, bnb = plan_of("tr8b-104B").memory, plan_of("tr8b-104B:bnb").memory
-    assert bnb.bytes_per_parameter == {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 2, "gradients": 4}
+    assert bnb.bytes_per_parameter == {"fp32_weights": 4, "model_weights": 2, "optimizer_states": 2, "gradients": 4}
     assert bnb.total_bytes_per_parameter == 12 and bnb.replica_gb_readme == 12 * 104
     # The heaviest GPU (stage 0: 2 layers + embeddings, TP=4, ZeRO-1 over DP=4): every state 8-bit under fp16 ZeRO-1,
     # the word embedding's too; the one difference in parameters is StableEmbedding's LayerNorm (2h).
@@ -320,7 +323,7 @@ def test_bnb_counts_two_bytes_of_optimizer_state_per_parameter(in_tmp):
 
     done = CliRunner().invoke(app, ["plan", "tr8b-104B:bnb"], env={"COLUMNS": "200"})
     assert done.exit_code == 0, done.output
-    assert "12 = 4 fp32 weights + 2 half weights + 2 optimizer states + 4 gradients" in done.stdout
+    assert "12 = 4 fp32 weights + 2 model weights + 2 optimizer states + 4 gradients" in done.stdout
     assert f"optimizer states {bnb.optimizer_state_gib_per_gpu:.3g} GiB of them" in done.stdout
 
 
@@ -1165,7 +1168,7 @@ def test_bf16_at_zero0_keeps_no_16bit_gradients_and_the_plan_advises_on_recomput
     assert tr11.total_bytes_per_parameter == 18
     # (2 bf16 weights + 4 fp32 gradients) + (4 fp32 weights + 8 Adam) / DP 8, word embeddings' part
     assert stage.model_state_gib * 2**30 == pytest.approx(per_gpu * (2 + 4 + 12 / 8))
-    assert tr11.checkpoint_gb == pytest.approx(176.2e9 * 14 / 1e9, rel=0.01)  # gradients not saved
+    assert tr11.checkpoint_gb == pytest.approx((176.2e9 * 14 + 3.6e9 * 12) / 1e9, rel=0.01)  # no gradients
     assert tr11.no_recompute_fits is False and not any("recomputes" in w for w in plan_of("tr11-176B-ml").warnings)
     assert deepspeed_config(load_spec("tr11-176B-ml"))["bf16"]["immediate_grad_update"] is True
 

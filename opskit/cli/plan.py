@@ -99,7 +99,8 @@ def _tables(spec, result) -> list[Table]:
     memory.add_row("model states per replica", f"{_num(m.replica_gb)} GB{rounded}")
     background = (f"; saved in the background: {m.async_save_host_gib_per_node:,.1f} GiB of host RAM per node"
                   if m.async_save_host_gib_per_node is not None else "")
-    memory.add_row("checkpoint", f"{_num(m.checkpoint_gb)} GB per global_stepN{background}")
+    memory.add_row("checkpoint", f"{_num(m.checkpoint_gb)} GB ({m.checkpoint_bytes:,} bytes) per global_stepN"
+                                 f"{background}")
     memory.add_row("optimizer", m.optimizer)
     memory.add_row("sharding", f"{m.sharding} (/{m.sharded_over})")
     stage = m.stages[m.heaviest_stage]

@@ -7,11 +7,15 @@ over (1 when they are not).
 
 from __future__ import annotations
 
-MIXED_PRECISION_BYTES = {"fp32_weights": 4, "half_weights": 2, "optimizer_states": 8, "gradients": 4}
-"""The tr1-13B / tr8-104B READMEs' breakdown ("Memory usage"): fp32 master weights, fp16/bf16 weights, Adam's two
-fp32 moments, fp32 gradients."""
-FP32_BYTES = {"fp32_weights": 4, "half_weights": 0, "optimizer_states": 8, "gradients": 4}
-"""fp32 training: no half-precision copy."""
+MIXED_PRECISION_BYTES = {"fp32_weights": 4, "model_weights": 2, "optimizer_states": 8, "gradients": 4}
+"""The tr1-13B / tr8-104B READMEs' breakdown ("Memory usage"): fp32 master weights, the fp16/bf16 weights the model
+computes with, Adam's two fp32 moments, fp32 gradients."""
+FP32_BYTES = {"fp32_weights": 0, "model_weights": 4, "optimizer_states": 8, "gradients": 4}
+"""fp32 training at ZeRO-0: Adam steps the model's own fp32 weights, there is no master copy."""
+FP32_MASTER_BYTES = 4
+"""fp32 training at ZeRO stage >= 1: DeepSpeed's ZeRO optimizer steps an fp32 copy of its partition, cloned from the
+model's weights even when they are fp32 already (``single_partition_of_fp32_groups``, deepspeed/runtime/zero/
+stage_1_and_2.py), and saves it in its shards (measured: a fp32 ZeRO-1 step is 16 bytes per parameter)."""
 BNB_OPTIMIZER_STATE_BYTES = 2
 """bitsandbytes' 8-bit Adam (``--use-bnb-optimizer``: ``bnb.optim.Adam8bit``): exp_avg and exp_avg_sq as uint8, one
 byte each, with one fp32 absmax per block of 2048 values (4 / 2048 bytes per state and parameter: left out); Dettmers
@@ -21,14 +25,17 @@ ADAM_STATE_BYTES = MIXED_PRECISION_BYTES["optimizer_states"]
 SHARDED_BY_ZERO = ("fp32_weights", "optimizer_states")
 """What ZeRO stage 1 partitions over data parallelism: the optimizer states, fp32 master weights included (Rajbhandari
 et al. 2020, ZeRO, section 5.1 "P_os"); DeepSpeed's BF16_Optimizer (bf16 with ZeRO stage 0, BLOOM-176B's "bf16 must use
-z0! it implements its own zero stage 1 equivalent") partitions the same ones."""
+z0! it implements its own zero stage 1 equivalent") partitions the same ones. These are also what each pipeline
+stage's optimizer saves of every parameter it holds, a tied one included (:func:`checkpoint_bytes`)."""
 
 
-def bytes_per_parameter(precision: str, bnb_optimizer: bool) -> dict[str, int]:
+def bytes_per_parameter(precision: str, bnb_optimizer: bool, zero_stage: int) -> dict[str, int]:
     """Model-state bytes of one parameter by kind (:data:`MIXED_PRECISION_BYTES` for ``fp16``/``bf16``,
-    :data:`FP32_BYTES` for ``fp32``), with :data:`BNB_OPTIMIZER_STATE_BYTES` of optimizer states under
-    ``--use-bnb-optimizer``."""
+    :data:`FP32_BYTES` for ``fp32``, with :data:`FP32_MASTER_BYTES` of fp32 weights at ZeRO stage >= 1), with
+    :data:`BNB_OPTIMIZER_STATE_BYTES` of optimizer states under ``--use-bnb-optimizer``."""
     breakdown = dict(FP32_BYTES if precision == "fp32" else MIXED_PRECISION_BYTES)
+    if precision == "fp32" and zero_stage >= 1:
+        breakdown["fp32_weights"] = FP32_MASTER_BYTES
     if bnb_optimizer:
         breakdown["optimizer_states"] = BNB_OPTIMIZER_STATE_BYTES
     return breakdown
@@ -40,12 +47,25 @@ def sharded_over_dp(zero_stage: int, precision: str) -> bool:
     return zero_stage >= 1 or precision == "bf16"
 
 
-def checkpoint_bytes(parameters: float, breakdown: dict[str, int], shards: int = 1) -> float:
-    """Bytes saved for ``parameters`` parameters: the 16-bit weights (layer files), the fp32 master weights and the
-    optimizer states (the optimizer shards, ``1 / shards`` of them); gradients are not saved. A whole step: shards 1
-    (tr11-176B-ml: 14 x 176.2e9 = 2.47e12 bytes, the chronicles' "2.3TB checkpoint" in TiB, 2.24); one rank: its
-    stage's parameters and its data-parallel shards."""
+def checkpoint_bytes(parameters: float, breakdown: dict[str, int], shards: int = 1, tied: float = 0) -> float:
+    """Bytes saved for ``parameters`` parameters: the model weights (the layer files), the fp32 master weights and the
+    optimizer states (:data:`SHARDED_BY_ZERO`: the optimizer shards, ``1 / shards`` of them, or the ``mp_rank`` files
+    at ZeRO-0 without bf16); gradients are not saved. DeepSpeed 0.19.8 writes one copy of each (with
+    opskit.train.ds_compat's ``save_bf16_zero0_optimizer_once`` under bf16 + ZeRO-0).
+
+    Args:
+        parameters: the parameters counted once (a step: the model's count; one rank: its stage's share).
+        breakdown: bytes per parameter by kind (:func:`bytes_per_parameter`).
+        shards: the data-parallel ranks the sharded kinds are split over, for one rank's bytes; 1 for a whole step.
+        tied: parameters a second pipeline stage holds too (at PP > 1 the last stage's copy of the embedding, tied to
+            the LM head: DeepSpeed's ``TiedLayerSpec``): that stage's optimizer saves their sharded kinds again,
+            while their model weights are saved once, by the first stage (a tied layer with a ``forward_fn`` has no
+            layer file).
+
+    A whole step (shards 1): tr11-176B-ml, 14 x 176.2e9 + 12 x 3.6e9 (the tied embedding: 250,880 x 14,336) =
+    2.51e12 bytes, 2.28 TiB: the chronicles' "2.3TB checkpoint".
+    """
     saved = {k: v for k, v in breakdown.items() if k != "gradients"}
     kept = sum(v for k, v in saved.items() if k not in SHARDED_BY_ZERO)
     split = sum(v for k, v in saved.items() if k in SHARDED_BY_ZERO)
-    return parameters * (kept + split / shards)
+    return parameters * kept + (parameters + tied) * split / shards

@@ -45,7 +45,7 @@ class PlanError(OpskitError, ValueError):
 GIB = 2**30
 SECONDS_PER_DAY = 86_400
 
-# Mixed-precision Adam: 4 (fp32 weights) + 2 (half weights) + 8 (Adam states) + 4 (gradients) bytes per parameter.
+# Mixed-precision Adam: 4 (fp32 weights) + 2 (model weights) + 8 (Adam states) + 4 (gradients) bytes per parameter.
 BYTES_PER_PARAMETER = 18
 
 ACHIEVED_TFLOPS = {"V100": 45.0, "A100": 150.0}
@@ -214,8 +214,12 @@ class MemoryPlan:
     no_recompute_fits: bool | None
     """Whether the heaviest GPU fits without activation checkpointing, with :data:`RECOMPUTE_MARGIN` of the GPU
     left over (None without ``parallel.gpu_memory_gb``): where it does, full recompute only costs time."""
+    checkpoint_bytes: int
+    """One ``global_stepN`` on disk: every model-state byte but the gradients, the tied embedding's optimizer part
+    on both pipeline stages that hold it (:func:`opskit.rules.memory.checkpoint_bytes`); within 5% of what the
+    trainer writes (tests/test_ckpt_bytes.py)."""
     checkpoint_gb: float
-    """One ``global_stepN`` on disk: every model-state byte but the gradients (:func:`checkpoint_bytes`)."""
+    """:attr:`checkpoint_bytes` in 1e9 bytes."""
     async_save_host_gib_per_node: float | None
     """Host RAM the background saves keep per node (the node's share of a step; torch may pin up to twice that),
     None without ``checkpoint.async_save``."""
@@ -229,7 +233,7 @@ RECOMPUTE_MARGIN = 0.15
 def spec_bytes_per_parameter(spec: Spec) -> dict[str, int]:
     """Model-state bytes of one parameter by kind for this spec (:func:`opskit.rules.memory.bytes_per_parameter`; the
     word embedding's exception under ``--use-bnb-optimizer``: :func:`stable_embedding_states`)."""
-    return bytes_per_parameter(spec.model.precision, _bnb(spec))
+    return bytes_per_parameter(spec.model.precision, _bnb(spec), spec.parallel.zero_stage)
 
 
 def stable_embedding_states(spec: Spec) -> bool:
@@ -289,6 +293,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     h = m.hidden_size
     embedding = vocab * h + (m.max_position_embeddings * h if m.position_embedding_type == "absolute" else 0) + (
         2 * h if _embedding_norm(spec) else 0)
+    tied = embedding if pp > 1 else 0  # the last stage's whole copy of the embedding layer, tied to its LM head
     microbatches = max(b.global_batch_size // (b.micro_batch_size * dp), 1)
     scale = 2 if m.precision == "fp32" else 1  # the activation formulas count 16-bit activations
     sp = splits_sequence(p.sequence_parallel, tp)
@@ -298,7 +303,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     stages = []
     for index, (layers, first, last) in enumerate(pipeline_stages(spec)):
         params = layers * layer_parameters(h, m.ffn_size) + (embedding if first else 0) + (
-            (vocab * h if pp > 1 else 0) + 2 * h if last else 0)
+            tied + 2 * h if last else 0)
         per_gpu = params / tp
         word_embeddings = vocab * h / tp if first or (last and pp > 1) else 0
         optimizer_bytes = (per_gpu * optimizer + word_embeddings * stable_extra) / shards
@@ -318,7 +323,8 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
 
     heaviest = max(stages, key=peak)
     without = max(stage.model_state_gib + stage.activation_gib_no_recompute for stage in stages)
-    step_bytes = checkpoint_bytes(total, breakdown)
+    # StableEmbedding's 32-bit states are saved too, for the word embeddings of both stages that hold them
+    step_bytes = checkpoint_bytes(total, breakdown, tied=tied) + stable_extra * vocab * h * (2 if pp > 1 else 1)
     return MemoryPlan(
         bytes_per_parameter=dict(breakdown), total_bytes_per_parameter=per_param,
         replica_gb=model_state_bytes(total, per_param) / 1e9,
@@ -331,7 +337,7 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
         gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb,
         no_recompute_fits=None if p.gpu_memory_gb is None else without <= p.gpu_memory_gb * (1 - RECOMPUTE_MARGIN),
-        checkpoint_gb=step_bytes / 1e9,
+        checkpoint_bytes=round(step_bytes), checkpoint_gb=step_bytes / 1e9,
         async_save_host_gib_per_node=step_bytes / p.nodes / GIB if spec.checkpoint.async_save else None)
 
 

@@ -494,11 +494,12 @@ def _background_saves(engine, config: TrainConfig, world: World):
 
 
 def _saved_bytes_of_rank(module, config: TrainConfig, world: World) -> int:
-    """Bytes this rank writes per save (:func:`opskit.rules.memory.checkpoint_bytes` of its stage's parameters and
-    its data-parallel shards), plus 2% and 64 MiB for padding and the small tensors (RNG states, counters)."""
+    """Bytes this rank writes per save at most (:func:`opskit.rules.memory.checkpoint_bytes` of its stage's parameters
+    and its data-parallel shards; the model weights of the last stage's tied embedding, which no layer file holds, are
+    counted as well), plus 2% and 64 MiB for padding and the small tensors (RNG states, counters)."""
     parameters = sum(p.numel() for p in module.parameters())
     shards = world.dp if sharded_over_dp(config.zero_stage, config.params_dtype) else 1
-    breakdown = bytes_per_parameter(config.params_dtype, config.use_bnb_optimizer)
+    breakdown = bytes_per_parameter(config.params_dtype, config.use_bnb_optimizer, config.zero_stage)
     return int(checkpoint_bytes(parameters, breakdown, shards) * 1.02) + (64 << 20)
 
 
