@@ -143,7 +143,7 @@ def recovery_problems(spec: Spec, run: RunPaths, executor: str) -> list[str]:
             problems.append(f"slurm.spare_nodes {s.spare_nodes}: the job would ask for {nodes + s.spare_nodes} nodes "
                             f"(parallel.nodes {nodes} + spares) and partition {s.partition or '(all)'} has {have}")
     try:
-        saves = [seconds for task in read_task_logs(run.main_log)[1] for seconds in task.saves]
+        saves = [seconds for task in read_task_logs(run.main_log).tasks for seconds in task.saves]
     except OSError:
         saves = []
     timeout = spec.watchdog.in_job_timeout_s
