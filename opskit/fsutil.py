@@ -7,21 +7,120 @@ carries its own marker where its format allows (a PNG text chunk, a YAML comment
 test. An existing non-empty target is refused in one line unless ``force`` is given *and* the
 marker says opskit wrote it (:func:`claim_dir`, :func:`claim_file`); a folder is replaced only by the command that
 wrote it, and only while it holds nothing beyond the entries its marker lists.
+
+Reading a run's files (logs, ledger, state, manifests, flags, heartbeats): :func:`open_regular` refuses what is not a
+regular file (``/dev/zero`` never ends, a FIFO never answers), :func:`read_bounded` and :func:`read_json` read at most
+:data:`MAX_SMALL_FILE` bytes of a file that opskit writes small, :func:`bounded_lines` streams a large one holding at
+most :data:`MAX_LINE` bytes of any line: time linear in the bytes read, memory bounded whatever the content.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from opskit.errors import OpskitError
 
 MARKER = ".opskit"
+MAX_LINE = 1 << 20
+"""Bytes a line of a run's text file may have (its newline not counted): no line opskit, the job script or the trainer
+writes comes near it; a longer one (a sparse hole, binary data) is garbage, skipped unread past this cap."""
+MAX_SMALL_FILE = 16 << 20
+"""Bytes a small file of a run may have (JSON state, manifests, markers, flags, ``latest``, the bad-node list): the
+largest opskit writes (a backup manifest of tr11's ~1,000 files) holds ~150 KB; a larger one is not opskit's."""
+
+
+class UnreadableFileError(OpskitError, OSError):
+    """A file opskit reads that is not a regular file (a folder, device, FIFO or socket), or larger than its reader's
+    bound: ``filename`` names it and ``strerror`` says why (the CLI prints ``<file>: <why>``). An ``OSError``, so
+    every reader that takes an unreadable file in its stride takes this one too."""
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, for a message."""
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``path`` opened for reading bytes, when it is a regular file (symbolic links followed). The test is made on the
+    opened file (``fstat``), so nothing can swap it in between, and the open does not wait on a FIFO (``O_NONBLOCK``,
+    cleared once the file is known to be regular).
+
+    Raises:
+        FileNotFoundError: no such file. UnreadableFileError: a folder, device, FIFO or socket. OSError: unreadable.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnreadableFileError(errno.EINVAL, f"{_kind(mode)}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(path: str | Path, limit: int = MAX_SMALL_FILE) -> bytes:
+    """The bytes of the regular file ``path``, refused past ``limit`` bytes (read: ``limit`` + 1 at most).
+
+    Raises:
+        FileNotFoundError: no such file. UnreadableFileError: not a regular file, or more than ``limit`` bytes.
+        OSError: unreadable.
+    """
+    with open_regular(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnreadableFileError(errno.EFBIG, f"more than {limit:,} bytes, larger than any such file opskit writes",
+                                  str(path))
+    return data
+
+
+def parse_json(text: str | bytes) -> object:
+    """``json.loads``, with nesting too deep for the parser (``[[[[...``: a RecursionError) a ValueError as any other
+    text that is not JSON.
+
+    Raises:
+        ValueError: not JSON (json.JSONDecodeError, UnicodeDecodeError, or nested too deep).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("not JSON: nested too deep") from None
+
+
+def read_json(path: str | Path, limit: int = MAX_SMALL_FILE) -> object:
+    """The JSON value in the small file ``path`` (:func:`read_bounded`, :func:`parse_json`).
+
+    Raises:
+        FileNotFoundError, UnreadableFileError, OSError: as :func:`read_bounded`. ValueError: not JSON.
+    """
+    return parse_json(read_bounded(path, limit))
+
+
+def bounded_lines(f: BinaryIO, max_line: int = MAX_LINE) -> Iterator[str]:
+    """The lines of the binary file ``f`` from its position on, as text (bad bytes replaced, newline kept), skipping
+    any line longer than ``max_line`` bytes unheld (read in ``max_line`` pieces up to its end). Memory: one line of at
+    most ``max_line`` bytes; time: linear in the bytes read."""
+    while line := f.readline(max_line + 1):
+        if len(line) > max_line and not line.endswith(b"\n"):
+            while (rest := f.readline(max_line)) and not rest.endswith(b"\n"):
+                pass
+            continue
+        yield line.decode("utf-8", errors="replace")
 
 
 class OutputRefusedError(OpskitError):
@@ -153,7 +252,7 @@ def folder_entries(folder: Path) -> list[str]:
 def read_marker(folder: Path) -> dict | None:
     """The marker opskit wrote in ``folder`` (a JSON object with ``written_by: opskit``), else None."""
     try:
-        marker = json.loads((Path(folder) / MARKER).read_bytes())
+        marker = read_json(Path(folder) / MARKER)
     except (OSError, ValueError):
         return None
     return marker if isinstance(marker, dict) and marker.get("written_by") == "opskit" else None

@@ -175,6 +175,7 @@ def test_the_job_script_entry_point_says_what_it_needs_in_one_line(tmp_path):
                               env={k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"})
 
     root = tmp_path / "run"
+    chain.claim_run_dir(RunPaths(root), "the test")  # the job script's run directory (a missing one is refused)
     started = call("start", str(root), "3", "2", "node[1-3]")
     step, nodes, folder = started.stdout.split()
     assert started.returncode == 0 and step == "STEP" and nodes == "node1,node2" and folder.endswith("3.0.heartbeats")

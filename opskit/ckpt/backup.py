@@ -64,7 +64,7 @@ from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.layout import STEP_DIR, CheckpointFormatError, existing_checkpoint_dir, latest_state, step_dirs
 from opskit.ckpt.format.manifest import MANIFEST_SHAPE, is_manifest
 from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, atomic_write_text
+from opskit.fsutil import OutputRefusedError, atomic_write_text, read_json
 from opskit.targets import open_target
 from opskit.targets.base import Target, TargetError, crc32c_of_file
 from opskit.targets.file import FileTarget
@@ -140,6 +140,8 @@ def backup(checkpoint_dir: str | Path, url: str, steps: list[int] | None = None,
     if problem := overlap_problem(checkpoint_dir, target):
         raise OutputRefusedError(f"--to {url}: {problem}; back up to a folder outside it (a copy there is no second "
                                  "copy: pruning the checkpoint dir would delete it)")
+    if isinstance(target, FileTarget) and (problem := target.folder_problem()):
+        raise OutputRefusedError(f"--to {url}: {problem}; back up to a folder (new or existing)")
     read_record(checkpoint_dir)  # a corrupt record is refused before anything is copied, not after
     available = step_dirs(checkpoint_dir)
     chosen = list(available) if steps is None else steps
@@ -177,6 +179,23 @@ def overlap_problem(checkpoint_dir: Path, target: Target) -> str | None:
         return f"inside the checkpoint dir {source}"
     if source.is_relative_to(root):
         return f"holds the checkpoint dir {source}"
+    return None
+
+
+def restore_dir_problem(checkpoint_dir: str | Path, target: Target) -> str | None:
+    """Why a step of ``target`` may not be restored into ``checkpoint_dir`` (one line), or None: the filesystem
+    root, or (file://) the backup's own folder, a folder inside it or one holding it (symbolic links resolved): the
+    restored step would land among the backup's objects, where a later backup or verify takes it for one."""
+    directory = Path(checkpoint_dir).resolve()
+    if directory == Path(directory.anchor):
+        return "the filesystem root"
+    if not isinstance(target, FileTarget):
+        return None
+    root = target.root.resolve()
+    if directory.is_relative_to(root):
+        return f"inside the backup {root}"
+    if root.is_relative_to(directory):
+        return f"holds the backup {root}"
     return None
 
 
@@ -320,7 +339,8 @@ class Verification:
 
 def verify(url: str) -> Verification:
     """Re-check a backup: every manifest and every ``global_stepN`` folder at ``url`` (one without a manifest is
-    unverifiable: a problem), and ``latest`` (:class:`Verification`).
+    unverifiable: a problem; at a file:// target, one that is a symbolic link, a file or empty too), and ``latest``
+    (a folder, not text, or naming no step of the backup: a problem) (:class:`Verification`).
 
     Raises:
         TargetError: an unusable URL. CheckpointFormatError: neither manifests nor step folders at ``url``.
@@ -328,10 +348,11 @@ def verify(url: str) -> Verification:
     target = open_target(url, option="verify")
     keys = [k for k in target.keys("manifests") if k.endswith(".json")]
     folders = {top for k in target.keys() if (top := k.split("/", 1)[0]) != k and STEP_DIR.match(top)}
-    if not keys and not folders:
+    hidden = _unlisted_step_folders(target)
+    if not keys and not folders and not hidden:
         raise CheckpointFormatError(f"{url}: no manifests/*.json (not a backup made by opskit ckpt backup)")
-    report = {}
-    for tag in folders - {Path(k).stem for k in keys}:
+    report = dict(hidden)
+    for tag in folders - {Path(k).stem for k in keys} - set(hidden):
         report[tag] = [f"{tag}/: no manifests/{tag}.json, cannot be verified (an interrupted first backup, or not "
                        "copied by opskit ckpt backup): back it up again"]
     for key in keys:
@@ -343,12 +364,42 @@ def verify(url: str) -> Verification:
         problems = verify_manifest(target, manifest)
         if not manifest.get("complete"):
             problems.insert(0, f"{key}: backup never completed (interrupted before verification)")
-        report[tag] = problems
+        report[tag] = report.get(tag, []) + problems
     report = dict(sorted(report.items(), key=lambda item: (len(item[0]), item[0])))  # global_step5 before ..10
-    latest = (target.read_text("latest") or "").strip()
-    if latest and latest not in report:
-        report["latest"] = [f"latest: names {latest[:40]!r}, which is no step of this backup"]
+    if problem := _latest_problem(target, report):
+        report["latest"] = [problem]
     return Verification(report)
+
+
+def _latest_problem(target: Target, steps: dict[str, list[str]]) -> str | None:
+    """Why the backup's ``latest`` is unusable (not a file, not text, naming no step of ``steps``), or None (also
+    when there is none)."""
+    try:
+        latest = (target.read_text("latest") or "").strip()
+    except TargetError as e:
+        return f"latest: {e}"
+    if latest and latest not in steps:
+        return f"latest: names {latest[:40]!r}, which is no step of this backup"
+    return None
+
+
+def _unlisted_step_folders(target: Target) -> dict[str, list[str]]:
+    """file:// only: the ``global_stepN`` entries the object listing does not show as copies, with why: a symbolic
+    link (its files are another folder's, which pruning or a move takes away), an empty folder, or a file."""
+    if not isinstance(target, FileTarget) or not target.root.is_dir():
+        return {}
+    found = {}
+    for entry in sorted(target.root.iterdir()):
+        if not STEP_DIR.match(entry.name):
+            continue
+        if entry.is_symlink():
+            found[entry.name] = [f"{entry.name}/: a symbolic link to {os.readlink(entry)}, not a copy: back the step "
+                                 "up again"]
+        elif not entry.is_dir():
+            found[entry.name] = [f"{entry.name}: a file, not a step folder"]
+        elif not any(entry.iterdir()):
+            found[entry.name] = [f"{entry.name}/: empty (an interrupted first backup?): back the step up again"]
+    return found
 
 
 def read_record(checkpoint_dir: str | Path) -> dict[str, dict[str, dict]]:
@@ -358,10 +409,10 @@ def read_record(checkpoint_dir: str | Path) -> dict[str, dict[str, dict]]:
         BackupError: the file is not that (not JSON, not text, another shape, a folder).
     """
     path = Path(checkpoint_dir) / RECORD
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {}
     try:
-        record = json.loads(path.read_text())
+        record = read_json(path)
     except (OSError, ValueError):
         record = None
     if not (isinstance(record, dict) and all(isinstance(steps, dict) and all(isinstance(s, dict) for s in
@@ -441,6 +492,22 @@ def _held_problem(target: Target, folder: Path) -> str | None:
     return None
 
 
+def _rename_step(staging: Path, final: Path) -> None:
+    """Rename the restored ``staging`` folder to ``final``, never over a step (another restore of the same step
+    that finished first: rename(2) refuses a non-empty folder).
+
+    Raises:
+        OutputRefusedError: ``final`` exists by now.
+    """
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if final.exists() or final.is_symlink():
+            raise OutputRefusedError(f"{final}: exists (another restore put it there meanwhile); restore never "
+                                     "replaces a step") from None
+        raise
+
+
 @dataclass
 class Restored:
     """What :func:`restore` wrote: the step folder, its file count and bytes, and ``latest`` of the checkpoint dir
@@ -464,9 +531,13 @@ def restore(url: str, checkpoint_dir: str | Path, step: int | None = None) -> Re
         TargetError: an unusable URL, a failed read. CheckpointFormatError: no such step at the backup (or no
             ``latest`` to follow), a manifest that is not opskit's or fails verification, or a restored copy that is
             not a complete, CRC-intact step; a weights-only backup that left files out (its optimizer shards);
-            nothing is left behind then. OutputRefusedError: ``global_stepN`` exists locally.
+            nothing is left behind then. OutputRefusedError: ``global_stepN`` exists locally (or another restore
+            put it there meanwhile); ``checkpoint_dir`` is the filesystem root, or the backup's own folder, inside
+            it or holding it (:func:`restore_dir_problem`).
     """
     target = open_target(url, option="restore")
+    if problem := restore_dir_problem(checkpoint_dir, target):
+        raise OutputRefusedError(f"{checkpoint_dir}: {problem}; restore into the run's checkpoint dir")
     tag = f"global_step{step}" if step is not None else (target.read_text("latest") or "").strip()
     if not STEP_DIR.match(tag):
         raise CheckpointFormatError(f"{url.rstrip('/')}/latest: missing or not a global_stepN tag; give --step N")
@@ -502,7 +573,7 @@ def restore(url: str, checkpoint_dir: str | Path, step: int | None = None) -> Re
         if why:
             raise CheckpointFormatError(f"{final}: the restored copy is not a complete step: "
                                         f"{why.replace(str(staging), str(final))}; nothing restored")
-        os.replace(staging, final)
+        _rename_step(staging, final)
     finally:
         if staging.exists():  # this restore's own folder (made above with its pid)
             shutil.rmtree(staging)

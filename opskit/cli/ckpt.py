@@ -126,7 +126,8 @@ def inspect(
 @app.command("check")
 @friendly_errors
 def check(
-    step_dir: str = typer.Argument(..., help="A global_stepN folder, or a checkpoint dir (its 'latest')."),
+    step_dir: str = typer.Argument(..., help="A global_stepN folder, a checkpoint dir (its 'latest'), or a spec "
+                                             "name (its run's 'latest')."),
     crc: bool = typer.Option(True, "--crc/--no-crc", help="Read every file to its end and check its CRC-32s (finds "
                                                           "bytes changed inside tensor data)."),
     json_output: JsonOutput = False,
@@ -139,8 +140,8 @@ def check(
 
     with _progress(in_bytes=False) as bar:
         task = bar.add_task("checking", total=None)
-        report = check_step(resolve_step_dir(step_dir), lambda done, total: bar.update(task, completed=done,
-                                                                                           total=total), crc=crc)
+        report = check_step(resolve_step_dir(checkpoint_dir_of(step_dir)[0]),
+                            lambda done, total: bar.update(task, completed=done, total=total), crc=crc)
     if report.left_out:
         _weights_only_note(report.step, f"checked the files it has, not its {len(report.left_out)} optimizer shard(s)")
     if json_output:

@@ -1,4 +1,5 @@
-"""``opskit goodput NAME [--json] [--out goodput.png]``: where the run's wall clock went (opskit.run.goodput)."""
+"""``opskit goodput NAME [--json] [--out goodput.png [--force]]``: where the run's wall clock went
+(opskit.run.goodput)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from opskit.cli._common import JsonOutput, SpecName, console, err_console, frien
 def goodput(
     name: SpecName,
     json_output: JsonOutput = False,
-    out: Path = typer.Option(None, "--out", help="Also a PNG: one bar per task, coloured by category."),
+    out: Path = typer.Option(None, "--out", help="Also an image, one bar per task coloured by category: .png, .jpg, "
+                                                 ".svg or .pdf (the suffix picks the format)."),
+    force: bool = typer.Option(False, "--force", help="Replace an image opskit drew earlier (never another file)."),
 ) -> None:
     """Split the run's wall clock (first submit to now) into training that counts, redone training, saving, loading,
     start-up, evaluation, hangs, queue wait and idle: the whole run and each chain task. Exit 0; 1 when the run has
@@ -26,7 +29,7 @@ def goodput(
     spec = load_spec(name)
     result = account(RunPaths.of(spec), spec.watchdog)
     if out is not None:
-        write_plot(result, out)
+        write_plot(result, out, force)
     if json_output:
         print_json(result.as_json())
         return

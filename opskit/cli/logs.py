@@ -187,8 +187,9 @@ def spikes(
                     "remedies": [f.as_json() for f in fixes]})
         return
     if not found:
-        console.print(f"{source.path}: no spikes in {len(iterations):,} iterations "
-                      f"({iterations[0]}-{iterations[-1]})")
+        # a line per --log-interval iterations: the lines are what was judged, not every iteration
+        console.print(f"{source.path}: no spikes in {len(iterations):,} iteration line(s) "
+                      f"(iterations {iterations[0]}-{iterations[-1]})")
         return
     table = Table(title=str(source.path))
     for header in ("metric", "first", "last", "peak at", "peak", "baseline", "back to normal at"):

@@ -35,8 +35,12 @@ def submit(
     def on_local_task(task_id: int, job_id: str) -> None:
         console.print(f"local executor: {spec.job_name} task {task_id} ({job_id}_{task_id}) starting")
 
+    def on_written(run) -> None:  # before the local executor's tasks run (it returns when they are done)
+        console.print(f"run directory {run.root}")
+        console.print(f"main log      {run.main_log}")
+
     sub = submit_run(spec, array=array, executor=executor, dry_run=dry_run, on_local_task=on_local_task,
-                     after=after, begin=begin, keep=keep, yes=yes)
+                     after=after, begin=begin, keep=keep, yes=yes, on_written=on_written)
     if dry_run and sub.script:
         console.print(sub.script, end="")
     for note in sub.notes:
@@ -51,8 +55,6 @@ def submit(
         for warning in sub.warnings:  # what a real submission refuses, all at once
             console.print(f"# warning: {warning}")
         return
-    console.print(f"run directory {sub.run.root}")
-    console.print(f"main log      {sub.run.main_log}")
     if executor == "local":
         for task in sub.local_tasks:
             console.print(f"task {task.task_id}: exit code {task.exit_code}{' (time limit)' if task.timed_out else ''}"

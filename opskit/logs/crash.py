@@ -9,6 +9,7 @@ fell off the bus).
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -82,27 +83,48 @@ def expand_nodelist(nodelist: str) -> list[str]:
     bracket groups multiply (``r[1-2]n[1-2]``: r1n1 r1n2 r2n1 r2n2).
 
     Raises:
-        ValueError: an unbalanced bracket, or a range that is not ``A`` or ``A-B`` of digits with A <= B.
+        ValueError: an unbalanced bracket, or a range that is not ``A`` or ``A-B`` of digits with A <= B; a list of
+            more than :data:`MAX_NODES` names (counted before any is made: time and memory stay bounded).
     """
     if not _NODELIST.fullmatch(nodelist):
-        raise ValueError(f"{nodelist!r} is no SLURM node list")
-    names: list[str] = []
+        raise ValueError(f"{_shown(nodelist)} is no SLURM node list")
+    items = []
     for item in _NODELIST_ITEM.findall(nodelist):
         parts = re.split(r"\[([^\]]*)\]", item)  # text, ranges, text, ranges, ..., text
-        choices = [[text] if i % 2 == 0 else _range_names(text, nodelist) for i, text in enumerate(parts)]
+        items.append([[text] if i % 2 == 0 else _ranges(text, nodelist) for i, text in enumerate(parts)])
+    count = sum(math.prod(sum(len(numbers) for _, numbers in choice) if i % 2 else 1 for i, choice in enumerate(parts))
+                for parts in items)
+    if count > MAX_NODES:
+        raise ValueError(f"{_shown(nodelist)} names {count:,} nodes, more than any cluster has (at most "
+                         f"{MAX_NODES:,})")
+    names: list[str] = []
+    for parts in items:
+        choices = [choice if i % 2 == 0 else [f"{n:0{width}d}" for width, numbers in choice for n in numbers]
+                   for i, choice in enumerate(parts)]
         names += ["".join(chosen) for chosen in itertools.product(*choices)]
     return names
 
 
-def _range_names(ranges: str, nodelist: str) -> list[str]:
-    """``08-10,12`` -> 08 09 10 12 (the width of the range's start kept)."""
-    numbers = []
+MAX_NODES = 1 << 16
+"""Most names a node list may expand to: the largest clusters have ~10,000 nodes (SLURM's own node count limit is
+65,533); a longer list is a typo or garbage, refused before it is expanded."""
+
+
+def _shown(nodelist: str) -> str:
+    """A node list quoted for a message, its middle elided past 60 characters."""
+    return repr(nodelist if len(nodelist) <= 60 else f"{nodelist[:40]}...{nodelist[-15:]}")
+
+
+def _ranges(ranges: str, nodelist: str) -> list[tuple[int, range]]:
+    """``08-10,12`` -> [(2, range(8, 11)), (2, range(12, 13))]: each range with the width of its start (zero padding
+    kept when the names are made), not expanded."""
+    found = []
     for one in ranges.split(","):
         first, _, last = one.partition("-")
         if not (first.isdigit() and (last or first).isdigit()) or int(first) > int(last or first):
-            raise ValueError(f"{nodelist!r}: {one!r} is no range")
-        numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last or first) + 1)]
-    return numbers
+            raise ValueError(f"{_shown(nodelist)}: {one[:20]!r} is no range")
+        found.append((len(first), range(int(first), int(last or first) + 1)))
+    return found
 
 
 class Crash(NamedTuple):

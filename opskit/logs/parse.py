@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from opskit.errors import OpskitError
+from opskit.fsutil import MAX_LINE, UnreadableFileError, open_regular
 from opskit.logs.grammar import ITERATION_WORD, iteration_fields, scan_bytes, scan_lines
 
 T = TypeVar("T")
@@ -45,8 +46,6 @@ _BLOCK = 8 << 20  # bytes per read: per-read costs vanish, memory stays bounded
 _BULK_BLOCK = 16 << 20  # bytes per read on the bulk path: polars reads one block while Python builds the last
 _BULK_MIN = 16 << 20  # reads this large go through opskit.logs.bulk (smaller ones do not pay for importing polars)
 _FIRST_BACK = 64 << 10  # the first block read from a file's end: what `logs show` and `status` usually need
-MAX_LINE = 1 << 20
-"""Bytes a line may have (its newline not counted); a longer one is garbage, skipped and counted (module doc)."""
 _GZIP_MAGIC = b"\x1f\x8b"
 UNLABELLED = -1
 """The rank of an unlabelled record in a numpy array of ranks (srun's labels are >= 0)."""
@@ -128,15 +127,17 @@ def open_log(path: str | Path) -> BinaryIO:
     offsets, sizes and reads from the end mean the same as for a plain log.
 
     Raises:
-        FileNotFoundError: no such file (followers wait for it). LogFormatError: a folder, not readable, or a corrupt
-            or truncated gzip file.
+        FileNotFoundError: no such file (followers wait for it). LogFormatError: a folder or another file that is not
+            regular (a device such as ``/dev/zero`` would never end: :func:`opskit.fsutil.open_regular`), not
+            readable, or a corrupt or truncated gzip file.
     """
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise LogFormatError(f"{path}: a folder, not a log file") from None
+    except UnreadableFileError as e:
+        raise LogFormatError(f"{path}: {e.strerror.replace('a folder, not a regular file', 'a folder, not a log file')}"
+                             ) from None
     except OSError as e:
         raise LogFormatError(f"{path}: cannot read: {e.strerror or e}") from None
     # Only a .gz name: a log still being written (main_log.txt, read from offsets) is never decompressed.

@@ -4,7 +4,9 @@ Both libraries are imported inside the functions that draw.
 
 An image opskit wrote carries :data:`SOFTWARE` in its format's own metadata (PNG: a ``Software`` text chunk; JPEG: a
 comment segment; SVG: the Dublin Core creator; PDF: the info dictionary's ``/Creator``), read back by
-:func:`written_by_opskit` without matplotlib or PIL; only such a file is replaced, and only with ``force``.
+:func:`written_by_opskit` without matplotlib or PIL; only such a file is replaced, and only with ``force``. Every
+image opskit draws (``logs plot``, ``goodput --out``) is claimed and saved here (:func:`claim_image`,
+:func:`save_image`).
 """
 
 from __future__ import annotations
@@ -333,14 +335,24 @@ def draw_image(series: list[Series], out: str | Path, x: str, y: str, log_y: boo
     ax.set_title(title or f"{y_label} vs {x_label}")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    save_image(fig, out, fmt)
+    return out
+
+
+def save_image(figure, out: Path, fmt: str) -> None:
+    """Write the matplotlib ``figure`` to ``out`` (which :func:`claim_image` allowed, giving ``fmt``) with opskit's
+    mark (:data:`SOFTWARE`), through a temporary name renamed into place: readers never see half a file.
+
+    Raises:
+        OSError: ``out`` cannot be written.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_path(out)
     try:
-        fig.savefig(staging, format=fmt, **_SAVE_MARK[fmt])
+        figure.savefig(staging, format=fmt, **_SAVE_MARK[fmt])
         staging.replace(out)
     finally:
         staging.unlink(missing_ok=True)
-    return out
 
 
 def thin(x: Sequence[float], y: Sequence[float], low: float, high: float, columns: int

@@ -27,9 +27,10 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from opskit.errors import OpskitError
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import atomic_write_text, read_json
 from opskit.logs.parse import from_end
 from opskit.monitor.findings import Report
+from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.spec.files import SpecError
 from opskit.spec.schema import AlertsSpec
@@ -275,9 +276,10 @@ class Outcome:
 
 def _load(run: RunPaths) -> dict:
     try:
-        return json.loads(run.alerts_state.read_text())
+        state = read_json(run.alerts_state)
     except (OSError, ValueError):
         return {}
+    return state if isinstance(state, dict) else {}
 
 
 def _active(report: Report, previous: dict) -> dict[str, str]:
@@ -294,7 +296,8 @@ def notify(report: Report, config: AlertsSpec, run: RunPaths, cli_name: str, ack
     """Send what each channel has not been told yet; with ``ack``, silence the current alerts instead.
 
     Raises:
-        AlertConfigError: no channel configured (and not ``ack``), or a malformed setting.
+        AlertConfigError: no channel configured (and not ``ack``), or a malformed setting. OutputRefusedError:
+            ``paths.output`` is no run directory to keep the alert state in (after the messages went out).
     """
     config = settings(config, environ)
     state = _load(run)
@@ -327,7 +330,8 @@ def notify(report: Report, config: AlertsSpec, run: RunPaths, cli_name: str, ack
             sent_state[channel.name] = {"keys": sorted(active), "at": now}
             outcome.sent.append((channel.name, kind))
     state.update(active=active, acked=acked)
-    run.watchdog_dir.mkdir(parents=True, exist_ok=True)  # even before the first submission: an absent job alerts
+    # even before the first submission (an absent job alerts): the run directory is created, marked as opskit's
+    chain.claim_state_dir(run, run.watchdog_dir, "status --alert")
     atomic_write_text(run.alerts_state, json.dumps(state, indent=1))
     return outcome
 

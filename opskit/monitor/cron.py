@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from opskit.errors import OpskitError
-from opskit.fsutil import atomic_write_text, claim_file
+from opskit.fsutil import atomic_write_text, claim_file, read_json
 from opskit.monitor.alerts import AlertConfigError, settings
 from opskit.run import chain
 from opskit.run.paths import RunPaths
@@ -86,11 +86,11 @@ def read_installed(run: RunPaths) -> Installed | None:
         CronError: a record that is not opskit's.
     """
     path = run.cron_record
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        return Installed(**json.loads(path.read_text()))
-    except (ValueError, TypeError) as e:
+        return Installed(**read_json(path))
+    except (OSError, ValueError, TypeError) as e:
         raise CronError(f"{path}: not opskit's cron record ({e}); remove it by hand") from None
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, atomic_write_text, process_alive
+from opskit.fsutil import OutputRefusedError, atomic_write_text, process_alive, read_bounded, read_json
 from opskit.run.paths import RunPaths
 from opskit.targets import check_url, open_target
 from opskit.targets.base import Target, TargetOptions, crc32c_of_file
@@ -112,10 +112,10 @@ def _key_prefix(run: RunPaths, kind: str) -> str:
 def load_manifest(path: Path) -> dict[str, dict]:
     """key -> {"size", "mtime_ns", "crc32c"}; an old or unreadable manifest counts as empty (everything re-sent)."""
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in data.items() if isinstance(v, dict)}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
 
 
 def changed_files(files: dict[str, Path], manifest: dict[str, dict]) -> tuple[dict[str, Path], int]:
@@ -303,7 +303,10 @@ def _pid_file_lock(path: Path, url: str) -> Iterator[None]:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             break
         except FileExistsError:
-            holder = path.read_text(errors="replace").split() if path.is_file() else []
+            try:
+                holder = read_bounded(path, 4096).decode(errors="replace").split()
+            except OSError:
+                holder = []  # gone meanwhile, or garbage: taken over below
             if len(holder) == 2 and holder[1].isdigit() and (holder[0] != host or process_alive(int(holder[1]))):
                 raise SyncBusy(f"another sync to {url} is still running (PID {holder[1]} on {holder[0]}, lock "
                                f"{path}); skipped") from None

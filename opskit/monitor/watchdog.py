@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from opskit.ckpt.format.info import FALLBACK_LINE, resume_point
-from opskit.ckpt.format.layout import SAVE_FAILED_LINE, save_failed_message, step_dirs
-from opskit.fsutil import append_lines, atomic_write_text
+from opskit.ckpt.format.info import FALLBACK_LINE, StepInfo, resume_point
+from opskit.ckpt.format.layout import SAVE_FAILED_LINE, SAVED_LINE, STEP_DIR, save_failed_message, step_dirs
+from opskit.fsutil import OutputRefusedError, append_lines, atomic_write_text, open_regular, read_json
 from opskit.logs.crash import (
     JOB_HEADER,
     SIGNATURES,
@@ -94,6 +94,8 @@ class WatchdogState:
     """The last iteration read from TensorBoard events (a run without a text log)."""
     checkpoint: str | None = None
     """The newest complete step seen (``global_stepN``)."""
+    saved: int | None = None
+    """The iteration of the last ``successfully saved checkpoint`` line the log showed: that step must exist."""
     last_running: float | None = None
     """When a task of the run was last seen running (epoch s)."""
     measured: dict | None = None
@@ -107,29 +109,32 @@ class WatchdogState:
         if not isinstance(data, dict):
             return cls()
         kinds = {"offset": int, "inode": int, "history": list, "skipped": int, "last_iteration_at": (int, float),
-                 "job_nodes": str, "events_iteration": int, "checkpoint": str, "last_running": (int, float),
-                 "measured": dict}
+                 "job_nodes": str, "events_iteration": int, "checkpoint": str, "saved": int,
+                 "last_running": (int, float), "measured": dict}
         return cls(**{key: value for key, value in data.items() if key in kinds and isinstance(value, kinds[key])
                       and not isinstance(value, bool)})
 
 
 def load_state(run: RunPaths) -> WatchdogState:
-    """The watchdog's memory of the last run (a fresh one the first time, or when the file is unreadable or not a
-    JSON object: start over)."""
+    """The watchdog's memory of the last run (a fresh one the first time, or when the file is unreadable, not a
+    regular file of at most :data:`opskit.fsutil.MAX_SMALL_FILE` bytes, or not a JSON object: start over)."""
     try:
-        return WatchdogState.from_json(json.loads(run.watchdog_state.read_text()))
+        return WatchdogState.from_json(read_json(run.watchdog_state))
     except (OSError, ValueError):
         return WatchdogState()
 
 
 def save_state(run: RunPaths, state: WatchdogState) -> str | None:
     """Write the state atomically; nothing when the run directory does not exist yet. Returns why it could not be
-    written (``<file>: <strerror>``: a teammate without write access to the run), else None: the checks stand."""
+    written (``<file>: <strerror>``: a teammate without write access to the run; a ``paths.output`` that is no run
+    directory: :func:`opskit.run.chain.claim_state_dir`), else None: the checks stand."""
     if not run.root.is_dir():
         return None
     try:
-        run.watchdog_dir.mkdir(exist_ok=True)
+        chain.claim_state_dir(run, run.watchdog_dir, "status")
         atomic_write_text(run.watchdog_state, json.dumps(asdict(state), separators=(",", ":")))
+    except OutputRefusedError as e:
+        return str(e)
     except OSError as e:
         return f"{e.filename or run.watchdog_dir}: {e.strerror or e}"
     return None
@@ -235,11 +240,15 @@ def _lost_since_save(run: RunPaths, row: chain.TaskOutcome) -> tuple[str, float]
     return name, max(0.0, failed_at.timestamp() - mtime)
 
 
-def _ledger(run: RunPaths) -> list[chain.TaskOutcome]:
-    try:
-        return chain.read_ledger(run)
-    except chain.ChainError:
-        return []  # a torn ledger line must not stop the watchdog; `opskit submit` reports it
+def check_ledger(ledger: chain.Ledger) -> list[Finding]:
+    """``chain.ledger``: the ledger's damaged lines (torn by a crash mid-write, edited), each named by file and line;
+    the other lines were read and count (a damaged line never hides the failures the good ones record)."""
+    if not ledger.damaged:
+        return []
+    more = f" and {len(ledger.damaged) - 1} more damaged line(s)" if len(ledger.damaged) > 1 else ""
+    return [Finding("chain.ledger", "warn", f"{ledger.damaged[0]}{more}; the ledger's {len(ledger.rows)} other "
+                    "record(s) are counted: fix or delete the line", {"damaged": ledger.damaged[:20],
+                                                                       "records": len(ledger.rows)})]
 
 
 def _ledger_time(text: str) -> datetime | None:
@@ -318,7 +327,12 @@ def read_log(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRea
     records and NEW_TEXT bytes of text: only the end of a large gain is read); updates ``state``. None without a log.
 
     A file that shrank or was replaced (another inode) is read again from its start. ``keep``: iteration records
-    kept in the state for the next run (spike window and throughput baseline).
+    kept in the state for the next run (spike window and throughput baseline). The last ``successfully saved
+    checkpoint`` line of the new text sets ``state.saved``.
+
+    Raises:
+        LogFormatError: main_log.txt is a folder, a device (``/dev/zero`` would never end) or another file that is not
+            regular, or unreadable.
     """
     try:
         info = os.stat(run.main_log)
@@ -329,9 +343,12 @@ def read_log(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRea
     # Only the last NEW_RECORDS records count: read backwards to them, not the whole gain (a months-old log).
     chunk = read_tail(run.main_log, NEW_RECORDS, start, fields=FIELDS)
     text_from = max(start, chunk.offset - NEW_TEXT)
-    with open(run.main_log, "rb") as f:  # the same new bytes once more, for crash lines: an hour's worth is small
-        f.seek(text_from)
-        text = f.read(chunk.offset - text_from).decode("utf-8", errors="replace")
+    try:
+        with open_regular(run.main_log) as f:  # the same new bytes once more, for crash lines: an hour's worth is small
+            f.seek(text_from)
+            text = f.read(chunk.offset - text_from).decode("utf-8", errors="replace")
+    except OSError as e:  # replaced by something else since
+        raise LogFormatError(f"{run.main_log}: cannot read: {e.strerror or e}") from None
     new = chunk.iterations[-NEW_RECORDS:]
     history = [] if start == 0 else state.history
     records = timeline(history + new)
@@ -341,6 +358,8 @@ def read_log(run: RunPaths, state: WatchdogState, keep: int = HISTORY) -> LogRea
     job_nodes = state.job_nodes if start else ""
     if _JOB_WORD in text and (header := last_header(text)):  # a C substring search first, not a regex scan
         state.job_nodes = header["nodes"]  # (8 MiB on a first run)
+    if saved := _matches(text, "successfully saved", SAVED_LINE):
+        state.saved = int(saved[-1][1])
     state.offset, state.inode, state.history = chunk.offset, info.st_ino, records[-keep:]
     state.skipped += chunk.skipped
     return LogRead(records, new, text, chunk.skipped, state.last_iteration_at, job_nodes)
@@ -435,7 +454,7 @@ def check_stragglers(run: RunPaths, wd: WatchdogSpec, tail: int = STRAGGLER_TEXT
 def _log_tail(main_log: Path, tail: int) -> str:
     """The last ``tail`` bytes of ``main_log`` as text ("" when unreadable)."""
     try:
-        with open(main_log, "rb") as f:
+        with open_regular(main_log) as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
             return f.read().decode("utf-8", errors="replace")
     except OSError:
@@ -619,7 +638,8 @@ def _save_failures(text: str) -> list[Finding]:
 
 
 def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: float | None, running: bool,
-                     wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None) -> list[Finding]:
+                     wd: WatchdogSpec, now: datetime, saved_by_now: str | None = None,
+                     said_saved: tuple[int, str] | None = None) -> list[Finding]:
     """The step the next job resumes from (:func:`opskit.ckpt.format.info.resume_point`, headers only): an ALERT when
     ``latest`` is unusable or names a missing or incomplete step (the next job falls back to the newest complete
     step, or fails when there is none); then that step's age against ``save_interval`` iterations at the logged
@@ -628,6 +648,9 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
     Args:
         saved_by_now: why a complete step must exist by now (:func:`_save_due`); then none is an ALERT
             (``checkpoint.missing``), as is a checkpoint path that is a file. None: no complete step is still ok.
+        said_saved: (iteration, evidence): the last step the log or the ledger says was saved
+            (:func:`_said_saved`); when its folder is gone and no step as new is complete, an ALERT
+            (``checkpoint.missing``): the next job would start from an older step, or from scratch.
     """
     if run.checkpoints.exists() and not run.checkpoints.is_dir():
         return [Finding("checkpoint.missing", "alert", f"{run.checkpoints} is a file, not a folder: the next job "
@@ -640,6 +663,8 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
                 "no complete step is left: the next job will fail (restore one from a backup)")
         findings.append(Finding("checkpoint.incomplete", "alert", f"{point.problem}; {then}",
                                 {"latest": point.latest, "problem": point.problem, "resume_from": resume_from}))
+    if gone := _saved_step_gone(run, point.step, said_saved):
+        return [*findings, gone]
     try:
         saved = point.step.path.stat().st_mtime if point.step else None
     except OSError:
@@ -665,6 +690,37 @@ def check_checkpoint(run: RunPaths, save_interval: int, seconds_per_iteration: f
                                f"{seconds_per_iteration:.3g} s/it", {**data, "expected_s": round(expected)})]
 
 
+def _saved_step_gone(run: RunPaths, resume_from: StepInfo | None, said_saved: tuple[int, str] | None
+                     ) -> Finding | None:
+    """``checkpoint.missing`` when the step ``said_saved`` names has no folder and the resume point (``resume_from``:
+    none, or an older step) is older: a folder deleted, or ``checkpoints`` replaced (a link to ``/``)."""
+    if said_saved is None:
+        return None
+    iteration, evidence = said_saved
+    tag = f"global_step{iteration}"
+    newest = int(STEP_DIR.match(resume_from.path.name).group(1)) if resume_from else None
+    if (run.checkpoints / tag).is_dir() or (newest is not None and newest >= iteration):
+        return None
+    then = f"the next job resumes from {resume_from.path.name}" if resume_from else \
+        "the next job starts from scratch (random weights)"
+    return Finding("checkpoint.missing", "alert", f"{run.checkpoints / tag} is gone although {evidence}: deleted or "
+                   f"moved? {then[0].upper()}{then[1:]}; restore it from a backup (`opskit ckpt restore`)",
+                   {"path": str(run.checkpoints), "tag": tag, "evidence": evidence,
+                    "resume_from": resume_from.path.name if resume_from else None})
+
+
+def _said_saved(state: WatchdogState, ledger: list[chain.TaskOutcome]) -> tuple[int, str] | None:
+    """(iteration, evidence) of the last step the log said it saved, else the last one the ledger recorded as
+    ``latest`` when a task ended; None when neither says any."""
+    if state.saved is not None:
+        return state.saved, f"the log says it was saved (successfully saved checkpoint at iteration {state.saved})"
+    recorded = next((row for row in reversed(ledger) if row.checkpoint and STEP_DIR.match(row.checkpoint)), None)
+    if recorded is None:
+        return None
+    return (int(STEP_DIR.match(recorded.checkpoint).group(1)),
+            f"the ledger records it as latest when task {recorded.task} ended")
+
+
 def check_save_interval(run: RunPaths, save_interval: int, ledger: list[chain.TaskOutcome],
                         state: WatchdogState) -> list[Finding]:
     """``checkpoint.save_interval``: the run's measured MTBF, save cost and iteration time, Young/Daly's interval and
@@ -675,7 +731,10 @@ def check_save_interval(run: RunPaths, save_interval: int, ledger: list[chain.Ta
         return []
     measured = state.measured
     if measured is None or measured.get("failures") != failures:
-        measured = state.measured = save_interval_advice(run, save_interval, ledger).as_json()
+        try:
+            measured = state.measured = save_interval_advice(run, save_interval, ledger).as_json()
+        except OSError:
+            return []  # an unreadable log: its own finding says so
     hours = measured.get("hours_run") or 0.0
     advice = advise(measured.get("tasks", 0), hours, failures, measured.get("save_seconds"),
                     measured.get("iteration_seconds"), save_interval)
@@ -740,9 +799,13 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     except SchedulerUnreachable as e:
         entries, error = [], e
     running = [e for e in entries if e.state == "RUNNING"]
-    ledger = _ledger(run)
+    read = chain.ledger_of(run)  # a damaged line is a finding of its own; the good lines still count
+    ledger = read.rows
     keep = max(HISTORY, 2 * spec.watchdog.spike_window + 10)
-    log = read_log(run, state, keep) or read_events(run, state, keep)
+    try:
+        log, log_error = read_log(run, state, keep) or read_events(run, state, keep), None
+    except LogFormatError as e:
+        log, log_error = None, e
     records = log.records if log else []
     findings, seconds_left, per_it = check_progress(spec, records)
     if error is not None:
@@ -754,22 +817,28 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
         if running:
             state.last_running = now.timestamp()
         scheduler = check_scheduler(spec, run, entries, state.last_running, now, seconds_left, ledger)
-    scheduler += check_chain(run, ledger)
+    scheduler += check_chain(run, ledger) + check_ledger(read)
     started = [t for e in running if (t := _slurm_time(e.start_time))]
     run_missing = not run.root.is_dir()
     if run_missing:  # never "no log yet, ok" about a run this machine cannot see
         findings.append(_run_missing(spec, run))
+    elif log_error is not None:
+        findings.append(Finding("log.unreadable", "alert", f"{log_error}: nothing of the log can be checked",
+                                {"path": str(run.main_log)}))
     elif log is None:
         findings.append(_no_log(run, _started(run, ledger, state)))
     else:
         findings += check_log(log, spec.watchdog, now, max(started) if started else None,
                               spec.checkpoint.save_interval)
+        findings += _no_iterations(run, log, _started(run, ledger, state))
         findings = [with_stuck_ranks(f, run.main_log, state.job_nodes) if f.key == "log.hang" else f
                     for f in findings]
         findings += check_stragglers(run, spec.watchdog)
     if not run_missing:
+        said_saved = _said_saved(state, ledger)
         checkpoint = check_checkpoint(run, spec.checkpoint.save_interval, per_it, bool(running), spec.watchdog, now,
-                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval))
+                                      _save_due(run, ledger, state, records, spec.checkpoint.save_interval,
+                                                said_saved), said_saved)
         state.checkpoint = next((f.data["tag"] for f in checkpoint if f.key == "checkpoint.age"), state.checkpoint)
         findings += checkpoint + check_save_interval(run, spec.checkpoint.save_interval, ledger, state)
     findings += check_disk(run, spec.watchdog)
@@ -802,13 +871,33 @@ def _started(run: RunPaths, ledger: list[chain.TaskOutcome], state: WatchdogStat
 
 
 def _save_due(run: RunPaths, ledger: list[chain.TaskOutcome], state: WatchdogState, records: list[dict],
-              save_interval: int) -> str | None:
-    """Why a complete step must exist by now, or None. A visible log decides (its newest iteration reached
+              save_interval: int, said_saved: tuple[int, str] | None = None) -> str | None:
+    """Why a complete step must exist by now, or None. A step the log or the ledger says was saved
+    (``said_saved``: :func:`_said_saved`) does; else a visible log decides (its newest iteration reached
     ``save_interval``); without one, any sign that the run started (:func:`_started`) does."""
+    if said_saved:
+        return f"global_step{said_saved[0]} was saved ({said_saved[1]})"
     if records:
         last = records[-1]["iteration"]
         return f"the log reached iteration {last} (one save every {save_interval})" if last >= save_interval else None
     return _started(run, ledger, state)
+
+
+def _no_iterations(run: RunPaths, log: LogRead, started: str | None) -> list[Finding]:
+    """``log.unreadable``: a run that started (``started``: :func:`_started`) whose main_log.txt shows no iteration
+    line at all, this time or before (garbage, another file, an encoding opskit cannot read): the log checks (hang,
+    spikes, NaN, progress) see nothing."""
+    if log.records or not started:
+        return []
+    try:
+        size = f"{os.stat(run.main_log).st_size:,} bytes"
+    except OSError:
+        size = "unreadable"
+    garbled = f", {log.skipped} cut or garbled record line(s)" if log.skipped else ""
+    return [Finding("log.unreadable", "warn", f"{run.main_log} ({size}{garbled}) holds no iteration line opskit can "
+                    f"read although {started}: another file, damaged, or a trainer whose lines opskit does not know? "
+                    "The log's checks (hang, spikes, NaN, progress) see nothing", {"path": str(run.main_log),
+                                                                                  "evidence": started})]
 
 
 def _no_log(run: RunPaths, started: str | None) -> Finding:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from opskit.fsutil import open_regular
+
 ENV = "OPSKIT_HEARTBEAT_DIR"
 WIDTH = 128
 """Bytes of one beat: fixed, so a rewrite in place never leaves a longer old one's tail."""
@@ -67,7 +69,7 @@ def read_beats(folder: Path) -> list[Beat]:
         if not entry.name.startswith("rank-"):
             continue
         try:
-            with open(entry.path, "rb") as f:
+            with open_regular(entry.path) as f:  # a FIFO or device planted there must not stall the monitor
                 fields = f.read(WIDTH).decode("ascii").split()
             seconds = entry.stat().st_mtime
             rank, node, local_rank, iteration, phase = fields

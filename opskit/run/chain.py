@@ -32,7 +32,17 @@ from pathlib import Path
 
 from opskit.ckpt.format.layout import latest_state
 from opskit.errors import OpskitError
-from opskit.fsutil import OutputRefusedError, append_lines, atomic_write_text, has_marker, write_marker
+from opskit.fsutil import (
+    OutputRefusedError,
+    append_lines,
+    atomic_write_text,
+    bounded_lines,
+    has_marker,
+    open_regular,
+    parse_json,
+    read_bounded,
+    write_marker,
+)
 from opskit.logs.crash import Crash, find_crashes
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
@@ -187,7 +197,7 @@ RENDERED_BY = "# Rendered by `opskit "
 def rendered_by_opskit(script: Path) -> bool:
     """Whether ``script`` is a job script opskit rendered (a line of its header starts with :data:`RENDERED_BY`)."""
     try:
-        with open(script, "rb") as f:
+        with open_regular(script) as f:
             head = f.read(1 << 16).decode("utf-8", "replace")
     except OSError:
         return False
@@ -227,6 +237,26 @@ def claim_run_dir(run: RunPaths, what: str, write: bool = True) -> str | None:
     return None
 
 
+def claim_state_dir(run: RunPaths, folder: Path, what: str) -> None:
+    """Create ``folder`` (opskit's own state inside the run directory: ``watchdog/``) when it is missing, in a run
+    directory opskit may write to (:func:`claim_run_dir`, which creates and marks a missing one) or one that holds a
+    run's logs (a run of an older opskit or of another tool that is watched); never in any other folder (a
+    ``paths.output`` that links to ``/`` or names a folder of the user's).
+
+    Raises:
+        OutputRefusedError: the run directory is none of those (naming it and ``paths.output``).
+    """
+    if folder.is_dir():
+        return
+    if not run.logs.is_dir():
+        try:
+            claim_run_dir(run, what)
+        except OutputRefusedError:
+            raise OutputRefusedError(f"{run.root}: holds files opskit did not write and no logs/ of a run; "
+                                     f"{folder.name}/ not created there (does paths.output name the run?)") from None
+    folder.mkdir(exist_ok=True)
+
+
 # --------------------------------------------------------------------------- flags
 
 
@@ -247,8 +277,13 @@ def set_kill_switch(run: RunPaths, on: bool) -> bool:
 
 
 def flag_text(path: Path) -> str:
-    """First line of a flag file, for messages."""
-    text = path.read_text(errors="replace").strip()
+    """First line of a flag file (of its first 4 KiB), for messages; the path when it has none or is unreadable (a
+    folder, a device: the flag is on all the same, it exists)."""
+    try:
+        with open_regular(path) as f:
+            text = f.read(4096).decode(errors="replace").strip()
+    except OSError:
+        text = ""
     return text.splitlines()[0] if text else str(path)
 
 
@@ -269,6 +304,46 @@ class TaskOutcome:
     checkpoint: str | None = None
     """``latest``'s tag when the task ended (``""``: none yet); None in lines written before it was recorded."""
 
+    @classmethod
+    def from_json(cls, data: object) -> TaskOutcome:
+        """The record a parsed ledger line holds.
+
+        Raises:
+            ValueError: not an object of the record's fields with their types (``"time": 5``, an unknown key).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        kinds = {"time": str, "job_id": str, "task": str, "state": str, "exit_code": (int, type(None)), "nodes": str,
+                 "reason": str, "checkpoint": (str, type(None))}
+        for key, value in data.items():
+            if key not in kinds:
+                raise ValueError(f"unknown field {key!r}")
+            if not isinstance(value, kinds[key]) or isinstance(value, bool):
+                raise ValueError(f"{key} is {json.dumps(value)[:40]}, expected {_kind_name(kinds[key])}")
+        missing = [key for key in ("time", "job_id", "task", "state") if key not in data]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        return cls(**data)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({str: "a string", int: "an integer", type(None): "null"}[k] for k in kinds)
+
+
+MAX_LEDGER = 64 << 20
+"""Bytes a ledger may have: a line per task (~200 bytes) gives room for 300,000 tasks, far past any chain; a larger
+file is not opskit's ledger and is not read."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The ledger as read: its records, oldest first, and one ``<file>:<line>: why`` per line that is not one (torn
+    by a crash mid-write, edited by hand)."""
+
+    rows: list[TaskOutcome]
+    damaged: list[str]
+
 
 def record(run: RunPaths, outcome: TaskOutcome) -> None:
     """Append one line to the ledger: a single O_APPEND write, so concurrent writers never interleave a line."""
@@ -278,23 +353,38 @@ def record(run: RunPaths, outcome: TaskOutcome) -> None:
     append_lines(run.ledger, [json.dumps(asdict(outcome), separators=(",", ":"))])
 
 
-def read_ledger(run: RunPaths) -> list[TaskOutcome]:
-    """Every ledger line, oldest first ([] without a ledger).
-
-    Raises:
-        ChainError: a line that is not a ledger record, naming the file and line.
-    """
-    if not run.ledger.is_file():
-        return []
-    rows = []
-    for number, line in enumerate(run.ledger.read_text(errors="replace").splitlines(), 1):  # bad bytes: that line
+def ledger_of(run: RunPaths) -> Ledger:
+    """Every ledger record, and each damaged line named (:class:`Ledger`): a damaged line never hides the others.
+    The file must be a regular one of at most :data:`MAX_LEDGER` bytes, else no record is read and ``damaged`` says
+    why. Memory: the file and its records; time: linear in its size."""
+    try:
+        data = read_bounded(run.ledger, MAX_LEDGER)
+    except FileNotFoundError:
+        return Ledger([], [])
+    except OSError as e:
+        return Ledger([], [f"{run.ledger}: unreadable ({e.strerror or e})"])
+    rows, damaged = [], []
+    for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):  # bad bytes: that line only
         if not line.strip():
             continue
         try:
-            rows.append(TaskOutcome(**json.loads(line)))
-        except (ValueError, TypeError) as e:
-            raise ChainError(f"{run.ledger}:{number}: not a ledger record ({e})") from None
-    return rows
+            rows.append(TaskOutcome.from_json(parse_json(line)))
+        except ValueError as e:
+            damaged.append(f"{run.ledger}:{number}: not a ledger record ({str(e)[:120]})")
+    return Ledger(rows, damaged)
+
+
+def read_ledger(run: RunPaths) -> list[TaskOutcome]:
+    """Every ledger line, oldest first ([] without a ledger): for accounts that must not leave a task out.
+
+    Raises:
+        ChainError: a line that is not a ledger record (naming the file and line), or a ledger that is not a regular
+            file of at most :data:`MAX_LEDGER` bytes.
+    """
+    ledger = ledger_of(run)
+    if ledger.damaged:
+        raise ChainError(ledger.damaged[0])
+    return ledger.rows
 
 
 def consecutive_failures(rows: list[TaskOutcome]) -> list[TaskOutcome]:
@@ -347,11 +437,20 @@ def check_node_name(node: str) -> str:
 
 
 def read_bad_nodes(run: RunPaths) -> dict[str, str]:
-    """Bad node -> why, from ``bad-nodes.txt`` (``node<TAB>why`` lines; ``#`` comments)."""
-    if not run.bad_nodes.is_file():
+    """Bad node -> why, from ``bad-nodes.txt`` (``node<TAB>why`` lines; ``#`` comments; {} without one).
+
+    Raises:
+        ChainError: a line without a host name (naming the file and line); a list that is not a regular file of at
+            most :data:`opskit.fsutil.MAX_SMALL_FILE` bytes.
+    """
+    try:
+        text = read_bounded(run.bad_nodes).decode(errors="replace")
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise ChainError(f"{run.bad_nodes}: unreadable ({e.strerror or e}); expected `node<TAB>why` lines") from None
     nodes = {}
-    for number, line in enumerate(run.bad_nodes.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
         node, _, why = line.partition("\t")
@@ -406,8 +505,11 @@ def node_crashes(run: RunPaths, job_id: str) -> list[Crash]:
     crashes: list[Crash] = []
     for log in sorted(run.node_logs.glob(f"{job_id}-*.log")):
         node = log.name[len(job_id) + 1: -len(".log")]
-        with open(log, errors="replace") as lines:
-            crashes += find_crashes(lines, node=node)
+        try:
+            with open_regular(log) as f:
+                crashes += find_crashes(bounded_lines(f), node=node)
+        except OSError:
+            continue  # a node log that is not a file (or gone): no crash line of its own
     return crashes
 
 
@@ -486,8 +588,9 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
     record(run, TaskOutcome(stamp, job_id, task, state, exit_code, nodes, reason, _latest_tag(run)))
     if run.stopped_flag.exists():
         return lines
-    rows = read_ledger(run)
-    stalled, failed = stalled_starts(rows), consecutive_failures(rows)
+    ledger = ledger_of(run)  # a damaged line is said once, and the others still count
+    lines += ledger.damaged[:1]
+    stalled, failed = stalled_starts(ledger.rows), consecutive_failures(ledger.rows)
     if max_stalled_starts is not None and len(stalled) >= max_stalled_starts:
         alert = (f"***ALERT: {spec_name}: {len(stalled)} starts in a row saved nothing ({_summary(stalled)}; "
                  f"latest still {stalled[-1].checkpoint or 'absent'}); the chain is stopped, its queued tasks "

@@ -18,28 +18,40 @@ The categories (:data:`CATEGORIES`) of each task: ``startup`` (task start to the
 ``loading``, ``training`` (iteration windows less the saves and evaluations in them), ``redone`` (the training a
 failure threw away: the next task trains those iterations again), ``saving`` (what saves stopped training),
 ``evaluation``, ``hang`` (a failed task's silence after its last iteration line, when longer than the watchdog's hang
-limit), and ``idle`` (the rest: shutdown, a task that exited at once); ``queue`` is the wait before each task and
-after the last one. The parts sum to the wall clock: idle is what the others leave, and a task whose parts overrun
-its wall (the log's whole-second dates) is noted.
+limit), and ``idle`` (the rest: shutdown, a task that exited at once); ``queue`` is the wait before each task (from
+its own job's submission, or the end of the task before it when that came later) and after the last one;
+``stopped`` the time nothing of the run was queued: from the end of a task to a later submission of the next task's
+job by hand. The parts sum to the wall clock: idle is what the others leave, and a task whose parts overrun its wall
+(the log's whole-second dates) is noted.
+
+Bounds, on any input: the log is streamed (:func:`opskit.fsutil.bounded_lines`: a line longer than 1 MiB is skipped
+unheld; time linear in its size, memory one line plus a tuple per iteration line) and must be a regular file. A
+date before :data:`EARLIEST` (an unset clock), more than a day after now, or more than :data:`CLOCK_SKEW_S` before
+the latest date before it is garbage: its line counts at the latest good date before it (skipped before any) and a
+note counts them; a timer or iteration time that is not a finite positive number is skipped as a garbled line.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
+from opskit.ckpt.format.layout import SAVED_LINE
 from opskit.errors import OpskitError
+from opskit.fsutil import bounded_lines, open_regular
 from opskit.logs.crash import STEP_HEADER, line_source
 from opskit.logs.grammar import parse_iteration_line
+from opskit.logs.plot import claim_image, save_image
 from opskit.run import chain
 from opskit.run.in_job import HANG_LINE
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
-CATEGORIES = ("training", "redone", "saving", "loading", "startup", "evaluation", "hang", "queue", "idle")
+CATEGORIES = ("training", "redone", "saving", "loading", "startup", "evaluation", "hang", "queue", "stopped", "idle")
 RESTARTED = "RESTARTED"
 """The state of a training step that the job restarted inside its allocation (opskit.run.in_job): its work since its
 last save is lost like a failed task's, and the task goes on in its next step."""
@@ -48,13 +60,19 @@ LOSES_WORK = (*chain.FAILURES, "CANCELLED", RESTARTED)
 
 _DATE = "%Y-%m-%d %H:%M:%S"
 _OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job \S+ \(array task (\S+)\) nodes \S*: (.*)"
-                     r"|submitted job \S+)")
+                     r"|submitted job (\S+))")
 _TIMER = re.compile(r"^time \(ms\) \| (save-checkpoint|load-checkpoint|evaluate): (\d+(?:\.\d+)?)\s*$")
 _TRAINING_START = re.compile(r"^\[before the start of training step\] datetime: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
-_SAVED = re.compile(r"^  successfully saved checkpoint at iteration +(\d+) ")
 _SAVING = re.compile(r"^saving checkpoint at iteration +(\d+) ")
 _LOADED = re.compile(r"^  successfully loaded checkpoint from .* at iteration (\d+)\s*$")
 _SIGTERM_STATE = re.compile(r"^SIGTERM: the job ends \((\w+)\)")
+EARLIEST = datetime(2000, 1, 1)
+"""No log line of a run is dated before this: an earlier date is a node's unset clock (1970)."""
+CLOCK_SKEW_S = 3600
+"""How far a date may lie before the latest date above it (another node's clock, a change of summer time) before it
+is taken for garbage."""
+FUTURE_S = 86400
+"""How far past now a date may lie (the log's local time read from another time zone) before it is garbage."""
 
 
 class GoodputError(OpskitError, ValueError):
@@ -169,8 +187,8 @@ class TaskLog:
         count = record["iteration"] - first + 1
         per_iteration = (record["global_batch_size"] / record["samples_per_second"]
                          if record.get("samples_per_second") else record["elapsed_time_per_iteration_s"])
-        if count <= 0 or per_iteration is None:
-            return  # a repeated or garbled line
+        if count <= 0 or not positive_seconds(per_iteration):
+            return  # a repeated or garbled line (a negative, infinite or missing time)
         wall = count * per_iteration
         self.windows.append((first, record["iteration"], wall, max(wall - self.pending_s, 0.0)))
         self.pending_s = 0.0
@@ -186,6 +204,8 @@ class TaskLog:
         self.resumed_from = iteration
 
     def add_timer(self, name: str, seconds: float) -> None:
+        if not math.isfinite(seconds):
+            return  # a garbled timer (400 nines read as inf)
         if name == "load-checkpoint":
             self.loading_s += seconds
             return
@@ -198,57 +218,108 @@ class TaskLog:
             self.pending_s += seconds
 
 
-def read_task_logs(log: Path) -> tuple[datetime | None, list[TaskLog]]:
-    """The first ``submitted`` line's time and every task start's :class:`TaskLog`, in one pass over ``log`` (also
-    :mod:`opskit.run.history`'s reading). Lines cut or garbled (a crash mid-write, bad bytes) are skipped.
+def positive_seconds(seconds: float | None) -> bool:
+    """Whether a measured time can be one: a finite number above 0 (not None, NaN, inf or negative: a garbled line's,
+    or one kept from an older opskit's reading)."""
+    return seconds is not None and 0 < seconds < math.inf
+
+
+@dataclass
+class LogDates:
+    """The log's dates as they are read, each checked against those before it (module docstring): the garbage ones
+    are counted and the first kept for a note."""
+
+    now: datetime
+    latest: datetime | None = None
+    bad: int = 0
+    first_bad: str | None = None
+
+    def read(self, text: str) -> datetime | None:
+        """``text`` (``%Y-%m-%d %H:%M:%S``) as a date; None when it is none. A garbage date (counted) reads as the
+        latest good date before it (None before any): the line's event happened, only its date is wrong."""
+        try:
+            at = datetime.strptime(text, _DATE)
+        except ValueError:
+            return None
+        if (at < EARLIEST or at > self.now + timedelta(seconds=FUTURE_S)
+                or (self.latest is not None and at < self.latest - timedelta(seconds=CLOCK_SKEW_S))):
+            self.bad += 1
+            self.first_bad = self.first_bad or text
+            return self.latest
+        self.latest = max(self.latest or at, at)
+        return at
+
+    def note(self, log: Path) -> list[str]:
+        """The note on the garbage dates, [] when there were none."""
+        if not self.bad:
+            return []
+        return [f"{log}: {self.bad} line(s) with an impossible date (first: {self.first_bad}; before {EARLIEST:%Y}, "
+                f"a day after now, or over {CLOCK_SKEW_S // 60} min before an earlier line's) taken at the date of "
+                "the line before"]
+
+
+@dataclass
+class TaskLogs:
+    """What :func:`read_task_logs` found in main_log.txt."""
+
+    first_submit: datetime | None
+    tasks: list[TaskLog]
+    submitted: dict[str, datetime]
+    """Job id -> when ``opskit submit`` submitted it (its ``submitted job J`` line)."""
+    dates: LogDates
+
+
+def read_task_logs(log: Path, now: datetime | None = None) -> TaskLogs:
+    """The ``submitted`` lines' times and every task start's :class:`TaskLog`, in one pass over ``log`` (also
+    :mod:`opskit.run.history`'s reading). Lines cut or garbled (a crash mid-write, bad bytes) are skipped; a line
+    with a garbage date (:class:`LogDates`, against ``now``: default the current time) counts at the date before it.
 
     Raises:
-        OSError: the log cannot be read.
+        FileNotFoundError: no log. UnreadableFileError: not a regular file (a folder, ``/dev/zero``). OSError: the
+            log cannot be read.
     """
-    first_submit, tasks = None, []
+    found = TaskLogs(None, [], {}, LogDates(now or datetime.now()))
     current: TaskLog | None = None
-    with log.open(errors="replace") as f:
-        for raw in f:
+    with open_regular(log) as f:
+        for raw in bounded_lines(f):
             if raw.startswith("[opskit] "):
-                current, first_submit = _opskit_line(raw, tasks, current, first_submit)
+                current = _opskit_line(raw, found, current)
                 continue
             if current is None:
                 continue
-            _trainer_line(line_source(raw.rstrip("\n"))[2], current)
-    return first_submit, tasks
+            _trainer_line(line_source(raw.rstrip("\n"))[2], current, found.dates)
+    return found
 
 
-def _opskit_line(raw: str, tasks: list[TaskLog], current: TaskLog | None,
-                 first_submit: datetime | None) -> tuple[TaskLog | None, datetime | None]:
+def _opskit_line(raw: str, found: TaskLogs, current: TaskLog | None) -> TaskLog | None:
     m = _OPSKIT.match(raw)
-    if m is None:
-        return current, first_submit
-    try:
-        at = datetime.strptime(m[1], _DATE)
-    except ValueError:
-        return current, first_submit
+    if m is None or (at := found.dates.read(m[1])) is None:
+        return current
+    tasks = found.tasks
     if m[2] is None:  # a submission
-        return current, first_submit or at
+        found.first_submit = found.first_submit or at
+        found.submitted.setdefault(m[4], at)
+        return current
     message = m[3].rstrip()
     if message == "start":
         tasks.append(TaskLog(m[2], at))
-        return tasks[-1], first_submit
+        return tasks[-1]
     if current is not None and current.task == m[2]:
         current.last_seen = at
         if (step := STEP_HEADER.match(raw)) and step["step"] != "0":  # an in-job restart: the step before ends here
             current.end, current.end_state = at, RESTARTED
             tasks.append(TaskLog(m[2], at, step=int(step["step"])))
-            return tasks[-1], first_submit
+            return tasks[-1]
         if message.startswith(HANG_LINE):
             current.hung = True
         elif message.startswith("end, exit code"):
             current.end = at
         elif state := _SIGTERM_STATE.match(message):
             current.end, current.end_state = at, state[1]
-    return current, first_submit
+    return current
 
 
-def _trainer_line(text: str, task: TaskLog) -> None:
+def _trainer_line(text: str, task: TaskLog, dates: LogDates) -> None:
     if text.startswith(" iteration"):
         if (record := parse_iteration_line(text)) is not None:
             task.add_iteration(record)
@@ -256,13 +327,13 @@ def _trainer_line(text: str, task: TaskLog) -> None:
         if m := _TIMER.match(text):
             task.add_timer(m[1], float(m[2]) / 1000)
     elif text.startswith("[before the start of training step]"):
-        if m := _TRAINING_START.match(text):
-            task.training_start = datetime.strptime(m[1], _DATE)
+        if (m := _TRAINING_START.match(text)) and (at := dates.read(m[1])):
+            task.training_start = at
     elif text.startswith("saving checkpoint"):
         if m := _SAVING.match(text):
             task.reached = max(task.reached, int(m[1]))
     elif text.startswith("  successfully"):
-        if m := _SAVED.match(text):
+        if m := SAVED_LINE.match(text):
             task.last_saved = int(m[1])
         elif m := _LOADED.match(text):
             task.resumed(int(m[1]))
@@ -279,29 +350,47 @@ def account(run: RunPaths, watchdog: WatchdogSpec | None = None, now: datetime |
     Raises:
         GoodputError: no task of the run has started (no log, or no ``[opskit] ... start`` line in it).
         ChainError: a ledger line that is not a record (naming the file and line).
+        UnreadableFileError: the log is a folder, a device or a FIFO. OSError: the log cannot be read.
     """
     watchdog = watchdog or WatchdogSpec()
     now = now or datetime.now()
-    if not run.main_log.is_file():
+    if not run.main_log.exists() and not run.main_log.is_symlink():
         raise GoodputError(f"{run.main_log}: no such file: no task of this run has started")
-    first_submit, logs = read_task_logs(run.main_log)
+    found = read_task_logs(run.main_log, now)
+    logs = found.tasks
     if not logs:
         raise GoodputError(f"{run.main_log}: no '[opskit] ... start' line: no task of this run has started")
     states = _ledger_states(chain.read_ledger(run), logs)
     finished = run.finished_flag.exists()
+    first_submit = found.first_submit
     notes = [] if first_submit else [f"{run.main_log}: no 'submitted' line (a run submitted before opskit wrote it): "
                                      "the account starts at the first task's start"]
+    notes += found.dates.note(run.main_log)
     tasks, previous_end = [], first_submit or logs[0].start
     for i, log in enumerate(logs):
         is_last = i == len(logs) - 1
         end = log.end or states[i][1] or (now if is_last else logs[i + 1].start)
         task = _split(log, states[i][0] or log.end_state, end, watchdog)
-        task.seconds["queue"] = max((log.start - previous_end).total_seconds(), 0.0)
+        task.seconds["stopped"], waiting_since = _stopped(previous_end, found.submitted.get(_job_of(log.task)))
+        task.seconds["queue"] = max((log.start - waiting_since).total_seconds(), 0.0)
         notes += _overrun_note(task)
         tasks.append(task)
         previous_end = max(previous_end, end)
     end = previous_end if finished else max(now, previous_end)
     return Goodput(first_submit or logs[0].start, end, tasks, (end - previous_end).total_seconds(), notes)
+
+
+def _job_of(task: str) -> str:
+    """The job a task belongs to: ``7`` of ``7_1`` (the job script's ``ARRAYJOB_TASK``)."""
+    return task.rsplit("_", 1)[0]
+
+
+def _stopped(previous_end: datetime, submitted: datetime | None) -> tuple[float, datetime]:
+    """(seconds nothing of the run was queued, when the task's queue wait began): a job submitted after the task
+    before it ended (by hand) waited only from its submission; the time between is the chain's stop, not queue."""
+    if submitted is None or submitted <= previous_end:
+        return 0.0, previous_end
+    return (submitted - previous_end).total_seconds(), submitted
 
 
 def summary(run: RunPaths, watchdog: WatchdogSpec | None = None) -> dict:
@@ -338,7 +427,7 @@ def _ledger_states(rows: list[chain.TaskOutcome], logs: list[TaskLog]) -> list[t
 
 
 def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpec) -> TaskTime:
-    """One task's seconds by category (queue left at 0)."""
+    """One task's seconds by category (queue and stopped left at 0)."""
     wall = max((end - log.start).total_seconds(), 0.0)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     seconds.update(saving=log.saving_s, loading=log.loading_s, evaluation=log.evaluation_s)
@@ -395,27 +484,31 @@ def _hang_seconds(log: TaskLog, end: datetime, watchdog: WatchdogSpec, tail_s: f
 def _overrun_note(task: TaskTime) -> list[str]:
     """A task whose parts overrun its wall by more than 1% (the log's dates have whole seconds)."""
     wall = (task.end - task.start).total_seconds()
-    parts = sum(s for name, s in task.seconds.items() if name != "queue")
+    parts = sum(s for name, s in task.seconds.items() if name not in ("queue", "stopped"))
     if parts > wall * 1.01 + 2:
         return [f"task {task.task}: its parts add up to {parts:.0f} s of its {wall:.0f} s"]
     return []
 
 
-def write_plot(goodput: Goodput, path: Path) -> None:
-    """A PNG: one horizontal bar per task (hours, queue wait first), coloured by category.
+def write_plot(goodput: Goodput, path: Path, force: bool = False) -> None:
+    """An image (the suffix picks PNG, JPEG, SVG or PDF): one horizontal bar per task (hours, queue wait first),
+    coloured by category. ``path`` is claimed as ``opskit logs plot`` claims its images (checked before anything is
+    drawn): a new file, or with ``force`` one opskit drew.
 
     Raises:
-        OSError: the file cannot be written.
+        LogFormatError: a suffix that names no image format. OutputRefusedError: ``path`` exists and opskit did not
+            write it, or ``force`` is not given; a folder, ``/``. OSError: the file cannot be written.
     """
+    fmt = claim_image(path, force)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ("queue", "startup", "loading", "training", "redone", "saving", "evaluation", "hang", "idle")
+    order = ("queue", "startup", "loading", "training", "redone", "saving", "evaluation", "hang", "stopped", "idle")
     colours = {"queue": "#bbbbbb", "startup": "#f0c05a", "loading": "#e89f3c", "training": "#3a9d4f",
                "redone": "#d64541", "saving": "#4a78c2", "evaluation": "#8e6cc0", "hang": "#7a1f1f",
-               "idle": "#e6e6e6"}
+               "stopped": "#f4f4f4", "idle": "#e6e6e6"}
     tasks = goodput.tasks
     figure, axes = plt.subplots(figsize=(10, 1.8 + 0.45 * len(tasks)))
     for category in order:
@@ -427,5 +520,7 @@ def write_plot(goodput: Goodput, path: Path) -> None:
     axes.set_title(f"goodput {goodput.goodput:.1%} of {goodput.wall_seconds / 3600:.2f} h")
     figure.legend(ncol=len(order), fontsize="small", loc="lower center", frameon=False)
     figure.tight_layout(rect=(0, 0.12 / (1 + 0.25 * len(tasks)), 1, 1))
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        save_image(figure, Path(path), fmt)
+    finally:
+        plt.close(figure)

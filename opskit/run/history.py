@@ -18,7 +18,7 @@ from pathlib import Path
 from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.rules.reliability import lost_fraction, optimal_save_interval
 from opskit.run import chain
-from opskit.run.goodput import RESTARTED, read_task_logs
+from opskit.run.goodput import RESTARTED, positive_seconds, read_task_logs
 from opskit.run.paths import RunPaths
 
 RECENT_ITERATIONS = 100
@@ -53,7 +53,7 @@ def save_interval_advice(run: RunPaths, spec_interval: int | None,
     Raises:
         ChainError: reading the ledger here, a line that is not a record (naming the file and line).
     """
-    _, tasks = read_task_logs(run.main_log) if run.main_log.is_file() else (None, [])
+    tasks = read_task_logs(run.main_log).tasks if run.main_log.exists() else []
     hours = sum((task.last_seen - task.start).total_seconds() for task in tasks) / 3600
     saves = [seconds for task in tasks for seconds in task.saves]
     ledger = chain.read_ledger(run) if ledger is None else ledger
@@ -79,6 +79,7 @@ def advise(tasks: int, hours: float, failures: int, save_s: float | None, iterat
     ``failures``), Young/Daly's interval in whole iterations (at least 1) and the share of wall time lost at it and
     at ``spec_interval``, where the MTBF, ``save_s`` and ``iteration_s`` all exist."""
     mtbf_s = hours * 3600 / failures if failures and hours > 0 else None
+    save_s, iteration_s = (s if positive_seconds(s) else None for s in (save_s, iteration_s))
     optimal = lost_spec = lost_best = None
     if mtbf_s and save_s and iteration_s:
         optimal = max(round(optimal_save_interval(save_s, mtbf_s) / iteration_s), 1)
@@ -95,5 +96,5 @@ def _iteration_seconds(log: Path) -> float | None:
         records = timeline(read_tail(log, RECENT_ITERATIONS).records)
     except (OSError, LogFormatError):
         return None
-    times = [r["elapsed_time_per_iteration_s"] for r in records if r.get("elapsed_time_per_iteration_s")]
+    times = [t for r in records if positive_seconds(t := r.get("elapsed_time_per_iteration_s"))]
     return statistics.median(times) if times else None

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from opskit.errors import OpskitError
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import OutputRefusedError, atomic_write_text, bounded_lines, open_regular, read_json
 from opskit.logs.crash import expand_nodelist, find_crashes
 from opskit.logs.stacks import rank_stacks, stuck_ranks
 from opskit.rules.heartbeat import DUMP_REQUEST, Beat, read_beats
@@ -52,7 +52,15 @@ def state_path(run: RunPaths, job_id: str) -> Path:
 
 
 def _load(run: RunPaths, job_id: str) -> dict:
-    return json.loads(state_path(run, job_id).read_text())
+    """The job's state (:func:`state_path`).
+
+    Raises:
+        FileNotFoundError, UnreadableFileError, OSError: not a readable regular file. ValueError: not JSON.
+    """
+    state = read_json(state_path(run, job_id))
+    if not isinstance(state, dict):
+        raise ValueError(f"{state_path(run, job_id)}: not a JSON object")
+    return state
 
 
 def _save(run: RunPaths, job_id: str, state: dict) -> None:
@@ -79,8 +87,12 @@ def start_step(run: RunPaths, job_id: str, need: int, nodelist: str,
         (nodes, heartbeat folder, lines for main_log.txt).
 
     Raises:
-        InJobError: fewer than ``need`` usable nodes are left.
+        InJobError: fewer than ``need`` usable nodes are left; ``run`` is no existing folder.
+        OutputRefusedError: ``run`` is a folder opskit did not write (:func:`opskit.run.chain.claim_run_dir`).
     """
+    if not run.root.is_dir():  # the job script runs in it: a missing one is a wrong RUN_DIR, never created here
+        raise InJobError(f"RUN_DIR {run.root}: no such run directory (the job script passes its own)")
+    chain.claim_run_dir(run, "in-job", write=False)
     path = state_path(run, job_id)
     state = (_load(run, job_id) if path.exists() else
              {"allocation": expand_nodelist(nodelist), "need": need, "excluded": {}, "steps": []})
@@ -215,9 +227,9 @@ def _report_hang(run: RunPaths, job_id: str, state: dict, beats: list[Beat], sil
     named = [(b.node, b.local_rank) for b in hung]
     how = "behind the others' iteration"
     if not named:
-        with open(run.main_log, errors="replace") as log:
+        with open_regular(run.main_log) as log:
             log.seek(step["main_log_offset"])
-            stuck = stuck_ranks(rank_stacks(log, step["nodes"]))
+            stuck = stuck_ranks(rank_stacks(bounded_lines(log), step["nodes"]))
         named, how = [(s.node, s.local_rank) for s in stuck if s.node], "from the stacks"
     age = max(now() - b.seconds for b in silent)
     oldest = min(silent, key=lambda b: b.seconds)
@@ -298,12 +310,13 @@ def blame_failed_step(run: RunPaths, job_id: str, now: datetime | None = None) -
 
 
 def _lines_from(path: Path, offset: int) -> list[str]:
-    """The lines of ``path`` after byte ``offset`` ([] for a node that left no log)."""
+    """The lines of ``path`` after byte ``offset`` ([] for a node that left no log, or one that is not a regular
+    file); a line longer than :data:`opskit.fsutil.MAX_LINE` is left out."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(offset)
-            return f.read().decode(errors="replace").splitlines()
-    except FileNotFoundError:
+            return [line.rstrip("\n") for line in bounded_lines(f)]
+    except OSError:
         return []
 
 
@@ -342,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             restart, lines = blame_failed_step(RunPaths(Path(args[1])), args[2])
             print("\n".join(lines))
             return 0 if restart else CANNOT_CONTINUE
-    except InJobError as e:
+    except (InJobError, OutputRefusedError) as e:
         print(f"no restart in this job: {e}")
         return CANNOT_CONTINUE
     except (OSError, ValueError, KeyError, chain.ChainError) as e:

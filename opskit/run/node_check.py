@@ -4,7 +4,8 @@ run's checkpoint folder, GPU Xid lines of the kernel log where readable, and an 
 neighbours in the ring of the step's nodes (gloo on CPUs, NCCL on GPUs). ``opskit.run.preflight`` reads the files
 and decides.
 
-``python -m opskit.run.node_check OUT_DIR CHECKPOINT_DIR PORT``; the step's first node hosts the rendezvous at PORT.
+``python -m opskit.run.node_check OUT_DIR CHECKPOINT_DIR PORT [--gemm-only]``; the step's first node hosts the
+rendezvous at PORT; ``--gemm-only`` times the GEMM alone (a node measured again).
 Test-only (``OPSKIT_TEST_FAULT``, :mod:`opskit.train.fault`): ``slow_gemm:NODE[:factor=F]`` makes the node's GEMM F
 (3) times slower, ``allreduce_fail:NODE`` makes its all-reduces fail.
 """
@@ -123,8 +124,9 @@ def _pair_allreduce(nodes: list[str], pair: tuple[int, int], rank: int, port: in
     return {"ok": ok, "seconds": round(time.perf_counter() - started, 3)}
 
 
-def check(out: Path, checkpoints: Path, port: int) -> dict:
-    """This node's record (also written to ``out/<node>.json``)."""
+def check(out: Path, checkpoints: Path, port: int, gemm_only: bool = False) -> dict:
+    """This node's record (also written to ``out/<node>.json``); ``gemm_only``: the devices and the timed GEMM alone
+    (a node measured again), no Xid lines nor all-reduces."""
     import torch
 
     # the CPUs SLURM gave this task, not the host's: nodes sharing a host would otherwise time each other
@@ -132,12 +134,13 @@ def check(out: Path, checkpoints: Path, port: int) -> dict:
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     record = {"node": node_name(), "devices": len(devices) if devices != ["cpu"] else 0,
               "gemm_tflops": {d: round(gemm_tflops(d), 4) for d in devices},
-              "free_gb": round(free_gb(checkpoints), 1), "xid": xid_lines(), "allreduce": allreduces(port)}
+              "free_gb": round(free_gb(checkpoints), 1), "xid": None if gemm_only else xid_lines(),
+              "allreduce": [] if gemm_only else allreduces(port)}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{record['node']}.json").write_text(json.dumps(record))
     return record
 
 
 if __name__ == "__main__":
-    record = check(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]))
+    record = check(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), gemm_only=sys.argv[4:] == ["--gemm-only"])
     sys.exit(0 if all(pair["ok"] for pair in record["allreduce"]) else 1)

@@ -180,11 +180,16 @@ def checkpoint_dir_of(run_or_dir: str) -> tuple[Path, RunPaths]:
     spec name, prefix or YAML path) as a spec, whose run's ``checkpoints/`` it is.
 
     Raises:
-        SpecError: not a folder, and no spec of that name.
+        SpecError: not a folder, and no spec of that name; a file that is not a spec's YAML (``/etc/hostname``).
     """
     path = Path(run_or_dir)
     if path.is_dir():
         return path, RunPaths.above(path.parent if STEP_DIR.match(path.name) else path)
+    from opskit.spec.files import SpecError
+
+    if path.exists() and path.suffix not in (".yaml", ".yml"):  # never read as a spec: its error would mislead
+        raise SpecError(f"{run_or_dir}: a file, not a checkpoint folder; expected a checkpoint dir, a global_stepN "
+                        "folder or a spec name")
     from opskit.spec.load import load_spec  # pydantic, yaml: only for a spec name, not a folder
 
     run = RunPaths.of(load_spec(run_or_dir))

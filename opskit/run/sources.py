@@ -86,7 +86,8 @@ def resolve(name_or_path: str) -> LogSource:
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
     if path.is_dir():
-        if (main_log := RunPaths(path).main_log).is_file():
+        main_log = RunPaths(path).main_log
+        if main_log.exists() or main_log.is_symlink():  # even a device or folder: its reader says what it is
             return LogSource(path.name, main_log)
         if is_event_dir(path):
             return LogSource(path.name, path, events=True)

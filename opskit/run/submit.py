@@ -143,7 +143,7 @@ def recovery_problems(spec: Spec, run: RunPaths, executor: str) -> list[str]:
             problems.append(f"slurm.spare_nodes {s.spare_nodes}: the job would ask for {nodes + s.spare_nodes} nodes "
                             f"(parallel.nodes {nodes} + spares) and partition {s.partition or '(all)'} has {have}")
     try:
-        saves = [seconds for task in read_task_logs(run.main_log)[1] for seconds in task.saves]
+        saves = [seconds for task in read_task_logs(run.main_log).tasks for seconds in task.saves]
     except OSError:
         saves = []
     timeout = spec.watchdog.in_job_timeout_s
@@ -197,7 +197,7 @@ def check_flags(spec: Spec, run: RunPaths, yes: bool) -> tuple[dict[Path, str], 
 
 def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_run: bool = False,
            on_local_task=None, after: str | None = None, begin: str | None = None, keep: int | None = None,
-           yes: bool = False) -> Submission:
+           yes: bool = False, on_written: Callable[[RunPaths], None] | None = None) -> Submission:
     """Render and submit ``array`` chained tasks (default: the spec's ``slurm.array``) after the run's running or
     pending jobs (:func:`chain.run_jobs`), so that two trainings of one run directory never overlap.
 
@@ -213,6 +213,8 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         dry_run: check and render in memory, and return the script and command: nothing is written (not even the
             run directory) and nothing submitted.
         on_local_task: progress callback for the local executor, ``(task_id, job_id)``.
+        on_written: called with the run once its directory is written, before anything runs or is submitted (the
+            local executor returns only when its tasks are done: where they write is told first).
         after: a job id the new array must also wait for (``afterany``).
         begin: sbatch's ``--begin`` (``now+2hours``).
         keep: submit only when fewer than ``keep`` tasks of the spec are running or pending.
@@ -257,6 +259,8 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes, warnings=problems)
         if not dry_run:
             write_run(spec, run, job)
+            if on_written:
+                on_written(run)
             log_submission(run, "local", tasks)
             submission.local_tasks = local.run_array(
                 run.script, spec.job_name, tasks, spec.slurm.time_minutes * 60, spec.slurm.signal_margin_secs,
@@ -281,6 +285,8 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
     submission = Submission(run, executor, command, job.script, after=last, notes=notes, warnings=problems)
     if not dry_run:
         write_run(spec, run, job)
+        if on_written:
+            on_written(run)
         submission.job_id = client.sbatch(run.script, array=tasks, dependency=dependency, begin=begin)
         log_submission(run, submission.job_id, tasks)
     return submission

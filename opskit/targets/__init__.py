@@ -11,7 +11,7 @@ opened (the hourly sync stays light).
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from opskit.targets.base import Target, TargetError, TargetOptions, scrub
 from opskit.targets.file import FileTarget
@@ -32,16 +32,20 @@ def open_target(url: str, option: str = "--to", options: TargetOptions | None = 
         return GcsTarget(url, parsed.netloc, parsed.path.strip("/"), options)
     if parsed.scheme == "hf":
         return HfTarget(url, options)
-    return FileTarget(url, Path(parsed.path), options)
+    return FileTarget(url, Path(unquote(parsed.path)), options)  # file:///my%20backups is "/my backups"
 
 
 def check_url(url: str, option: str = "--to") -> None:
     """Refuse a malformed target URL without opening it (no import, no request).
 
     Raises:
-        TargetError: one line naming ``option`` and the expected forms.
+        TargetError: one line naming ``option`` and the expected forms; a file:// URL with a query (``?x=1``) or a
+            fragment (``#frag``), which name no other folder (``%3F``, ``%23`` spell those characters in a name).
     """
     parsed = urlparse(url)
+    if parsed.scheme == "file" and (parsed.query or parsed.fragment or parsed.params or url.endswith(("?", "#"))):
+        raise TargetError(f"{option} {scrub(url)}: a file:// URL names a folder, without ?query or #fragment (a "
+                          "'?' or '#' in a folder's name is written %3F or %23)")
     ok = {"file": parsed.netloc in ("", "localhost") and parsed.path.startswith("/"),
           "gs": bool(parsed.netloc) and "@" not in parsed.netloc,
           "hf": "@" not in parsed.netloc and len(_hf_parts(url)) >= 2}

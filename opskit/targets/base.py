@@ -182,6 +182,22 @@ def put_parallel(target: Target, files: dict[str, Path], workers: int) -> BatchR
     return result
 
 
+def decoded(url: str, key: str, data: bytes | None) -> str | None:
+    """An object's bytes as text (None stays None: a missing object), for every target's ``read_text``.
+
+    Raises:
+        TargetError: not UTF-8 (a ``latest`` or manifest overwritten with binary), naming the object.
+    """
+    if data is None:
+        return None
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        more = "..." if len(data) > 16 else ""
+        raise TargetError(f"{url.rstrip('/')}/{key}: not UTF-8 text ({len(data)} bytes: {data[:16]!r}{more})") \
+            from None
+
+
 def crc32c_of_file(path: str | Path) -> str:
     """CRC32C of a file's bytes, base64 of the big-endian value (GCS's ``crc32c`` object field), read in 8 MB
     chunks."""

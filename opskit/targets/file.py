@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from opskit.fsutil import atomic_write_text, staging_path
-from opskit.targets.base import BatchResult, TargetError, TargetOptions, crc32c_of_file, put_parallel
+from opskit.fsutil import atomic_write_text, open_regular, read_bounded, staging_path
+from opskit.targets.base import BatchResult, TargetError, TargetOptions, crc32c_of_file, decoded, put_parallel
 
 
 class FileTarget:
@@ -45,16 +45,43 @@ class FileTarget:
         return put_parallel(self, files, self.options.workers)
 
     def read_text(self, key: str) -> str | None:
-        path = self._path(key)
-        return path.read_text() if path.is_file() else None
+        """The object's text, None when there is none; bounded (:func:`opskit.fsutil.read_bounded`: ``latest`` and
+        manifests are small).
+
+        Raises:
+            TargetError: a folder, device or FIFO at the key, a file past the bound, unreadable, or not UTF-8.
+        """
+        try:
+            data = read_bounded(self._path(key))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise TargetError(f"{self.url.rstrip('/')}/{key}: {e.strerror or e}") from None
+        return decoded(self.url, key, data)
 
     def read_from(self, key: str, offset: int) -> bytes | None:
+        """The object's bytes from ``offset`` (whole: a checkpoint file being restored), None when there is none.
+
+        Raises:
+            TargetError: a folder, device or FIFO at the key (``/dev/zero`` would never end), or unreadable.
+        """
         try:
-            with open(self._path(key), "rb") as f:
+            with open_regular(self._path(key)) as f:
                 f.seek(offset)
                 return f.read()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise TargetError(f"{self.url.rstrip('/')}/{key}: {e.strerror or e}") from None
+
+    def folder_problem(self) -> str | None:
+        """Why the target's root cannot hold a backup (it exists and is no folder: ``file:///dev/null``), or None."""
+        if self.root.exists() and not self.root.is_dir():
+            return f"{self.root} exists and is not a folder"
+        parent = next((p for p in self.root.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            return f"{parent} is not a folder"
+        return None
 
     def delete(self, keys: list[str], message: str) -> None:
         for key in keys:

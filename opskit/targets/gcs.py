@@ -21,6 +21,7 @@ from opskit.targets.base import (
     TargetOptions,
     TargetUnavailable,
     crc32c_of_file,
+    decoded,
     put_parallel,
     with_retries,
 )
@@ -90,8 +91,7 @@ class GcsTarget:
         return put_parallel(self, files, self.options.workers)
 
     def read_text(self, key: str) -> str | None:
-        data = self.read_from(key, 0)
-        return None if data is None else data.decode()
+        return decoded(self.url, key, self.read_from(key, 0))
 
     def read_from(self, key: str, offset: int) -> bytes | None:
         """Bytes from ``offset`` to the end (one range request); b"" when nothing is past it, None when missing."""

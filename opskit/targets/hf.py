@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from opskit.targets.base import BatchResult, TargetError, TargetOptions, TargetUnavailable, with_retries
+from opskit.targets.base import BatchResult, TargetError, TargetOptions, TargetUnavailable, decoded, with_retries
 
 REPO_TYPES = {"datasets": "dataset", "spaces": "space", "models": "model"}
 
@@ -126,8 +126,7 @@ class HfTarget:
         return BatchResult(list(files), {})
 
     def read_text(self, key: str) -> str | None:
-        data = self.read_from(key, 0)
-        return None if data is None else data.decode()
+        return decoded(self.url, key, self.read_from(key, 0))
 
     def read_from(self, key: str, offset: int) -> bytes | None:
         """Bytes of ``main``'s file from ``offset`` on (``Range: bytes=offset-``); b"" past the end, None missing."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from opskit.ckpt.format.tensorfile import TensorFileError, load_lazy, materialize
 from opskit.errors import OpskitError
-from opskit.fsutil import atomic_write_text
+from opskit.fsutil import atomic_write_text, read_bounded
 from opskit.rules.model import has_embedding_layernorm
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
@@ -100,7 +100,7 @@ def read_latest(directory: str | Path) -> str | None:
     if path.is_dir():
         raise CheckpointFormatError(f"{path}: a directory, {expected}")
     try:
-        data = path.read_bytes()
+        data = read_bounded(path, 4096)  # a tag is ~20 bytes: a device or a huge file is no latest
     except OSError as e:
         raise CheckpointFormatError(f"{path}: unreadable ({e.strerror or e}), {expected}") from None
     try:
@@ -126,6 +126,9 @@ def write_latest(directory: str | Path, tag: str) -> None:
     atomic_write_text(Path(directory) / "latest", tag)
 
 
+# The trainer's line after a save (opskit.train.log, as Megatron prints it): goodput's account and the watchdog's
+# evidence that a step was saved (re.match on the line less its srun/torchrun prefixes, re.search on a raw line).
+SAVED_LINE = re.compile(r"  successfully saved checkpoint at iteration +(\d+) ")
 # The trainer's error line when a save fails (opskit.train.checkpointing); the watchdog looks for it in the log.
 SAVE_FAILED_LINE = re.compile(r"error: saving (global_step\d+) failed: (.+)$")
 

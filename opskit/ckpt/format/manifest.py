@@ -4,9 +4,10 @@ backup's step folder is read in place by ``ckpt convert``/``inspect``/``check`` 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from opskit.fsutil import read_json
 
 if TYPE_CHECKING:
     from opskit.ckpt.format.info import StepInfo
@@ -42,7 +43,7 @@ def weights_only_copy(info: StepInfo) -> bool:
     if not info.absent_optimizer or info.weights_problems:
         return False
     try:
-        manifest = json.loads((folder.parent / "manifests" / f"{folder.name}.json").read_text())
+        manifest = read_json(folder.parent / "manifests" / f"{folder.name}.json")
     except (OSError, ValueError):  # missing, not JSON, not text
         return False
     if not (is_manifest(manifest, folder.name) and manifest["complete"] and manifest.get("weights_only") is True):
