@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: demo demo-multinode demo-recovery test install system-deps lint clean
+.PHONY: demo demo-multinode demo-recovery test soak install system-deps lint clean
 
 # Python environment: torch first, pinned (an unpinned torch pulls GBs of CUDA wheels), then opskit with all extras.
 $(VENV)/.installed: pyproject.toml
@@ -35,8 +35,17 @@ demo-multinode: install system-deps
 demo-recovery: install system-deps
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" scripts/demo-recovery.sh
 
+# Two workers (pytest-xdist): the SLURM tests wait on the clock and on daemons while the other worker trains; each
+# module, and each cluster's tests, stay on one worker (tests/conftest.py). The 20 slowest tests are printed.
 test: install system-deps
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q --durations=20
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -n 2 --dist loadgroup --durations=20
+
+# The long loops at full size (OPSKIT_SOAK=1): 30 SIGKILLs inside saves, synchronous and in the background, and every
+# preset rehearsed end to end. Run it before resolving a change to opskit/train/, opskit/ckpt/ or the resume path;
+# its figures go to docs/reliability.md.
+soak: install system-deps
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" OPSKIT_SOAK=1 $(PY) -m pytest -q -s --timeout=3600 \
+		tests/test_reliability.py tests/test_rehearse.py
 
 lint: install
 	$(PY) -m pip install -q ruff

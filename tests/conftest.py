@@ -1,10 +1,20 @@
 """Shared fixtures: real data (the KJV Bible through opskit.data.corpus), a real local SLURM, a tiny trainer command
-line."""
+line, and the session's trained runs (:func:`trained`: one training per flag set, shared by every test and xdist
+worker that asks for it).
+
+Under pytest-xdist (`make test` runs two workers, ``--dist loadgroup``), :func:`pytest_collection_modifyitems` puts
+every test of a module in one group (its module-scoped fixtures are built once), except the tests that use the
+single-node SLURM (group ``slurm``) or the multi-node clusters (group ``multinode``): each of those groups runs on one
+worker, in order, beside the other worker's tests. docs/design.md (Testing) says how the suite is shaped.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from hypothesis import settings
 
 from opskit.slurm import client
@@ -25,6 +36,41 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 REPO = Path(__file__).resolve().parents[1]
+
+SOAK = os.environ.get("OPSKIT_SOAK") == "1"
+"""`make soak`: the long loops at their full size (every SIGKILL of the series, every preset rehearsed end to end);
+CI runs a random sample of each."""
+
+# Fixtures whose tests run in one xdist group, in order, on one worker: the shared single-node SLURM (and root's
+# crontab), and the multi-node clusters (network namespaces, many daemons on two cores).
+SERIAL_GROUPS = {"slurm": "slurm", "jobs": "slurm", "cancel_after": "slurm", "user_crontab": "slurm",
+                 "slurm_cluster": "multinode"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's xdist group (``--dist loadgroup``): ``slurm`` or ``multinode`` for a test that uses those
+    clusters (or carries the ``slurm`` mark), else its module's, so that a module's fixtures are built on one worker."""
+    for item in items:
+        groups = {SERIAL_GROUPS[name] for name in item.fixturenames if name in SERIAL_GROUPS}
+        if not groups and item.get_closest_marker("slurm"):
+            groups = {"slurm"}
+        group = "multinode" if "multinode" in groups else "slurm" if groups else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this session shares (the parent of the workers' own temporary folders), or the
+    session's temporary folder without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the kernel's pick), for torchrun's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 # The lint every rendered job script passes: every note counts, down to style.
 SHELLCHECK = ("shellcheck", "--shell=bash", "--severity=style")
@@ -52,10 +98,13 @@ def shellcheck():
 
 @pytest.fixture(scope="session")
 def kjv_data(tmp_path_factory):
-    """The KJV Bible as tokenizer + indexed dataset (vocab 2000 to keep the tiny models fast)."""
+    """The KJV Bible as tokenizer + indexed dataset (vocab 2000 to keep the tiny models fast), prepared once for
+    every xdist worker (a second preparation of the same request reuses it)."""
     from opskit.data.corpus import prepare_data
 
-    return prepare_data("kjv", tmp_path_factory.mktemp("kjv"), vocab_size=2000, name="kjv")
+    folder = shared_dir(tmp_path_factory) / "kjv"
+    with FileLock(f"{folder}.lock"):
+        return prepare_data("kjv", folder, vocab_size=2000, name="kjv")
 
 
 def tiny_trainer_args(data, out: Path, **overrides) -> list[str]:
@@ -90,32 +139,82 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, entry: tu
     ``-m opskit.train`` (``("-c", code)``: a test's wrapper of the trainer, one process only: torchrun has no -c)."""
     env = dict(os.environ, OMP_NUM_THREADS="1" if nproc > 1 else "2", PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-                str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]
+                str(free_port())] if nproc > 1 else [sys.executable]
     return subprocess.run(launcher + [*entry, *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO, **popen)
 
 
-@pytest.fixture(scope="session")
-def bloom_run(kjv_data, tmp_path_factory) -> Path:
-    """20 iterations of the tiny BLOOM (TP=1, PP=1), checkpoints at 10 and 20; the run folder. Shared by the
-    checkpoint tests (test_convert.py, test_ckpt.py): they only read it or copy steps out of it."""
-    out = tmp_path_factory.mktemp("bloom")
-    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=10))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (out / "checkpoints" / "latest").read_text() == "global_step20"
-    return out
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished training of :func:`trained`: its run folder (``checkpoints/``, ``tensorboard/``), what it printed,
+    and the flags it ran with (``tiny_trainer_args`` overrides). Read only: a test that changes a step copies it."""
+
+    out: Path
+    stdout: str
+    stderr: str
+    flags: dict = field(repr=False)
+
+    @property
+    def save(self) -> Path:
+        return self.out / "checkpoints"
 
 
 @pytest.fixture(scope="session")
-def gpt_pp2_run(kjv_data, tmp_path_factory) -> Path:
+def trained(kjv_data, tmp_path_factory):
+    """``trained(nproc=1, **flags) -> TrainedRun``: the tiny trainer run with ``tiny_trainer_args(..., **flags)``
+    (under torchrun with ``nproc`` > 1), trained once per session and flag set, whichever test or xdist worker asks
+    first (a file lock; the others wait and read its folder). It must succeed."""
+    root = shared_dir(tmp_path_factory) / "trained"
+    root.mkdir(exist_ok=True)
+
+    def train(nproc: int = 1, **flags) -> TrainedRun:
+        key = json.dumps([nproc, sorted((k, str(v)) for k, v in flags.items())])
+        folder = root / hashlib.sha256(key.encode()).hexdigest()[:16]
+        with FileLock(f"{folder}.lock"):
+            if not (folder / "printed.json").is_file():
+                shutil.rmtree(folder, ignore_errors=True)  # a training that failed in an earlier test
+                done = run_trainer(tiny_trainer_args(kjv_data, folder, **flags), nproc=nproc)
+                assert done.returncode == 0, done.stderr[-3000:]
+                (folder / "printed.json").write_text(json.dumps({"stdout": done.stdout, "stderr": done.stderr}))
+        printed = json.loads((folder / "printed.json").read_text())
+        return TrainedRun(folder, printed["stdout"], printed["stderr"], flags)
+
+    return train
+
+
+def copy_run(run: TrainedRun, to: Path, steps: tuple[str, ...] | None = None) -> Path:
+    """``run``'s checkpoint folder copied to ``to/checkpoints`` (only ``steps`` and a ``latest`` naming the last of
+    them, when given): a test's own copy to resume from or to damage. Returns ``to``."""
+    save = to / "checkpoints"
+    if steps is None:
+        shutil.copytree(run.save, save)
+    else:
+        save.mkdir(parents=True)
+        for step in steps:
+            shutil.copytree(run.save / step, save / step)
+        (save / "latest").write_text(steps[-1])
+    return to
+
+
+BLOOM_RUN = dict(train_samples=160, save_interval=10, log_interval=10)
+"""20 iterations of the tiny BLOOM (TP=1, PP=1), checkpoints at 10 and 20: the checkpoint tests' run."""
+
+
+@pytest.fixture(scope="session")
+def bloom_run(trained) -> Path:
+    """:data:`BLOOM_RUN`'s run folder. Shared by the checkpoint tests (test_convert.py, test_ckpt.py, ...): they only
+    read it or copy steps out of it."""
+    run = trained(**BLOOM_RUN)
+    assert (run.save / "latest").read_text() == "global_step20"
+    return run.out
+
+
+@pytest.fixture(scope="session")
+def gpt_pp2_run(trained) -> Path:
     """A GPT-style run (absolute position embeddings, no embedding LayerNorm) at PP=2 (torchrun, 2 processes),
     2 iterations, a checkpoint after each; the run folder."""
-    out = tmp_path_factory.mktemp("gpt-pp2")
-    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=16, save_interval=1, log_interval=1,
-                                         position_embedding_type="absolute", embed_layernorm=None,
-                                         pipeline_model_parallel_size=2), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+    return trained(2, train_samples=16, save_interval=1, log_interval=1, position_embedding_type="absolute",
+                   embed_layernorm=None, pipeline_model_parallel_size=2).out
 
 
 @pytest.fixture(scope="session")
@@ -123,8 +222,9 @@ def slurm():
     """A running single-node SLURM (scripts/local-slurm.sh start; needs root, as in CI)."""
     if os.geteuid() != 0:
         pytest.skip("the local SLURM needs root")
-    done = subprocess.run([str(REPO / "scripts" / "local-slurm.sh"), "start"], capture_output=True, text=True,
-                          timeout=600)
+    with FileLock("/tmp/opskit-local-slurm-start.lock"):  # xdist workers: one start at a time (it is idempotent)
+        done = subprocess.run([str(REPO / "scripts" / "local-slurm.sh"), "start"], capture_output=True, text=True,
+                              timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return True
 
