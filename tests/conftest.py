@@ -144,6 +144,52 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, entry: tu
                           timeout=timeout, env=env, cwd=REPO, **popen)
 
 
+# One process runs many trainer command lines in turn (each one's stdout and stderr caught at the file descriptors, as
+# a subprocess's would be): the cases whose whole point is the trainer's one-line refusal pay its imports once.
+_CASES = """\
+import json, os, sys, tempfile, traceback
+from opskit.train.main import main
+
+cases, results = json.loads(open(sys.argv[1]).read()), {}
+for name, argv in cases.items():
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # a fresh one-process world each
+        os.environ.pop(var, None)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        out.seek(0), err.seek(0)
+        results[name] = {"returncode": code, "stdout": out.read(), "stderr": err.read()}
+open(sys.argv[2], "w").write(json.dumps(results))
+"""
+
+
+def run_trainer_cases(cases: dict[str, list[str]], folder: Path, timeout: float = 600
+                      ) -> dict[str, subprocess.CompletedProcess]:
+    """Each of ``cases`` (name -> trainer flags) through the trainer's ``main`` in ONE process, one after the other,
+    as ``python -m opskit.train FLAGS`` would run it alone (one rank, no launcher): name -> a CompletedProcess with
+    its exit code (argparse's SystemExit code included) and what it printed. For refusals at start; a case that
+    trains runs too. ``folder`` holds the case list and the results."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cases.json").write_text(json.dumps({k: [str(a) for a in v] for k, v in cases.items()}))
+    done = run_trainer([str(folder / "cases.json"), str(folder / "results.json")], entry=("-c", _CASES),
+                       timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((folder / "results.json").read_text())
+    return {name: subprocess.CompletedProcess(cases[name], r["returncode"], r["stdout"], r["stderr"])
+            for name, r in results.items()}
+
+
 @dataclass(frozen=True)
 class TrainedRun:
     """A finished training of :func:`trained`: its run folder (``checkpoints/``, ``tensorboard/``), what it printed,

@@ -1,6 +1,7 @@
 """Megatron-DeepSpeed semantics of the embedded trainer beyond the basics of test_train.py: curriculum learning,
 --sync-tp-duplicated-parameters, GPT-2 BPE tokenizer files and vocab padding, weighted data blends, fp16 loss-scale
-bookkeeping, CodeCarbon. Trainer runs are real subprocesses on the KJV (tiny model, a few iterations)."""
+bookkeeping, CodeCarbon. Trainer runs are real subprocesses on the KJV (tiny model, a few iterations); the refusals at
+start and the one-iteration runs that only check what is printed run in one process (``batch``)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,52 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_trainer, tiny_trainer_args
+from conftest import REPO, run_trainer, run_trainer_cases, tiny_trainer_args
 from test_train import one_line_error, records, succeeded
 
 from opskit.logs.grammar import parse_iteration_line
 
 GBS = 8
 SEQ = 32
+BLENDS = [["0.3", "a", "0.7"], ["x", "a", "0.7", "b"], ["-1", "a", "2", "b"]]
+
+
+# ---------------------------------------------------------------------------------------------------------- batch
+
+@pytest.fixture(scope="module")
+def batch(kjv_data, numbers_prefix, tmp_path_factory) -> SimpleNamespace:
+    """This module's trainer command lines that are refused at start, or train one or three iterations only to print
+    something, run in one process (conftest's ``run_trainer_cases``): ``.done[name]``, and ``.folder``."""
+    folder = tmp_path_factory.mktemp("batch")
+    for name, curriculum in (("off", {**CURRICULUM, "enabled": False}),
+                             ("beyond", {**CURRICULUM, "max_difficulty": 2 * SEQ})):
+        (folder / f"{name}.json").write_text(json.dumps({"curriculum_learning": curriculum}))
+    (folder / "train-splits.txt").write_text(f'"train: 0.4 0:0.9 {kjv_data.data_prefix}, 0.6 0:0.9 {numbers_prefix}"\n')
+    (folder / "valid-splits.txt").write_text(f'"valid_kjv: 1 0.9:1 {folder / "gone"}"\n')
+
+    def args(name: str, **flags) -> list[str]:
+        return tiny_trainer_args(kjv_data, folder / name, **{"save": None, "load": None, **flags})
+
+    gpt2 = dict(tokenizer_name_or_path=None, tokenizer_type="GPT2BPETokenizer", vocab_file=folder / "v.json")
+    blend = args("blend", data_path=None, train_samples=2 * GBS, split="90,10,0", eval_interval=2, eval_iters=1)
+    cases = {
+        "curriculum off": args("off", train_samples=GBS, deepspeed_config=folder / "off.json"),
+        "curriculum beyond seq length": args("beyond", deepspeed_config=folder / "beyond.json"),
+        "train iters": args("iters", train_samples=None, train_iters=3),
+        "pad vocab size to": args("to", train_samples=GBS, pad_vocab_size_to=2100, make_vocab_size_divisible_by=4),
+        "pad vocab size to, too small": args("small", pad_vocab_size_to=1900, make_vocab_size_divisible_by=4),
+        "gpt2 without merges": args("gpt2", **gpt2),
+        "gpt2 files missing": args("gpt2", **gpt2, merge_file=folder / "m.txt"),
+        **{f"blend {' '.join(value)}": args("bad-blend", data_path=None) + ["--data-path", *value]
+           for value in BLENDS},
+        "blend of a missing prefix": blend + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5",
+                                              str(folder / "missing")],
+        "weighted split of a missing prefix": args(
+            "weighted", data_path=None, train_samples=2 * GBS, eval_interval=2, eval_iters=1,
+            train_weighted_split_paths_path=folder / "train-splits.txt",
+            valid_weighted_split_paths_path=folder / "valid-splits.txt"),
+    }
+    return SimpleNamespace(done=run_trainer_cases(cases, folder / "cases"), folder=folder)
 
 
 # ---------------------------------------------------------------------------------------------------------- curriculum
@@ -43,7 +83,8 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
     for name, exit_interval in (("straight", None), ("stopped", 3), ("resumed", None)):
         out = tmp_path / ("straight" if name == "straight" else "chain")
         args = tiny_trainer_args(kjv_data, out, train_samples=8 * GBS, deepspeed_config=config,
-                                 exit_interval=exit_interval, lr_warmup_samples=2 * GBS, lr_decay_tokens=1200)
+                                 exit_interval=exit_interval, lr_warmup_samples=2 * GBS, lr_decay_tokens=1200,
+                                 hidden_dropout=0.1, attention_dropout=0.1)  # the resume exact with dropout on
         runs[name] = records(succeeded(run_trainer(args)).stdout)
     straight = runs["straight"]
     assert sorted(straight) == list(range(1, 9))
@@ -100,20 +141,14 @@ def test_curriculum_pp2_with_full_length_validation_trains_like_pp1(kjv_data, tm
     assert len(valid(outputs[2])) == 3 and valid(outputs[2]) == pytest.approx(valid(outputs[1]), rel=1e-5)
 
 
-def test_without_curriculum_the_line_has_no_seqlen_field(kjv_data, tmp_path):
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"curriculum_learning": {**CURRICULUM, "enabled": False}}))
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, deepspeed_config=config,
-                                                   save=None, load=None)))
-    (record,) = records(done.stdout).values()
+def test_without_curriculum_the_line_has_no_seqlen_field(batch):
+    (record,) = records(succeeded(batch.done["curriculum off"]).stdout).values()
     assert "curriculum_seqlen" not in record and record["consumed_tokens"] == GBS * SEQ
 
 
-def test_curriculum_beyond_seq_length_is_a_one_line_error(kjv_data, tmp_path):
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"curriculum_learning": {**CURRICULUM, "max_difficulty": 2 * SEQ}}))
-    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, deepspeed_config=config, save=None, load=None))
-    one_line_error(done, "curriculum_learning.max_difficulty", str(2 * SEQ), str(config))
+def test_curriculum_beyond_seq_length_is_a_one_line_error(batch):
+    one_line_error(batch.done["curriculum beyond seq length"], "curriculum_learning.max_difficulty", str(2 * SEQ),
+                   str(batch.folder / "beyond.json"))
 
 
 def test_micro_batches_truncate_tokens_and_labels_alike(kjv_data):
@@ -253,7 +288,7 @@ def test_hub_tokenizer_name_from_the_offline_cache(kjv_data, tmp_path, monkeypat
     one_line_error(run_trainer(args), "--tokenizer-name-or-path opskit-test/absent", "Hugging Face Hub")
 
 
-def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path):
+def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path, batch):
     args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, tensor_model_parallel_size=2,
                              make_vocab_size_divisible_by=48, save_interval=1)
     done = succeeded(run_trainer(args, nproc=2))
@@ -262,31 +297,22 @@ def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path):
                        weights_only=False)
     assert embed["word_embeddings.weight"].shape == (1008, 64)
     # Megatron-DeepSpeed's rule: --pad-vocab-size-to is a multiple of --make-vocab-size-divisible-by (and TP).
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "to", train_samples=GBS, save=None,
-                                                   load=None, pad_vocab_size_to=2100, make_vocab_size_divisible_by=4)))
+    done = succeeded(batch.done["pad vocab size to"])
     assert " > padded vocab (size: 2000) with 100 dummy tokens (new size: 2100)" in done.stdout
-    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path / "small", pad_vocab_size_to=1900, save=None, load=None,
-                                         make_vocab_size_divisible_by=4))
-    one_line_error(done, "--pad-vocab-size-to 1900", "2000")
+    one_line_error(batch.done["pad vocab size to, too small"], "--pad-vocab-size-to 1900", "2000")
 
 
-def test_train_iters_trains_that_many_iterations(kjv_data, tmp_path):
+def test_train_iters_trains_that_many_iterations(batch):
     """--train-iters (Megatron's iteration-based length; the spec's batch.train_iters) instead of --train-samples."""
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=None, train_iters=3, save=None,
-                                                   load=None)))
+    done = succeeded(batch.done["train iters"])
     got = records(done.stdout)
     assert sorted(got) == [1, 2, 3] and got[3]["consumed_samples"] == 3 * GBS
     assert "setting training iterations to 3" in done.stdout
 
 
-def test_gpt2_tokenizer_needs_its_files(kjv_data, tmp_path):
-    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, tokenizer_name_or_path=None, save=None, load=None,
-                                         tokenizer_type="GPT2BPETokenizer", vocab_file=tmp_path / "v.json"))
-    one_line_error(done, "--vocab-file", "--merge-file")
-    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, tokenizer_name_or_path=None, save=None, load=None,
-                                         tokenizer_type="GPT2BPETokenizer", vocab_file=tmp_path / "v.json",
-                                         merge_file=tmp_path / "m.txt"))
-    one_line_error(done, "--vocab-file", str(tmp_path / "v.json"))
+def test_gpt2_tokenizer_needs_its_files(batch):
+    one_line_error(batch.done["gpt2 without merges"], "--vocab-file", "--merge-file")
+    one_line_error(batch.done["gpt2 files missing"], "--vocab-file", str(batch.folder / "v.json"))
 
 
 # ---------------------------------------------------------------------------------------------------------- blends
@@ -321,20 +347,17 @@ def test_blend_follows_the_weights_and_each_datasets_split(kjv_data, numbers_pre
     assert valid_numbers and not valid_numbers & train_numbers  # each dataset's split is its own
 
 
-@pytest.mark.parametrize("value", [["0.3", "a", "0.7"], ["x", "a", "0.7", "b"], ["-1", "a", "2", "b"]])
-def test_bad_blend_is_a_one_line_error(kjv_data, tmp_path, value):
-    args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, save=None, load=None) + ["--data-path", *value]
-    one_line_error(run_trainer(args), "--data-path", "WEIGHT PREFIX")
+@pytest.mark.parametrize("value", BLENDS, ids=" ".join)
+def test_bad_blend_is_a_one_line_error(batch, value):
+    one_line_error(batch.done[f"blend {' '.join(value)}"], "--data-path", "WEIGHT PREFIX")
 
 
-def test_trainer_trains_on_a_blend(kjv_data, numbers_prefix, tmp_path):
+def test_trainer_trains_on_a_blend(kjv_data, numbers_prefix, tmp_path, batch):
     args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, train_samples=2 * GBS, save=None, load=None,
                              split="90,10,0", eval_interval=2, eval_iters=1)
     done = succeeded(run_trainer(args + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5", numbers_prefix]))
     assert sorted(records(done.stdout)) == [1, 2] and "validation loss at iteration 2" in done.stdout
-    missing = str(tmp_path / "missing")
-    done = run_trainer(args + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5", missing])
-    one_line_error(done, "--data-path", missing)
+    one_line_error(batch.done["blend of a missing prefix"], "--data-path", str(batch.folder / "missing"))
 
 
 # ---------------------------------------------------------------------------------------------------------- fp16
@@ -422,7 +445,7 @@ def test_weighted_split_paths_parse_like_megatron_deepspeed():
             parse_weighted_split_paths(bad)
 
 
-def test_trainer_reads_weighted_split_paths_with_named_validation(kjv_data, numbers_prefix, tmp_path):
+def test_trainer_reads_weighted_split_paths_with_named_validation(kjv_data, numbers_prefix, tmp_path, batch):
     kjv = str(kjv_data.data_prefix)
     train, valid = tmp_path / "train-splits.txt", tmp_path / "valid-splits.txt"
     train.write_text(f'"train: 0.4 0:0.9 {kjv}, 0.6 0:0.9 {numbers_prefix}"\n')
@@ -438,8 +461,9 @@ def test_trainer_reads_weighted_split_paths_with_named_validation(kjv_data, numb
     losses = {name: float(done.stdout.split(f" {name} loss at iteration 2 | lm loss value: ")[1].split(" ")[0])
               for name in ("valid_kjv", "valid_numbers")}
     assert losses["valid_kjv"] != losses["valid_numbers"]
-    valid.write_text(f'"valid_kjv: 1 0.9:1 {tmp_path / "gone"}"\n')
-    one_line_error(run_trainer(args), "--valid-weighted-split-paths-path", str(valid), str(tmp_path / "gone"))
+    splits = batch.folder / "valid-splits.txt"
+    one_line_error(batch.done["weighted split of a missing prefix"], "--valid-weighted-split-paths-path", str(splits),
+                   str(batch.folder / "gone"))
 
 
 # ---------------------------------------------------------------------------------------------------------- presets
