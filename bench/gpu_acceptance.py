@@ -4,11 +4,13 @@ Rows (a tiny BLOOM: 4 layers, hidden 128, 4 heads, seq 128, the KJV with a 1000-
 LayerNorm, clip 1.0, GBS 16 of MBS 2, 20 iterations saved at 10 and 20; each resume loads a copy of a run's
 ``global_step10`` and is compared with that run's iterations 11..20):
 
-1. ``resume TP2xPP2 bf16 ZeRO-0``: tr11's choices; the same-layout resume must give the uninterrupted losses exactly.
+1. ``resume TP2xPP2 bf16 ZeRO-0``: tr11's choices; the same-layout resume must give the uninterrupted losses exactly,
+   with dropout 0.1 (tr1-13B's and tr8's: the CUDA generators under NCCL, attention's dropout in the TP region).
    The same saved in the background (``--async-save``: pinned copies on the CUDA stream, writer threads): the run's
    losses are the synchronous run's, and its ``global_step10`` resumes exactly. The same with
-   ``--sequence-parallel``: losses within ``LAYOUT_REL`` of the run without, and an exact resume of its own step.
-   On 2 GPUs all use PP2 (sequence parallelism then splits nothing).
+   ``--sequence-parallel``: losses within ``LAYOUT_REL`` of the run without (dropout 0: the split draws other
+   masks), and with dropout an exact resume of its own step. On 2 GPUs all use PP2 (sequence parallelism then splits
+   nothing). Every other run trains without dropout: a layout change draws other masks.
 2. every layout change README's "Changing the number of nodes" promises, each within ``LAYOUT_REL`` (the CPU tests'
    bf16 bound) of its uninterrupted run: TP2xPP2 -> DP4, TP2xPP2 -> TP2xDP2, DP4 -> TP2xPP2 (bf16 ZeRO-0),
    DP4 -> TP2xDP2 (bf16 ZeRO-1), DP4 -> DP2 (fp16 ZeRO-1), DP2 -> DP4 (8-bit Adam, fp32 ZeRO-0). A host of 2 GPUs
@@ -72,6 +74,7 @@ PRECISIONS = {
     "fp16 ZeRO-1": ["--fp16", "--zero-stage", "1"],
     "8-bit Adam": ["--use-bnb-optimizer", "--zero-stage", "0"],
 }
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # after TINY's 0: argparse keeps the last
 # bf16 keeps 8 significant bits: a layout change reorders reductions, so losses agree to a quarter of bf16's
 # relative step (2**-8), the bound of tests/test_reshape.py; the same-layout resume must be exact.
 LAYOUT_REL = 1e-3
@@ -238,25 +241,26 @@ def compare(resumed: Run, straight: Run, exact: bool, first: int = SAVED + 1) ->
 
 # ------------------------------------------------------------------------------------------------------------ rows
 
-def row_same_layout(bench: Bench, straight: Run) -> Row:
-    resumed = bench.run(f"resume {bench.base}", bench.base, "bf16 ZeRO-0",
-                        copy_of_step(straight, bench.scratch / "from-A"))
-    ok, figure, detail = compare(resumed, straight, exact=True)
-    return Row(f"1. resume {bench.base} bf16 ZeRO-0 (same layout, exact)", ok, figure, detail)
+def row_same_layout(bench: Bench, dropped: Run) -> Row:
+    """A resume of ``dropped``'s (the base layout with dropout) ``global_step10`` gives its losses exactly."""
+    resumed = bench.run(f"resume {bench.base} dropout", bench.base, "bf16 ZeRO-0",
+                        copy_of_step(dropped, bench.scratch / "from-A"), extra=DROPOUT)
+    ok, figure, detail = compare(resumed, dropped, exact=True)
+    return Row(f"1. resume {bench.base} bf16 ZeRO-0 dropout 0.1 (same layout, exact)", ok, figure, detail)
 
 
-def row_async_save(bench: Bench, straight: Run) -> Row:
-    """The base layout saved with ``--async-save``: its 20 iterations print ``straight``'s losses, and a resume of
-    its ``global_step10`` (also saving in the background) gives them exactly."""
-    name = f"1. async saves {bench.base} bf16 ZeRO-0 (same losses, exact resume)"
-    background = bench.run(f"async {bench.base}", bench.base, "bf16 ZeRO-0", extra=["--async-save"])
+def row_async_save(bench: Bench, dropped: Run) -> Row:
+    """The base layout with dropout saved with ``--async-save``: its 20 iterations print ``dropped``'s losses, and a
+    resume of its ``global_step10`` (also saving in the background) gives them exactly."""
+    name = f"1. async saves {bench.base} bf16 ZeRO-0 dropout 0.1 (same losses, exact resume)"
+    background = bench.run(f"async {bench.base} dropout", bench.base, "bf16 ZeRO-0", extra=["--async-save", *DROPOUT])
     if background.returncode != 0:
         return Row(name, False, f"{background.name}: exit {background.returncode}")
     same = {i: r["lm_loss"] for i, r in background.records().items()} == \
-        {i: r["lm_loss"] for i, r in straight.records().items()}
-    resumed = bench.run(f"resume async {bench.base}", bench.base, "bf16 ZeRO-0",
-                        copy_of_step(background, bench.scratch / "from-async"), extra=["--async-save"])
-    ok, figure, detail = compare(resumed, straight, exact=True)
+        {i: r["lm_loss"] for i, r in dropped.records().items()}
+    resumed = bench.run(f"resume async {bench.base} dropout", bench.base, "bf16 ZeRO-0",
+                        copy_of_step(background, bench.scratch / "from-async"), extra=["--async-save", *DROPOUT])
+    ok, figure, detail = compare(resumed, dropped, exact=True)
     blocked = [line.split(": ")[1] for line in background.text_lines()
                if line.startswith("time (ms) | save-checkpoint: ")]
     return Row(name, ok and same, f"{'same' if same else 'DIFFERENT'} losses as saved synchronously; resume "
@@ -264,16 +268,19 @@ def row_async_save(bench: Bench, straight: Run) -> Row:
 
 
 def row_sequence_parallel(bench: Bench, straight: Run) -> Row:
-    """The base layout with ``--sequence-parallel`` (tr11's choices): its losses within ``LAYOUT_REL`` of the run
-    without (the same sums in another order), and a resume of its ``global_step10`` gives its own losses exactly."""
-    name = f"1. sequence parallel {bench.base} bf16 ZeRO-0 (losses, exact resume)"
+    """The base layout with ``--sequence-parallel`` (tr11's choices): its losses within ``LAYOUT_REL`` of
+    ``straight``, the run without (the same sums in another order, dropout 0), and with dropout a resume of its
+    ``global_step10`` gives its own losses exactly."""
+    name = f"1. sequence parallel {bench.base} bf16 ZeRO-0 (losses; dropout 0.1: exact resume)"
     split = bench.run(f"sp {bench.base}", bench.base, "bf16 ZeRO-0", extra=["--sequence-parallel"])
-    if split.returncode != 0:
-        return Row(name, False, f"{split.name}: exit {split.returncode}")
+    dropped = bench.run(f"sp {bench.base} dropout", bench.base, "bf16 ZeRO-0", extra=["--sequence-parallel", *DROPOUT])
+    if split.returncode != 0 or dropped.returncode != 0:
+        failed = split if split.returncode != 0 else dropped
+        return Row(name, False, f"{failed.name}: exit {failed.returncode}")
     ok_losses, against_plain, _ = compare(split, straight, exact=False, first=1)
-    resumed = bench.run(f"resume sp {bench.base}", bench.base, "bf16 ZeRO-0",
-                        copy_of_step(split, bench.scratch / "from-sp"), extra=["--sequence-parallel"])
-    ok, figure, detail = compare(resumed, split, exact=True)
+    resumed = bench.run(f"resume sp {bench.base} dropout", bench.base, "bf16 ZeRO-0",
+                        copy_of_step(dropped, bench.scratch / "from-sp"), extra=["--sequence-parallel", *DROPOUT])
+    ok, figure, detail = compare(resumed, dropped, exact=True)
     return Row(name, ok and ok_losses, f"vs no split: {against_plain}; resume {figure}", detail)
 
 
@@ -434,10 +441,12 @@ def acceptance_rows(bench: Bench, jobs: int) -> list[Row]:
                for saved, target, precision in changes if (saved, target, precision) not in fits]
     sources = {(bench.base, "bf16 ZeRO-0")} | {(saved, precision) for saved, _, precision in fits}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
+        dropped = pool.submit(bench.run, f"bf16 ZeRO-0 {bench.base} dropout", bench.base, "bf16 ZeRO-0",
+                              extra=DROPOUT)
         straight = dict(zip(sources, pool.map(lambda s: bench.run(f"{s[1]} {s[0]}", s[0], s[1]), sources), strict=True))
         base = straight[(bench.base, "bf16 ZeRO-0")]
-        futures = [pool.submit(guarded, row, bench, base)
-                   for row in (row_same_layout, row_async_save, row_sequence_parallel, row_check_and_convert)]
+        futures = [pool.submit(guarded, row, bench, dropped.result()) for row in (row_same_layout, row_async_save)]
+        futures += [pool.submit(guarded, row, bench, base) for row in (row_sequence_parallel, row_check_and_convert)]
         futures += [pool.submit(guarded, row_layout_change, bench, straight[(saved, precision)], saved, target,
                                 precision) for saved, target, precision in fits]
         futures += [pool.submit(guarded, row_crash, bench), pool.submit(guarded, row_hang, bench)]

@@ -8,17 +8,21 @@
 #
 # --seed N: run the tests in a random order (pytest-random-order: modules shuffled, and tests within each module;
 # module-scoped fixtures stay shared), reproducible with the same N. --keep: leave the clone (its path is printed).
-# Ends with pytest's summary line and the exit code of `.ci/run`. Needs root (it stops SLURM and moves /etc files).
+# --count: also count the trainer start-ups of the run (scripts/count-trainer-starts.py).
+# Ends with pytest's summary line, the wall time of `.ci/run` (install included: CI's budget is 5,400 s), the ten
+# slowest tests and the exit code of `.ci/run`. Needs root (it stops SLURM and moves /etc files).
 set -euo pipefail
 
 SEED=""
 KEEP=0
+COUNT=0
 while (($#)); do
     case $1 in
     --seed) SEED=${2:?--seed needs a number}; shift 2 ;;
     --keep) KEEP=1; shift ;;
+    --count) COUNT=1; shift ;;
     --) shift; break ;;
-    *) echo "usage: $0 [--seed N] [--keep] [-- PYTEST_ARGS...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--seed N] [--keep] [--count] [-- PYTEST_ARGS...]" >&2; exit 2 ;;
     esac
 done
 [[ -z $SEED || $SEED =~ ^[0-9]+$ ]] || { echo "fresh-ci: --seed: expected a whole number, got '$SEED'" >&2; exit 2; }
@@ -91,14 +95,21 @@ export PIP_NO_CACHE_DIR=1
 # A temporary folder of its own: pytest keeps only the newest three under /tmp/pytest-of-$USER, so any other pytest
 # run on this machine meanwhile would delete this one's (its session fixtures' data) mid-run.
 ADDOPTS="${PYTEST_ADDOPTS:-} --basetemp=$WORK/pytest${SEED:+ --random-order-seed=$SEED}${*:+ $*}"
+COUNTER=()
+((COUNT)) && COUNTER=(python3 "$REPO/scripts/count-trainer-starts.py" --list "$WORK/starts.txt" --)
 set +e
+started=$SECONDS
 # in a session of its own (its process group id is CI_PID), so that an interruption ends all of it
-setsid env PYTEST_ADDOPTS="$ADDOPTS" CI=true bash .ci/run > >(tee "$WORK/ci.log") 2>&1 &
+setsid env PYTEST_ADDOPTS="$ADDOPTS" CI=true "${COUNTER[@]}" bash .ci/run > >(tee "$WORK/ci.log") 2>&1 &
 CI_PID=$!
 wait "$CI_PID"
 status=$?
 CI_PID=""
 set -e
 cp "$WORK/ci.log" "/tmp/fresh-ci-last.log"
+echo "fresh-ci: .ci/run took $((SECONDS - started)) s, install included (CI's limit: 5400 s)"
+echo "fresh-ci: the ten slowest tests:"
+# pytest's --durations table: "12.34s call     tests/test_x.py::test_y"
+grep -E '^[0-9.]+s (setup|call|teardown) ' "$WORK/ci.log" | sort -rn | head -10 | sed 's/^/    /' || true
 echo "fresh-ci: .ci/run exit $status (log: /tmp/fresh-ci-last.log)"
 exit "$status"

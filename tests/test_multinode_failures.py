@@ -266,8 +266,9 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
 @pytest.mark.parametrize("kind", ["hang", "crash"])
 def test_a_hang_or_crash_on_node2_restarts_training_on_the_spare_inside_the_job(cluster, kjv_data, tmp_path, kind):
     """2-node training in a 3-node allocation (slurm.spare_nodes: 1): after a hang (no heartbeat for the in-job
-    timeout, 15 s) or a crash on node2 in iteration 13, the job blames node2 and resumes from the save at 10 on node1
-    and node3 under the same job id; no task of the chain is used up."""
+    timeout, 15 s) or a crash on node2 in iteration 13, the job blames node2 and resumes from the last save `latest`
+    names (10, or 5 when the background save of 10 was not agreed yet) on node1 and node3 under the same job id; no
+    task of the chain is used up."""
     timeout = 15
     spec = node_spec(tmp_path, kjv_data, iterations=30, save_interval=5, fault=f"{kind}:node2:iteration=12:task=1",
                      slurm={"spare_nodes": 1, "array": 2}, watchdog={"in_job_timeout_mins": timeout / 60})
@@ -304,9 +305,13 @@ def test_a_hang_or_crash_on_node2_restarts_training_on_the_spare_inside_the_job(
     else:
         one(r"blamed node2: CUDA launch failure: .*an illegal memory access was encountered$", part)
     one(r"in-job restart 1 of 2: training resumes from the last checkpoint$", part)
-    resumed = part[part.index("training step 1 on nodes node1,node3"):]
-    one(r"successfully loaded checkpoint from .* at iteration +10$", resumed)
-    assert [i for i, *_ in iterations_logged(resumed)][:1] == [11]
+    step0, resumed = part.split("training step 1 on nodes node1,node3", 1)
+    # the step `latest` named at the stop: 10, unless the background save of 10 was not yet agreed when the step was
+    # stopped (a loaded machine), then 5
+    saved = [int(i) for i in re.findall(r"successfully saved checkpoint at iteration +(\d+)", step0)]
+    assert saved and saved[-1] in (5, 10), saved
+    one(rf"successfully loaded checkpoint from .* at iteration +{saved[-1]}$", resumed)
+    assert [i for i, *_ in iterations_logged(resumed)][:1] == [saved[-1] + 1]
     assert (run.checkpoints / "latest").read_text() == "global_step30"
     assert list(chain.read_bad_nodes(run)) == ["node2"]
     stop = seen["stopped"] - seen["iteration 12"]
@@ -318,16 +323,17 @@ def test_a_hang_or_crash_on_node2_restarts_training_on_the_spare_inside_the_job(
     assert restart <= 60, seen  # start-up (interpreters, torchrun, the model, the checkpoint) + 30 s
 
 
-@pytest.mark.parametrize("fault", ["slow:node2:iteration=20:factor=1.3", ""], ids=["node2-30%-slower", "clean"])
+@pytest.mark.parametrize("fault", ["slow:node2:iteration=20:factor=1.5", ""], ids=["node2-50%-slower", "clean"])
 def test_a_slow_node_is_named_a_straggler_within_three_log_intervals(cluster, kjv_data, tmp_path, fault):
-    """node2's forward passes 30% slower from iteration 20 (the fault hook's slow kind) in a 2-node DP run: the
-    trainer's lines name node2 from the first interval after it, and `opskit status` calls it a straggler once 3
-    intervals are logged (iteration 50 of 60). The same spec without the fault: lines, no straggler."""
+    """node2's forward passes 50% slower from iteration 20 (the fault hook's slow kind) in a 2-node DP run: the
+    trainer's lines name node2 from the first interval after it, and `opskit status` calls it a straggler (the
+    default ratio, 1.2) once 3 intervals are logged (iteration 50 of 60). The same spec without the fault: lines, no
+    straggler."""
     # forward passes of ~10 ms: the 2-core host's scheduling noise is a small part of them
     wider = {**MODEL, "hidden_size": 256, "seq_length": 128, "max_position_embeddings": 128}
-    # 1.15, not the default 1.2: this host's two nodes share two cores, so a 30% slower node2 measured 1.22-1.31x
-    spec = node_spec(tmp_path, kjv_data, iterations=60, save_interval=1000, fault=fault, log_interval=10, model=wider,
-                     watchdog={"straggler_ratio": 1.15})
+    # 50% slower, not 30%: the two nodes share this host's two cores, and with another process on one of them a 30%
+    # slower node2 measured 1.1-1.3x (no straggler at 1.2)
+    spec = node_spec(tmp_path, kjv_data, iterations=60, save_interval=1000, fault=fault, log_interval=10, model=wider)
     sub = submit(spec)
     cluster.jobs.append(sub.job_id)
     wait_for(lambda: sub.run.finished_flag.exists(), 240, "training never finished")
@@ -346,7 +352,7 @@ def test_a_slow_node_is_named_a_straggler_within_three_log_intervals(cluster, kj
         assert found == [], found
         return
     assert [(r.node, r.local_rank) for r in reports[2:5]] == [("node2", 0)] * 3, reports
-    assert all(r.ratio >= 1.15 for r in reports[2:5]), reports
+    assert all(r.ratio >= 1.2 for r in reports[2:5]), reports
     [straggler] = found
     assert (straggler["data"]["node"], straggler["data"]["local_rank"]) == ("node2", 0), straggler
 
