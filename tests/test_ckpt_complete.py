@@ -50,6 +50,21 @@ def losses(stdout: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in ITERATION.finditer(stdout)}
 
 
+def resume(data, run: Path) -> subprocess.CompletedProcess:
+    """The trainer with ``bloom_run``'s flags (every iteration logged) on the run folder ``run``."""
+    return run_trainer(tiny_trainer_args(data, run, train_samples=160, save_interval=10, log_interval=1))
+
+
+@pytest.fixture(scope="module")
+def control(kjv_data, bloom_run, tmp_path_factory) -> dict[int, str]:
+    """The losses of an uninterrupted resume from ``bloom_run``'s global_step10 (iterations 11..20)."""
+    run = copy_run(bloom_run, tmp_path_factory.mktemp("control"))
+    set_latest(run / "checkpoints", 10)
+    done = resume(kjv_data, run)
+    assert done.returncode == 0 and "WARNING: checkpoint" not in done.stdout, done.stderr[-3000:]
+    return losses(done.stdout)
+
+
 # --------------------------------------------------------------------------- the truncated optimizer shard
 
 
@@ -129,24 +144,19 @@ def test_deleted_optimizer_shard_and_dp_size_from_the_saved_state(bloom_run, tmp
 # --------------------------------------------------------------------------- the trainer's resume
 
 
-def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(kjv_data, bloom_run, tmp_path):
-    damaged, control = copy_run(bloom_run, tmp_path / "damaged"), copy_run(bloom_run, tmp_path / "control")
+def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(kjv_data, bloom_run, control, tmp_path):
+    damaged = copy_run(bloom_run, tmp_path / "damaged")
     truncate(damaged / "checkpoints" / "global_step20" / SHARD)
-    set_latest(control / "checkpoints", 10)  # an uninterrupted resume from step 10
-
-    runs = {}
-    for name, out in (("damaged", damaged), ("control", control)):
-        done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=1))
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = done.stdout
+    done = resume(kjv_data, damaged)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = {"damaged": done.stdout}
     step20 = damaged / "checkpoints" / "global_step20"
     warnings = [line for line in runs["damaged"].splitlines() if line.startswith("WARNING: checkpoint")]
     assert warnings == [f"WARNING: checkpoint {step20} is incomplete ({step20 / SHARD}: cannot be loaded (not a "
                         "torch.save zip file (File is not a zip file))); resuming from global_step10, the newest "
                         "complete step"]
-    assert "WARNING: checkpoint" not in runs["control"]
     assert list(losses(runs["damaged"])) == list(range(11, 21))
-    assert losses(runs["damaged"]) == losses(runs["control"])
+    assert losses(runs["damaged"]) == control
     # The save at 20 rewrote the damaged step and moved latest: the chain is healthy again.
     assert describe_step(step20).complete and (damaged / "checkpoints" / "latest").read_text() == "global_step20"
 
@@ -177,7 +187,7 @@ def test_no_complete_step_fails_in_one_line_and_changes_nothing(kjv_data, bloom_
     for step in (10, 20):
         truncate(run / "checkpoints" / f"global_step{step}" / "layer_03-model_00-model_states.pt")
     before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
-    done = run_trainer(tiny_trainer_args(kjv_data, run, train_samples=160, save_interval=10, log_interval=1))
+    done = resume(kjv_data, run)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and losses(done.stdout) == {}
     error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -238,7 +248,7 @@ def test_trainer_with_a_binary_latest_resumes_from_the_newest_complete_step(kjv_
     latest = run / "checkpoints" / "latest"
     latest.write_bytes(BAD_LATEST["binary"])
     # Nothing left to train after step 20: no save, so latest shows the trainer never rewrites it itself.
-    done = run_trainer(tiny_trainer_args(kjv_data, run, train_samples=160, save_interval=10, log_interval=1))
+    done = resume(kjv_data, run)
     assert done.returncode == 0, done.stderr[-3000:]
     [warning] = [line for line in done.stdout.splitlines() if line.startswith("WARNING: checkpoint")]
     assert warning.startswith(f"WARNING: checkpoint {latest} is unusable ({latest}: ")
@@ -351,10 +361,10 @@ def test_a_step_lacking_its_optimizer_shard_is_refused_unless_its_weights_only_b
     assert not (tmp_path / "hf").exists()
 
 
-def test_backup_prune_restore_and_resume_gives_the_same_losses(kjv_data, bloom_run, tmp_path):
+def test_backup_prune_restore_and_resume_gives_the_same_losses(kjv_data, bloom_run, control, tmp_path):
     """The runbook's round trip, through the CLI: a --with-optim backup, prune deletes global_step10, restore brings
     it back, set-latest, and the resume from it logs exactly the losses of a resume from the step never deleted."""
-    run, control = copy_run(bloom_run, tmp_path / "run"), copy_run(bloom_run, tmp_path / "control")
+    run = copy_run(bloom_run, tmp_path / "run")
     checkpoints, url = run / "checkpoints", f"file://{tmp_path / 'backup'}"
     step10 = checkpoints / "global_step10"
     backed_up = cli("ckpt", "backup", str(checkpoints), "--to", url, "--with-optim")
@@ -366,13 +376,9 @@ def test_backup_prune_restore_and_resume_gives_the_same_losses(kjv_data, bloom_r
     assert restored.returncode == 0 and restored.stdout.startswith(f"restored {step10}: "), restored.stderr
     moved = cli("ckpt", "set-latest", str(checkpoints), "10")
     assert moved.returncode == 0 and (checkpoints / "latest").read_text() == "global_step10", moved.stderr
-    set_latest(control / "checkpoints", 10)
 
-    runs = {}
-    for name, out in (("restored", run), ("control", control)):
-        done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=1))
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "WARNING: checkpoint" not in done.stdout
-        runs[name] = losses(done.stdout)
-    assert list(runs["restored"]) == list(range(11, 21))
-    assert runs["restored"] == runs["control"]
+    done = resume(kjv_data, run)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNING: checkpoint" not in done.stdout
+    assert list(losses(done.stdout)) == list(range(11, 21))
+    assert losses(done.stdout) == control
