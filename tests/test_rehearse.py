@@ -1,11 +1,13 @@
 """opskit rehearse: every bundled preset and variant, scaled down, green through the real local SLURM (two tasks: the
 first stopped by the spec's own exit duration on the trainer's simulated clock, the second resuming and finishing;
-then ckpt check, ckpt convert with verification, status, logs show); a spec the trainer refuses at start is red with
-the trainer's reason and leaves nothing queued. The scaling rules themselves are checked without SLURM."""
+their uninterrupted twin, whose losses the resumed ones equal as printed; then ckpt check, ckpt convert with
+verification, status, logs show); a spec the trainer refuses at start is red with the trainer's reason and leaves
+nothing queued. The scaling rules themselves are checked without SLURM."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from opskit.rehearse import (
     Stage,
     _run_chain,
     claim_folder,
+    compare_with_twin,
     fit_layout,
     minutes_per_iteration,
     plan_data,
@@ -37,8 +40,8 @@ from opskit.run.paths import RunPaths
 from opskit.slurm import client
 from opskit.spec.load import load_spec
 
-STAGES = ["spec scaled down", "data", "submit", "task 1: exit duration", "task 2: resume", "ckpt check",
-          "ckpt convert", "status", "logs show"]
+STAGES = ["spec scaled down", "data", "submit", "task 1: exit duration", "task 2: resume", "exact resume",
+          "ckpt check", "ckpt convert", "status", "logs show"]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +64,13 @@ def assert_green(result, converts: bool = True) -> None:
     stages = {s.name: s.reason for s in result.stages}
     assert "checkpoint at iteration 21" in stages["task 1: exit duration"]
     assert stages["task 2: resume"].startswith("resumed at iteration 21; training finished at iteration 40")
+    assert re.fullmatch(r"lm loss of iterations 22-40 and \d+ validation loss(es)? equal the uninterrupted twin's as "
+                        r"printed \(iterations 1-21 too\); twin: job \d+ in twin/", stages["exact resume"]), stages[
+        "exact resume"]
     assert ("logits verified" if converts else "no transformers model for it: position_embedding_type absolute "
             "with embedding LayerNorm True") in stages["ckpt convert"]
     assert stages["logs show"].startswith("iteration 40/40, lm loss")
-    assert not queued(result.job_id)
+    assert not queued(result.job_id) and not queued(result.twin_job_id)
 
 
 # --------------------------------------------------------------------------- end to end on the local SLURM
@@ -133,6 +139,7 @@ def test_a_spec_the_trainer_refuses_is_red_with_its_reason_and_nothing_queued(sl
     assert stages["task 1: exit duration"] == ("failed", "--seed 0: expected a positive integer below 4294967296 "
                                                          "(stage s is seeded with seed + 100 * s)")
     assert all(stages[name][0] == "skipped" for name in STAGES[4:])
+    assert stages["exact resume"] == ("skipped", "task 1: exit duration failed") and result.twin_job_id is None
     assert not queued(result.job_id)
 
 
@@ -164,7 +171,7 @@ def test_a_job_that_can_never_start_is_red_at_once_with_the_reason_and_cancelled
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 1.0)
     result = Rehearsal(spec.name, tmp_path)
     started = time.monotonic()
-    _run_chain(spec, result, lambda *stage: result.stages.append(Stage(*stage)), 40, wait_s=900)
+    _run_chain(spec, spec, result, lambda *stage: result.stages.append(Stage(*stage)), 40, wait_s=900)
     assert time.monotonic() - started < 15  # not the 900 s wait
     stages = {s.name: (s.status, s.reason) for s in result.stages}
     status, reason = stages["task 1: exit duration"]
@@ -173,6 +180,55 @@ def test_a_job_that_can_never_start_is_red_at_once_with_the_reason_and_cancelled
     assert reason.endswith("or pick another slurm.partition, then rehearse again (cancelled)"), reason
     assert stages["task 2: resume"] == ("skipped", "task 1 failed") and cancelled == ["77"]
     assert all(stages[name][0] == "skipped" for name in STAGES[5:])
+
+
+# --------------------------------------------------------------------------- the exact-resume comparison
+
+
+def _iteration(n: int, loss: str) -> str:
+    return (f"0: [default3]: iteration {n:8d}/      40 | consumed samples: {8 * n:12d} | lm loss: {loss} | "
+            "grad norm: 0.595 |")
+
+
+def _validation(where: str, loss: str, name: str = "valid") -> str:
+    return f"0: [default3]: {name} loss at {where} | lm loss value: {loss} | lm loss PPL: 1.019606E+03 | "
+
+
+def _log(losses: dict[int, str], validations: dict[str, str] | None = None) -> str:
+    lines = [_iteration(n, loss) for n, loss in losses.items()]
+    lines += [_validation(where, loss) for where, loss in (validations or {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+LOSSES = {n: f"{7 - n / 100:.6E}" for n in range(1, 41)}
+
+
+def test_exact_resume_is_green_only_when_every_printed_loss_after_the_resume_equals_the_twins():
+    first = _log({n: v for n, v in LOSSES.items() if n <= 21}, {"iteration 13": "6.927172E+00"})
+    second = _log({n: v for n, v in LOSSES.items() if n > 21}, {"iteration 26": "6.926248E+00",
+                                                               "the end of training for val data": "6.925E+00"})
+    twin = _log(LOSSES, {"iteration 13": "6.927172E+00", "iteration 26": "6.926248E+00",
+                         "the end of training for val data": "6.925E+00"})
+    assert compare_with_twin(first, second, twin, 21) == (
+        "ok", "lm loss of iterations 22-40 and 2 validation losses equal the uninterrupted twin's as printed "
+              "(iterations 1-21 too)")
+    # the first iteration where they part, with both values as printed
+    parted = twin.replace(_iteration(27, LOSSES[27]), _iteration(27, "4.512344E+00")).replace(
+        _iteration(30, LOSSES[30]), _iteration(30, "1.0E+00"))
+    resumed = second.replace(_iteration(27, LOSSES[27]), _iteration(27, "4.512345E+00"))
+    assert compare_with_twin(first, resumed, parted, 21) == (
+        "failed", "losses part at iteration 27: 4.512345E+00 resumed, 4.512344E+00 uninterrupted")
+    # a validation loss (the training losses equal), and one printed by one side only
+    assert compare_with_twin(first, second, twin.replace("6.926248E+00", "6.926249E+00"), 21) == (
+        "failed", "valid losses part at iteration 26: 6.926248E+00 resumed, 6.926249E+00 uninterrupted")
+    assert compare_with_twin(first, second, twin.replace(_iteration(40, LOSSES[40]) + "\n", ""), 21) == (
+        "failed", f"losses part at iteration 40: {LOSSES[40]} resumed, not printed uninterrupted")
+    # parting before the resume: the training itself does not repeat
+    status, reason = compare_with_twin(first.replace(LOSSES[3], "1.0E+00"), second, twin, 21)
+    assert status == "failed" and reason.startswith("losses part at iteration 3, before the resume at iteration 21: "
+                                                    "1.000000E+00 task 1, ")
+    assert compare_with_twin(first, "", twin, 21) == (
+        "failed", "task 2 printed no iteration line after the resume at iteration 21")
 
 
 # --------------------------------------------------------------------------- the scaling rules
