@@ -928,9 +928,9 @@ def compare_with_twin(first: str, second: str, twin: str, resumed_at: int) -> tu
                               f"{theirs} uninterrupted (the training itself does not repeat: its resume cannot be "
                               "judged)")
     evaluations = sum(k[1] == 1 for k in resumed)
-    return "ok", (f"lm loss of iterations {iterations[0]}-{iterations[-1]} and {evaluations} validation "
-                  f"loss{'' if evaluations == 1 else 'es'} equal the uninterrupted twin's as printed (iterations "
-                  f"1-{resumed_at} too)")
+    evaluated = f" and {evaluations} validation loss{'' if evaluations == 1 else 'es'}" if evaluations else ""
+    return "ok", (f"lm losses of iterations {iterations[0]}-{iterations[-1]}{evaluated} equal the uninterrupted "
+                  f"twin's as printed (iterations 1-{resumed_at} too)")
 
 
 def _ckpt_check(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:

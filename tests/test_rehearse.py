@@ -70,8 +70,8 @@ def assert_green(result, converts: bool = True) -> None:
     stages = {s.name: s.reason for s in result.stages}
     assert "checkpoint at iteration 21" in stages["task 1: exit duration"]
     assert stages["task 2: resume"].startswith("resumed at iteration 21; training finished at iteration 40")
-    assert re.fullmatch(r"lm loss of iterations 22-40 and \d+ validation loss(es)? equal the uninterrupted twin's as "
-                        r"printed \(iterations 1-21 too\); twin: job \d+ in twin/", stages["exact resume"]), stages[
+    assert re.fullmatch(r"lm losses of iterations 22-40( and \d+ validation loss(es)?)? equal the uninterrupted twin's "
+                        r"as printed \(iterations 1-21 too\); twin: job \d+ in twin/", stages["exact resume"]), stages[
         "exact resume"]
     assert ("logits verified" if converts else "no transformers model for it: position_embedding_type absolute "
             "with embedding LayerNorm True") in stages["ckpt convert"]
@@ -222,8 +222,10 @@ def test_exact_resume_is_green_only_when_every_printed_loss_after_the_resume_equ
     twin = _log(LOSSES, {"iteration 13": "6.927172E+00", "iteration 26": "6.926248E+00",
                          "the end of training for val data": "6.925E+00"})
     assert compare_with_twin(first, second, twin, 21) == (
-        "ok", "lm loss of iterations 22-40 and 2 validation losses equal the uninterrupted twin's as printed "
+        "ok", "lm losses of iterations 22-40 and 2 validation losses equal the uninterrupted twin's as printed "
               "(iterations 1-21 too)")
+    assert compare_with_twin(_log(LOSSES), _log(LOSSES), _log(LOSSES), 21) == (
+        "ok", "lm losses of iterations 22-40 equal the uninterrupted twin's as printed (iterations 1-21 too)")
     # the first iteration where they part, with both values as printed
     parted = twin.replace(_iteration(27, LOSSES[27]), _iteration(27, "4.512344E+00")).replace(
         _iteration(30, LOSSES[30]), _iteration(30, "1.0E+00"))
