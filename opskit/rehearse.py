@@ -7,12 +7,14 @@ so every spec rule holds for it too. Each scaling rule is one function returning
 ZeRO stage, optimizer, clipping, weight decay, dropout, curriculum, skip ranges, evaluation). Then two chained array
 tasks run: the first stops on the spec's own exit duration, made deterministic by the trainer's simulated clock
 (``OPSKIT_REHEARSAL_MINUTES_PER_ITERATION``, :mod:`opskit.train.exit`), with a checkpoint; the second resumes and
-finishes. The checkpoint, conversion, watchdog and log stages use the library calls behind ``opskit ckpt check``,
+finishes. Then an uninterrupted twin of both tasks (the same spec in a run directory of its own, one task on a clock
+that never reaches the exit duration) trains after them, and the resumed losses are compared with its losses as
+printed. The checkpoint, conversion, watchdog and log stages use the library calls behind ``opskit ckpt check``,
 ``ckpt convert``, ``status`` and ``logs show``.
 
 Output: ``<root>/<spec cli name, ':' -> '-'>/`` (``root``: ``rehearsals/`` under the spec's base directory), marked
-as ``rehearse``'s (``.opskit``); the run directory is its ``run/``, the prepared demo data is shared by every
-rehearsal under ``<root>/.data/``. The production run directory is never touched.
+as ``rehearse``'s (``.opskit``); the run directory is its ``run/``, the twin's its ``twin/``, the prepared demo data
+is shared by every rehearsal under ``<root>/.data/``. The production run directory is never touched.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from opskit.fsutil import (
     write_marker,
 )
 from opskit.logs.crash import JOB_HEADER, line_source
-from opskit.logs.parse import read_tail, timeline
+from opskit.logs.parse import parse_text, read_tail, timeline
 from opskit.monitor.watchdog import run_checks
 from opskit.rules import checks
 from opskit.rules.formats import parse_skip_ranges
@@ -82,7 +84,9 @@ DEMO_VOCAB = 1024
 """The demo tokenizer's size for a spec whose tokenizer cannot be had offline (a Hub name, GPT-2's files)."""
 CLUSTER_ONLY = ("partition", "account", "qos", "reservation", "constraint", "gres", "hint")
 WAIT_S = 900
-"""Real seconds both tasks may take together before the rehearsal cancels them."""
+"""Real seconds both tasks may take together (and the twin alone) before the rehearsal cancels them."""
+RUN, TWIN = "run", "twin"
+"""The run directories of the chain and of its uninterrupted twin, in the rehearsal folder."""
 
 Status = Literal["ok", "failed", "skipped"]
 
@@ -109,6 +113,7 @@ class Rehearsal:
     substitutions: list[str] = field(default_factory=list)
     plan: dict[str, Any] = field(default_factory=dict)
     job_id: str | None = None
+    twin_job_id: str | None = None
     seconds: float = 0.0
 
     @property
@@ -364,10 +369,12 @@ def _scaled_skip_ranges(ranges: list[str], sched: _Schedules) -> list[str]:
     return out
 
 
-def minutes_per_iteration(exit_duration_mins: float, iterations: int) -> float:
+def minutes_per_iteration(exit_duration_mins: float, iterations: int, twin: bool = False) -> float:
     """The simulated clock's step such that task 1 passes the exit duration after ``iterations // 2 + 1``
-    iterations (the trainer stops when the minutes *exceed* the duration) and task 2, with fewer left, finishes."""
-    return exit_duration_mins / (iterations // 2 + 0.5)
+    iterations (the trainer stops when the minutes *exceed* the duration) and task 2, with fewer left, finishes;
+    ``twin``: such that all ``iterations`` stay under it (the uninterrupted twin trains them in one task)."""
+    stops_after = iterations + 1 if twin else iterations // 2 + 1
+    return exit_duration_mins / (stops_after - 0.5)
 
 
 def scale_backend(spec: Spec) -> tuple[dict, list[str]]:
@@ -378,18 +385,20 @@ def scale_backend(spec: Spec) -> tuple[dict, list[str]]:
         "megatron_args.distributed_backend nccl -> gloo (NCCL needs GPUs)"]
 
 
-def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str]) -> tuple[dict, list[str]]:
+def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str], twin: bool = False
+                ) -> tuple[dict, list[str]]:
     """``slurm``: cluster-only sbatch options dropped, the local node's CPUs, a job name of its own, two tasks, the
     simulated clock in ``env`` (the spec's time limit and exit margin stay: the exit duration is the production one),
-    environment values that name unset variables dropped."""
+    environment values that name unset variables dropped. ``twin``: one task, ``-twin`` after the job name, a clock
+    that stays under the exit duration (:func:`minutes_per_iteration`)."""
     s, said = spec.slurm, []
     out: dict[str, Any] = {key: None for key in CLUSTER_ONLY if getattr(s, key) is not None}
     if out:
         said.append(f"slurm: {', '.join(f'{k} {getattr(s, k)}' for k in out)} dropped (cluster-only)")
     out["cpus_per_task"] = os.cpu_count() or 1
     _said(said, "slurm.cpus_per_task", s.cpus_per_task, out["cpus_per_task"], "the local node's CPUs")
-    out["job_name"] = f"rehearse-{spec.job_name}"
-    out["array"] = 2
+    out["job_name"] = f"rehearse-{spec.job_name}" + ("-twin" if twin else "")
+    out["array"] = 1 if twin else 2
     # one port per rehearsal folder: two rehearsals (or a test) on this host never share torchrun's rendezvous
     out["master_port"] = 20000 + int(hashlib.sha256(str(folder).encode()).hexdigest(), 16) % 9000
     env: dict[str, str | None] = {}  # merged over the spec's env: None drops a variable
@@ -397,11 +406,12 @@ def scale_slurm(spec: Spec, shape: Shape, folder: Path, environ: dict[str, str])
         if unset := unset_variables(value, environ):
             env[key] = None
             said.append(f"slurm.env.{key} dropped (${unset[0]} is not set here)")
-    clock = minutes_per_iteration(spec.exit_duration_in_mins, shape.iterations)
+    clock = minutes_per_iteration(spec.exit_duration_in_mins, shape.iterations, twin)
     env.update({"OMP_NUM_THREADS": "1", REHEARSAL_CLOCK_ENV: f"{clock:.6g}"})
+    stops = (f"all {shape.iterations} iterations stay under it" if twin
+             else f"task 1 stops after {shape.iterations // 2 + 1} iterations")
     said.append(f"exit duration {spec.exit_duration_in_mins:g} min ({s.time} - {s.exit_margin_mins:g} min) kept; "
-                f"simulated clock: 1 iteration = {clock:.6g} min, so task 1 stops after {shape.iterations // 2 + 1} "
-                "iterations")
+                f"simulated clock: 1 iteration = {clock:.6g} min, so {stops}")
     out["env"] = env
     return {"slurm": out}, said
 
@@ -527,8 +537,12 @@ def _write_gpt2_files(tokenizer_json: Path, folder: Path) -> None:
 
 def rehearsal_spec(spec: Spec, folder: Path, data: DataPlan, nodes: int = 1,
                    ranks_per_node: int = DEFAULT_RANKS_PER_NODE, iterations: int = DEFAULT_ITERATIONS,
-                   environ: dict[str, str] | None = None) -> tuple[Spec, list[str]]:
+                   environ: dict[str, str] | None = None, twin: bool = False) -> tuple[Spec, list[str]]:
     """The scaled-down spec (every rule applied as overrides, validated like any spec) and what changed.
+
+    ``twin``: the chain's uninterrupted twin, by the same rules: it differs only in its run directory
+    (``<folder>/twin`` instead of ``<folder>/run``, and the ``megatron_args`` paths moved there), its job name and
+    task count, and its simulated clock (:func:`scale_slurm`).
 
     Raises:
         SpecError: the scaled-down spec breaks a spec rule (one line naming the field).
@@ -544,13 +558,13 @@ def rehearsal_spec(spec: Spec, folder: Path, data: DataPlan, nodes: int = 1,
     tp, pp = fit_layout(spec.parallel.tensor_model_parallel_size, spec.parallel.pipeline_model_parallel_size,
                         nodes * ranks_per_node)
     shape = Shape(nodes, ranks_per_node, tp, pp, iterations, min(spec.model.seq_length, SEQ_LENGTH), data.vocab_size)
-    run = RunPaths(folder / "run")
+    run = RunPaths(folder / (TWIN if twin else RUN))
     overrides: dict = {}
     said: list[str] = []
     rules: list[Callable[[], tuple[dict, list[str]]]] = [
         lambda: scale_layout(spec, shape), lambda: scale_model(spec, shape), lambda: scale_precision(spec),
         lambda: scale_backend(spec),
-        lambda: scale_schedule(spec, shape), lambda: scale_slurm(spec, shape, folder, environ),
+        lambda: scale_schedule(spec, shape), lambda: scale_slurm(spec, shape, folder, environ, twin),
         lambda: scale_paths(spec, run, environ), lambda: (data.overrides, data.said)]
     for rule in rules:
         more, words = rule()
@@ -644,7 +658,7 @@ def rehearse(spec: Spec, nodes: int = 1, iterations: int = DEFAULT_ITERATIONS, r
     Args:
         root: where rehearsal folders go (default ``rehearsals/`` under the spec's base directory).
         force: replace an earlier rehearsal's folder.
-        wait_s: real seconds both tasks may take before they are cancelled (red).
+        wait_s: real seconds both tasks may take before they are cancelled (red), and the twin after them.
         on_stage: called with each stage as it ends (progress).
 
     Raises:
@@ -662,12 +676,14 @@ def rehearse(spec: Spec, nodes: int = 1, iterations: int = DEFAULT_ITERATIONS, r
     data = plan_data(spec, folder.parent / ".data")
     try:
         small, result.substitutions = rehearsal_spec(spec, folder, data, nodes, ranks_per_node, iterations)
+        twin, _ = rehearsal_spec(spec, folder, data, nodes, ranks_per_node, iterations, twin=True)
     except SpecError as e:
         stage("spec scaled down", "failed", str(e))
         return _skip_rest(result, stage, started)
     claim_folder(spec, folder, force)
     try:
         atomic_write_text(folder / "spec.yaml", _spec_yaml(small))
+        atomic_write_text(folder / "twin.yaml", _spec_yaml(twin))
         p = small.parallel
         stage("spec scaled down", "ok", f"{len(result.substitutions)} substitutions; "
                                         f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
@@ -677,7 +693,7 @@ def rehearse(spec: Spec, nodes: int = 1, iterations: int = DEFAULT_ITERATIONS, r
         except (OpskitError, OSError) as e:
             stage("data", "failed", str(e))
             return _skip_rest(result, stage, started)
-        _run_chain(small, result, stage, iterations, wait_s)
+        _run_chain(small, twin, result, stage, iterations, wait_s)
     finally:
         seal_folder(folder)
     result.seconds = time.monotonic() - started
@@ -694,8 +710,8 @@ def _spec_yaml(spec: Spec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
-LATER_STAGES = ("submit", "task 1: exit duration", "task 2: resume", "ckpt check", "ckpt convert", "status",
-                "logs show")
+LATER_STAGES = ("submit", "task 1: exit duration", "task 2: resume", "exact resume", "ckpt check", "ckpt convert",
+                "status", "logs show")
 
 
 def _skip_rest(result: Rehearsal, stage: Callable[[str, Status, str], None], started: float) -> Rehearsal:
@@ -708,9 +724,10 @@ def _skip_rest(result: Rehearsal, stage: Callable[[str, Status, str], None], sta
     return result
 
 
-def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str], None], iterations: int,
+def _run_chain(spec: Spec, twin: Spec, result: Rehearsal, stage: Callable[[str, Status, str], None], iterations: int,
                wait_s: float) -> None:
-    """Submit two tasks, wait for them (cancelling on failure, timeout or Ctrl-C), then check every stage."""
+    """Submit two tasks, wait for them (cancelling on failure, timeout or Ctrl-C), train their uninterrupted
+    ``twin`` after them, then check every stage."""
     run = RunPaths.of(spec)
     try:
         sub = submit(spec, array=2)
@@ -724,19 +741,14 @@ def _run_chain(spec: Spec, result: Rehearsal, stage: Callable[[str, Status, str]
         return
     result.job_id = sub.job_id
     stage("submit", "ok", f"job {sub.job_id}: 2 chained tasks on the local SLURM ({sub.run.script.name})")
-    finished = False
-    try:
-        failure = _wait(spec, run, sub.job_id, wait_s)
-        finished = True
-    finally:
-        if not finished or failure:
-            _cancel(sub.job_id)
+    failure = _wait_or_cancel(spec, run, sub.job_id, wait_s)
     task1, task2 = _task_stages(run, sub.job_id, iterations, failure)
     stage(*task1)
     stage(*task2)
     if task1[1] != "ok" or task2[1] != "ok":
         _skip_rest(result, stage, 0)
         return
+    stage("exact resume", *_exact_resume(twin, run, sub.job_id, result, wait_s))
     for name, check in (("ckpt check", _ckpt_check), ("ckpt convert", _ckpt_convert), ("status", _status),
                         ("logs show", _logs_show)):
         try:
@@ -764,6 +776,18 @@ def _wait(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
             return f"{stuck} (cancelled)"
         time.sleep(1)
     return f"not done after {wait_s:g} s: cancelled"
+
+
+def _wait_or_cancel(spec: Spec, run: RunPaths, job_id: str, wait_s: float) -> str | None:
+    """:func:`_wait`, then ``scancel`` (:func:`_cancel`) when it says why the job stopped early, or on Ctrl-C."""
+    finished = False
+    try:
+        failure = _wait(spec, run, job_id, wait_s)
+        finished = True
+    finally:
+        if not finished or failure:
+            _cancel(job_id)
+    return failure
 
 
 def _cancel(job_id: str, wait_s: float = 120) -> None:
@@ -819,14 +843,94 @@ def _task_stages(run: RunPaths, job_id: str, iterations: int, failure: str | Non
     else:
         why = _trainer_error(first) if first else (failure or "task 1 never started")
         return ("task 1: exit duration", "failed", why), ("task 2: resume", "skipped", "task 1 failed")
-    loaded = re.search(r"successfully loaded checkpoint from .+ at iteration (\d+)", second)
-    if loaded and run.finished_flag.is_file() and failure is None:
+    loaded = loaded_iteration(second)
+    if loaded is not None and run.finished_flag.is_file() and failure is None:
         flag = run.finished_flag.read_text().strip()
-        return task1, ("task 2: resume", "ok", f"resumed at iteration {loaded[1]}; {flag.split(' ', 2)[-1]}")
+        return task1, ("task 2: resume", "ok", f"resumed at iteration {loaded}; {flag.split(' ', 2)[-1]}")
     why = _trainer_error(second) if second else (failure or "task 2 never started")
-    if loaded and not run.finished_flag.is_file() and failure is None:
-        why = f"resumed at iteration {loaded[1]} but no finished flag ({run.finished_flag})"
+    if loaded is not None and not run.finished_flag.is_file() and failure is None:
+        why = f"resumed at iteration {loaded} but no finished flag ({run.finished_flag})"
     return task1, ("task 2: resume", "failed", why)
+
+
+def loaded_iteration(text: str) -> int | None:
+    """The iteration a task's text says its checkpoint was loaded at (Megatron's ``successfully loaded checkpoint
+    from DIR at iteration N``), or None."""
+    loaded = re.search(r"successfully loaded checkpoint from .+ at iteration (\d+)", text)
+    return int(loaded[1]) if loaded else None
+
+
+# --------------------------------------------------------------------------- exact resume
+
+
+def _exact_resume(twin: Spec, run: RunPaths, job_id: str, result: Rehearsal, wait_s: float) -> tuple[Status, str]:
+    """Train the chain's uninterrupted ``twin`` (one task, after the chain: each asks every CPU of the node) and
+    compare the losses the chain printed with its (:func:`compare_with_twin`)."""
+    twin_run = RunPaths.of(twin)
+    try:
+        sub = submit(twin)
+    except OpskitError as e:
+        return "failed", f"the uninterrupted twin was not submitted: {e}"
+    result.twin_job_id = sub.job_id
+    failure = _wait_or_cancel(twin, twin_run, sub.job_id, wait_s)
+    twin_text = "".join(_task_texts(twin_run, sub.job_id).values())  # its one task (no array: task id 0)
+    if failure is not None or not twin_run.finished_flag.is_file():
+        why = failure or (_trainer_error(twin_text) if twin_text else "it never started")
+        return "failed", f"the uninterrupted twin (job {sub.job_id}) did not finish: {why}"
+    tasks = _task_texts(run, job_id)
+    second = tasks.get("2", "")
+    status, reason = compare_with_twin(tasks.get("1", ""), second, twin_text, loaded_iteration(second) or 0)
+    return status, f"{reason}; twin: job {sub.job_id} in {twin_run.root.name}/"
+
+
+LossKey = tuple[float, int, str, str]
+"""Where a loss was printed, in print order: (iteration, 0 for the training line / 1 for a validation line, what,
+where); iteration ``inf`` for the evaluation at the end of training."""
+
+
+def printed_losses(text: str) -> dict[LossKey, str]:
+    """The losses a log's text printed, as printed (Megatron's ``%.6E``, ``-`` for an iteration line without one):
+    each iteration line's lm loss (``losses``) and each validation line's (``valid losses``, by set name)."""
+    out: dict[LossKey, str] = {}
+    for r in parse_text(text).records:
+        if r["kind"] == "iteration":
+            key = (r["iteration"], 0, "losses", f"iteration {r['iteration']}")
+            out[key] = _as_printed(r.get("lm_loss"))
+        else:
+            at = math.inf if r["iteration"] is None else r["iteration"]
+            out[(at, 1, f"{r['dataset']} losses", r["where"])] = _as_printed(r["validation_lm_loss"])
+    return out
+
+
+def _as_printed(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.6E}"  # the trainer's format: the text the line had
+
+
+def compare_with_twin(first: str, second: str, twin: str, resumed_at: int) -> tuple[Status, str]:
+    """The chain's losses (task 1's ``first`` text up to ``resumed_at``, then task 2's ``second``) against the
+    uninterrupted ``twin``'s, key by key in print order: green when every one is equal as printed, else red at the
+    first that differs (or that one side did not print). A difference before the resume says the training itself
+    is not repeatable, so its resume cannot be judged."""
+    chain = {k: v for k, v in printed_losses(first).items() if k[0] <= resumed_at}
+    resumed = {k: v for k, v in printed_losses(second).items() if k[0] > resumed_at}
+    iterations = sorted(k[0] for k in resumed if k[1] == 0)
+    if not iterations:
+        return "failed", f"task 2 printed no iteration line after the resume at iteration {resumed_at}"
+    chain |= resumed
+    uninterrupted = printed_losses(twin)
+    for key in sorted(chain.keys() | uninterrupted.keys()):
+        ours, theirs = chain.get(key, "not printed"), uninterrupted.get(key, "not printed")
+        if ours != theirs:
+            at, _, what, where = key
+            if at > resumed_at:
+                return "failed", f"{what} part at {where}: {ours} resumed, {theirs} uninterrupted"
+            return "failed", (f"{what} part at {where}, before the resume at iteration {resumed_at}: {ours} task 1, "
+                              f"{theirs} uninterrupted (the training itself does not repeat: its resume cannot be "
+                              "judged)")
+    evaluations = sum(k[1] == 1 for k in resumed)
+    evaluated = f" and {evaluations} validation loss{'' if evaluations == 1 else 'es'}" if evaluations else ""
+    return "ok", (f"lm losses of iterations {iterations[0]}-{iterations[-1]}{evaluated} equal the uninterrupted "
+                  f"twin's as printed (iterations 1-{resumed_at} too)")
 
 
 def _ckpt_check(spec: Spec, run: RunPaths, iterations: int) -> tuple[Status, str]:

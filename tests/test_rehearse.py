@@ -1,11 +1,17 @@
-"""opskit rehearse: every bundled preset and variant, scaled down, green through the real local SLURM (two tasks: the
-first stopped by the spec's own exit duration on the trainer's simulated clock, the second resuming and finishing;
-then ckpt check, ckpt convert with verification, status, logs show); a spec the trainer refuses at start is red with
-the trainer's reason and leaves nothing queued. The scaling rules themselves are checked without SLURM."""
+"""opskit rehearse: presets scaled down, green through the real local SLURM (two tasks: the first stopped by the spec's
+own exit duration on the trainer's simulated clock, the second resuming and finishing; their uninterrupted twin, whose
+losses the resumed ones equal as printed; then ckpt check, ckpt convert with verification, status, logs show); a spec
+the trainer refuses at start is red with the trainer's reason and leaves nothing queued.
+
+End to end in CI: tiny and tr11-176B-ml, the presets whose rules differ (tiny: opskit's own corpus, TP=PP=1, no
+ramp-up; tr11: TP x PP, bf16 with ZeRO-0, weighted split files, a padded vocabulary), and the failing spec. Every other
+preset and variant runs end to end only under `make soak` (OPSKIT_SOAK=1); CI checks its scaling as pure functions and
+renders its job scripts by submit's dry run (no SLURM, no trainer)."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import write_spec
+from conftest import SOAK, write_spec
 
 from opskit.fsutil import OutputRefusedError, write_marker
 from opskit.rehearse import (
@@ -23,6 +29,7 @@ from opskit.rehearse import (
     Stage,
     _run_chain,
     claim_folder,
+    compare_with_twin,
     fit_layout,
     minutes_per_iteration,
     plan_data,
@@ -34,11 +41,13 @@ from opskit.rehearse import (
 )
 from opskit.rules.schedule import BatchRampup
 from opskit.run.paths import RunPaths
+from opskit.run.submit import submit
 from opskit.slurm import client
 from opskit.spec.load import load_spec
+from opskit.train import REHEARSAL_CLOCK_ENV
 
-STAGES = ["spec scaled down", "data", "submit", "task 1: exit duration", "task 2: resume", "ckpt check",
-          "ckpt convert", "status", "logs show"]
+STAGES = ["spec scaled down", "data", "submit", "task 1: exit duration", "task 2: resume", "exact resume",
+          "ckpt check", "ckpt convert", "status", "logs show"]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +70,13 @@ def assert_green(result, converts: bool = True) -> None:
     stages = {s.name: s.reason for s in result.stages}
     assert "checkpoint at iteration 21" in stages["task 1: exit duration"]
     assert stages["task 2: resume"].startswith("resumed at iteration 21; training finished at iteration 40")
+    assert re.fullmatch(r"lm losses of iterations 22-40( and \d+ validation loss(es)?)? equal the uninterrupted twin's "
+                        r"as printed \(iterations 1-21 too\); twin: job \d+ in twin/", stages["exact resume"]), stages[
+        "exact resume"]
     assert ("logits verified" if converts else "no transformers model for it: position_embedding_type absolute "
             "with embedding LayerNorm True") in stages["ckpt convert"]
     assert stages["logs show"].startswith("iteration 40/40, lm loss")
-    assert not queued(result.job_id)
+    assert not queued(result.job_id) and not queued(result.twin_job_id)
 
 
 # --------------------------------------------------------------------------- end to end on the local SLURM
@@ -108,8 +120,14 @@ def _bnb_runs() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-@pytest.mark.parametrize("name", ["tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm",
-                                  "tr8b-104B:bnb", "tr11-176B-ml:24n"])
+OTHER_PRESETS = ["tr1-13B", "tr8-104B", "tr8b-104B", "tr8b-104B:cl", "tr8b-104B:emb-norm", "tr8b-104B:bnb",
+                 "tr11-176B-ml:24n"]
+"""Every bundled preset and variant besides tiny and tr11-176B-ml: end to end under `make soak` only."""
+
+
+@pytest.mark.skipif(not SOAK, reason="end to end under `make soak` (OPSKIT_SOAK=1); CI checks the scaling and the "
+                                     "rendered job scripts (test_every_preset_and_variant_scales_down_and_renders)")
+@pytest.mark.parametrize("name", OTHER_PRESETS)
 def test_every_preset_and_variant_rehearses_green(slurm, root, name):
     if name.endswith(":bnb") and not _bnb_runs():
         pytest.skip("bitsandbytes is not installed: the bnb variant cannot rehearse here")
@@ -133,6 +151,7 @@ def test_a_spec_the_trainer_refuses_is_red_with_its_reason_and_nothing_queued(sl
     assert stages["task 1: exit duration"] == ("failed", "--seed 0: expected a positive integer below 4294967296 "
                                                          "(stage s is seeded with seed + 100 * s)")
     assert all(stages[name][0] == "skipped" for name in STAGES[4:])
+    assert stages["exact resume"] == ("skipped", "task 1: exit duration failed") and result.twin_job_id is None
     assert not queued(result.job_id)
 
 
@@ -164,7 +183,7 @@ def test_a_job_that_can_never_start_is_red_at_once_with_the_reason_and_cancelled
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 1.0)
     result = Rehearsal(spec.name, tmp_path)
     started = time.monotonic()
-    _run_chain(spec, result, lambda *stage: result.stages.append(Stage(*stage)), 40, wait_s=900)
+    _run_chain(spec, spec, result, lambda *stage: result.stages.append(Stage(*stage)), 40, wait_s=900)
     assert time.monotonic() - started < 15  # not the 900 s wait
     stages = {s.name: (s.status, s.reason) for s in result.stages}
     status, reason = stages["task 1: exit duration"]
@@ -175,7 +194,150 @@ def test_a_job_that_can_never_start_is_red_at_once_with_the_reason_and_cancelled
     assert all(stages[name][0] == "skipped" for name in STAGES[5:])
 
 
+# --------------------------------------------------------------------------- the exact-resume comparison
+
+
+def _iteration(n: int, loss: str) -> str:
+    return (f"0: [default3]: iteration {n:8d}/      40 | consumed samples: {8 * n:12d} | lm loss: {loss} | "
+            "grad norm: 0.595 |")
+
+
+def _validation(where: str, loss: str, name: str = "valid") -> str:
+    return f"0: [default3]: {name} loss at {where} | lm loss value: {loss} | lm loss PPL: 1.019606E+03 | "
+
+
+def _log(losses: dict[int, str], validations: dict[str, str] | None = None) -> str:
+    lines = [_iteration(n, loss) for n, loss in losses.items()]
+    lines += [_validation(where, loss) for where, loss in (validations or {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+LOSSES = {n: f"{7 - n / 100:.6E}" for n in range(1, 41)}
+
+
+def test_exact_resume_is_green_only_when_every_printed_loss_after_the_resume_equals_the_twins():
+    first = _log({n: v for n, v in LOSSES.items() if n <= 21}, {"iteration 13": "6.927172E+00"})
+    second = _log({n: v for n, v in LOSSES.items() if n > 21}, {"iteration 26": "6.926248E+00",
+                                                               "the end of training for val data": "6.925E+00"})
+    twin = _log(LOSSES, {"iteration 13": "6.927172E+00", "iteration 26": "6.926248E+00",
+                         "the end of training for val data": "6.925E+00"})
+    assert compare_with_twin(first, second, twin, 21) == (
+        "ok", "lm losses of iterations 22-40 and 2 validation losses equal the uninterrupted twin's as printed "
+              "(iterations 1-21 too)")
+    assert compare_with_twin(_log(LOSSES), _log(LOSSES), _log(LOSSES), 21) == (
+        "ok", "lm losses of iterations 22-40 equal the uninterrupted twin's as printed (iterations 1-21 too)")
+    # the first iteration where they part, with both values as printed
+    parted = twin.replace(_iteration(27, LOSSES[27]), _iteration(27, "4.512344E+00")).replace(
+        _iteration(30, LOSSES[30]), _iteration(30, "1.0E+00"))
+    resumed = second.replace(_iteration(27, LOSSES[27]), _iteration(27, "4.512345E+00"))
+    assert compare_with_twin(first, resumed, parted, 21) == (
+        "failed", "losses part at iteration 27: 4.512345E+00 resumed, 4.512344E+00 uninterrupted")
+    # a validation loss (the training losses equal), and one printed by one side only
+    assert compare_with_twin(first, second, twin.replace("6.926248E+00", "6.926249E+00"), 21) == (
+        "failed", "valid losses part at iteration 26: 6.926248E+00 resumed, 6.926249E+00 uninterrupted")
+    assert compare_with_twin(first, second, twin.replace(_iteration(40, LOSSES[40]) + "\n", ""), 21) == (
+        "failed", f"losses part at iteration 40: {LOSSES[40]} resumed, not printed uninterrupted")
+    # parting before the resume: the training itself does not repeat
+    status, reason = compare_with_twin(first.replace(LOSSES[3], "1.0E+00"), second, twin, 21)
+    assert status == "failed" and reason.startswith("losses part at iteration 3, before the resume at iteration 21: "
+                                                    "1.000000E+00 task 1, ")
+    assert compare_with_twin(first, "", twin, 21) == (
+        "failed", "task 2 printed no iteration line after the resume at iteration 21")
+
+
 # --------------------------------------------------------------------------- the scaling rules
+
+SAID = {
+    # name: substitutions said beyond the layout, precision, schedule length and clock every preset is checked for
+    "tr1-13B": ["model.ffn_hidden_size 20,480 -> 256 (ffn/hidden 4 kept)",
+                "batch.rampup_batch_size [16, 16, 5,000,000] -> [1, 1, 4]",
+                "megatron_args.codecarbon_dir $six_ALL_CCFRSCRATCH/checkpoints/tr1-13B/codecarbon -> {run}/codecarbon "
+                "($six_ALL_CCFRSCRATCH is not set here)"],
+    "tr8-104B": ["batch.rampup_batch_size [32, 32, 6,000,000] -> [1, 1, 4]", "checkpoint.eval_interval 1000 -> 13"],
+    "tr8b-104B": ["batch.rampup_batch_size [16, 16, 6,000,000] -> [1, 1, 4]", "checkpoint.eval_iters 5 -> 2"],
+    "tr8b-104B:cl": ["curriculum_learning.min_difficulty 64 -> 8", "curriculum_learning.max_difficulty 2048 -> 64",
+                     "curriculum_learning.total_curriculum_step 36,000 -> 5",
+                     "optimizer.lr_decay_tokens 260,000,000,000 -> 1152", "batch.train_tokens 300,000,000,000 -> 1280"],
+    "tr8b-104B:emb-norm": ["megatron_args.skip_train_iteration_range [13251-14000, 16651-19500] -> [3-4, 6-6] (same "
+                           "places in the run)"],
+    "tr8b-104B:bnb": ["batch.rampup_batch_size [16, 16, 6,000,000] -> [1, 1, 4]"],
+    "tr11-176B-ml:24n": ["parallel.nodes x gpus_per_node 24 x 8 -> 1 x 4 (CPU ranks of the local cluster)",
+                         "data parallel size 4 -> 1", "model.pad_vocab_size_to 250,880 -> unset (the rehearsal "
+                         "vocabulary 1024 padded by the same rule, 128 x TP 2: 1024)"],
+}
+SUBSTITUTED_ARGS = {"distributed_backend", "skip_train_iteration_range", "codecarbon_dir"}
+
+
+def _flat(mapping: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in mapping.items():
+        out |= _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+    return out
+
+
+@pytest.mark.parametrize("name", OTHER_PRESETS)
+def test_every_preset_and_variant_scales_down_and_renders(name, tmp_path, monkeypatch):
+    """CI's check of the presets not rehearsed end to end: the scaled-down spec and its twin as pure functions, and
+    both job scripts rendered by submit's dry run (no SLURM: an empty queue; no trainer)."""
+    monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: [])
+    spec = load_spec(name)
+    folder = rehearsal_folder(spec, tmp_path)
+    data = plan_data(spec, tmp_path / ".data")
+    small, said = rehearsal_spec(spec, folder, data)
+    twin, _ = rehearsal_spec(spec, folder, data, twin=True)
+    for expected in SAID[name]:
+        assert expected.format(run=folder / "run") in said, said
+    # the layout: the spec's TP and PP where 4 CPU ranks allow, the larger reduced first
+    p, full = small.parallel, spec.parallel
+    tp, pp = fit_layout(full.tensor_model_parallel_size, full.pipeline_model_parallel_size, 4)
+    assert (p.nodes, p.gpus_per_node, p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (1, 4, tp, pp)
+    assert tp * pp * p.data_parallel_size == 4 and (tp, pp) != (1, 1)
+    for key, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if getattr(full, key) != value:
+            assert f"parallel.{key} {getattr(full, key)} -> {value} (TP*PP {full.model_parallel_size} > 4 ranks; the " \
+                   "larger one reduced first)" in said
+    # precision: fp16 -> bf16 on CPU, said (tr11's bf16 kept); what the spec trains with otherwise kept
+    assert small.model.precision == "bf16"
+    assert any(s.startswith("model.precision fp16 -> bf16 (DeepSpeed's CPU accelerator has no fp16")
+               for s in said) == (spec.model.precision == "fp16") == (not name.startswith("tr11"))
+    for key in ("hidden_dropout", "attention_dropout", "position_embedding_type", "embed_layernorm"):
+        assert getattr(small.model, key) == getattr(spec.model, key), key
+    assert p.zero_stage == full.zero_stage
+    assert {k: v for k, v in small.megatron_args.items() if k not in SUBSTITUTED_ARGS} == {
+        k: v for k, v in spec.megatron_args.items() if k not in SUBSTITUTED_ARGS}
+    assert (small.curriculum_learning is None) == (spec.curriculum_learning is None)
+    # the schedule: K = 40 iterations by the ramp-up walk, task 1 stopped after 21 by the spec's own exit duration
+    b = small.batch
+    assert BatchRampup(b.global_batch_size, b.rampup_batch_size).train_iters(b.train_samples) == 40
+    assert any(re.fullmatch(r"train iterations [\d,]+ -> 40", s) for s in said)
+    clock = f"{minutes_per_iteration(spec.exit_duration_in_mins, 40):.6g}"
+    assert f"exit duration {spec.exit_duration_in_mins:g} min ({spec.slurm.time} - {spec.slurm.exit_margin_mins:g} " \
+           f"min) kept; simulated clock: 1 iteration = {clock} min, so task 1 stops after 21 iterations" in said
+    # the twin: the same spec but for its run directory, job name, one task and a clock that never stops it
+    twin_clock = f"{minutes_per_iteration(spec.exit_duration_in_mins, 40, twin=True):.6g}"
+    assert 40 * float(twin_clock) < spec.exit_duration_in_mins < 21 * float(clock)
+    a, b = _flat(small.model_dump(mode="json")), _flat(twin.model_dump(mode="json"))
+    differ = {key: (a.get(key), b.get(key)) for key in a.keys() | b.keys() if a.get(key) != b.get(key)}
+    assert differ.pop("paths.output") == (str(folder / "run"), str(folder / "twin"))
+    assert differ.pop("slurm.job_name") == (small.slurm.job_name, small.slurm.job_name + "-twin")
+    assert differ.pop("slurm.array") == (2, 1)
+    assert differ.pop(f"slurm.env.{REHEARSAL_CLOCK_ENV}") == (clock, twin_clock)
+    for key, (ours, theirs) in differ.items():  # paths the rehearsal put in its run directory
+        assert key.startswith("megatron_args.") and theirs == ours.replace(str(folder / "run"), str(folder / "twin"))
+    # both job scripts render; the only problems a dry run finds are the demo data, prepared when it rehearses
+    for scaled, array, clock_value in ((small, 2, clock), (twin, 1, twin_clock)):
+        sub = submit(scaled, array=array, dry_run=True)
+        assert sub.warnings and all(" is missing " in w and str(tmp_path / ".data") in w for w in sub.warnings)
+        assert ("--array=1-2%1" in sub.command) == (array == 2)
+        script = sub.script
+        for line in (f"export {REHEARSAL_CLOCK_ENV}={clock_value}", f"--tensor-model-parallel-size {tp} \\",
+                     f"--pipeline-model-parallel-size {pp} \\", "--bf16 \\",
+                     f"--hidden-dropout {spec.model.hidden_dropout} \\",
+                     f"--save {RunPaths.of(scaled).checkpoints} \\"):
+            assert line in script, (line, script)
+        assert "--fp16" not in script and "nccl" not in script
+
+
 
 
 def test_fit_layout_reduces_the_larger_first_and_keeps_what_fits():

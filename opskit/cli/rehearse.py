@@ -26,8 +26,9 @@ def rehearse(
     json_output: JsonOutput = False,
 ) -> None:
     """Run the spec scaled down (same flags, precision where the CPU has it, TP/PP where the ranks allow) through the
-    real local SLURM: two chained tasks (the first stopped by the spec's exit duration, the second resuming), then
-    ckpt check, ckpt convert, status and logs show. Exit 0 all green, 1 any red, 2 bad input."""
+    real local SLURM: two chained tasks (the first stopped by the spec's exit duration, the second resuming), their
+    uninterrupted twin (the resumed losses must equal its losses as printed), then ckpt check, ckpt convert, status
+    and logs show. Exit 0 all green, 1 any red, 2 bad input."""
     from opskit.rehearse import rehearse as run_rehearsal
     from opskit.spec.load import load_spec
 
