@@ -37,10 +37,10 @@ SAVE_TIME = re.compile(r"^time \(ms\) \| save-checkpoint: ([\d.]+)$", re.M)
 
 
 def chain_args(data, out: Path, async_save: bool = False) -> list[str]:
-    """The flags of every run of the crash test (reference, killed and resumed): a save after every iteration, in
-    the background with ``async_save``."""
+    """The flags of every run of the crash test (reference, killed and resumed): dropout on (a resume is exact with
+    it), a save after every iteration, in the background with ``async_save``."""
     return tiny_trainer_args(data, out, train_samples=ITERATIONS * GBS, save_interval=1, tensorboard_dir=None,
-                             async_save=async_save)
+                             hidden_dropout=0.1, attention_dropout=0.1, async_save=async_save)
 
 
 def losses(stdout: str) -> dict[int, float]:
