@@ -98,6 +98,23 @@ def test_set_latest_checks_the_step_and_writes_atomically(run):
         set_latest(run, 7)
 
 
+def test_latest_is_never_seen_half_written(run, monkeypatch):
+    """``write_latest`` (the trainer's and set-latest's) fills a staging file and renames it over ``latest``: a
+    process killed before the rename (here: the rename fails) leaves the old ``latest`` whole, never a new one cut
+    short, and no staging file (a write in place passed the SIGKILL series: its window is microseconds)."""
+    from opskit.ckpt.format.layout import write_latest
+
+    def killed(*args):
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr("os.replace", killed)
+    monkeypatch.setattr("os.rename", killed)
+    with pytest.raises(OSError, match="killed before the rename"):
+        write_latest(run, "global_step300")
+    assert (run / "latest").read_text() == "global_step200"
+    assert sorted(p.name for p in run.iterdir() if p.is_file()) == ["latest"]
+
+
 # --------------------------------------------------------------------------- backup and verify
 
 
