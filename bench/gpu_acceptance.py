@@ -181,7 +181,7 @@ class Bench:
             again: bool = True) -> Run:
         """A whole run to iteration 20 (or from ``load``'s latest step). A run that fails in NCCL's set-up before its
         first iteration runs once more (as ``NAME again``): on one host of 4 x H100, 12 runs starting together made
-        NCCL fail to allocate (docs/benchmarks.md), which is the host's load, not what the row checks."""
+        NCCL fail to allocate (docs/benchmarks.md#gpu-acceptance), which is the host's load, not what the row checks."""
         started = time.monotonic()
         process, save = self.start(name, layout, precision, load, extra=extra)
         try:

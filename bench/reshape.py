@@ -3,9 +3,9 @@ the same trainer checkpoint, side by side in the same run.
 
 The checkpoint (setup, not timed; cached, so a rerun reuses it): a GPT-2-style model (absolute positions, no embedding
 LayerNorm; default 20 layers, hidden 1024, 16 heads, vocabulary 2000 -> padded 2048, seq 128: 254M parameters, the
-largest whose 8 ranks stay under ~12 GiB, docs/benchmarks.md), bf16 with ZeRO-1, trained one iteration by opskit's
-trainer at TP=2 x PP=2 x DP=2 (``torchrun`` with 8 processes, gloo, CPU; micro-batch 1, global batch 2), saved as
-``global_step1``. Data: the KJV corpus (``opskit.data.corpus.prepare_data``).
+largest whose 8 ranks stay under ~12 GiB, docs/benchmarks.md#reshaping-a-checkpoint), bf16 with ZeRO-1, trained one
+iteration by opskit's trainer at TP=2 x PP=2 x DP=2 (``torchrun`` with 8 processes, gloo, CPU; micro-batch 1, global
+batch 2), saved as ``global_step1``. Data: the KJV corpus (``opskit.data.corpus.prepare_data``).
 
 Measured, each as a child process from interpreter start to exit, checkpoint files in the page cache for both:
 

@@ -1,7 +1,8 @@
 """A second peer for issue 19 goal 3: torchtitan 0.2.2's Llama 3 at the Llama 3.2 1B shape, trained with
 torchtitan's own parallelisation and training step, one process, one GPU, outside its ``Trainer`` (whose data
-loader needs datasets and pyarrow: more than a GPU-machine call can carry; docs/benchmarks.md). 0.2.2, not 0.3.0:
-0.3.0 needs a newer PyTorch than the GPU image's 2.11 (``torch.distributed.fsdp.DataParallelMeshDims``).
+loader needs datasets and pyarrow: more than a GPU-machine call can carry;
+docs/benchmarks.md#against-megatron-core-and-torchtitan). 0.2.2, not 0.3.0: 0.3.0 needs a newer PyTorch than the GPU
+image's 2.11 (``torch.distributed.fsdp.DataParallelMeshDims``).
 
 What is torchtitan's: the model (``Transformer``: RMSNorm, RoPE theta 500,000, grouped-query SDPA attention, SwiGLU;
 here dim 2048, 16 layers, 32 heads with 8 KV heads, FFN multiplier 1.5, vocabulary 128,256: Llama 3.2 1B, whose

@@ -361,7 +361,8 @@ def convert_step(path: str | Path, out_dir: str | Path, step: int | None = None,
             models in fp32 take 8 bytes per parameter), else the first 2 blocks.
         progress: ``progress(bytes_read, bytes_total)`` of checkpoint bytes, after each tensor.
         workers: blocks written at once (threads). Default 2: one maps source pages while another writes; more
-            mostly wait, since writes into one file serialize on its inode lock (ext4, tmpfs; docs/benchmarks.md).
+            mostly wait, since writes into one file serialize on its inode lock (ext4, tmpfs;
+            docs/benchmarks.md#checkpoint-conversion).
 
     Raises:
         CheckpointFormatError: incomplete or unreadable step (the first bad file named). ConvertError: a model

@@ -8,8 +8,9 @@ known names laid out as in one of the block's first few lines, values that polar
 odd or unknown-field lines) goes through ``grammar.parse_record`` and the records are merged back in file order.
 tests/test_logs_bulk.py checks that both paths give the same records, key order included.
 
-Why: building every-field records line by line costs ~6.7 us per iteration line in CPython (docs/benchmarks.md);
-polars cuts the fields out and converts them in compiled code, Python only builds the dicts.
+Why: building every-field records line by line costs ~6.7 us per iteration line in CPython
+(docs/benchmarks.md#log-commands-on-a-large-log); polars cuts the fields out and converts them in compiled code, Python
+only builds the dicts.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ _LABEL = rf"^ *([0-9]{{1,{LABEL_DIGITS}}}): "  # grammar.srun_label's rule
 _END = "~"  # every line gets "|~" appended: a whole line then has an empty field before it, a cut one does not
 _LAYOUTS = 4  # layouts tried per block; lines of further layouts go through parse_record
 _WIDTH = 20  # columns read: 2022's iteration line has 14 fields; longer lines fail every layout and go to parse_record
-_AHEAD = 2  # blocks polars reads at once while the caller uses one: one left cores idle (docs/benchmarks.md)
+# blocks polars reads at once while the caller uses one: one left cores idle
+# (docs/benchmarks.md#log-commands-on-a-large-log)
+_AHEAD = 2
 _SPACES = " \t\r"  # what may follow the last "|" (a subset of str.isspace, which the per-line parser uses)
 
 

@@ -3,7 +3,7 @@
 :func:`write_files` writes what :func:`write_jsonl` / :func:`write_csv` write for the rows ``{"file", "segment",
 **record}`` of each file, byte for byte; the records a large read kept column-wise (``read_from(..., columnar=True)``)
 are formatted by polars, one ``concat_str`` per table and segment, and written as bytes, never as one dict and one
-``json.dumps`` each (a 1M-line log costs ~0.6 CPU s instead of ~7 s; docs/benchmarks.md).
+``json.dumps`` each (a 1M-line log costs ~0.6 CPU s instead of ~7 s; docs/benchmarks.md#log-commands-on-a-large-log).
 tests/test_logs_export.py holds both ways equal. polars is imported inside the functions that format such columns:
 a small log's records are written without it.
 """

@@ -5,9 +5,9 @@ cut, wrapped or garbled record lines are counted in ``LogChunk.skipped``, never 
 
 Speed: a read under 16 MiB goes line by line through :func:`opskit.logs.grammar.scan_lines`; a larger one through
 :mod:`opskit.logs.bulk`, which builds the common iteration lines' records column-wise with polars and sends every other
-line to the same per-line parser (bench/log_parse.py, docs/benchmarks.md). That module, polars and numpy are
-imported inside the functions that need them (a large read, its columns, records of several printing ranks): a small
-log's read imports none of them.
+line to the same per-line parser (bench/log_parse.py, docs/benchmarks.md#log-commands-on-a-large-log). That module,
+polars and numpy are imported inside the functions that need them (a large read, its columns, records of several
+printing ranks): a small log's read imports none of them.
 
 Bounds, on any input: files are read in blocks (8 MiB, 16 MiB on the bulk path, backwards from 64 KiB growing to
 8 MiB), never whole, and a line longer than :data:`MAX_LINE` (1 MiB) is garbage (no Megatron line is near it: a sparse

@@ -26,7 +26,8 @@ BF16_BLOCK = {"enabled": True, "immediate_grad_update": True}
 """bf16 with DeepSpeed's BF16_Optimizer (ZeRO-0) adding each parameter's 16-bit gradient into its fp32 buffer as soon
 as backward produces it, and freeing it: off (DeepSpeed 0.19's default), every parameter's 16-bit gradient lives
 until the step (2 bytes per parameter) and the pipeline engine adds them all after each micro-batch in a Python loop.
-Measured at TP2 x PP2 on 4 H100s (docs/benchmarks.md, issue 33): 3.3% faster per iteration, 3 GiB less per GPU."""
+Measured at TP2 x PP2 on 4 H100s (docs/benchmarks.md#tr11s-layout-on-4-gpus): 3.3% faster per iteration, 3 GiB
+less per GPU."""
 
 PIPELINE_BLOCK = {"pipe_partitioned": False, "grad_partitioned": False}
 """Pipeline stages send whole activations and gradients at TP > 1. DeepSpeed's default sends each TP rank a

@@ -149,7 +149,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     in backward): ``s*b*h*(4 + 30/t + 5*a*s/(h*t))``, the same at t = 1. The ``5*a*s/(h*t)`` term is
     the ``[b, a, s, s]`` attention scores, softmax and dropout mask that Megatron's unfused softmax keeps (BigScience's
     runs); opskit's trainer uses fused attention kernels (flash / FlexAttention) that keep none of them, so the term
-    is counted only with ``attention_scores=True``. Measured against the trainer: docs/benchmarks.md.
+    is counted only with ``attention_scores=True``. Measured against the trainer:
+    docs/benchmarks.md#trainer-speed-on-one-gpu.
     """
     scores = 5 * heads * seq / (hidden * tp) if attention_scores else 0.0
     if sequence_parallel:
@@ -227,7 +228,7 @@ class MemoryPlan:
 
 RECOMPUTE_MARGIN = 0.15
 """Share of GPU memory the advice to drop activation checkpointing leaves unplanned: the estimate's measured error
-(within 10%, docs/benchmarks.md) plus the allocator's fragmentation."""
+(within 10%, docs/benchmarks.md#tr11s-layout-on-4-gpus) plus the allocator's fragmentation."""
 
 
 def spec_bytes_per_parameter(spec: Spec) -> dict[str, int]:

@@ -4,10 +4,10 @@ A save copies every tensor DeepSpeed hands to its checkpoint engine into host me
 the next, copied on the current CUDA stream, so the optimizer step after the save cannot overwrite what is being
 copied) and returns to training; one writer thread per rank writes the files. The buffers are carved from a
 :class:`HostArena` that a thread reserves and page-locks while the run starts, so the first save does not stop
-training to pin them (18 GB took 15 s on an H100 host: docs/benchmarks.md). The next save waits for the previous one.
-``latest`` moves only when every rank's writer has written every file of the step: the ranks agree with an
-all-reduce on a gloo group after each iteration while a save is under way, then rank 0 writes ``latest``
-(atomically). A crash before that leaves ``latest`` at the previous complete step, as a synchronous save does.
+training to pin them (18 GB took 15 s on an H100 host: docs/benchmarks.md#checkpoint-saves). The next save waits for the
+previous one. ``latest`` moves only when every rank's writer has written every file of the step: the ranks agree with an
+all-reduce on a gloo group after each iteration while a save is under way, then rank 0 writes ``latest`` (atomically). A
+crash before that leaves ``latest`` at the previous complete step, as a synchronous save does.
 
 Why our own engine rather than DeepSpeed's ``DecoupledCheckpointEngine`` (0.19): it writes through DeepSpeed's
 ``FastCheckpointEngine`` (the async_io op, which needs libaio built in), waits for each rank's own writes only and

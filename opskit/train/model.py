@@ -123,8 +123,8 @@ class _PlainAtOneRank:
     """megatron-core's Column/RowParallelLinear returning only the output, and at TP = 1 computed as ``F.linear``
     (the same product: no rank to gather from or reduce over). megatron-core's own autograd function adds the bias
     and sums its gradient in separate passes over ``[b, s, out]``; ``F.linear`` lets torch.compile put the bias in
-    the GEMM's epilogue (measured on an H100: docs/benchmarks.md). With ``sequence_parallel`` the subclass's
-    ``sequence_parallel_forward`` runs instead, on :mod:`opskit.train.sequence_parallel`'s collectives:
+    the GEMM's epilogue (measured on an H100: docs/benchmarks.md#trainer-speed-on-one-gpu). With ``sequence_parallel``
+    the subclass's ``sequence_parallel_forward`` runs instead, on :mod:`opskit.train.sequence_parallel`'s collectives:
     megatron-core's own sequence-parallel path allocates on CUDA, so it cannot run on a CPU, where the trainer is
     tested."""
 

@@ -124,8 +124,8 @@ def compile_stage(model: GPTModelPipe) -> None:
 
     At TP = 1 without activation checkpointing the stage's layers, embedding and LM head included, become one graph,
     as a bare model compiles: one graph entry per micro-batch instead of one per layer, and fusions across layer
-    boundaries (measured on an H100, docs/benchmarks.md). DeepSpeed's per-layer seeding becomes one
-    seed per micro-batch, its first layer's, so dropout masks differ from a per-layer run's (compiled dropout never
+    boundaries (measured on an H100, docs/benchmarks.md#trainer-speed-on-one-gpu). DeepSpeed's per-layer seeding becomes
+    one seed per micro-batch, its first layer's, so dropout masks differ from a per-layer run's (compiled dropout never
     drew eager's masks).
     Otherwise (megatron-core's TP layers, or DeepSpeed's checkpointed layer ranges) each transformer block is compiled
     on its own."""

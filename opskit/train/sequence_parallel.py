@@ -3,7 +3,7 @@ their first (sequence) dimension, rank ``r`` holding rows ``r*s/TP .. (r+1)*s/TP
 move between the split and the whole (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4.2.2: the ``g`` / ``g-bar`` conjugates); and the mark on the parameters each TP rank
 applies to its own tokens only, whose gradients are summed over TP once per step (an all-reduce per block and
-micro-batch instead made the split 9% slower than none on 4 H200s: docs/benchmarks.md).
+micro-batch instead made the split 9% slower than none on 4 H200s: docs/benchmarks.md#tr11s-layout-on-4-gpus).
 
 megatron-core has the same functions (``megatron.core.tensor_parallel.mappings``) but allocates their outputs with
 ``torch.cuda.current_device()``, so they cannot run on a CPU, where the trainer is tested; these allocate beside their
