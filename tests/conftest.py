@@ -37,6 +37,11 @@ if os.environ.get("CI"):
 
 REPO = Path(__file__).resolve().parents[1]
 
+# xdist sets COLUMNS=80 in its workers, and rich fixes a console's width from COLUMNS when the console is made (at the
+# CLI's import): the CLI tests that render at COLUMNS=200 through CliRunner would get 80 under xdist alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+
 SOAK = os.environ.get("OPSKIT_SOAK") == "1"
 """`make soak`: the long loops at their full size (every SIGKILL of the series, every preset rehearsed end to end);
 CI runs a random sample of each."""
@@ -47,6 +52,7 @@ SERIAL_GROUPS = {"slurm": "slurm", "jobs": "slurm", "cancel_after": "slurm", "us
                  "slurm_cluster": "multinode"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Each test's xdist group (``--dist loadgroup``): ``slurm`` or ``multinode`` for a test that uses those
     clusters (or carries the ``slurm`` mark), else its module's, so that a module's fixtures are built on one worker."""
@@ -56,6 +62,17 @@ def pytest_collection_modifyitems(config, items):
             groups = {"slurm"}
         group = "multinode" if "multinode" in groups else "slurm" if groups else item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup`` each test id a worker collected must end in its group (every test has one:
+    :func:`pytest_collection_modifyitems`): xdist sends a group to one worker by that suffix, written into a field
+    pytest 9.2 no longer reads (pytest-xdist issue 1386), and the groups then split silently (two tests editing
+    root's crontab at once failed a CI run)."""
+    lost = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    if node.config.getvalue("dist") == "loadgroup" and lost:
+        raise pytest.UsageError(f"--dist loadgroup: {len(lost)} test ids without their group (e.g. {lost[0]}): "
+                                "pytest >= 9.2 with pytest-xdist <= 3.8 loses them; pip install 'pytest<9.2'")
 
 
 def shared_dir(tmp_path_factory) -> Path:

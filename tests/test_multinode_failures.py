@@ -406,7 +406,9 @@ def test_the_job_checks_its_nodes_first_and_trains_on_the_spare(cluster, kjv_dat
     started = re.search(r"^\[opskit\] (\S+ \S+) job .*: start$", log, re.M)[1]
     took = (datetime.strptime(kept_out[1], "%Y-%m-%d %H:%M:%S") - datetime.strptime(started, "%Y-%m-%d %H:%M:%S"))
     print(f"\n{fault}: job start -> node2 kept out by the pre-flight check of 3 nodes: {took.total_seconds():.0f} s")
-    assert took.total_seconds() <= 40
+    # a bound on a check that finishes, not a speed claim (the module prints durations, never asserts them): 18-46 s
+    # on this host's 2 cores with the other busy; a check that waits out srun's time-out takes minutes
+    assert took.total_seconds() <= 120
 
 
 def test_slurmctld_restarted_mid_chain_keeps_the_queue_and_status_says_unreachable(cluster, kjv_data, tmp_path):
