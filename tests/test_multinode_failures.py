@@ -323,16 +323,17 @@ def test_a_hang_or_crash_on_node2_restarts_training_on_the_spare_inside_the_job(
     assert restart <= 60, seen  # start-up (interpreters, torchrun, the model, the checkpoint) + 30 s
 
 
-@pytest.mark.parametrize("fault", ["slow:node2:iteration=20:factor=1.5", ""], ids=["node2-50%-slower", "clean"])
+@pytest.mark.parametrize("fault", ["slow:node2:iteration=20:factor=3", ""], ids=["node2-3x-slower", "clean"])
 def test_a_slow_node_is_named_a_straggler_within_three_log_intervals(cluster, kjv_data, tmp_path, fault):
-    """node2's forward passes 50% slower from iteration 20 (the fault hook's slow kind) in a 2-node DP run: the
+    """node2's forward passes 3x slower from iteration 20 (the fault hook's slow kind) in a 2-node DP run: the
     trainer's lines name node2 from the first interval after it, and `opskit status` calls it a straggler (the
     default ratio, 1.2) once 3 intervals are logged (iteration 50 of 60). The same spec without the fault: lines, no
     straggler."""
     # forward passes of ~10 ms: the 2-core host's scheduling noise is a small part of them
     wider = {**MODEL, "hidden_size": 256, "seq_length": 128, "max_position_embeddings": 128}
-    # 50% slower, not 30%: the two nodes share this host's two cores, and with another process on one of them a 30%
-    # slower node2 measured 1.1-1.3x (no straggler at 1.2)
+    # 3x slower: the two nodes share this host's two cores, and a process on one core can halve node1's share for
+    # tens of iterations (one of ten runs with `stress-ng --cpu 1` named node1 at 1.00-1.15x against a 1.5x slower
+    # node2 in intervals 21-40)
     spec = node_spec(tmp_path, kjv_data, iterations=60, save_interval=1000, fault=fault, log_interval=10, model=wider)
     sub = submit(spec)
     cluster.jobs.append(sub.job_id)
