@@ -49,12 +49,12 @@ GPT2 = {"position_embedding_type": "absolute", "embed_layernorm": None, "make_vo
 # The trainer, saving the step it loaded (to its --save) before it trains on: what a resume starts from, on disk.
 SAVE_AFTER_LOADING = """
 import sys
-from opskit.train import main
-resume = main.Trainer._resume
+from opskit.train import main, trainer
+resume = trainer.Trainer._resume
 def resume_then_save(self, model):
     resume(self, model)
     self._save()
-main.Trainer._resume = resume_then_save
+trainer.Trainer._resume = resume_then_save
 sys.exit(main.main(sys.argv[1:]))
 """
 

@@ -160,7 +160,8 @@ def test_trainer_imports_nothing_of_the_cli_side():
         "    return sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in names))\n"
         "import opskit.train.main\n"
         "print('entry point:', loaded(cli_side))\n"
-        "import opskit.train.checkpointing, opskit.train.data, opskit.train.emissions, opskit.train.inference\n"
+        "import opskit.train.checkpointer, opskit.train.data, opskit.train.emissions, opskit.train.inference\n"
+        "import opskit.train.trainer\n"
         "import opskit.train.pipe, opskit.train.schedules, opskit.train.tp_sync\n"
         "print('all:', loaded([n for n in cli_side if n.startswith('opskit.')]))\n"
     )

@@ -22,7 +22,7 @@ resume; a ``--with-optim`` backup holds every file of the step, so it can resume
 ``opskit ckpt prune`` delete the local step (:func:`backup_problem`). ``ckpt convert``/``inspect``/``check`` read a
 weights-only backup's step folder in place (a file:// backup, or a copy of one with its ``manifests``) when its
 manifest says it left out exactly the optimizer shards missing there
-(:func:`opskit.ckpt.format.manifest.weights_only_copy`); the step stays incomplete for everything else (``list``,
+(:func:`opskit.ckpt.format.info.weights_only_copy`); the step stays incomplete for everything else (``list``,
 ``set-latest``, the trainer's resume), and ``restore`` refuses it.
 
 The target may be shared (a folder holding other people's files): a backup writes only its own keys, and replaces

@@ -14,7 +14,7 @@
 - A redundant copy: an ``mp_rank`` file holding optimizer state that the step's optimizer shards hold already (bf16 +
   ZeRO-0 steps saved before opskit's fix, :func:`opskit.ckpt.format.info.redundant_optimizer_bytes`) is reported with
   its bytes: a finding, not a problem (the resume reads the shards).
-- A weights-only backup's copy of a step (:func:`opskit.ckpt.format.manifest.weights_only_copy`) is checked as a step of
+- A weights-only backup's copy of a step (:func:`opskit.ckpt.format.info.weights_only_copy`) is checked as a step of
   weights: the shards its backup left out are reported in ``left_out``, not as problems (what the copy serves,
   ``convert``/``inspect``, reads no optimizer state); every other check reads every file it has.
 """
@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opskit.ckpt.format.info import describe_step, redundant_optimizer_bytes
+from opskit.ckpt.format.info import describe_step, redundant_optimizer_bytes, weights_only_copy
 from opskit.ckpt.format.layout import LAYER_FILE, CheckpointFormatError, layer_file_name, load_state, tp_rule
-from opskit.ckpt.format.manifest import weights_only_copy
 from opskit.ckpt.format.tensorfile import TensorFileError, TensorRef, verify_crc
 
 RNG_KEYS = ("random_rng_state", "np_rng_state", "torch_rng_state", "cuda_rng_state")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.check import replicated_diff
-from opskit.ckpt.format.info import describe_step, list_steps, saved_files_digest
+from opskit.ckpt.format.info import describe_step, list_steps, saved_files_digest, weights_only_copy
 from opskit.ckpt.format.layout import (
     EMBEDDING_LAYER,
     FIRST_BLOCK_LAYER,
@@ -49,7 +49,6 @@ from opskit.ckpt.format.layout import (
     scan_step_dir,
     tp_rule,
 )
-from opskit.ckpt.format.manifest import weights_only_copy
 from opskit.ckpt.format.tensorfile import ITEMSIZES, ColumnSpan, RowSpan
 from opskit.ckpt.safetensors_out import OutTensor, numel, plan_shards, shard_name, write_index, write_safetensors
 from opskit.data.corpus import read_documents

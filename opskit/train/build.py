@@ -9,7 +9,6 @@ torch, deepspeed and megatron-core are imported inside the functions: ``python -
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -17,7 +16,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.ckpt.format.universal import Layout
 from opskit.rules.checks import (
     TRAINER_PARTITION_METHOD,
     client_optimizer_problems,
@@ -218,18 +216,6 @@ def pop_curriculum(ds_config: dict, config: TrainConfig) -> SeqlenCurriculum | N
         return SeqlenCurriculum(block, config.seq_length)
     except ValueError as e:
         raise TrainerError(f"--deepspeed_config {config.deepspeed_config}: {e}") from None
-
-
-def plan_resume(args: argparse.Namespace, world: World, ds_config: dict):
-    """The step ``--load`` resumes from (:func:`opskit.train.checkpointing.plan_resume`, which takes the Namespace
-    checkpoints save and may set its ``padded_vocab_size`` to the checkpoint's); a step saved on another layout is
-    loaded through its universal form, which the DeepSpeed engine must be configured for (set in ``ds_config``)."""
-    from opskit.train import checkpointing
-
-    plan = checkpointing.plan_resume(args, Layout(world.tp, world.pp, world.dp))
-    if plan.universal:
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
-    return plan
 
 
 def build_model(config: TrainConfig, world: World, padded_vocab_size: int):

@@ -1,4 +1,6 @@
-"""Save and resume in Megatron-DeepSpeed's layout (reference section 2.1).
+"""Megatron-DeepSpeed's checkpoint layout from the trainer's side (reference section 2.1): a step's files, ``latest``,
+the client state, the resume plan and the load. :class:`opskit.train.checkpointer.Checkpointer` puts them together
+(with the background writer of :mod:`opskit.train.async_save`); this module knows neither.
 
 DeepSpeed writes the layer files, ``mp_rank_XX_model_states.pt`` (with our client state: ``args``, ``iteration``,
 ``tokens``, ``checkpoint_version``, RNG states) and the ZeRO optimizer shards. We write ``latest`` ourselves, last and
@@ -15,7 +17,6 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,11 +42,8 @@ from opskit.ckpt.format.universal import (
 )
 from opskit.rules.model import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
-from opskit.train.log import saved_line, timer_line
+from opskit.train.log import timer_line
 from opskit.train.state import TrainState
-
-if TYPE_CHECKING:
-    from opskit.train.async_save import BackgroundSaves
 
 CHECKPOINT_VERSION = 3.0
 
@@ -119,49 +117,40 @@ def failure_reason(error: OSError, where: Path) -> str:
     return f"[Errno {error.errno}] {error.strerror} ({error.filename or where})"
 
 
-def save_checkpoint(engine, args: argparse.Namespace, state: TrainState,
-                    background: BackgroundSaves | None = None) -> None:
-    """Save ``global_step{state.iteration}`` under ``--save`` from every rank, then move ``latest`` to it. The
-    state's counters go into the saved ``args`` under Megatron's names, the consumed tokens into ``tokens``.
-
-    With ``background`` (``--async-save``), the previous background save is finished first, the files are handed to
-    the writer threads and this returns; ``background`` moves ``latest`` once every rank has written them. Either
-    way ``time (ms) | save-checkpoint: X`` is the time training stood still.
+def write_step(engine, save_dir: str, tag: str, client_state: dict) -> None:
+    """Hand the step ``tag`` to the engine's checkpoint engine (every rank): the layer files, the ``mp_rank`` files with
+    ``client_state`` and the optimizer shards, written now (or queued, by a background engine). ``latest`` is not
+    touched (:func:`commit_step` moves it).
 
     Raises:
         CheckpointError: a file could not be written (disk full, quota, permissions): one line naming the step, the
-            OS error and the file. ``latest`` still names the previous step, whose files are untouched; the files
-            of this step written so far stay (an incomplete step for ``opskit ckpt list``).
+            OS error and the file. The files of this step written so far stay (an incomplete step).
     """
-    started = time.time()
-    if background is not None:
-        background.wait()
-    iteration = state.iteration
-    tag = step_tag(iteration)
-    if dist.get_rank() == 0:
-        print(f"saving checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
     _name_failed_writes(engine)
-    where = Path(args.save) / tag
     try:
-        engine.save_checkpoint(args.save, tag=tag, client_state=_client_state(args, state), save_latest=False)
-        if background is None:
-            dist.barrier()
-            if dist.get_rank() == 0:
-                where = Path(args.save) / "latest"
-                write_latest(args.save, tag)
+        engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     except OSError as e:
-        raise CheckpointError(save_failed_message(tag, failure_reason(e, where))) from None
-    if background is not None:
-        background.started(tag, iteration, started)
-    elif dist.get_rank() == 0:
-        print(saved_line(iteration, args.save), flush=True)
+        raise CheckpointError(save_failed_message(tag, failure_reason(e, Path(save_dir) / tag))) from None
+
+
+def commit_step(save_dir: str, tag: str) -> None:
+    """After every rank has written the step ``tag`` (a barrier), rank 0 points ``latest`` at it.
+
+    Raises:
+        CheckpointError: ``latest`` could not be written (one line; it still names the previous step).
+    """
+    dist.barrier()
     if dist.get_rank() == 0:
-        print(timer_line("save-checkpoint", started), flush=True)
+        try:
+            write_latest(save_dir, tag)
+        except OSError as e:
+            raise CheckpointError(save_failed_message(tag, failure_reason(e, Path(save_dir) / "latest"))) from None
 
 
-def _client_state(args: argparse.Namespace, state: TrainState) -> dict:
-    """What Megatron-DeepSpeed adds to ``mp_rank_XX_model_states.pt``: the args with the state's counters under
-    Megatron's names, the iteration, the consumed tokens, the vocabulary sizes, the RNG states."""
+def client_state(args: argparse.Namespace, state: TrainState) -> dict:
+    """What Megatron-DeepSpeed adds to ``mp_rank_XX_model_states.pt``: the run's ``args`` (the parsed flags with the
+    vocabulary sizes) with the state's counters under Megatron's names, the iteration, the consumed tokens, the
+    vocabulary sizes, the RNG states."""
     saved_args = argparse.Namespace(**vars(args))
     saved_args.consumed_valid_samples = state.consumed_valid_samples
     saved_args.skipped_train_samples = state.skipped_train_samples
@@ -191,9 +180,12 @@ class ResumePlan:
         saved: the layout that saved it; current: this run's.
         universal: the step's universal form when the layouts differ and the optimizer state must be re-cut
             (the engine then needs ``checkpoint.load_universal``); None otherwise.
+        padded_vocab_size: the model's padded vocabulary: a fresh start's, or on a layout change the saved step's
+            where the new TP divides it (:func:`opskit.rules.model.resumed_padded_vocab_size`).
     """
 
-    point: ResumePoint | None = None
+    point: ResumePoint | None
+    padded_vocab_size: int
     saved_args: argparse.Namespace | None = None
     saved: Layout | None = None
     current: Layout | None = None
@@ -204,35 +196,34 @@ class ResumePlan:
         return self.saved is not None and self.saved != self.current
 
 
-def plan_resume(args: argparse.Namespace, current: Layout) -> ResumePlan:
-    """Find the step to resume from and, when it was saved on another TP x PP x DP layout, make sure its universal
-    form exists (rank 0 converts it beside the step, once:
-    :func:`opskit.ckpt.format.universal.convert_to_universal`; the other ranks wait for its answer). On a layout
-    change, ``args.padded_vocab_size`` becomes the one the resume keeps
+def plan_resume(load: str | None, padded_vocab_size: int, current: Layout) -> ResumePlan:
+    """Find the step ``load`` resumes from and, when it was saved on another TP x PP x DP layout, make sure its
+    universal form exists (rank 0 converts it beside the step, once:
+    :func:`opskit.ckpt.format.universal.convert_to_universal`; the other ranks wait for its answer).
+    ``padded_vocab_size`` is a fresh start's; on a layout change the plan keeps the saved one where it can
     (:func:`opskit.rules.model.resumed_padded_vocab_size`).
 
     Raises:
         CheckpointError: a layout change DeepSpeed cannot load, or a failed conversion (one line, on every rank).
     """
-    point = _agreed_resume_point(args.load) if args.load else None
+    point = _agreed_resume_point(load) if load else None
     if point is None or point.step is None:
-        return ResumePlan(point)
+        return ResumePlan(point, padded_vocab_size)
     step = point.step
     saved_args = load_args(scan_step_dir(step.path), light=True)
     saved = saved_layout(step)
     if saved == current:
-        return ResumePlan(point, saved_args, saved, current)
+        return ResumePlan(point, padded_vocab_size, saved_args, saved, current)
     decided = [_convert_on_rank_0(step.path, saved_args, saved, current) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(decided, src=0)
     universal, error = decided[0]
     if error:
         raise CheckpointError(error)
     resumed = resumed_padded_vocab_size(saved_args.padded_vocab_size, current.tp)
-    if resumed != args.padded_vocab_size and dist.get_rank() == 0:  # the line above it named a fresh start's size
-        print(f" > padded vocab of {step.path.name} kept (new size: {resumed}; {args.padded_vocab_size} on a fresh "
+    if resumed != padded_vocab_size and dist.get_rank() == 0:  # the line above it named a fresh start's size
+        print(f" > padded vocab of {step.path.name} kept (new size: {resumed}; {padded_vocab_size} on a fresh "
               "start)", flush=True)
-    args.padded_vocab_size = resumed
-    return ResumePlan(point, saved_args, saved, current, Path(universal) if universal else None)
+    return ResumePlan(point, resumed, saved_args, saved, current, Path(universal) if universal else None)
 
 
 def _convert_on_rank_0(step_dir: Path, saved_args: argparse.Namespace, saved: Layout,
@@ -251,7 +242,8 @@ def _convert_on_rank_0(step_dir: Path, saved_args: argparse.Namespace, saved: La
 def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: ResumePlan) -> None:
     """Resume from ``plan``'s step: weights, optimizer, LR scheduler, RNG, and the counters of ``state`` (set in place
     from the checkpoint's ``iteration``, ``tokens`` and saved args, as Megatron does for its counters); ``state`` is
-    left as it is when there is nothing to load.
+    left as it is when there is nothing to load. ``args`` are the run's (the parsed flags with the vocabulary sizes):
+    the saved architecture must match them.
 
     The step is ``latest``'s when it is complete (:func:`opskit.ckpt.format.info.resume_point`); when ``latest`` names a
     missing or incomplete step, or is unusable, the newest complete step before it, with one WARNING line (a chain
@@ -260,7 +252,8 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
     saying what changed (``checkpoint layout TP=1 PP=1 DP=2 -> TP=1 PP=1 DP=1``).
 
     Raises:
-        CheckpointError: ``latest`` is there but no step is complete, or the saved architecture differs from the flags.
+        CheckpointError: ``latest`` is there but no step is complete, the saved architecture differs from the flags,
+            or the saved LR schedule contradicts them (AnnealingLR's check, raised inside DeepSpeed's loader).
     """
     point = plan.point
     if point is None or (point.problem is None and point.step is None):
@@ -282,8 +275,11 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
             how = f" (universal checkpoint {plan.universal.name})" if plan.universal else ""
             print(f" checkpoint layout {plan.saved} -> {plan.current}{how}", flush=True)
     by_hand = loads_optimizer_itself(engine)
-    path, saved = engine.load_checkpoint(args.load, tag=plan.universal.name if plan.universal else tag,
-                                         load_optimizer_states=not by_hand, load_lr_scheduler_states=True)
+    try:
+        path, saved = engine.load_checkpoint(args.load, tag=plan.universal.name if plan.universal else tag,
+                                             load_optimizer_states=not by_hand, load_lr_scheduler_states=True)
+    except ValueError as e:  # AnnealingLR's schedule mismatch
+        raise CheckpointError(f"{args.load}: {e}") from None
     if path is None:
         raise CheckpointError(f"{step_dir}: DeepSpeed could not load it")
     if by_hand:

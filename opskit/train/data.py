@@ -17,6 +17,7 @@ built (:func:`check_data_files`) and read into each split's samples (:func:`spli
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from opskit.rules.formats import parse_data_path, parse_split, parse_weighted_split_paths
 from opskit.train.config import TrainConfig, TrainerError
+from opskit.train.state import TrainState
 
 
 def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
@@ -185,6 +187,51 @@ def micro_batches(samples: GPTSamples | BlendedSamples, consumed_samples: int, m
         n = seqlen() if seqlen is not None else batch.shape[1] - 1
         yield batch[:, :n].contiguous(), batch[:, 1:n + 1].contiguous()
         step += micro_batch_size * dp_size
+
+
+class TrainBatches:
+    """This DP rank's training micro-batches (:func:`micro_batches`, cut to ``state.seqlen`` at each one) from the run's
+    data position, ``state``'s consumed plus skipped samples, and the ``--skip-train-iteration-range`` ranges still to
+    apply (:func:`pending_skip_ranges`). ``iterator`` is what the pipeline engine draws from.
+
+    Raises:
+        TrainerError: the train split cannot be read (:func:`split_samples`).
+    """
+
+    def __init__(self, config: TrainConfig, state: TrainState, dp_size: int, dp_rank: int,
+                 device: torch.device | None = None):
+        ((_, self.samples),) = split_samples(config, "train")
+        self.micro_batch_size, self.dp_size, self.dp_rank = config.micro_batch_size, dp_size, dp_rank
+        self.state, self.device = state, device
+        self.ranges = pending_skip_ranges(config.skip_train_iteration_range, state)
+        self.iterator = self._from_position()
+
+    def _from_position(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        state = self.state
+        return micro_batches(self.samples, state.consumed_train_samples + state.skipped_train_samples,
+                             self.micro_batch_size, self.dp_size, self.dp_rank, seqlen=lambda: state.seqlen,
+                             device=self.device)
+
+    def skip_range_at(self, iteration: int, global_batch_size: int) -> tuple[int, int] | None:
+        """Apply the next range when it starts at ``iteration`` (the next one to train), Megatron's way: the data
+        position passes over its global batches (``global_batch_size`` samples each, the ramp-up's at the current
+        consumed samples); the iteration, the consumed samples and the LR stay. The range applied, else None."""
+        ranges, state = self.ranges, self.state
+        if not (ranges and ranges[0][0] <= iteration <= ranges[0][1]):
+            return None
+        first, last = ranges.popleft()
+        state.skipped_train_samples += global_batch_size * (last - state.iteration)
+        state.applied_skip_train_iteration_ranges.append([first, last])
+        self.iterator = self._from_position()
+        return first, last
+
+
+def pending_skip_ranges(ranges: tuple[tuple[int, int], ...], state: TrainState) -> deque[tuple[int, int]]:
+    """The ``--skip-train-iteration-range`` ``ranges`` still to apply after ``state.iteration``: Megatron drops those
+    that end before it; we also drop those the checkpoint says were applied already (their iteration numbers were
+    trained again, on later data, right after the skip)."""
+    applied = state.applied_skip_train_iteration_ranges  # [start, end] lists, as the checkpoint saves them
+    return deque(r for r in ranges if r[1] > state.iteration and list(r) not in applied)
 
 
 def check_data_files(config: TrainConfig) -> None:

@@ -13,7 +13,7 @@ where the directory says and its data inside the file (a truncated copy fails th
 pickle loadable. Bytes flipped inside tensor data pass these header checks: ``ckpt check`` also reads every file and
 compares each record's CRC-32 (:func:`opskit.ckpt.format.tensorfile.verify_crc`). A weights-only backup's copy of a step
 (no optimizer shards) stays incomplete; ``ckpt convert/inspect/check`` read its weights all the same, saying so
-(:func:`opskit.ckpt.format.manifest.weights_only_copy`).
+(:func:`weights_only_copy`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from opskit.ckpt.format.layout import (
     load_state,
     step_dirs,
 )
-from opskit.ckpt.format.manifest import weights_only_copy
+from opskit.ckpt.format.manifest import is_manifest
 from opskit.ckpt.format.tensorfile import TensorRef
+from opskit.fsutil import read_json
 
 ZERO_FILE_SUFFIX = "_optim_states.pt"
 
@@ -76,7 +77,7 @@ class StepInfo:
     def weights_problems(self) -> list[str]:
         """``problems`` less the absent optimizer shards: empty when every weight file (layer files, ``mp_rank_XX``)
         is there and readable. Not a kind of complete: only a weights-only backup's copy of a step may be read
-        without its shards (:func:`opskit.ckpt.format.manifest.weights_only_copy`), and nothing resumes from one."""
+        without its shards (:func:`weights_only_copy`), and nothing resumes from one."""
         absent = {f"{f}: no such file" for f in self.absent_optimizer}
         return [p for p in self.problems if p not in absent]
 
@@ -338,7 +339,7 @@ def inspect_step(path: str | Path) -> dict:
         "problems": [...], "weights_only_backup": bool, "files": {name: {key: {"shape": [...], "dtype": "bf16"}}}}``;
         the optimizer files are listed by size only (their tensors are flat fp32 partitions); ``complete`` and
         ``problems`` as :func:`describe_step` says; ``weights_only_backup``: the step is a weights-only backup's copy
-        whose only problems are the shards it left out (:func:`opskit.ckpt.format.manifest.weights_only_copy`);
+        whose only problems are the shards it left out (:func:`weights_only_copy`);
         ``reshaped_from``: the client state's ``global_stepN at TP=.. PP=.. DP=..`` of a run resumed on another
         layout (opskit.train.checkpointing).
 
@@ -376,3 +377,31 @@ def inspect_step(path: str | Path) -> dict:
             "consumed_samples": args.get("consumed_train_samples"), "consumed_tokens": state.get("tokens"),
             "reshaped_from": state.get("reshaped_from"), "complete": info.complete, "problems": info.problems,
             "weights_only_backup": weights_only_copy(info), "files": files}
+
+
+def weights_only_copy(info: StepInfo) -> bool:
+    """Whether an incomplete step folder is a weights-only backup's copy that lacks only what the backup left out:
+    ``<root>/global_stepN`` whose ``<root>/manifests/global_stepN.json`` is opskit's, complete and ``weights_only``,
+    its ``left_out`` names exactly the optimizer shards the step's layout needs and the folder lacks
+    (``info.absent_optimizer``), every other file is there and readable (``info.weights_problems`` empty), and every
+    file the manifest lists is there with its size (no read: ``ckpt check`` reads the CRC-32s). Such a folder serves
+    ``ckpt convert``/``inspect``/``check`` (the weights); it is not complete and cannot resume. Never raises: an
+    unreadable manifest is no such copy."""
+    folder = info.path
+    if not info.absent_optimizer or info.weights_problems:
+        return False
+    try:
+        manifest = read_json(folder.parent / "manifests" / f"{folder.name}.json")
+    except (OSError, ValueError):  # missing, not JSON, not text
+        return False
+    if not (is_manifest(manifest, folder.name) and manifest["complete"] and manifest.get("weights_only") is True):
+        return False
+    left_out = manifest.get("left_out")
+    if not (isinstance(left_out, list) and all(isinstance(name, str) for name in left_out)
+            and sorted(left_out) == sorted(f.name for f in info.absent_optimizer)):
+        return False
+    try:
+        return all(e["path"] == f"{folder.name}/{Path(e['path']).name}"
+                   and (folder / Path(e["path"]).name).stat().st_size == e["size"] for e in manifest["files"])
+    except OSError:  # a listed file is not there
+        return False
