@@ -96,7 +96,7 @@ export PIP_NO_CACHE_DIR=1
 # run on this machine meanwhile would delete this one's (its session fixtures' data) mid-run.
 ADDOPTS="${PYTEST_ADDOPTS:-} --basetemp=$WORK/pytest${SEED:+ --random-order-seed=$SEED}${*:+ $*}"
 COUNTER=()
-((COUNT)) && COUNTER=(python3 "$REPO/scripts/count-trainer-starts.py" --list "$WORK/starts.txt" --)
+((COUNT)) && COUNTER=(python3 "$REPO/scripts/count-trainer-starts.py" --list "$WORK/starts.txt" --by-test "$WORK/starts-by-test.txt" --)
 set +e
 started=$SECONDS
 # in a session of its own (its process group id is CI_PID), so that an interruption ends all of it
@@ -111,5 +111,9 @@ echo "fresh-ci: .ci/run took $((SECONDS - started)) s, install included (CI's li
 echo "fresh-ci: the ten slowest tests:"
 # pytest's --durations table: "12.34s call     tests/test_x.py::test_y"
 grep -E '^[0-9.]+s (setup|call|teardown) ' "$WORK/ci.log" | sort -rn | head -10 | sed 's/^/    /' || true
+if ((COUNT)); then
+  echo "fresh-ci: the ten tests with the most trainer start-ups:"
+  head -10 "$WORK/starts-by-test.txt" | sed 's/^/    /' || true
+fi
 echo "fresh-ci: .ci/run exit $status (log: /tmp/fresh-ci-last.log)"
 exit "$status"
