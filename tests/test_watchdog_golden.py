@@ -505,3 +505,36 @@ def test_the_watchdog_reports_as_its_golden_file_says(name, tmp_path, monkeypatc
         golden.parent.mkdir(parents=True, exist_ok=True)
         golden.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     assert got == json.loads(golden.read_text())
+
+
+VOLATILE = ("age_s", "waited_s", "hours", "seconds", "percent", "wall_hours", "wall_seconds", "end", "goodput")
+
+
+def masked(value):
+    """``value`` without what the real clock moves: VOLATILE keys' values as ``<now>``."""
+    if isinstance(value, dict):
+        return {k: "<now>" if k in VOLATILE and not isinstance(v, dict) else masked(v) for k, v in value.items()}
+    return [masked(v) for v in value] if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize(("name", "args"), [("save_interval_measured", ("--json",)), ("no_run_dir", ("--json",)),
+                                            ("chain_files", ("--json", "--ack"))])
+def test_status_json_as_its_golden_file_says(name, args, tmp_path, monkeypatch, complete_step):
+    """``opskit status --json``: the report with the exit code, the alerts' outcome and the goodput summary, as the
+    CLI printed them before it stopped composing them itself. Its clock is the real one: the findings are compared
+    by key and severity (the messages are the other test's), the PULSE lines' stamps and the figures the clock moves
+    (VOLATILE) are left out."""
+    from typer.testing import CliRunner
+
+    from opskit.cli.app import app
+
+    outcome(tmp_path, SCENARIOS[name], complete_step, monkeypatch)  # the run folder, the fake queue and disk
+    done = CliRunner().invoke(app, ["status", str(tmp_path / f"{JOB}.yaml"), *args])
+    got = masked(normalise(json.loads(done.stdout), str(tmp_path)))
+    got.pop("time")
+    got["findings"] = [(f["key"], f["severity"]) for f in got["findings"]]
+    got["lines"] = [line[22:] for line in got["lines"]]
+    golden = GOLDEN / f"cli-{name}.json"
+    if os.environ.get("OPSKIT_UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    assert json.loads(json.dumps(got)) == json.loads(golden.read_text())
