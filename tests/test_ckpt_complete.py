@@ -22,7 +22,8 @@ from opskit.ckpt.convert import convert_all, convert_step
 from opskit.ckpt.format.info import describe_step, inspect_step, list_steps, resume_point
 from opskit.ckpt.format.layout import CheckpointFormatError
 from opskit.ckpt.prune import parse_keep, plan_prune, set_latest
-from opskit.monitor.watchdog import LogRead, check_checkpoint, check_log
+from opskit.monitor.checks import checkpoint_findings, log_findings
+from opskit.monitor.snapshot import LogRead, read_checkpoints
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
@@ -107,7 +108,8 @@ def test_truncated_optimizer_shard_is_incomplete_for_every_command(bloom_run, tm
     (checkpoints / "latest").write_text("global_step20")  # as the trainer left it
 
     # watchdog: an ALERT naming the bad file and the step the next job resumes from.
-    [finding, age] = check_checkpoint(RunPaths(run), 10, 1.0, running=False, wd=WatchdogSpec(), now=datetime.now())
+    [finding, age] = checkpoint_findings(read_checkpoints(RunPaths(run)), 10, 1.0, running=False, wd=WatchdogSpec(),
+                                         now=datetime.now())
     assert (finding.key, finding.severity) == ("checkpoint.incomplete", "alert")
     assert str(victim) in finding.message and "global_step10" in finding.message
     assert finding.data["resume_from"] == "global_step10"
@@ -161,8 +163,8 @@ def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(kjv_
     assert describe_step(step20).complete and (damaged / "checkpoints" / "latest").read_text() == "global_step20"
 
     # The watchdog alerts on the line (it is news: the chain lost a checkpoint's worth of iterations).
-    [finding] = [f for f in check_log(LogRead([], [], runs["damaged"], 0, None), WatchdogSpec(), datetime.now(),
-                                      None) if f.key == "log.resume_fallback"]
+    [finding] = [f for f in log_findings(LogRead([], [], runs["damaged"], 0, None), WatchdogSpec(), datetime.now(),
+                                         None) if f.key == "log.resume_fallback"]
     assert finding.severity == "alert" and finding.data["resumed_from"] == "global_step10"
     assert str(step20 / SHARD) in finding.message
 
@@ -260,7 +262,8 @@ def test_trainer_with_a_binary_latest_resumes_from_the_newest_complete_step(kjv_
 def test_status_reports_a_binary_latest_in_one_alert(bloom_run, tmp_path):
     run = copy_run(bloom_run, tmp_path)
     (run / "checkpoints" / "latest").write_bytes(BAD_LATEST["binary"])
-    findings = check_checkpoint(RunPaths(run), 10, None, running=False, wd=WatchdogSpec(), now=datetime.now())
+    findings = checkpoint_findings(read_checkpoints(RunPaths(run)), 10, None, running=False, wd=WatchdogSpec(),
+                                   now=datetime.now())
     assert [(f.key, f.severity) for f in findings] == [("checkpoint.incomplete", "alert"), ("checkpoint.age", "ok")]
     assert findings[0].data["resume_from"] == "global_step20"
     assert os.fspath(run / "checkpoints" / "latest") in findings[0].message

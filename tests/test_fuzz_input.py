@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from opskit.logs import eta, follow, parse, spikes
 from opskit.logs.bulk import scan_blocks
 from opskit.logs.grammar import scan_bytes
-from opskit.monitor.watchdog import WatchdogState, check_log, check_progress, read_log
+from opskit.monitor.checks import log_findings, progress_findings
+from opskit.monitor.snapshot import progress_of, read_log
+from opskit.monitor.state import WatchdogState
 from opskit.run import sources
 from opskit.run.paths import RunPaths
 from opskit.spec.files import SpecError
@@ -242,6 +244,7 @@ def test_random_bytes_into_the_watchdogs_log_scan(tmp_path_factory, first, secon
             with open(run.main_log, "ab") as f:
                 f.write(second)
         log = read_log(run, state)
-        check_log(log, WatchdogSpec(), datetime.now(), datetime.now(), 100)
+        state = log.state
+        log_findings(log, WatchdogSpec(), datetime.now(), datetime.now(), 100)
         spec = load_spec("tiny")
-        check_progress(spec, log.records)
+        progress_findings(progress_of(spec, log.records))

@@ -502,7 +502,8 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.logs import follow, parse
 from opskit.run.paths import RunPaths
-from opskit.monitor.watchdog import WatchdogState, read_log
+from opskit.monitor.snapshot import read_log
+from opskit.monitor.state import WatchdogState
 
 log = Path(sys.argv[1])
 began = time.monotonic()

@@ -25,7 +25,9 @@ from conftest import REPO, SOAK, run_trainer, tiny_trainer_args
 from opskit.ckpt.format.info import describe_step, list_steps
 from opskit.ckpt.format.layout import read_latest, write_latest
 from opskit.logs.grammar import parse_iteration_line
-from opskit.monitor.watchdog import WatchdogState, check_log, read_log
+from opskit.monitor.checks import log_findings
+from opskit.monitor.snapshot import read_log
+from opskit.monitor.state import WatchdogState
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
@@ -328,7 +330,7 @@ def test_disk_full_during_a_save_is_one_line_and_loses_nothing(kjv_data, referen
     run = RunPaths(tmp_path / "run")  # the job script appends the trainer's stdout and stderr to main_log.txt
     run.logs.mkdir(parents=True)
     run.main_log.write_text(second.stdout + second.stderr)
-    findings = check_log(read_log(run, WatchdogState()), WatchdogSpec(), datetime.now(), None)
+    findings = log_findings(read_log(run, WatchdogState()), WatchdogSpec(), datetime.now(), None)
     [finding] = [f for f in findings if f.key == "log.save_failed"]
     assert finding.severity == "alert" and finding.data["tag"] == "global_step4", finding
     assert "No space left on device" in finding.message and "log.crash" not in {f.key for f in findings}

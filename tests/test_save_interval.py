@@ -105,19 +105,24 @@ def test_plan_from_run_reports_the_advice_and_a_broken_ledger_in_one_line(tmp_pa
 
 
 def test_the_watchdog_says_when_the_specs_interval_loses_over_1_percent_and_reads_the_log_once_per_failure(tmp_path):
-    from opskit.monitor.watchdog import WatchdogState, check_save_interval
+    from opskit.monitor.checks import save_interval_findings
+    from opskit.monitor.snapshot import measure_save_interval
+    from opskit.monitor.state import WatchdogState
     from opskit.run import chain
 
     run = _history(tmp_path, ["FAILED", "COMPLETED", "NODE_FAIL"])
-    state = WatchdogState()
-    [finding] = check_save_interval(run, 300, chain.read_ledger(run), state)
+    ledger = chain.read_ledger(run)
+    measured = measure_save_interval(run, 300, ledger, None)
+    [finding] = save_interval_findings(measured, 2, 300)
     assert (finding.key, finding.severity) == ("checkpoint.save_interval", "warn")
     assert finding.message.endswith("set checkpoint.save_interval 21 (next submit)"), finding.message
     assert "MTBF 15 h (2 failure(s) in 30 h), save 40 s, iteration 100 s" in finding.message
-    [best] = check_save_interval(run, 21, chain.read_ledger(run), state)
+    [best] = save_interval_findings(measure_save_interval(run, 21, ledger, measured), 2, 21)
     assert best.severity == "ok" and not best.message.endswith("(next submit)")
     run.main_log.unlink()  # the figures of two failures are kept: the log is not read again
-    assert check_save_interval(run, 300, chain.read_ledger(run), state) == [finding]
-    assert check_save_interval(RunPaths(tmp_path / "no-failure"), 300, [], WatchdogState()) == []
-    state = WatchdogState.from_json(json.loads(json.dumps(state.__dict__)))  # the state file round trip
+    assert measure_save_interval(run, 300, ledger, measured) is measured
+    assert save_interval_findings(measured, 2, 300) == [finding]
+    assert measure_save_interval(run, 300, ledger[:1], measured)["failures"] == 1  # another count: measured again
+    assert measure_save_interval(RunPaths(tmp_path / "no-failure"), 300, [], None) is None
+    state = WatchdogState.from_json(json.loads(json.dumps({"measured": measured})))  # the state file round trip
     assert state.measured["failures"] == 2

@@ -517,7 +517,8 @@ def test_the_forward_time_line_names_a_slow_rank_and_status_a_straggler(kjv_data
     each log interval's line names the slowest rank against its stage's other rank, rank 1 at >= 1.5x once the
     slowdown runs, and `opskit status`'s check names the host and local rank 1 a straggler. A clean run: lines, no
     straggler."""
-    from opskit.monitor.watchdog import check_stragglers
+    from opskit.monitor.checks import stragglers_in
+    from opskit.monitor.snapshot import STRAGGLER_TEXT, log_tail
     from opskit.rules.stragglers import parse_slowest_rank_line
     from opskit.run.paths import RunPaths
     from opskit.spec.schema import WatchdogSpec
@@ -531,7 +532,7 @@ def test_the_forward_time_line_names_a_slow_rank_and_status_a_straggler(kjv_data
     run = RunPaths(tmp_path / "run")
     run.main_log.parent.mkdir(parents=True, exist_ok=True)
     run.main_log.write_text(done.stdout)
-    findings = check_stragglers(run, WatchdogSpec())
+    findings = stragglers_in(log_tail(run.main_log, STRAGGLER_TEXT), WatchdogSpec())
     if not slow:
         assert findings == []
         return

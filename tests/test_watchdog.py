@@ -25,16 +25,9 @@ import pytest
 from conftest import as_run, queued, running, unique, write_spec
 
 from opskit.logs.parse import read_from
-from opskit.monitor.watchdog import (
-    WatchdogState,
-    check_checkpoint,
-    check_disk,
-    check_log,
-    check_progress,
-    load_state,
-    read_log,
-    save_state,
-)
+from opskit.monitor.checks import checkpoint_findings, disk_findings, log_findings, progress_findings
+from opskit.monitor.snapshot import progress_of, read_checkpoints, read_disk, read_log
+from opskit.monitor.state import WatchdogState, load_state, save_state
 from opskit.run.paths import RunPaths
 from opskit.spec.load import load_spec
 from opskit.spec.schema import WatchdogSpec
@@ -66,7 +59,7 @@ def only(findings, key: str):
 def test_tr11_spike_with_rollback_and_skip_range(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
     log = read_log(run, WatchdogState())
-    findings = check_log(log, WatchdogSpec(), NOW, running_since=None, save_interval=100)
+    findings = log_findings(log, WatchdogSpec(), NOW, running_since=None, save_interval=100)
     loss = only(findings, "log.lm_loss_spike")
     # Recovered at the real 31250 line: a warning with the chronicles' remedy, not an open alert.
     assert loss.severity == "warn"
@@ -77,7 +70,8 @@ def test_tr11_spike_with_rollback_and_skip_range(tmp_path):
     assert "log.nan" not in keys(findings) and "log.crash" not in keys(findings)
 
     # Progress as the tr11 chronicle computed it: (115311 - 31251) x ~106 s = ~103 days.
-    [progress], seconds_left, per_it = check_progress(load_spec("tr11-176B-ml"), log.records)
+    state = progress_of(load_spec("tr11-176B-ml"), log.records)
+    [progress], seconds_left, per_it = progress_findings(state), state.seconds_left, state.seconds_per_iteration
     assert progress.message.startswith("progress: iteration 31,251 of 115,311 (27.1%), 84,060 left")
     assert "days at this speed" in progress.message and "tokens: 98.0B consumed / " in progress.message
     assert 100 < seconds_left / 86400 < 106 and 105 < per_it < 107
@@ -88,7 +82,7 @@ def test_spike_still_open_is_an_alert(tmp_path):
     run = RunPaths(tmp_path / "run")
     run.logs.mkdir(parents=True)
     run.main_log.write_text("".join(line for line in lines if "iteration    3125" not in line))  # no recovery yet
-    loss = only(check_log(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None, 100), "log.lm_loss_spike")
+    loss = only(log_findings(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None, 100), "log.lm_loss_spike")
     assert loss.severity == "alert" and "not recovered" in loss.message
 
 
@@ -96,6 +90,8 @@ def test_incremental_reads_only_new_bytes(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
     state = WatchdogState()
     first = read_log(run, state)
+    assert state == WatchdogState()  # the read returns the next state, it changes none
+    state = first.state
     assert len(first.new) == 125 and state.offset == run.main_log.stat().st_size
     save_state(run, state)
 
@@ -107,11 +103,12 @@ def test_incremental_reads_only_new_bytes(tmp_path):
         f.write("".join(new_lines) + partial)
     state = load_state(run)
     second = read_log(run, state)
+    state = second.state
     assert [r["iteration"] for r in second.new] == [31350, 31351]
     assert state.offset == run.main_log.stat().st_size - len(partial)
     assert len(second.records) == 127 and second.text == "".join(new_lines)
     # No spike news in the new lines: the old spike is not reported again.
-    assert not {"log.lm_loss_spike", "log.grad_norm_spike"} & set(keys(check_log(second, WatchdogSpec(), NOW, None)))
+    assert not {"log.lm_loss_spike", "log.grad_norm_spike"} & set(keys(log_findings(second, WatchdogSpec(), NOW, None)))
 
     # A log replaced by a shorter file (a sync, a truncation) is read from its start.
     run.main_log.write_text("".join(spike_lines[1:4]))
@@ -121,7 +118,7 @@ def test_incremental_reads_only_new_bytes(tmp_path):
 
 def test_nan_run(tmp_path):
     run = run_with_log(tmp_path, "nan.txt")
-    findings = check_log(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None)
+    findings = log_findings(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None)
     nan = only(findings, "log.nan")
     assert nan.severity == "alert"
     assert nan.data == {"iterations": [12725], "nan_iterations": 5}
@@ -134,16 +131,16 @@ def test_hang_while_running(tmp_path):
     os.utime(run.main_log, (last_line_at.timestamp(),) * 2)
     wd = WatchdogSpec(hang_factor=10, hang_min_minutes=30)
     log = read_log(run, WatchdogState())
-    hang = only(check_log(log, wd, NOW, running_since=NOW - timedelta(hours=5)), "log.hang")
+    hang = only(log_findings(log, wd, NOW, running_since=NOW - timedelta(hours=5)), "log.hang")
     assert hang.severity == "alert" and hang.data["last_iteration"] == 12734
     assert hang.data["silent_s"] == 3 * 3600 and hang.data["interval_s"] == 105.22
     assert "no new iteration line for 180 min while running" in hang.message
     # A task that started 20 minutes ago is still loading its checkpoint; a job that is not running cannot hang.
-    assert "log.hang" not in keys(check_log(log, wd, NOW, running_since=NOW - timedelta(minutes=20)))
-    assert "log.hang" not in keys(check_log(log, wd, NOW, running_since=None))
+    assert "log.hang" not in keys(log_findings(log, wd, NOW, running_since=NOW - timedelta(minutes=20)))
+    assert "log.hang" not in keys(log_findings(log, wd, NOW, running_since=None))
     # 10 x 105 s is under the 30-minute floor: silence of 25 minutes is no hang, 40 minutes is.
-    assert "log.hang" not in keys(check_log(log, wd, last_line_at + timedelta(minutes=25), NOW - timedelta(hours=5)))
-    assert "log.hang" in keys(check_log(log, wd, last_line_at + timedelta(minutes=40), NOW - timedelta(hours=5)))
+    assert "log.hang" not in keys(log_findings(log, wd, last_line_at + timedelta(minutes=25), NOW - timedelta(hours=5)))
+    assert "log.hang" in keys(log_findings(log, wd, last_line_at + timedelta(minutes=40), NOW - timedelta(hours=5)))
 
 
 # A process whose main thread sits in `where` (a function of a file at `path`) when faulthandler's timer fires, with a
@@ -173,8 +170,8 @@ def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
     """Three ranks on two nodes print their stacks at once (lines interleaved, as tee writes them): two wait in a
     collective, node2's local rank 1 does not; an older dump of a rank is replaced by its newest."""
     from opskit.logs.stacks import rank_stacks, stuck_ranks
+    from opskit.monitor.checks import with_stuck_ranks
     from opskit.monitor.findings import Finding
-    from opskit.monitor.watchdog import with_stuck_ranks
 
     waiting = stack_dump(tmp_path, "site-packages/torch/distributed/distributed_c10d.py")
     stuck = stack_dump(tmp_path, "opskit/train/data.py")
@@ -193,20 +190,20 @@ def test_stack_dumps_name_the_rank_the_others_wait_for(tmp_path):
     main_log = tmp_path / "main_log.txt"
     main_log.write_text("\n".join(lines) + "\n")
     hang = Finding("log.hang", "alert", "no new iteration line for 40 min", {"silent_s": 2400})
-    named = with_stuck_ranks(hang, main_log)
+    named = with_stuck_ranks(hang, main_log.read_text())
     assert named.message == ("no new iteration line for 40 min; stacks: node2, local rank 1 is in "
                              "opskit/train/data.py:4 in wait while 2 other rank(s) wait in "
                              "torch/distributed/distributed_c10d.py:4 in wait")
     assert named.data == {"silent_s": 2400, "stuck": [
         {"node": "node2", "local_rank": 1, "frame": "opskit/train/data.py:4 in wait"}]}
     # Without the job header in the searched tail, the node list comes from the watchdog's state.
-    assert with_stuck_ranks(hang, main_log, "node[1-2]", tail=len(main_log.read_bytes()) - 80).data == named.data
+    assert with_stuck_ranks(hang, main_log.read_text()[80:], "node[1-2]").data == named.data
     # The stacks of an earlier job are not this hang's: the next job's header ends them.
     main_log.write_text("\n".join([*lines, "[opskit] 2026-11-25 02:00:00 job 8 (array task 6_2) nodes node[1-2]: "
                                              "start"]) + "\n")
-    assert with_stuck_ranks(hang, main_log) == hang
+    assert with_stuck_ranks(hang, main_log.read_text()) == hang
     main_log.write_text("no stacks here\n")
-    assert with_stuck_ranks(hang, main_log) == hang
+    assert with_stuck_ranks(hang, main_log.read_text()) == hang
 
 
 def test_stacks_that_single_out_no_rank_name_none():
@@ -232,14 +229,14 @@ def test_malformed_and_cut_lines_are_counted(tmp_path):
     log = read_log(run, WatchdogState())
     skipped = read_from(run.main_log).skipped
     assert skipped >= 4 and log.skipped == skipped
-    finding = only(check_log(log, WatchdogSpec(), NOW, None), "log.skipped_lines")
+    finding = only(log_findings(log, WatchdogSpec(), NOW, None), "log.skipped_lines")
     assert finding.severity == "ok" and finding.data == {"skipped": skipped}
     assert f"{skipped} cut or garbled iteration line(s) skipped" == finding.message
 
 
 def test_crash_lines_name_their_node(tmp_path):
     run = run_with_log(tmp_path, "crash.txt")
-    crash = only(check_log(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None), "log.crash")
+    crash = only(log_findings(read_log(run, WatchdogState()), WatchdogSpec(), NOW, None), "log.crash")
     assert crash.severity == "alert"
     assert crash.message.startswith("1 crash line(s) since the last check, first: CUDA error: unknown error on "
                                     "jean-zay-iam52, local rank 3: [default3]:  what():  CUDA error: unknown error")
@@ -248,16 +245,17 @@ def test_crash_lines_name_their_node(tmp_path):
         f.write("[opskit] 2026-11-21 08:00:00 job 9 (array task 8_1) nodes n[1-2]: start\n"
                 "[default0]:Traceback (most recent call last):\n"
                 "[default0]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
-    state = WatchdogState()
-    read_log(run, state)  # everything up to here seen
+    state = read_log(run, WatchdogState()).state  # everything up to here seen
     with open(run.main_log, "a") as f:
         f.write("[default1]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
-    crash = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
+    log = read_log(run, state)
+    state = log.state
+    crash = only(log_findings(log, WatchdogSpec(), NOW, None), "log.crash")
     assert crash.data["crashes"][0]["signature"] == "out of memory" and crash.data["crashes"][0]["node"] is None
     # opskit's job script runs srun --label: task 1 of n[1-2] is n2.
     with open(run.main_log, "a") as f:
         f.write("1: [default0]:RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1191\n")
-    crash = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
+    crash = only(log_findings(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
     assert crash.message.startswith("1 crash line(s) since the last check, first: NCCL error on n2, local rank 0: "
                                     "1: [default0]:")
 
@@ -276,11 +274,10 @@ def test_the_status_check_sees_every_line_the_crash_finder_sees(tmp_path, line, 
     assert [name for name, _ in SIGNATURES + SOFTWARE_ERRORS] == list(NEEDLES)
     assert [c.signature for c in find_crashes([line])] == [signature]
     run = run_with_log(tmp_path, "crash.txt")
-    state = WatchdogState()
-    read_log(run, state)
+    state = read_log(run, WatchdogState()).state
     with open(run.main_log, "a") as f:
         f.write(line + "\n")
-    crash = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
+    crash = only(log_findings(read_log(run, state), WatchdogSpec(), NOW, None), "log.crash")
     assert crash.data["crashes"][0]["signature"] == signature
 
 
@@ -288,37 +285,38 @@ def test_failed_save_is_an_alert_of_its_own(tmp_path):
     """The trainer's one line for a failed save (no traceback, no crash signature) under torchrun's rank prefix: an
     alert keyed log.save_failed, not a crash; only new lines count."""
     run = run_with_log(tmp_path, "crash.txt")
-    state = WatchdogState()
-    assert "log.save_failed" not in keys(check_log(read_log(run, state), WatchdogSpec(), NOW, None))
+    log = read_log(run, WatchdogState())
+    assert "log.save_failed" not in keys(log_findings(log, WatchdogSpec(), NOW, None))
+    state = log.state
     with open(run.main_log, "a") as f:
         f.write("saving checkpoint at iteration      40 to /scratch/run/checkpoints\n"
                 "[default0]:error: saving global_step40 failed: [Errno 28] No space left on device "
                 "(/scratch/run/checkpoints/global_step40/zero_pp_rank_0_mp_rank_00_optim_states.pt)\n")
-    findings = check_log(read_log(run, state), WatchdogSpec(), NOW, None)
+    log = read_log(run, state)
+    findings = log_findings(log, WatchdogSpec(), NOW, None)
     failed = only(findings, "log.save_failed")
     assert failed.severity == "alert" and "log.crash" not in keys(findings)
     assert failed.data == {"tag": "global_step40", "failures": 1, "reason": "[Errno 28] No space left on device "
                            "(/scratch/run/checkpoints/global_step40/zero_pp_rank_0_mp_rank_00_optim_states.pt)"}
     assert failed.message.startswith("saving global_step40 failed: [Errno 28] No space left on device (")
-    assert "log.save_failed" not in keys(check_log(read_log(run, state), WatchdogSpec(), NOW, None))
+    assert "log.save_failed" not in keys(log_findings(read_log(run, log.state), WatchdogSpec(), NOW, None))
 
 
 def test_throughput_drop(tmp_path):
     run = run_with_log(tmp_path, "tr11-176B-spike.txt")
-    state = WatchdogState()
-    read_log(run, state)
+    state = read_log(run, WatchdogState()).state
     last = (FIXTURES / "tr11-176B-spike.txt").read_text().splitlines()[-1]
     slow = [re.sub(r"samples per second: [\d.]+", "samples per second: 8.100", last.replace("31251", str(it)))
             for it in (31252, 31253, 31254)]
     with open(run.main_log, "a") as f:
         f.write("\n".join(slow) + "\n")
-    drop = only(check_log(read_log(run, state), WatchdogSpec(), NOW, None), "log.throughput")
+    drop = only(log_findings(read_log(run, state), WatchdogSpec(), NOW, None), "log.throughput")
     assert drop.severity == "warn" and drop.data["samples_per_second"] == 8.1
     assert drop.message.startswith("throughput 8.1 samples/s, 42% of the median 19.3 before")
 
 
 def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
-    from opskit.monitor.watchdog import read_events
+    from opskit.monitor.snapshot import read_events
     from opskit.train.log import TensorBoard
 
     run = RunPaths(tmp_path / "run")
@@ -327,15 +325,14 @@ def test_tensorboard_events_when_there_is_no_text_log(tmp_path):
         board.iteration(it, it * 16, it * 16 * 512, 3e-4, 16, 9.0 if it == 118 else 6.0 - it / 100, 0.5, None)
     board.close()
     assert read_log(run, WatchdogState()) is None
-    state = WatchdogState()
-    events = read_events(run, state)
-    assert len(events.new) == 120 and state.events_iteration == 120
-    spike = only(check_log(events, WatchdogSpec(), NOW, None, save_interval=50), "log.lm_loss_spike")
+    events = read_events(run, WatchdogState())
+    assert len(events.new) == 120 and events.state.events_iteration == 120
+    spike = only(log_findings(events, WatchdogSpec(), NOW, None, save_interval=50), "log.lm_loss_spike")
     assert (spike.data["first"], spike.data["peak"], spike.data["recovered_at"]) == (118, 9.0, 119)
     assert "roll back to global_step100" in spike.message
-    again = read_events(run, state)  # nothing new: the spike is not news any more
+    again = read_events(run, events.state)  # nothing new: the spike is not news any more
     assert again.new == [] and len(again.records) == 120
-    assert "log.lm_loss_spike" not in keys(check_log(again, WatchdogSpec(), NOW, None))
+    assert "log.lm_loss_spike" not in keys(log_findings(again, WatchdogSpec(), NOW, None))
 
 
 # --------------------------------------------------------------------------- checkpoints and disk
@@ -348,13 +345,14 @@ def test_checkpoint_age_against_the_save_interval(bloom_run, tmp_path):
     wd = WatchdogSpec()  # checkpoint_age_factor 2: warn past 2 intervals, alert past 4
     for hours, severity in ((1, "ok"), (4, "warn"), (8, "alert")):
         os.utime(step, ((NOW - timedelta(hours=hours)).timestamp(),) * 2)
-        [age] = check_checkpoint(run, save_interval=100, seconds_per_iteration=60.0, running=True, wd=wd, now=NOW)
+        [age] = checkpoint_findings(read_checkpoints(run), save_interval=100, seconds_per_iteration=60.0,
+                                    running=True, wd=wd, now=NOW)
         assert (age.key, age.severity, age.data["tag"]) == ("checkpoint.age", severity, "global_step20"), hours
     assert "global_step20 saved 8.0 h ago; one every 100 iterations is 1.7 h at 60 s/it" == age.message
-    [idle] = check_checkpoint(run, 100, 60.0, running=False, wd=wd, now=NOW)
+    [idle] = checkpoint_findings(read_checkpoints(run), 100, 60.0, running=False, wd=wd, now=NOW)
     assert idle.severity == "ok"  # nothing runs: the checkpoint cannot get newer
     (run.checkpoints / "latest").unlink()
-    [none] = check_checkpoint(run, 100, 60.0, running=True, wd=wd, now=NOW)
+    [none] = checkpoint_findings(read_checkpoints(run), 100, 60.0, running=True, wd=wd, now=NOW)
     assert none.key == "checkpoint.none"
 
 
@@ -364,40 +362,51 @@ def test_disk_and_inode_thresholds(tmp_path):
     vfs = os.statvfs(tmp_path)
     used = 100 * (vfs.f_blocks - vfs.f_bfree) / (vfs.f_blocks - vfs.f_bfree + vfs.f_bavail)  # as df shows it
     low, high = WatchdogSpec(disk_warn_percent=used / 4, disk_alert_percent=used / 2), WatchdogSpec()
-    bytes_used = only(check_disk(run, low), "disk.bytes")
+    bytes_used = only(disk_findings(read_disk(run), low), "disk.bytes")
     assert bytes_used.severity == "alert" and abs(bytes_used.data["percent"] - used) < 1  # others write meanwhile
-    assert keys(check_disk(run, high))["disk.bytes"] == ("ok" if used < 85 else "warn" if used < 95 else "alert")
-    inodes = only(check_disk(run, high), "disk.inodes")
+    assert keys(disk_findings(read_disk(run), high))["disk.bytes"] == (
+        "ok" if used < 85 else "warn" if used < 95 else "alert")
+    inodes = only(disk_findings(read_disk(run), high), "disk.inodes")
     assert inodes.data["path"] == str(run.root) and 0 < inodes.data["percent"] < 100
 
 
-def test_chain_files_kill_switch_failures_and_stopped(tmp_path):
-    from opskit.monitor.watchdog import check_chain, check_scheduler
+def snapshot_of(spec, monkeypatch, entries=()):
+    """The run of ``spec`` read once, squeue answering ``entries``."""
+    from opskit.monitor.snapshot import read_snapshot
+
+    monkeypatch.setattr("opskit.slurm.client.squeue", lambda *a, **k: list(entries))
+    return read_snapshot(spec, WatchdogState(), NOW, users=["someone"])
+
+
+def test_chain_files_kill_switch_failures_and_stopped(tmp_path, monkeypatch):
+    from opskit.monitor.checks import check_chain, check_scheduler
     from opskit.run import chain
 
+    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-chain")))
     run = RunPaths(tmp_path / "run")
     chain.set_kill_switch(run, True)
     for task, state in (("7_1", "COMPLETED"), ("7_2", "FAILED"), ("7_3", "TIMEOUT")):
         chain.record(run, chain.TaskOutcome("2026-11-21 08:00:00", task.split("_")[0], task, state, 1, "n1",
                                             "CUDA error: unknown error on n1" if state == "FAILED" else ""))
-    found = {f.key: f for f in check_chain(run, chain.read_ledger(run))}
+    found = {f.key: f for f in check_chain(snapshot_of(spec, monkeypatch), spec)}
     assert found["chain.kill_switch"].severity == "warn"
     assert found["chain.failures"].message == ("2 consecutive failed task(s): 7_2 FAILED (CUDA error: unknown error "
                                                "on n1), 7_3 TIMEOUT")
-    spec = load_spec(str(spec_file(tmp_path, "opskit-wd-chain")))
     (run.root / "chain-stopped").write_text("2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***\n")
-    [stopped] = check_scheduler(spec, run, [], None, NOW, None)
+    [stopped] = check_scheduler(snapshot_of(spec, monkeypatch), spec)
     assert (stopped.key, stopped.severity) == ("scheduler.stopped", "alert")
     assert stopped.message == "the chain stopped itself: 2026-11-21 08:00:00 ***ALERT: 3 consecutive failed tasks***"
 
 
-def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
-    from opskit.monitor.watchdog import check_scheduler
-    from opskit.run.chain import TaskOutcome
+def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from opskit.monitor.checks import check_scheduler
+    from opskit.run.chain import Ledger, TaskOutcome
     from opskit.slurm.client import QueueEntry
 
     spec = load_spec(str(spec_file(tmp_path, "opskit-wd-excl", exclusive_reservation=True)))
-    run = RunPaths(tmp_path / "run")
+    snap = snapshot_of(spec, monkeypatch)
     # The array was submitted two days ago; its next task waits on the task limit (squeue's own words).
     waiting = QueueEntry("682842_[2-5%1]", "gpu_p13", "opskit-wd-excl", "PENDING", "0:00", "48", "N/A",
                          "(JobArrayTaskLimit)", f"{NOW - timedelta(days=2):%Y-%m-%dT%H:%M:%S}", "20:00:00")
@@ -405,8 +414,8 @@ def test_exclusive_reservation_counts_the_wait_from_the_last_task(tmp_path):
     def alerts(ended_minutes_ago: float) -> list[str]:
         ledger = [TaskOutcome(f"{NOW - timedelta(minutes=ended_minutes_ago):%Y-%m-%d %H:%M:%S}", "682843",
                               "682842_1", "COMPLETED", 0, "r7i5n[2-3]")]
-        return [f.message for f in check_scheduler(spec, run, [waiting], None, NOW, None, ledger)
-                if f.severity == "alert"]
+        waited = replace(snap, entries=(waiting,), ledger=Ledger(ledger, []))
+        return [f.message for f in check_scheduler(waited, spec) if f.severity == "alert"]
 
     assert alerts(5) == []  # the hand-over between two tasks of the chain
     assert alerts(25) == ["nothing has run for 0.4 h while 1 job(s) wait (JobArrayTaskLimit); the nodes are "

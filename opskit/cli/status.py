@@ -1,5 +1,4 @@
-"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.monitor.watchdog,
-opskit.monitor.alerts).
+"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.monitor.watchdog.status).
 
 Exit code: 0 ok (warnings included), 1 alert, 2 scheduler unreachable, a spec or alert setting error, or a channel that
 failed to send.
@@ -24,34 +23,24 @@ def status(
 ) -> None:
     """Is the training running or scheduled, and healthy? PULSE / ALERT lines, then every finding: scheduler, log
     health, checkpoints, disk, progress. Exit 0 ok, 1 alert, 2 SLURM unreachable or a configuration/channel error."""
-    from opskit.monitor.watchdog import watch as watch_run
+    from opskit.monitor import watchdog
     from opskit.spec.load import load_spec
 
     spec = load_spec(name)
-    raise typer.Exit(watch_run(spec, watch, lambda report: _report(spec, report, alert, ack, json_output)))
+    raise typer.Exit(watchdog.watch(lambda: watchdog.status(spec, alert, ack, goodput=json_output), watch,
+                                    lambda found: _render(found, json_output)))
 
 
-def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
-    """Notify when asked, print, and return the exit code."""
-    code = report.exit_code
-    outcome = None
+def _render(found, json_output: bool) -> int:
+    """Print one :class:`opskit.monitor.watchdog.Status` and return its exit code."""
+    report, outcome = found.report, found.alerts
     if report.state_error:  # the checks stand; only the next run rereads what this one read
         err_console.print(f"warning: watchdog state not saved: {report.state_error}")
-    if alert or ack:
-        from opskit.monitor.alerts import notify
-        from opskit.run.paths import RunPaths
-
-        outcome = notify(report, spec.watchdog.alerts, RunPaths.of(spec), spec.cli_name, ack=ack)
-        for failure in outcome.failures:
-            err_console.print(f"error: alert not sent: {failure}")
-        code = 2 if outcome.failures else code
+    for failure in outcome.failures if outcome else ():
+        err_console.print(f"error: alert not sent: {failure}")
     if json_output:
-        from opskit.run.goodput import summary
-        from opskit.run.paths import RunPaths
-
-        print_json({**report.as_json(), "exit_code": code, "alerts": outcome.as_json() if outcome else None,
-                    "goodput": summary(RunPaths.of(spec), spec.watchdog)})
-        return code
+        print_json(found.as_json())
+        return found.exit_code
     for line in report.pulse_lines:
         console.print(line)
     from rich.table import Table
@@ -68,4 +57,4 @@ def _report(spec, report, alert: bool, ack: bool, json_output: bool) -> int:
         sent = ", ".join(f"{kind} via {channel}" for channel, kind in outcome.sent)
         console.print("alerts: " + ("acknowledged: silent until something changes" if outcome.acked else
                                     sent or ("silenced (--ack)" if outcome.silenced else "nothing new to send")))
-    return code
+    return found.exit_code

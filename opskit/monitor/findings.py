@@ -1,5 +1,5 @@
 """What the watchdog reports: :class:`Finding` (one fact, a stable key, a severity) and :class:`Report` (one run's
-findings and PULSE lines). Apart from the checks that make them (:mod:`opskit.monitor.watchdog`), so that the alert
+findings and PULSE lines). Apart from the checks that make them (:mod:`opskit.monitor.checks`), so that the alert
 channels (:mod:`opskit.monitor.alerts`) and the CLI read them without the orchestrator."""
 
 from __future__ import annotations
