@@ -251,7 +251,7 @@ def hang_cancelled(run, cluster, disk, step):
 
 
 def hang_stacks_from_the_state(run, cluster, disk, step):
-    """The job header came in an earlier read; the stacks after it name their nodes through the state's node list."""
+    """The stacks come in the second run's read, an hour into the hang (no job header in this log: no node named)."""
     fixture_log(run, "hang.txt")
     cluster.running(hours=5)
 
@@ -538,3 +538,29 @@ def test_status_json_as_its_golden_file_says(name, args, tmp_path, monkeypatch, 
     if os.environ.get("OPSKIT_UPDATE_GOLDEN"):
         golden.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     assert json.loads(json.dumps(got)) == json.loads(golden.read_text())
+
+
+@pytest.mark.parametrize("name", ["no_run_dir", "healthy_running", "hang_with_stacks", "chain_files",
+                                  "saved_step_gone", "save_interval_measured", "stragglers"])
+def test_the_checks_read_nothing_but_the_snapshot(name, tmp_path, monkeypatch, complete_step):
+    """Every check of CHECKS computes on the snapshot alone: with the run folder gone and SLURM and statvfs failing
+    after the read, the findings are the same."""
+    from opskit.monitor.checks import CHECKS
+    from opskit.monitor.snapshot import read_snapshot
+    from opskit.monitor.state import WatchdogState
+
+    outcome(tmp_path, SCENARIOS[name], complete_step, monkeypatch)  # the run folder, the fake queue and disk
+    spec = load_spec(str(tmp_path / f"{JOB}.yaml"))
+    snap = read_snapshot(spec, WatchdogState(), NOW, users=["someone"])
+    before = [f for check in CHECKS for f in check(snap, spec)]
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    (tmp_path / "run").write_text("not the run read\n")
+
+    def unavailable(*args, **kwargs):
+        raise AssertionError("a check did I/O")
+    for name_ in ("squeue", "scancel"):
+        monkeypatch.setattr(client, name_, unavailable)
+    monkeypatch.setattr(os, "statvfs", unavailable)
+    assert [f for check in CHECKS for f in check(snap, spec)] == before
+    assert {f.key for f in before} & {"run.missing", "scheduler.running", "log.hang", "chain.failures",
+                                      "checkpoint.missing", "checkpoint.save_interval", "log.straggler"}

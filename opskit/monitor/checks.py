@@ -214,7 +214,7 @@ def check_log(snap: RunSnapshot, spec: Spec) -> list[Finding]:
     without iteration lines."""
     run = snap.run
     if snap.run_missing:
-        return [_run_missing(spec, run)]
+        return [_run_missing(spec, run, snap.run_missing)]
     if snap.log_error is not None:
         return [Finding("log.unreadable", "alert", f"{snap.log_error}: nothing of the log can be checked",
                         {"path": str(run.main_log)})]
@@ -479,8 +479,7 @@ def _no_log(snap: RunSnapshot) -> Finding:
     return Finding("log.none", "ok", f"no {run.main_log} (nor TensorBoard events) yet")
 
 
-def _run_missing(spec: Spec, run: RunPaths) -> Finding:
-    what = "is a file, not a folder" if run.root.exists() else "does not exist"
+def _run_missing(spec: Spec, run: RunPaths, what: str) -> Finding:
     return Finding("run.missing", "alert", f"run directory {run.root} {what} (paths.output {spec.paths.output!r} from "
                    f"{spec.base_dir}): nothing of the run can be checked here; not submitted yet (`opskit submit "
                    f"{spec.cli_name}`), or paths.output names another folder than the jobs write to",

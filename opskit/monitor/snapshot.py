@@ -266,8 +266,9 @@ class RunSnapshot:
     bad_nodes: dict[str, str]
     bad_nodes_error: str | None
     """Why ``bad-nodes.txt`` could not be read (one line), else None."""
-    run_missing: bool
-    """The run directory is not a folder here: nothing of the run can be seen."""
+    run_missing: str | None
+    """What the run directory is instead of a folder (``does not exist``, ``is a file, not a folder``): nothing of
+    the run can be seen; None when it is one."""
     log: LogRead | None
     log_error: LogFormatError | None
     logs_is_file: bool
@@ -320,7 +321,7 @@ def read_snapshot(spec: Spec, state: WatchdogState, now: datetime, users: list[s
     except LogFormatError as e:
         log, log_error = None, e
     state = log.state if log else state
-    run_missing = not run.root.is_dir()
+    run_missing = None if run.root.is_dir() else "is a file, not a folder" if run.root.exists() else "does not exist"
     measured = None if run_missing else measure_save_interval(run, spec.checkpoint.save_interval, ledger.rows,
                                                               state.measured)
     snapshot = RunSnapshot(

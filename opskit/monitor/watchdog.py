@@ -1,9 +1,10 @@
-"""The hourly watchdog behind ``opskit status``, a pipeline: read the run once (:func:`~opskit.monitor.snapshot.
-read_snapshot`: squeue, the ledger, the new bytes of main_log.txt, the checkpoints, the disk), run every check on it
-(:data:`~opskit.monitor.checks.CHECKS`, pure), act on the findings (:data:`~opskit.monitor.actions.ACTIONS`: cancel a
-hung task, exclude a straggler's node), compute the next state (:func:`next_state`) and save it, and return a
-:class:`~opskit.monitor.findings.Report`. :func:`status` adds what ``opskit status`` shows besides (the alerts sent,
-the goodput) as one :class:`Status`. No typer, rich, torch or numpy here: it runs from cron on login nodes.
+"""The hourly watchdog behind ``opskit status``, a pipeline: read the run once
+(:func:`opskit.monitor.snapshot.read_snapshot`: squeue, the ledger, the new bytes of main_log.txt, the checkpoints,
+the disk), run every check on it (:data:`opskit.monitor.checks.CHECKS`, pure), act on the findings
+(:data:`opskit.monitor.actions.ACTIONS`: cancel a hung task, exclude a straggler's node), compute the next state
+(:func:`next_state`) and save it, and return a :class:`~opskit.monitor.findings.Report`. :func:`status` adds what
+``opskit status`` shows besides (the alerts sent, the goodput) as one :class:`Status`. No typer, rich, torch or numpy
+here: it runs from cron on login nodes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     pulse = _pulse(snap, spec)
     report = Report(spec.name, spec.job_name, now, pulse, findings, unreachable=snap.unreachable is not None,
                     unknown=("scheduler", "log.hang", "checkpoint.age") if snap.unreachable is not None else (),
-                    main_log=run.main_log, run_missing=snap.run_missing, state_error=state_error)
+                    main_log=run.main_log, run_missing=snap.run_missing is not None,
+                    state_error=state_error)
     if spec.watchdog.append_to_main_log and run.main_log.parent.is_dir():
         append_lines(run.main_log, pulse)
     return report
