@@ -70,8 +70,8 @@ def test_tr11_spike_with_rollback_and_skip_range(tmp_path):
     assert "log.nan" not in keys(findings) and "log.crash" not in keys(findings)
 
     # Progress as the tr11 chronicle computed it: (115311 - 31251) x ~106 s = ~103 days.
-    state = progress_of(load_spec("tr11-176B-ml"), log.records)
-    [progress], seconds_left, per_it = progress_findings(state), state.seconds_left, state.seconds_per_iteration
+    eta = progress_of(load_spec("tr11-176B-ml"), log.records)
+    [progress], seconds_left, per_it = progress_findings(eta), eta.seconds_left, eta.seconds_per_iteration
     assert progress.message.startswith("progress: iteration 31,251 of 115,311 (27.1%), 84,060 left")
     assert "days at this speed" in progress.message and "tokens: 98.0B consumed / " in progress.message
     assert 100 < seconds_left / 86400 < 106 and 105 < per_it < 107
