@@ -7,7 +7,16 @@ from pathlib import Path
 
 import typer
 
-from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
+from opskit.cli._common import (
+    JsonOutput,
+    console,
+    emit,
+    err_console,
+    friendly_errors,
+    print_json,
+    print_lines,
+    progress_console,
+)
 from opskit.run.paths import checkpoint_dir_of
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
@@ -195,10 +204,12 @@ def convert(
     workers: int = typer.Option(None, "--workers", min=1, help="Blocks copied at once (threads; default 2)."),
     force: bool = typer.Option(False, "--force", help="Replace an output folder an earlier conversion wrote (never "
                                                       "a folder opskit did not write)."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming. The output
     folder must be new or empty; the folder is built beside it and renamed into place. A complete step, or a
-    weights-only backup's copy of one (a note says so)."""
+    weights-only backup's copy of one (a note says so). JSON: the steps converted (or already converted: skipped)
+    and those not converted, with why."""
     from opskit.ckpt.convert import convert_checkpoint
 
     directory, run = checkpoint_dir_of(run_or_dir)
@@ -209,23 +220,26 @@ def convert(
                                      verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
                                      workers=workers, force=force,
                                      progress=lambda done, total: bar.update(task, completed=done, total=total))
-    for result in results:
-        if isinstance(result, str):
-            err_console.print(f"skipped: {result}")
-        elif result.skipped:
+    for left in results.not_converted:
+        err_console.print(f"skipped: {left.reason}")
+    for result in results.converted:
+        if result.weights_only_backup:
+            _weights_only_note(result.step_dir, "converted its weights")
+        for name in result.averaged:
+            err_console.print(f"warning: TP copies differ, averaged: {name}")
+    emit(results, json_output, _render_conversions)
+
+
+def _render_conversions(results) -> None:
+    for result in results.converted:
+        if result.skipped:
             console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}")
-        else:
-            if result.weights_only_backup:
-                _weights_only_note(result.step_dir, "converted its weights")
-            for name in result.averaged:
-                err_console.print(f"warning: TP copies differ, averaged: {name}")
-            check = "" if result.max_abs_diff is None else \
-                f", verified: max abs logits diff {result.max_abs_diff:.2g}"
-            if result.verified_layers is not None and result.verified_layers < result.num_layers:
-                check += f" through {result.verified_layers} of {result.num_layers} blocks"
-            console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
-                          f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> "
-                          f"{result.out_dir}")
+            continue
+        check = "" if result.max_abs_diff is None else f", verified: max abs logits diff {result.max_abs_diff:.2g}"
+        if result.verified_layers is not None and result.verified_layers < result.num_layers:
+            check += f" through {result.verified_layers} of {result.num_layers} blocks"
+        console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
+                      f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> {result.out_dir}")
 
 
 @app.command("reshape")
@@ -311,12 +325,15 @@ def prune(
 def set_latest(
     checkpoint_dir: Path = typer.Argument(..., help="Checkpoint dir (with global_stepN folders)."),
     step: int = typer.Argument(..., help="The step 'latest' should name."),
+    json_output: JsonOutput = False,
 ) -> None:
-    """Point 'latest' at global_stepN atomically, after checking that the step is complete."""
+    """Point 'latest' at global_stepN atomically, after checking that the step is complete. JSON: the file, what it
+    named before (null: no latest) and now."""
     from opskit.ckpt.prune import set_latest as point_latest
 
     previous = point_latest(checkpoint_dir, step)
-    console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> global_step{step}")
+    emit({"latest": str(checkpoint_dir / "latest"), "previous": previous, "now": f"global_step{step}"}, json_output,
+         lambda done: console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> {done['now']}"))
 
 
 @app.command("backup")
@@ -411,20 +428,21 @@ def publish(
     hf_dir: Path = typer.Option(None, "--hf-dir", help="Where the converted global_stepN folders are "
                                                        "(default: <run>/hf, as `opskit ckpt convert` writes)."),
     public: bool = typer.Option(False, "--public", help="Create the repository public (default: private)."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Upload converted steps to the Hub: one commit per step tagged global_stepN (load with
     `from_pretrained(repo, revision="global_stepN")`), already published steps skipped, model card with steps, tokens
-    and validation loss. Token from HF_TOKEN or `huggingface-cli login`."""
+    and validation loss. Token from HF_TOKEN or `huggingface-cli login`. JSON: a list of {tag, commit (null:
+    already published), files}."""
     from opskit.ckpt.publish import publish_checkpoint
 
     directory, run = checkpoint_dir_of(run_or_dir)
+    out = progress_console(json_output)
     results = publish_checkpoint(directory, run.hf_dir, run.main_log, to, None if all_steps else step, hf_dir, public,
-                                 progress=lambda tag: console.print(f"publishing {tag} ..."))
-    for result in results:
-        if result.commit is None:
-            console.print(f"{result.tag}: already published, skipped")
-        else:
-            console.print(f"{result.tag}: {result.files} file(s), commit {result.commit[:12]}, tagged")
+                                 progress=lambda tag: out.print(f"publishing {tag} ..."))
+    emit(results, json_output, lambda published: print_lines(
+        f"{r.tag}: already published, skipped" if r.commit is None else
+        f"{r.tag}: {r.files} file(s), commit {r.commit[:12]}, tagged" for r in published))
 
 
 @app.command("generate")
@@ -434,8 +452,11 @@ def generate(
     prompt: str = typer.Option("And God said", "--prompt"),
     max_new_tokens: int = typer.Option(40, "--max-new-tokens", min=1),
     seed: int = typer.Option(0, "--seed"),
+    json_output: JsonOutput = False,
 ) -> None:
-    """Sample a continuation of PROMPT with transformers."""
+    """Sample a continuation of PROMPT with transformers. JSON: model_dir, prompt, seed and the text."""
     from opskit.ckpt.generate import generate as sample
 
-    console.print(sample(model_dir, prompt, max_new_tokens, seed))
+    text = sample(model_dir, prompt, max_new_tokens, seed)
+    emit({"model_dir": str(model_dir), "prompt": prompt, "seed": seed, "text": text}, json_output,
+         lambda done: console.print(done["text"]))
