@@ -13,7 +13,6 @@ from opskit.cli._common import (
     emit,
     err_console,
     friendly_errors,
-    print_json,
     print_lines,
     progress_console,
 )
@@ -64,13 +63,14 @@ def list_(
 ) -> None:
     """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest; then
     the universal folders (global_stepN_universal) and the step and layout each was converted from."""
-    from opskit.ckpt.format.universal import origin_text
     from opskit.ckpt.listing import list_checkpoint
 
-    listing = list_checkpoint(checkpoint_dir_of(run_or_dir)[0])
-    if json_output:
-        print_json(listing.as_json())
-        return
+    emit(list_checkpoint(checkpoint_dir_of(run_or_dir)[0]), json_output, _render_listing)
+
+
+def _render_listing(listing) -> None:
+    from opskit.ckpt.format.universal import origin_text
+
     directory, latest, unusable, steps = listing.directory, listing.latest, listing.latest_problem, listing.steps
     missing = " (no such step)" if latest and not any(s.latest for s in steps) else ""
     console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}")
@@ -100,18 +100,22 @@ def inspect(
     resumed on another layout: the step it was reshaped from); exit 1 when the step is incomplete (its problems
     listed), unless it is a weights-only backup's copy of a complete step (a note says so). A universal folder
     (global_stepN_universal): what it was converted from."""
-    from opskit.ckpt.format.universal import origin_text
     from opskit.ckpt.listing import inspect_checkpoint
 
     inspection = inspect_checkpoint(step_dir)
+    if inspection.step is not None and inspection.step["weights_only_backup"]:
+        _weights_only_note(inspection.step["path"], "inspecting its weights")
+    emit(inspection, json_output, _render_inspection)
+    if not inspection.usable:
+        raise typer.Exit(1)
+
+
+def _render_inspection(inspection) -> None:
+    from opskit.ckpt.format.universal import origin_text
+
     report = inspection.step
-    if report is not None and report["weights_only_backup"]:
-        _weights_only_note(report["path"], "inspecting its weights")
-    if json_output:
-        print_json(inspection.as_json())
-        raise typer.Exit(0 if inspection.usable else 1)
     if report is None:
-        console.print(f"{step_dir}: {origin_text(inspection.universal)}")
+        console.print(f"{inspection.path}: {origin_text(inspection.universal)}")
         return
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
                   f"consumed tokens {report['consumed_tokens']}")
@@ -129,7 +133,6 @@ def inspect(
     if not inspection.usable:
         for problem in report["problems"]:
             err_console.print(f"incomplete: {problem}")
-        raise typer.Exit(1)
 
 
 @app.command("check")
@@ -153,32 +156,33 @@ def check(
                             lambda done, total: bar.update(task, completed=done, total=total), crc=crc)
     if report.left_out:
         _weights_only_note(report.step, f"checked the files it has, not its {len(report.left_out)} optimizer shard(s)")
-    if json_output:
-        print_json(report.as_json())
-    else:
-        for problem in report.problems:
-            console.print(f"incomplete: {problem}")
-        for problem in report.corrupt:
-            console.print(f"corrupt: {problem}")
-        for d in report.tp_mismatches:
-            console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
-                          f"(TP ranks {d['ranks']} vs 0)")
-        for r in report.rng:
-            if not r["agree"]:
-                console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
-        for n in report.nonfinite:
-            console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf")
-        if report.redundant:
-            nbytes = report.redundant_bytes
-            console.print(f"redundant copy: {len(report.redundant)} mp_rank file(s) hold {_human(nbytes)} ({nbytes:,} "
-                          "bytes) of optimizer state that the optimizer shards hold already (saved by DeepSpeed "
-                          "0.18.5-0.19.8 before opskit saved it once); the resume reads the shards only")
-        verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
-        console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
-                      f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
-                      + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"))
+    emit(report, json_output, lambda checked: _render_check(checked, crc))
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _render_check(report, crc: bool) -> None:
+    for problem in report.problems:
+        console.print(f"incomplete: {problem}")
+    for problem in report.corrupt:
+        console.print(f"corrupt: {problem}")
+    for d in report.tp_mismatches:
+        console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
+                      f"(TP ranks {d['ranks']} vs 0)")
+    for r in report.rng:
+        if not r["agree"]:
+            console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
+    for n in report.nonfinite:
+        console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf")
+    if report.redundant:
+        nbytes = report.redundant_bytes
+        console.print(f"redundant copy: {len(report.redundant)} mp_rank file(s) hold {_human(nbytes)} ({nbytes:,} "
+                      "bytes) of optimizer state that the optimizer shards hold already (saved by DeepSpeed "
+                      "0.18.5-0.19.8 before opskit saved it once); the resume reads the shards only")
+    verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
+    console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
+                  f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
+                  + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"))
 
 
 @app.command("convert")
@@ -265,10 +269,11 @@ def reshape(
         bar.add_task(f"converting to a universal checkpoint for {target} (DeepSpeed's ds_to_universal), verifying",
                      total=None)
         result = reshape_step(resolve_step_dir(step_dir), target, out)
-    if json_output:
-        print_json(result.as_json())
-        return
-    name = result.step.path.name
+    emit(result, json_output, _render_reshape)
+
+
+def _render_reshape(result) -> None:
+    target, name = result.target, result.step.path.name
     if result.universal is None:
         console.print(f"{name} was saved at {result.saved}; {target} needs no conversion ({result.why_not}); "
                       "nothing written")
@@ -307,9 +312,10 @@ def prune(
     for step, problem in plan.unbacked.items():
         err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
                           f"can resume it ({problem})")
-    if json_output:
-        print_json(plan.as_json())
-        return
+    emit(plan, json_output, lambda pruned: _render_prune(pruned, dry_run))
+
+
+def _render_prune(plan, dry_run: bool) -> None:
     for step, reasons in plan.keep.items():
         console.print(f"keep    global_step{step}  ({', '.join(reasons)})")
     for step, reason in plan.protected.items():
@@ -357,19 +363,20 @@ def backup(
         task = bar.add_task("backing up", total=None)
         results = back_up(directory, to, chosen, weights_only, workers,
                           progress=lambda key, nbytes: bar.update(task, advance=nbytes, description=key))
-    if json_output:
-        print_json([r.as_json() for r in results])
-    else:
-        for r in results:
-            state = "verified" if r.verified else "FAILED verification"
-            console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, "
-                          f"{_human(r.bytes_total)}, {state}")
-            for problem in r.problems:
-                console.print(f"  {problem}")
-        if unrecorded := next((r.unrecorded for r in results if r.unrecorded), None):
-            console.print(f"note: {unrecorded}")
+    emit(results, json_output, _render_backup)
     if not all(r.verified for r in results):
         raise typer.Exit(1)
+
+
+def _render_backup(results) -> None:
+    for r in results:
+        state = "verified" if r.verified else "FAILED verification"
+        console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, {_human(r.bytes_total)}, "
+                      f"{state}")
+        for problem in r.problems:
+            console.print(f"  {problem}")
+    if unrecorded := next((r.unrecorded for r in results if r.unrecorded), None):
+        console.print(f"note: {unrecorded}")
 
 
 @app.command("verify")
@@ -383,15 +390,16 @@ def verify(
     from opskit.ckpt.backup import verify as verify_backup
 
     report = verify_backup(url)
-    if json_output:
-        print_json(report.as_json())
-    else:
-        for tag, problems in report.steps.items():
-            console.print(f"{tag}: {'OK' if not problems else 'FAILED'}")
-            for problem in problems:
-                console.print(f"  {problem}")
+    emit(report, json_output, _render_verify)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _render_verify(report) -> None:
+    for tag, problems in report.steps.items():
+        console.print(f"{tag}: {'OK' if not problems else 'FAILED'}")
+        for problem in problems:
+            console.print(f"  {problem}")
 
 
 @app.command("restore")
@@ -407,10 +415,10 @@ def restore(
     from opskit.ckpt.backup import restore as restore_step
 
     directory, _ = checkpoint_dir_of(run_or_dir)
-    result = restore_step(url, directory, step)
-    if json_output:
-        print_json(result.as_json())
-        return
+    emit(restore_step(url, directory, step), json_output, lambda restored: _render_restore(restored, directory))
+
+
+def _render_restore(result, directory: Path) -> None:
     console.print(f"restored {result.step}: {result.files} files, {_human(result.bytes_total)}, verified, complete")
     if result.latest != result.step.name:
         iteration = result.step.name.removeprefix("global_step")

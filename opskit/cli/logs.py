@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from opskit.cli._common import JsonOutput, console, emit, err_console, friendly_errors, print_json, print_json_line
+from opskit.cli._common import JsonOutput, console, emit, err_console, friendly_errors, print_json_line
 
 app = typer.Typer(help="Training logs (Megatron-style iteration and validation lines).", no_args_is_help=True)
 
@@ -72,13 +72,14 @@ def show(
     json_output: bool = typer.Option(False, "--json", help="Records, progress and ETA as JSON."),
 ) -> None:
     """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
-    from opskit.logs.eta import progress_lines
     from opskit.run.sources import log_tail
 
-    view = log_tail(name_or_file, last, recent)
-    if json_output:
-        print_json(view.as_json())
-        return
+    emit(log_tail(name_or_file, last, recent), json_output, lambda view: _render_show(view, recent))
+
+
+def _render_show(view, recent: int) -> None:
+    from opskit.logs.eta import progress_lines
+
     path, records, first, state = view.file, view.records, view.first, view.progress
     if not records:
         console.print(f"{path}: no iteration lines yet")
@@ -198,16 +199,17 @@ def spikes(
     found, iterations = spikes_of(line, config), line["iteration"]
     fixes = remedies(found, save_interval or source.save_interval,
                      None if save_interval else source.checkpoints)
-    if json_output:
-        print_json({"file": str(source.path), "spikes": [s.as_json() for s in found],
-                    "remedies": [f.as_json() for f in fixes]})
-        return
+    emit({"file": str(source.path), "spikes": found, "remedies": fixes}, json_output,
+         lambda _: _render_spikes(source.path, found, fixes, iterations))
+
+
+def _render_spikes(path: Path, found: list, fixes: list, iterations) -> None:
     if not found:
         # a line per --log-interval iterations: the lines are what was judged, not every iteration
-        console.print(f"{source.path}: no spikes in {len(iterations):,} iteration line(s) "
+        console.print(f"{path}: no spikes in {len(iterations):,} iteration line(s) "
                       f"(iterations {iterations[0]}-{iterations[-1]})")
         return
-    table = Table(title=str(source.path))
+    table = Table(title=str(path))
     for header in ("metric", "first", "last", "peak at", "peak", "baseline", "back to normal at"):
         table.add_column(header, justify="right")
     for s in found:
