@@ -164,11 +164,16 @@ def test_convert_all_skips_only_an_intact_conversion_of_the_same_save(small_chec
     convert_all = ("ckpt", "convert", small_checkpoints, "--all", "--out", root, "--no-verify")
     assert opskit(*convert_all).returncode == 0
     assert "already converted" in opskit(*convert_all).stdout  # intact: skipped
+    [skipped] = json.loads(opskit(*convert_all, "--json").stdout)["converted"]
+    assert (skipped["skipped"], skipped["out_dir"], skipped["iteration"]) == (True, str(step), 10)
     shard = next(step.glob("model*.safetensors"))
     shard.unlink()
     done = opskit(*convert_all)
     assert "already converted" not in done.stdout
     assert f"{step}: damaged conversion: {shard.name} (missing)" in done.stderr
+    reported = json.loads(opskit(*convert_all, "--json").stdout)
+    assert reported["converted"] == [] and [n["step_dir"] for n in reported["not_converted"]] == \
+        [str(small_checkpoints / "global_step10")]
     assert not shard.exists()  # reported; only --force converts it again
     assert opskit(*convert_all, "--force").returncode == 0 and shard.is_file()
 
