@@ -317,6 +317,10 @@ def test_run_controls_say_in_json_what_they_did(tmp_path):
 
     refused = opskit_cli("kill-switch", spec, "maybe", "--json", cwd=tmp_path)
     assert refused.returncode == 2 and refused.stdout == ""
+    # cancel asks before it acts; under --json it asks nothing (a script reads stdout): --yes, or one error line
+    asked = opskit_cli("cancel", spec, "--json", cwd=tmp_path)
+    assert (asked.returncode, asked.stdout, asked.stderr) == (1, "", "error: cancel --json asks nothing: add --yes "
+                                                                     "to cancel the chain\n")
 
 
 def test_dry_runs_in_json_write_nothing_and_say_what_would_be_done(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from opskit.cli._common import JsonOutput, SpecName, console, emit, friendly_errors
+from opskit.errors import OpskitError
 
 nodes_app = typer.Typer(help="The run's bad-node list, which `opskit submit` excludes (--exclude).",
                         no_args_is_help=True)
@@ -62,14 +63,17 @@ def _render_control(done: dict) -> None:
 @friendly_errors
 def cancel(
     name: SpecName,
-    yes: bool = typer.Option(False, "--yes", help="Do not ask (the running task loses the work since its save)."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask (the running task loses the work since its save); "
+                                                  "required with --json."),
     json_output: JsonOutput = False,
 ) -> None:
     """scancel every job of the run's chain (its jobs, not others of the same name). To stop with a checkpoint, use
     `opskit kill-switch NAME on` instead."""
-    if not yes:  # with --json the question goes to stderr: stdout holds the JSON alone
+    if not yes and json_output:  # a script reads the JSON: it is asked nothing
+        raise OpskitError("cancel --json asks nothing: add --yes to cancel the chain")
+    if not yes:
         typer.confirm("Cancel the chain? The running task loses everything since its last checkpoint "
-                      "(`opskit kill-switch NAME on` saves first)", abort=True, err=json_output)
+                      "(`opskit kill-switch NAME on` saves first)", abort=True)
     _control("cancel", name, json_output)
 
 
