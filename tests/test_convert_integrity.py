@@ -72,6 +72,8 @@ def test_gpt2_bpe_files_convert_without_a_token_past_the_vocabulary(converted):
     done = cli("generate", str(converted), "--prompt", PROMPT, "--max-new-tokens", "5")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stdout.startswith(PROMPT)
+    sampled = json.loads(cli("generate", str(converted), "--prompt", PROMPT, "--max-new-tokens", "5", "--json").stdout)
+    assert (sampled["prompt"], sampled["seed"], sampled["text"]) == (PROMPT, 0, done.stdout.rstrip("\n"))
 
 
 def test_a_tokenizer_whose_special_token_is_past_the_vocabulary_is_refused(kjv1024, gpt2_bpe_run, tmp_path):
