@@ -239,8 +239,8 @@ def test_second_submit_chains_keep_hold_release_kill_switch(kjv_data, tmp_path, 
     held = cli("hold", spec_path)
     assert held.stdout == f"held {name}: job(s) {first.job_id}, {second.job_id}\n", held.stderr
     assert squeue_field(second.job_id, "%r")[0] in ("JobHeldUser", "JobHeldAdmin")
-    released = cli("release", spec_path)
-    assert released.stdout == f"released {name}: job(s) {first.job_id}, {second.job_id}\n", released.stderr
+    released = cli("release", spec_path, "--json")
+    assert json.loads(released.stdout)["job_ids"] == [first.job_id, second.job_id], released.stderr
     assert squeue_field(second.job_id, "%r")[0] not in ("JobHeldUser", "JobHeldAdmin")
 
     on = cli("kill-switch", spec_path, "on")
@@ -473,6 +473,8 @@ def test_cli_dry_run_options_and_cancel_recorded(kjv_data, tmp_path, slurm, canc
     assert [(r.task, r.state, r.exit_code) for r in rows] == [(f"{sub.job_id}_1", "CANCELLED", 143)]
     assert chain.consecutive_failures(rows) == []
     assert cli("cancel", spec_path, "--yes").stdout == f"nothing to cancel: no job of {name} for {sub.run.root}\n"
+    assert json.loads(cli("cancel", spec_path, "--yes", "--json").stdout) == {
+        "action": "cancel", "job_name": name, "run": str(sub.run.root), "job_ids": []}
 
 
 @pytest.mark.slurm

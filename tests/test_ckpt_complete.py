@@ -316,7 +316,7 @@ def test_a_weights_only_backups_step_converts_inspects_and_checks_with_a_note(bl
     original = convert_step(checkpoints / "global_step20", tmp_path / "hf-original", verify=False)
     shards = sorted(p.name for p in original.out_dir.glob("*.safetensors"))
     assert shards and all((tmp_path / "hf" / n).read_bytes() == (original.out_dir / n).read_bytes() for n in shards)
-    every = convert_all(weights, tmp_path / "hf-all", verify=False)  # --all over the backup: both steps' copies
+    every = convert_all(weights, tmp_path / "hf-all", verify=False).converted  # --all: both steps' copies
     assert [(c.iteration, c.weights_only_backup) for c in every] == [(10, True), (20, True)]
 
     inspected = cli("ckpt", "inspect", str(step))

@@ -245,3 +245,144 @@ def test_a_stack_dump_time_that_faulthandler_would_refuse_is_one_error_line(minu
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"python -m opskit.train: error: argument --stack-dump-after-mins: must be {bound}, got {minutes} "
         "(python -m opskit.train --help lists the flags)")
+
+
+# --------------------------------------------------------------------------- --json on every command (one sink)
+
+LOGS = REPO / "tests" / "fixtures" / "logs"
+
+
+def command_tree() -> dict[str, object]:
+    """``"ckpt convert"`` -> its click command, for every command of the app (groups walked)."""
+    import typer.main
+
+    from opskit.cli.app import app
+
+    def walk(command, path: tuple[str, ...]):
+        if hasattr(command, "commands"):  # a group (typer vendors its own click: no isinstance on click.Group)
+            for name, sub in command.commands.items():
+                yield from walk(sub, (*path, name))
+        else:
+            yield " ".join(path), command
+
+    return dict(walk(typer.main.get_command(app), ()))
+
+
+def test_every_command_but_the_trainer_has_json():
+    tree = command_tree()
+    assert len(tree) >= 39 and {"submit", "logs tail", "ckpt convert", "specs new", "nodes clear"} <= set(tree)
+    without = {name for name, command in tree.items() if not any("--json" in p.opts for p in command.params)}
+    assert without == {"train"}  # the trainer's own flags pass through untouched
+
+
+def json_of(*args: str, cwd: Path, env: dict | None = None, code: int = 0):
+    """The command's stdout as JSON (all of it: nothing else may be printed there)."""
+    done = opskit_cli(*args, "--json", cwd=cwd, env=env)
+    assert done.returncode == code, (args, done.stdout, done.stderr)
+    return json.loads(done.stdout)
+
+
+def test_specs_json_holds_what_the_human_output_shows(tmp_path):
+    listed = json_of("specs", "list", cwd=tmp_path)
+    names = [entry["name"] for entry in listed]
+    assert {"tiny", "tiny:gpu", "tr11-176B-ml"} <= set(names)
+    tiny = listed[names.index("tiny")]
+    assert (tiny["origin"], tiny["error"], Path(tiny["source"]).name) == ("preset", None, "tiny.yaml")
+
+    shown = json_of("specs", "show", "tiny:gpu", cwd=tmp_path)
+    assert (shown["name"], shown["variant"], shown["variants"]) == ("tiny:gpu", "gpu", ["gpu"])
+    human = opskit_cli("specs", "show", "tiny:gpu", cwd=tmp_path).stdout
+    assert human.startswith(f"# tiny:gpu from {shown['path']}\n")
+    assert yaml.safe_load(human) == shown["spec"]  # one result, two renderings
+    assert shown["spec"]["parallel"]["tensor_model_parallel_size"] == 2
+
+
+def test_run_controls_say_in_json_what_they_did(tmp_path):
+    fake_data = type("Prepared", (), {"data_prefix": tmp_path / "d" / "kjv_text_document"})
+    spec = str(write_spec(tmp_path / "spec.yaml", fake_data, tmp_path / "run"))
+    switch = tmp_path / "run" / "kill-switch"
+    assert json_of("kill-switch", spec, "on", cwd=tmp_path) == {"kill_switch": str(switch), "state": "on",
+                                                                "changed": True}
+    assert switch.is_file()
+    assert json_of("kill-switch", spec, "on", cwd=tmp_path)["changed"] is False
+    assert json_of("kill-switch", spec, "off", cwd=tmp_path)["changed"] is True and not switch.exists()
+
+    assert json_of("nodes", "add", spec, "n1", "n2", "--why", "xid 79", cwd=tmp_path) == {"added": ["n1", "n2"]}
+    assert json_of("nodes", "add", spec, "n1", cwd=tmp_path) == {"added": []}
+    listed = json_of("nodes", "list", spec, cwd=tmp_path)
+    assert list(listed) == ["n1", "n2"] and listed["n1"].endswith(" xid 79")
+    assert json_of("nodes", "clear", spec, "n2", cwd=tmp_path) == {"cleared": ["n2"]}
+    assert json_of("nodes", "clear", spec, cwd=tmp_path) == {"cleared": ["n1"]}
+    assert json_of("nodes", "list", spec, cwd=tmp_path) == {}
+
+    refused = opskit_cli("kill-switch", spec, "maybe", "--json", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stdout == ""
+    # cancel asks before it acts; under --json it asks nothing (a script reads stdout): --yes, or one error line
+    asked = opskit_cli("cancel", spec, "--json", cwd=tmp_path)
+    assert (asked.returncode, asked.stdout, asked.stderr) == (1, "", "error: cancel --json asks nothing: add --yes "
+                                                                     "to cancel the chain\n")
+
+
+def test_dry_runs_in_json_write_nothing_and_say_what_would_be_done(tmp_path):
+    fake_data = type("Prepared", (), {"data_prefix": tmp_path / "d" / "kjv_text_document"})
+    spec = str(write_spec(tmp_path / "spec.yaml", fake_data, tmp_path / "run"))
+    run = tmp_path / "run"
+    no_slurm = {"PATH": str(tmp_path / "empty")}  # no squeue: the dry run goes on with a note, never asks SLURM
+    dry = json_of("submit", spec, "--dry-run", "--array", "3", cwd=tmp_path, env=no_slurm)
+    assert (dry["dry_run"], dry["executor"], dry["job_id"], dry["run"]) == (True, "slurm", None, str(run))
+    assert dry["command"] == ["sbatch", "--parsable", "--array=1-3%1", str(run / "slurm" / "train.slurm")]
+    assert dry["script"].startswith("#!/bin/bash") and dry["script_path"] == str(run / "slurm" / "train.slurm")
+    assert any("SLURM did not answer" in note for note in dry["notes"])
+    assert any("tokenizer.json is missing" in warning for warning in dry["warnings"])
+
+    cron = json_of("cron", "install", spec, "--via", "slurm", "--dry-run", cwd=tmp_path)
+    assert (cron["dry_run"], cron["installed"]["method"], cron["installed"]["job_ids"]) == (True, "slurm", [])
+    assert cron["command"] == ["sbatch", "--parsable", str(run / "cron" / "cron.slurm")]
+    assert f"status {spec}" in cron["script"]
+    assert not run.exists()  # neither wrote anything
+
+    # An error under --json is still the one `error:` line on stderr, with the command's exit code, and no JSON.
+    for args, code in ((["cron", "uninstall", spec, "--dry-run"], 1), (["status", "no-such-spec"], 2)):
+        done = opskit_cli(*args, "--json", cwd=tmp_path)
+        assert (done.returncode, done.stdout) == (code, ""), done.stderr
+        assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_logs_commands_in_json(tmp_path):
+    log = LOGS / "tr11-176B-spike.txt"
+    assert opskit_cli("logs", "parse", str(log), "--json", cwd=tmp_path).stdout == \
+        opskit_cli("logs", "parse", str(log), cwd=tmp_path).stdout  # JSON Lines: what --format jsonl writes
+    both = opskit_cli("logs", "parse", str(log), "--json", "--format", "csv", cwd=tmp_path)
+    assert (both.returncode, both.stdout, both.stderr) == (1, "", "error: --json writes JSON Lines: leave out "
+                                                                  "--format csv\n")
+
+    shown = json_of("logs", "show", str(log), "--last", "2", cwd=tmp_path)
+    assert len(shown["records"]) == 2 and shown["file"] == str(log)
+    found = json_of("logs", "spikes", str(log), cwd=tmp_path)
+    assert {s["metric"] for s in found["spikes"]} == {"lm_loss", "grad_norm"}
+    assert all(s["peak_iteration"] == 31219 for s in found["spikes"])
+
+    plotted = json_of("logs", "plot", str(log), "--out", str(tmp_path / "loss.png"), cwd=tmp_path)
+    assert plotted["image"] == str(tmp_path / "loss.png") and (tmp_path / "loss.png").stat().st_size > 0
+    [series] = plotted["series"]
+    assert (series["name"], plotted["y"], series["spikes"]) == ("tr11-176B-spike", "lm_loss", [[31219, 5.098124]])
+    assert series["points"] > 10 and series["x_first"] < series["x_last"]
+    terminal = opskit_cli("logs", "plot", str(log), "--json", cwd=tmp_path)
+    assert (terminal.returncode, terminal.stdout) == (1, "") and "--json needs --out" in terminal.stderr
+
+
+@pytest.mark.timeout(60)
+def test_logs_tail_json_is_one_object_per_line(tmp_path):
+    log = tmp_path / "main_log.txt"
+    log.write_text("first\nsecond {\"quoted\"}\n")
+    proc = subprocess.Popen([OPSKIT, "logs", "tail", str(log), "-n", "2", "--json", "--interval", "0.1"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline()) == {"line": "first"}
+        assert json.loads(proc.stdout.readline()) == {"line": 'second {"quoted"}'}
+        with open(log, "a") as f:
+            f.write("third\n")
+        assert json.loads(proc.stdout.readline()) == {"line": "third"}
+    finally:
+        proc.kill()
+        proc.wait()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from megatron_ckpt import build_checkpoint
 
-from opskit.ckpt.convert import Converted, ConvertError, convert_all, convert_step
+from opskit.ckpt.convert import ConvertError, convert_all, convert_step
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 PROMPT = "In the beginning<|endoftext|>And"
@@ -72,6 +72,8 @@ def test_gpt2_bpe_files_convert_without_a_token_past_the_vocabulary(converted):
     done = cli("generate", str(converted), "--prompt", PROMPT, "--max-new-tokens", "5")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stdout.startswith(PROMPT)
+    sampled = json.loads(cli("generate", str(converted), "--prompt", PROMPT, "--max-new-tokens", "5", "--json").stdout)
+    assert (sampled["prompt"], sampled["seed"], sampled["text"]) == (PROMPT, 0, done.stdout.rstrip("\n"))
 
 
 def test_a_tokenizer_whose_special_token_is_past_the_vocabulary_is_refused(kjv1024, gpt2_bpe_run, tmp_path):
@@ -136,26 +138,27 @@ def damage_flip(path: Path) -> None:
 @pytest.mark.parametrize("damage", [damage_truncate, damage_flip], ids=["truncated", "flipped byte"])
 def test_convert_all_redoes_or_reports_a_damaged_conversion(gpt2_bpe_run, tmp_path, damage):
     out = tmp_path / "hf"
-    [first] = convert_all(gpt2_bpe_run, out, verify=False)
-    assert isinstance(first, Converted) and not first.skipped
+    [first] = convert_all(gpt2_bpe_run, out, verify=False).converted
+    assert not first.skipped
     shard = out / "global_step100" / SHARD
     intact = shard.read_bytes()
-    [again] = convert_all(gpt2_bpe_run, out, verify=False)
-    assert isinstance(again, Converted) and again.skipped
+    [again] = convert_all(gpt2_bpe_run, out, verify=False).converted
+    assert again.skipped
 
     damage(shard)
-    [reported] = convert_all(gpt2_bpe_run, out, verify=False)
-    assert isinstance(reported, str) and "damaged conversion: " + SHARD in reported, reported
-    assert reported.endswith("--force converts it again")
+    reported = convert_all(gpt2_bpe_run, out, verify=False)
+    [why] = [n.reason for n in reported.not_converted]
+    assert reported.converted == [] and "damaged conversion: " + SHARD in why, why
+    assert why.endswith("--force converts it again")
     done = cli("convert", str(gpt2_bpe_run), "--all", "--out", str(out), "--no-verify")
     assert done.returncode == 0 and "already converted" not in done.stdout, done.stdout
     assert done.stderr.count("\n") == 1 and "damaged conversion: " + SHARD in done.stderr, done.stderr
 
-    [redone] = convert_all(gpt2_bpe_run, out, force=True, verify=False)
-    assert isinstance(redone, Converted) and not redone.skipped
+    [redone] = convert_all(gpt2_bpe_run, out, force=True, verify=False).converted
+    assert not redone.skipped
     assert shard.read_bytes() == intact
-    [skipped] = convert_all(gpt2_bpe_run, out, verify=False)
-    assert isinstance(skipped, Converted) and skipped.skipped
+    [skipped] = convert_all(gpt2_bpe_run, out, verify=False).converted
+    assert skipped.skipped
 
 
 def test_a_conversion_marker_without_digests_is_not_taken_as_intact(gpt2_bpe_run, tmp_path):
@@ -166,5 +169,5 @@ def test_a_conversion_marker_without_digests_is_not_taken_as_intact(gpt2_bpe_run
     marker = json.loads(marker_path.read_text())
     del marker["files"]
     marker_path.write_text(json.dumps(marker) + "\n")
-    [result] = convert_all(gpt2_bpe_run, out, verify=False)
-    assert isinstance(result, str) and "without recorded file digests" in result
+    [result] = convert_all(gpt2_bpe_run, out, verify=False).not_converted
+    assert "without recorded file digests" in result.reason

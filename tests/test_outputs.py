@@ -164,11 +164,16 @@ def test_convert_all_skips_only_an_intact_conversion_of_the_same_save(small_chec
     convert_all = ("ckpt", "convert", small_checkpoints, "--all", "--out", root, "--no-verify")
     assert opskit(*convert_all).returncode == 0
     assert "already converted" in opskit(*convert_all).stdout  # intact: skipped
+    [skipped] = json.loads(opskit(*convert_all, "--json").stdout)["converted"]
+    assert (skipped["skipped"], skipped["out_dir"], skipped["iteration"]) == (True, str(step), 10)
     shard = next(step.glob("model*.safetensors"))
     shard.unlink()
     done = opskit(*convert_all)
     assert "already converted" not in done.stdout
     assert f"{step}: damaged conversion: {shard.name} (missing)" in done.stderr
+    reported = json.loads(opskit(*convert_all, "--json").stdout)
+    assert reported["converted"] == [] and [n["step_dir"] for n in reported["not_converted"]] == \
+        [str(small_checkpoints / "global_step10")]
     assert not shard.exists()  # reported; only --force converts it again
     assert opskit(*convert_all, "--force").returncode == 0 and shard.is_file()
 
@@ -335,6 +340,19 @@ def test_data_prepare_cli_refuses_in_one_line(corpus, kjv_data, tmp_path):
     assert snapshot(tmp_path / "data") == before
 
 
+def test_data_prepare_json_names_what_it_wrote_with_nothing_else_on_stdout(corpus, tmp_path):
+    fake_data = type("Prepared", (), {"data_prefix": tmp_path / "d" / "c_text_document"})
+    spec = write_spec(tmp_path / "trainings" / "d.yaml", fake_data, tmp_path / "run",
+                      data={"corpus": [str(p) for p in corpus], "dir": str(tmp_path / "data"), "name": "c",
+                            "vocab_size": 300})
+    done = opskit("data", "prepare", spec, "--json")
+    assert done.returncode == 0, done.stderr
+    prepared = json.loads(done.stdout)  # the progress bar is not on stdout
+    assert (prepared["data_prefix"], prepared["reused"]) == (str(tmp_path / "data" / "c_text_document"), False)
+    assert Path(prepared["data_prefix"] + ".bin").is_file() and prepared["num_documents"] == 2
+    assert json.loads(opskit("data", "prepare", spec, "--json").stdout)["reused"] is True
+
+
 # --------------------------------------------------------------------------- logs plot
 
 
@@ -380,13 +398,17 @@ def test_specs_new_refuses_a_long_name_and_does_not_warn_about_a_renamed_field(t
     refused_in_one_line(opskit("specs", "new", "n" * 300, "--from", "tiny", cwd=tmp_path), "use at most 200")
     done = opskit("specs", "new", "mytiny", "--from", "tiny", cwd=tmp_path)
     assert done.returncode == 0 and "still mentions" not in done.stdout + done.stderr, done.stdout + done.stderr
+    created = json.loads(opskit("specs", "new", "json", "--from", "tiny", "--json", cwd=tmp_path).stdout)
+    assert (created["path"], Path(created["source"]).name) == ("trainings/json.yaml", "tiny.yaml")
+    assert "paths.output" in created["renamed"] and (tmp_path / created["path"]).is_file()
 
 
 def test_set_latest_keeps_the_mode_of_latest(small_checkpoints):
     latest = small_checkpoints / "latest"
     latest.chmod(0o600)
-    done = opskit("ckpt", "set-latest", small_checkpoints, "10")
+    done = opskit("ckpt", "set-latest", small_checkpoints, "10", "--json")
     assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"latest": str(latest), "previous": "global_step10", "now": "global_step10"}
     assert latest.stat().st_mode & 0o7777 == 0o600 and latest.read_text().strip() == "global_step10"
 
 

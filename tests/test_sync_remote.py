@@ -4,6 +4,7 @@ pinned by a contract test)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -345,6 +346,9 @@ def test_ckpt_publish_tags_one_commit_per_step_and_skips_published_ones(hub, tmp
     commits = len(hub.commits)
     again = subprocess.run(cli, capture_output=True, text=True, env=env)
     assert again.stdout == "global_step100: already published, skipped\nglobal_step200: already published, skipped\n"
+    as_json = subprocess.run([*cli, "--json"], capture_output=True, text=True, env=env)
+    assert [(p["tag"], p["commit"]) for p in json.loads(as_json.stdout)] == [("global_step100", None),
+                                                                            ("global_step200", None)]
     assert len(hub.commits) == commits
 
 

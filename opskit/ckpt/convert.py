@@ -33,7 +33,7 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from opskit.ckpt.check import replicated_diff
@@ -113,6 +113,30 @@ class Converted:
     verified_layers: int | None = None
     num_layers: int = 0
     weights_only_backup: bool = False
+
+
+@dataclass(frozen=True)
+class NotConverted:
+    """A step ``--all`` left alone, and why: ``incomplete step: <its first problem>``, or ``<out>: <why its earlier
+    conversion is not intact>; --force converts it again``."""
+
+    step_dir: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class Conversions:
+    """What ``opskit ckpt convert`` did, in step order: the steps converted now or found already converted
+    (``Converted.skipped``), and the steps it did not convert."""
+
+    converted: list[Converted] = field(default_factory=list)
+    not_converted: list[NotConverted] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        """``{"converted": [<Converted's fields>...], "not_converted": [{"step_dir", "reason"}...]}``; paths as
+        strings."""
+        return {"converted": [asdict(c) for c in self.converted],
+                "not_converted": [asdict(n) for n in self.not_converted]}
 
 
 # --------------------------------------------------------------------------- what the saved args say
@@ -564,13 +588,12 @@ def _write_side_files(folder: Path, config: dict, tokenizer: RunTokenizer) -> No
     tokenizer.save(folder)
 
 
-def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = False,
-                **options) -> list[Converted | str]:
+def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = False, **options) -> Conversions:
     """Convert every complete step of a run (or of a weights-only backup: its steps' copies, as :func:`convert_step`
     takes them) into ``out_root/global_stepN``; a step whose folder holds an intact conversion of that same step
-    (:func:`conversion_problem`) is skipped (``Converted.skipped``), an incomplete step gives its first problem (str),
-    and so does a damaged or stale conversion without ``force`` (with it, the step is converted again). ``force`` and
-    ``options`` as :func:`convert_step`.
+    (:func:`conversion_problem`) is skipped (``Converted.skipped``), an incomplete step is not converted
+    (:class:`NotConverted`, with its first problem), and neither is a damaged or stale conversion without ``force``
+    (with it, the step is converted again). ``force`` and ``options`` as :func:`convert_step`.
 
     Raises:
         OutputRefusedError: before anything is converted, for the first step folder :func:`convert_step` would
@@ -582,21 +605,21 @@ def convert_all(checkpoint_dir: str | Path, out_root: str | Path, force: bool = 
     for _info, out, usable in plan:  # every refusal before the first (long) conversion
         if usable and problems[out] and (force or not has_marker(out, CONVERT_COMMAND)):
             claim_dir(out, force, command=CONVERT_COMMAND)
-    results: list[Converted | str] = []
+    done = Conversions()
     for info, out, usable in plan:
         if not usable:
-            results.append(f"incomplete step: {info.problems[0]}")
+            done.not_converted.append(NotConverted(info.path, f"incomplete step: {info.problems[0]}"))
         elif problems[out] is None:
-            results.append(Converted(out, info.path, info.iteration, "", 0, skipped=True))
+            done.converted.append(Converted(out, info.path, info.iteration, "", 0, skipped=True))
         elif not force and has_marker(out, CONVERT_COMMAND):
-            results.append(f"{out}: {problems[out]}; --force converts it again")
+            done.not_converted.append(NotConverted(info.path, f"{out}: {problems[out]}; --force converts it again"))
         else:
-            results.append(convert_step(info.path, out, force=force, **options))
-    return results
+            done.converted.append(convert_step(info.path, out, force=force, **options))
+    return done
 
 
 def convert_checkpoint(directory: str | Path, hf_dir: Path, step: int | None = None, all_steps: bool = False,
-                       out: Path | None = None, to: str = "hf", **options) -> list[Converted | str]:
+                       out: Path | None = None, to: str = "hf", **options) -> Conversions:
     """``opskit ckpt convert``: one step of ``directory`` (``step``, else the one ``latest`` names; or a step folder
     itself) into ``out`` (default ``hf_dir/global_stepN``), or with ``all_steps`` every step into ``out`` (default
     ``hf_dir``) as :func:`convert_all`. ``hf_dir`` is the run's folder of converted steps
@@ -610,7 +633,7 @@ def convert_checkpoint(directory: str | Path, hf_dir: Path, step: int | None = N
     if all_steps:
         return convert_all(directory, out or hf_dir, **options)
     step_dir = resolve_step_dir(directory, step)
-    return [convert_step(step_dir, out or hf_dir / step_dir.name, **options)]
+    return Conversions([convert_step(step_dir, out or hf_dir / step_dir.name, **options)])
 
 
 def conversion_source(step_path: Path, iteration: int | None) -> dict:

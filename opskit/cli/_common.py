@@ -1,12 +1,14 @@
-"""What every command shares: one console, and one table from library errors to one-line messages."""
+"""What every command shares: one console, one output sink (:func:`emit`: a person's rendering or ``--json``), and
+one table from library errors to one-line messages."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import wraps
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -21,7 +23,10 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False,
 
 # The parameters most commands take, declared once: ``name: SpecName`` and ``json_output: JsonOutput = False``.
 SpecName = Annotated[str, typer.Argument(help="Spec name, unique prefix or YAML path.")]
-JsonOutput = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Machine-readable output: JSON on stdout, nothing else "
+                                                          "(notes and warnings on stderr).")]
+
+Result = TypeVar("Result")
 
 
 def friendly_errors(command: Callable | None = None, *, exit_code: int = 1, extra: str | None = None) -> Callable:
@@ -67,8 +72,52 @@ def _one_line(error: BaseException) -> str:
     return str(error)
 
 
+def emit(result: Result, json_output: bool, render: Callable[[Result], object]) -> None:
+    """The one output sink of a command: ``result`` (a library result with ``.as_json()``, a dataclass, or a dict or
+    list of those) as JSON on stdout with ``--json`` (:func:`print_json`), else ``render(result)`` for a person
+    (rich, on :data:`console`). Exit codes are the command's: it raises ``typer.Exit`` after this returns."""
+    if json_output:
+        print_json(_plain(result))
+    else:
+        render(result)
+
+
+def _plain(result):
+    """``result`` as JSON-able data: its ``.as_json()``, a dataclass's fields, a list's items and a dict's values each
+    so."""
+    if hasattr(result, "as_json"):
+        return result.as_json()
+    if isinstance(result, list):
+        return [_plain(item) for item in result]
+    if isinstance(result, dict):
+        return {key: _plain(value) for key, value in result.items()}
+    if dataclasses.is_dataclass(result):
+        return dataclasses.asdict(result)
+    return result
+
+
+def print_lines(lines: Iterable[str]) -> None:
+    """Each line on :data:`console` (a renderer of :func:`emit` for a result that is lines)."""
+    for line in lines:
+        console.print(line)
+
+
+def progress_console(json_output: bool) -> Console:
+    """Where a command's progress and status lines go: stdout for a person, stderr under ``--json`` (stdout holds
+    the JSON alone)."""
+    return err_console if json_output else console
+
+
 def print_json(data) -> None:
-    """Machine-readable output for scripts (``--json``): plain JSON on stdout, nothing else."""
+    """Machine-readable output for scripts (``--json``): plain JSON on stdout, nothing else (paths as strings)."""
     import json
 
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def print_json_line(data) -> None:
+    """One JSON object on one line of stdout, flushed: JSON Lines for a command that streams (``logs tail --json``)."""
+    import json
+
+    sys.stdout.write(json.dumps(data, default=str) + "\n")
+    sys.stdout.flush()

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import typer
 
-from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
+from opskit.cli._common import (
+    JsonOutput,
+    console,
+    emit,
+    err_console,
+    friendly_errors,
+    print_lines,
+    progress_console,
+)
 from opskit.run.paths import checkpoint_dir_of
 
 app = typer.Typer(help="Megatron-DeepSpeed checkpoints: list, inspect, check, convert, reshape, prune, backup, "
@@ -55,13 +63,14 @@ def list_(
 ) -> None:
     """Every global_stepN: size, TP/PP/DP, dtype, complete or not, consumed samples/tokens, which one is latest; then
     the universal folders (global_stepN_universal) and the step and layout each was converted from."""
-    from opskit.ckpt.format.universal import origin_text
     from opskit.ckpt.listing import list_checkpoint
 
-    listing = list_checkpoint(checkpoint_dir_of(run_or_dir)[0])
-    if json_output:
-        print_json(listing.as_json())
-        return
+    emit(list_checkpoint(checkpoint_dir_of(run_or_dir)[0]), json_output, _render_listing)
+
+
+def _render_listing(listing) -> None:
+    from opskit.ckpt.format.universal import origin_text
+
     directory, latest, unusable, steps = listing.directory, listing.latest, listing.latest_problem, listing.steps
     missing = " (no such step)" if latest and not any(s.latest for s in steps) else ""
     console.print(f"{directory}  latest: {latest or (f'unusable ({unusable})' if unusable else 'none')}{missing}")
@@ -91,18 +100,22 @@ def inspect(
     resumed on another layout: the step it was reshaped from); exit 1 when the step is incomplete (its problems
     listed), unless it is a weights-only backup's copy of a complete step (a note says so). A universal folder
     (global_stepN_universal): what it was converted from."""
-    from opskit.ckpt.format.universal import origin_text
     from opskit.ckpt.listing import inspect_checkpoint
 
     inspection = inspect_checkpoint(step_dir)
+    if inspection.step is not None and inspection.step["weights_only_backup"]:
+        _weights_only_note(inspection.step["path"], "inspecting its weights")
+    emit(inspection, json_output, _render_inspection)
+    if not inspection.usable:
+        raise typer.Exit(1)
+
+
+def _render_inspection(inspection) -> None:
+    from opskit.ckpt.format.universal import origin_text
+
     report = inspection.step
-    if report is not None and report["weights_only_backup"]:
-        _weights_only_note(report["path"], "inspecting its weights")
-    if json_output:
-        print_json(inspection.as_json())
-        raise typer.Exit(0 if inspection.usable else 1)
     if report is None:
-        console.print(f"{step_dir}: {origin_text(inspection.universal)}")
+        console.print(f"{inspection.path}: {origin_text(inspection.universal)}")
         return
     console.print(f"{report['path']}: iteration {report['step']}, consumed samples {report['consumed_samples']}, "
                   f"consumed tokens {report['consumed_tokens']}")
@@ -120,7 +133,6 @@ def inspect(
     if not inspection.usable:
         for problem in report["problems"]:
             err_console.print(f"incomplete: {problem}")
-        raise typer.Exit(1)
 
 
 @app.command("check")
@@ -144,32 +156,33 @@ def check(
                             lambda done, total: bar.update(task, completed=done, total=total), crc=crc)
     if report.left_out:
         _weights_only_note(report.step, f"checked the files it has, not its {len(report.left_out)} optimizer shard(s)")
-    if json_output:
-        print_json(report.as_json())
-    else:
-        for problem in report.problems:
-            console.print(f"incomplete: {problem}")
-        for problem in report.corrupt:
-            console.print(f"corrupt: {problem}")
-        for d in report.tp_mismatches:
-            console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
-                          f"(TP ranks {d['ranks']} vs 0)")
-        for r in report.rng:
-            if not r["agree"]:
-                console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
-        for n in report.nonfinite:
-            console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf")
-        if report.redundant:
-            nbytes = report.redundant_bytes
-            console.print(f"redundant copy: {len(report.redundant)} mp_rank file(s) hold {_human(nbytes)} ({nbytes:,} "
-                          "bytes) of optimizer state that the optimizer shards hold already (saved by DeepSpeed "
-                          "0.18.5-0.19.8 before opskit saved it once); the resume reads the shards only")
-        verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
-        console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
-                      f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
-                      + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"))
+    emit(report, json_output, lambda checked: _render_check(checked, crc))
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _render_check(report, crc: bool) -> None:
+    for problem in report.problems:
+        console.print(f"incomplete: {problem}")
+    for problem in report.corrupt:
+        console.print(f"corrupt: {problem}")
+    for d in report.tp_mismatches:
+        console.print(f"TP mismatch: layer_{d['layer']:02d} {d['key']}: max abs diff {d['max_abs_diff']:.3g} "
+                      f"(TP ranks {d['ranks']} vs 0)")
+    for r in report.rng:
+        if not r["agree"]:
+            console.print(f"RNG mismatch: {r['key']} differs among the TP ranks of pipeline stage {r['pp']}")
+    for n in report.nonfinite:
+        console.print(f"non-finite: {n['file']} {n['key']}: {n['nan']} NaN, {n['inf']} Inf")
+    if report.redundant:
+        nbytes = report.redundant_bytes
+        console.print(f"redundant copy: {len(report.redundant)} mp_rank file(s) hold {_human(nbytes)} ({nbytes:,} "
+                      "bytes) of optimizer state that the optimizer shards hold already (saved by DeepSpeed "
+                      "0.18.5-0.19.8 before opskit saved it once); the resume reads the shards only")
+    verdict = ("OK, weights only" if report.left_out else "OK") if report.ok else "FAILED"
+    console.print(f"{report.step}: {verdict} ({len(report.tp_diffs)} replicated tensors compared, "
+                  f"{len(report.tp_mismatches)} differ; {len(report.rng)} RNG states compared"
+                  + (f"; {_human(report.crc_bytes)} CRC-checked)" if crc else ")"))
 
 
 @app.command("convert")
@@ -195,10 +208,12 @@ def convert(
     workers: int = typer.Option(None, "--workers", min=1, help="Blocks copied at once (threads; default 2)."),
     force: bool = typer.Option(False, "--force", help="Replace an output folder an earlier conversion wrote (never "
                                                       "a folder opskit did not write)."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Merge TP/PP shards into a Hugging Face folder (sharded safetensors, config, tokenizer), streaming. The output
     folder must be new or empty; the folder is built beside it and renamed into place. A complete step, or a
-    weights-only backup's copy of one (a note says so)."""
+    weights-only backup's copy of one (a note says so). JSON: the steps converted (or already converted: skipped)
+    and those not converted, with why."""
     from opskit.ckpt.convert import convert_checkpoint
 
     directory, run = checkpoint_dir_of(run_or_dir)
@@ -209,23 +224,26 @@ def convert(
                                      verify_layers=verify_layers, max_shard_bytes=int(max_shard_size * 1024**3),
                                      workers=workers, force=force,
                                      progress=lambda done, total: bar.update(task, completed=done, total=total))
-    for result in results:
-        if isinstance(result, str):
-            err_console.print(f"skipped: {result}")
-        elif result.skipped:
+    for left in results.not_converted:
+        err_console.print(f"skipped: {left.reason}")
+    for result in results.converted:
+        if result.weights_only_backup:
+            _weights_only_note(result.step_dir, "converted its weights")
+        for name in result.averaged:
+            err_console.print(f"warning: TP copies differ, averaged: {name}")
+    emit(results, json_output, _render_conversions)
+
+
+def _render_conversions(results) -> None:
+    for result in results.converted:
+        if result.skipped:
             console.print(f"skipped {result.step_dir}: already converted in {result.out_dir}")
-        else:
-            if result.weights_only_backup:
-                _weights_only_note(result.step_dir, "converted its weights")
-            for name in result.averaged:
-                err_console.print(f"warning: TP copies differ, averaged: {name}")
-            check = "" if result.max_abs_diff is None else \
-                f", verified: max abs logits diff {result.max_abs_diff:.2g}"
-            if result.verified_layers is not None and result.verified_layers < result.num_layers:
-                check += f" through {result.verified_layers} of {result.num_layers} blocks"
-            console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
-                          f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> "
-                          f"{result.out_dir}")
+            continue
+        check = "" if result.max_abs_diff is None else f", verified: max abs logits diff {result.max_abs_diff:.2g}"
+        if result.verified_layers is not None and result.verified_layers < result.num_layers:
+            check += f" through {result.verified_layers} of {result.num_layers} blocks"
+        console.print(f"converted {result.step_dir} (iteration {result.iteration}, {result.arch}, "
+                      f"{result.num_parameters:,} parameters, {result.shards} shard(s){check}) -> {result.out_dir}")
 
 
 @app.command("reshape")
@@ -251,10 +269,11 @@ def reshape(
         bar.add_task(f"converting to a universal checkpoint for {target} (DeepSpeed's ds_to_universal), verifying",
                      total=None)
         result = reshape_step(resolve_step_dir(step_dir), target, out)
-    if json_output:
-        print_json(result.as_json())
-        return
-    name = result.step.path.name
+    emit(result, json_output, _render_reshape)
+
+
+def _render_reshape(result) -> None:
+    target, name = result.target, result.step.path.name
     if result.universal is None:
         console.print(f"{name} was saved at {result.saved}; {target} needs no conversion ({result.why_not}); "
                       "nothing written")
@@ -293,9 +312,10 @@ def prune(
     for step, problem in plan.unbacked.items():
         err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
                           f"can resume it ({problem})")
-    if json_output:
-        print_json(plan.as_json())
-        return
+    emit(plan, json_output, lambda pruned: _render_prune(pruned, dry_run))
+
+
+def _render_prune(plan, dry_run: bool) -> None:
     for step, reasons in plan.keep.items():
         console.print(f"keep    global_step{step}  ({', '.join(reasons)})")
     for step, reason in plan.protected.items():
@@ -311,12 +331,15 @@ def prune(
 def set_latest(
     checkpoint_dir: Path = typer.Argument(..., help="Checkpoint dir (with global_stepN folders)."),
     step: int = typer.Argument(..., help="The step 'latest' should name."),
+    json_output: JsonOutput = False,
 ) -> None:
-    """Point 'latest' at global_stepN atomically, after checking that the step is complete."""
+    """Point 'latest' at global_stepN atomically, after checking that the step is complete. JSON: the file, what it
+    named before (null: no latest) and now."""
     from opskit.ckpt.prune import set_latest as point_latest
 
     previous = point_latest(checkpoint_dir, step)
-    console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> global_step{step}")
+    emit({"latest": str(checkpoint_dir / "latest"), "previous": previous, "now": f"global_step{step}"}, json_output,
+         lambda done: console.print(f"{checkpoint_dir}/latest: {previous or 'none'} -> {done['now']}"))
 
 
 @app.command("backup")
@@ -340,19 +363,20 @@ def backup(
         task = bar.add_task("backing up", total=None)
         results = back_up(directory, to, chosen, weights_only, workers,
                           progress=lambda key, nbytes: bar.update(task, advance=nbytes, description=key))
-    if json_output:
-        print_json([r.as_json() for r in results])
-    else:
-        for r in results:
-            state = "verified" if r.verified else "FAILED verification"
-            console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, "
-                          f"{_human(r.bytes_total)}, {state}")
-            for problem in r.problems:
-                console.print(f"  {problem}")
-        if unrecorded := next((r.unrecorded for r in results if r.unrecorded), None):
-            console.print(f"note: {unrecorded}")
+    emit(results, json_output, _render_backup)
     if not all(r.verified for r in results):
         raise typer.Exit(1)
+
+
+def _render_backup(results) -> None:
+    for r in results:
+        state = "verified" if r.verified else "FAILED verification"
+        console.print(f"{r.tag}: {len(r.copied)} copied, {len(r.skipped)} already there, {_human(r.bytes_total)}, "
+                      f"{state}")
+        for problem in r.problems:
+            console.print(f"  {problem}")
+    if unrecorded := next((r.unrecorded for r in results if r.unrecorded), None):
+        console.print(f"note: {unrecorded}")
 
 
 @app.command("verify")
@@ -366,15 +390,16 @@ def verify(
     from opskit.ckpt.backup import verify as verify_backup
 
     report = verify_backup(url)
-    if json_output:
-        print_json(report.as_json())
-    else:
-        for tag, problems in report.steps.items():
-            console.print(f"{tag}: {'OK' if not problems else 'FAILED'}")
-            for problem in problems:
-                console.print(f"  {problem}")
+    emit(report, json_output, _render_verify)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _render_verify(report) -> None:
+    for tag, problems in report.steps.items():
+        console.print(f"{tag}: {'OK' if not problems else 'FAILED'}")
+        for problem in problems:
+            console.print(f"  {problem}")
 
 
 @app.command("restore")
@@ -390,10 +415,10 @@ def restore(
     from opskit.ckpt.backup import restore as restore_step
 
     directory, _ = checkpoint_dir_of(run_or_dir)
-    result = restore_step(url, directory, step)
-    if json_output:
-        print_json(result.as_json())
-        return
+    emit(restore_step(url, directory, step), json_output, lambda restored: _render_restore(restored, directory))
+
+
+def _render_restore(result, directory: Path) -> None:
     console.print(f"restored {result.step}: {result.files} files, {_human(result.bytes_total)}, verified, complete")
     if result.latest != result.step.name:
         iteration = result.step.name.removeprefix("global_step")
@@ -411,20 +436,21 @@ def publish(
     hf_dir: Path = typer.Option(None, "--hf-dir", help="Where the converted global_stepN folders are "
                                                        "(default: <run>/hf, as `opskit ckpt convert` writes)."),
     public: bool = typer.Option(False, "--public", help="Create the repository public (default: private)."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Upload converted steps to the Hub: one commit per step tagged global_stepN (load with
     `from_pretrained(repo, revision="global_stepN")`), already published steps skipped, model card with steps, tokens
-    and validation loss. Token from HF_TOKEN or `huggingface-cli login`."""
+    and validation loss. Token from HF_TOKEN or `huggingface-cli login`. JSON: a list of {tag, commit (null:
+    already published), files}."""
     from opskit.ckpt.publish import publish_checkpoint
 
     directory, run = checkpoint_dir_of(run_or_dir)
+    out = progress_console(json_output)
     results = publish_checkpoint(directory, run.hf_dir, run.main_log, to, None if all_steps else step, hf_dir, public,
-                                 progress=lambda tag: console.print(f"publishing {tag} ..."))
-    for result in results:
-        if result.commit is None:
-            console.print(f"{result.tag}: already published, skipped")
-        else:
-            console.print(f"{result.tag}: {result.files} file(s), commit {result.commit[:12]}, tagged")
+                                 progress=lambda tag: out.print(f"publishing {tag} ..."))
+    emit(results, json_output, lambda published: print_lines(
+        f"{r.tag}: already published, skipped" if r.commit is None else
+        f"{r.tag}: {r.files} file(s), commit {r.commit[:12]}, tagged" for r in published))
 
 
 @app.command("generate")
@@ -434,8 +460,11 @@ def generate(
     prompt: str = typer.Option("And God said", "--prompt"),
     max_new_tokens: int = typer.Option(40, "--max-new-tokens", min=1),
     seed: int = typer.Option(0, "--seed"),
+    json_output: JsonOutput = False,
 ) -> None:
-    """Sample a continuation of PROMPT with transformers."""
+    """Sample a continuation of PROMPT with transformers. JSON: model_dir, prompt, seed and the text."""
     from opskit.ckpt.generate import generate as sample
 
-    console.print(sample(model_dir, prompt, max_new_tokens, seed))
+    text = sample(model_dir, prompt, max_new_tokens, seed)
+    emit({"model_dir": str(model_dir), "prompt": prompt, "seed": seed, "text": text}, json_output,
+         lambda done: console.print(done["text"]))

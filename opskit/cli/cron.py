@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import JsonOutput, SpecName, console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, emit, friendly_errors, print_lines
 
 app = typer.Typer(help="Hourly `opskit status` (and sync) of a run: user crontab, or a self-resubmitting SLURM job.",
                   no_args_is_help=True)
@@ -18,21 +18,30 @@ def install(
     via: str = typer.Option(None, "--via", help="crontab or slurm (default: crontab where it exists)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the crontab line, or the job script and the sbatch "
                                                          "command; write and submit nothing."),
+    json_output: JsonOutput = False,
 ) -> None:
-    """Install the hourly jobs (run from the current directory, where trainings/ is)."""
+    """Install the hourly jobs (run from the current directory, where trainings/ is). JSON: dry_run, installed (the
+    record: method, commands, crontab_line or job_name, script and job_ids), script and command (--dry-run)."""
     from opskit.monitor import cron
-    from opskit.run.submit import format_command
     from opskit.spec.load import load_spec
 
     if dry_run:
-        plan = cron.plan_install(load_spec(name), sync_to=sync_to, method=via)
-        if plan.script is None:
-            console.print(f"# would add to the crontab: {plan.installed.crontab_line}")
-        else:
-            console.print(plan.script, end="")
-            console.print(f"# would write {plan.installed.script} and run: {format_command(plan.command)}")
-        return
-    installed = cron.install(load_spec(name), sync_to=sync_to, method=via)
+        emit(cron.plan_install(load_spec(name), sync_to=sync_to, method=via), json_output, _render_plan)
+    else:
+        emit(cron.install(load_spec(name), sync_to=sync_to, method=via), json_output, _render_installed)
+
+
+def _render_plan(plan) -> None:
+    from opskit.run.submit import format_command
+
+    if plan.script is None:
+        console.print(f"# would add to the crontab: {plan.installed.crontab_line}")
+    else:
+        console.print(plan.script, end="")
+        console.print(f"# would write {plan.installed.script} and run: {format_command(plan.command)}")
+
+
+def _render_installed(installed) -> None:
     if installed.method == "crontab":
         console.print(f"added to the crontab: {installed.crontab_line}")
     else:
@@ -51,11 +60,7 @@ def status(
     from opskit.spec.load import load_spec
 
     result = cron.status(load_spec(name))
-    if json_output:
-        print_json(result.as_json())
-    else:
-        for line in result.lines:
-            console.print(line)
+    emit(result, json_output, lambda status: print_lines(status.lines))
     if not result.ok:
         raise typer.Exit(1)
 
@@ -65,10 +70,12 @@ def status(
 def uninstall(
     name: SpecName,
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be removed; remove nothing."),
+    json_output: JsonOutput = False,
 ) -> None:
-    """Remove exactly what install added."""
+    """Remove exactly what install added. JSON: ``{"dry_run", "removed": [what, ...]}``."""
     from opskit.monitor import cron
     from opskit.spec.load import load_spec
 
-    for item in cron.uninstall(load_spec(name), dry_run=dry_run):
-        console.print(f"{'would remove' if dry_run else 'removed'} {item}")
+    removed = cron.uninstall(load_spec(name), dry_run=dry_run)
+    emit({"dry_run": dry_run, "removed": removed}, json_output,
+         lambda done: print_lines(f"{'would remove' if dry_run else 'removed'} {item}" for item in removed))

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from opskit.cli._common import JsonOutput, SpecName, console, err_console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, emit, err_console, friendly_errors
 
 
 @friendly_errors
@@ -22,7 +22,7 @@ def goodput(
     """Split the run's wall clock (first submit to now) into training that counts, redone training, saving, loading,
     start-up, evaluation, hangs, queue wait and idle: the whole run and each chain task. Exit 0; 1 when the run has
     no task yet or a file is unreadable."""
-    from opskit.run.goodput import CATEGORIES, account, write_plot
+    from opskit.run.goodput import account, write_plot
     from opskit.run.paths import RunPaths
     from opskit.spec.load import load_spec
 
@@ -30,9 +30,12 @@ def goodput(
     result = account(RunPaths.of(spec), spec.watchdog)
     if out is not None:
         write_plot(result, out, force)
-    if json_output:
-        print_json(result.as_json())
-        return
+    emit(result, json_output, lambda accounted: _render(accounted, out))
+
+
+def _render(result, out: Path | None) -> None:
+    from opskit.run.goodput import CATEGORIES
+
     console.print(_totals_table(result, CATEGORIES))
     console.print("per task (queue: the wait before it)")
     for line in _task_lines(result, CATEGORIES):

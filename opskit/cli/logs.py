@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from opskit.cli._common import JsonOutput, console, err_console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, console, emit, err_console, friendly_errors, print_json_line
 
 app = typer.Typer(help="Training logs (Megatron-style iteration and validation lines).", no_args_is_help=True)
 
@@ -33,6 +33,8 @@ def _note(line: str | None) -> None:
 def parse(
     files: list[Path] = typer.Argument(..., help="Log files."),
     output_format: str = typer.Option("jsonl", "--format", help="jsonl or csv."),
+    json_output: bool = typer.Option(False, "--json", help="JSON Lines, one record a line: what --format jsonl (the "
+                                                           "default) writes."),
 ) -> None:
     """One record per iteration and validation line, with its restart segment (0, 1, ... each time the iteration
     goes back; per srun `--label` rank, given as `rank`, when several ranks print iteration lines); unknown
@@ -44,6 +46,8 @@ def parse(
 
     if output_format not in ("jsonl", "csv"):
         raise LogFormatError(f"--format {output_format}: expected jsonl or csv")
+    if json_output and output_format != "jsonl":
+        raise LogFormatError(f"--json writes JSON Lines: leave out --format {output_format}")
     chunks, failed = [], False
     for path in files:
         try:
@@ -68,13 +72,14 @@ def show(
     json_output: bool = typer.Option(False, "--json", help="Records, progress and ETA as JSON."),
 ) -> None:
     """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
-    from opskit.logs.eta import progress_lines
     from opskit.run.sources import log_tail
 
-    view = log_tail(name_or_file, last, recent)
-    if json_output:
-        print_json(view.as_json())
-        return
+    emit(log_tail(name_or_file, last, recent), json_output, lambda view: _render_show(view, recent))
+
+
+def _render_show(view, recent: int) -> None:
+    from opskit.logs.eta import progress_lines
+
     path, records, first, state = view.file, view.records, view.first, view.progress
     if not records:
         console.print(f"{path}: no iteration lines yet")
@@ -106,8 +111,11 @@ def tail(
                                                       "(file:///path, gs://bucket/prefix, hf://[datasets/]org/repo) "
                                                       "instead of the local log, by range reads."),
     interval: float = typer.Option(2.0, "--interval", min=0.05, help="Seconds between polls."),
+    json_output: bool = typer.Option(False, "--json", help='JSON Lines: one object per log line, {"line": TEXT}, '
+                                                           "flushed as it comes."),
 ) -> None:
-    """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync)."""
+    """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync). With --json,
+    JSON Lines (one object per line), not one JSON document."""
     from opskit.logs.follow import follow, follow_published, published_key
     from opskit.run.sources import resolve
     from opskit.targets import open_target
@@ -120,8 +128,11 @@ def tail(
         followed = follow(local, lines, interval, sleep=time.sleep)
     try:
         for line in followed:
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+            if json_output:
+                print_json_line({"line": line})
+            else:
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 
@@ -140,6 +151,8 @@ def plot(
                                                  "format); without it, a terminal plot (stdout a terminal)."),
     force: bool = typer.Option(False, "--force", help="Replace an image an earlier `opskit logs plot` wrote (never "
                                                       "a file opskit did not write)."),
+    json_output: bool = typer.Option(False, "--json", help="With --out: the image's path, the axes and each run's "
+                                                           "series (name, points, x range, last y, spikes) as JSON."),
 ) -> None:
     """Plot a metric of one or more runs: an image with --out, else a terminal plot. One line per run, spikes marked
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
@@ -149,15 +162,19 @@ def plot(
 
     key, bounds = y_key(y), parse_range(x_range)
     check_x(x)
+    if out is None and json_output:
+        raise LogFormatError("--json needs --out plot.png: a terminal plot is not JSON")
     if out is None and not sys.stdout.isatty():
         raise LogFormatError("stdout is not a terminal: give --out plot.png for a PNG")
     if out is not None:
         claim_image(out, force)  # before reading any log
     series = run_series(resolved(inputs), x, y, bounds, smooth, on_skipped=_report_skipped)
-    if out is not None:
-        console.print(f"wrote {draw_image(series, out, x, key, log_y, force=force)}")
-    else:
+    if out is None:
         sys.stdout.write(draw_text(series, x, key, log_y) + "\n")
+        return
+    image = draw_image(series, out, x, key, log_y, force=force)
+    emit({"image": str(image), "x": x, "y": key, "log_y": log_y, "series": series}, json_output,
+         lambda done: console.print(f"wrote {image}"))
 
 
 @app.command("spikes")
@@ -182,16 +199,17 @@ def spikes(
     found, iterations = spikes_of(line, config), line["iteration"]
     fixes = remedies(found, save_interval or source.save_interval,
                      None if save_interval else source.checkpoints)
-    if json_output:
-        print_json({"file": str(source.path), "spikes": [s.as_json() for s in found],
-                    "remedies": [f.as_json() for f in fixes]})
-        return
+    emit({"file": str(source.path), "spikes": found, "remedies": fixes}, json_output,
+         lambda _: _render_spikes(source.path, found, fixes, iterations))
+
+
+def _render_spikes(path: Path, found: list, fixes: list, iterations) -> None:
     if not found:
         # a line per --log-interval iterations: the lines are what was judged, not every iteration
-        console.print(f"{source.path}: no spikes in {len(iterations):,} iteration line(s) "
+        console.print(f"{path}: no spikes in {len(iterations):,} iteration line(s) "
                       f"(iterations {iterations[0]}-{iterations[-1]})")
         return
-    table = Table(title=str(source.path))
+    table = Table(title=str(path))
     for header in ("metric", "first", "last", "peak at", "peak", "baseline", "back to normal at"):
         table.add_column(header, justify="right")
     for s in found:

@@ -6,7 +6,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from opskit.cli._common import console, err_console, friendly_errors, print_json
+from opskit.cli._common import console, emit, err_console, friendly_errors
 
 ROWS_SHOWN = 6
 """Ramp-up rows shown at each end of the table (``--json`` has them all)."""
@@ -32,9 +32,12 @@ def plan(
     spec = load_spec(name, overrides={"parallel": {"nodes": nodes}} if nodes else None)
     result = make_plan(spec, tflops=tflops, gpus=gpus)
     advice = save_interval_advice(RunPaths.of(spec), spec.checkpoint.save_interval) if from_run else None
-    if json_output:
-        print_json({**result.as_json(), **({"save_interval": advice.as_json()} if advice else {})})
-        return
+    emit({**result.as_json(), **({"save_interval": advice} if advice else {})}, json_output,
+         lambda _: _render(spec, result, advice))
+
+
+def _render(spec, result, advice) -> None:
+    """The tables, then the warnings on stderr."""
     for table in _tables(spec, result) + ([_advice_table(advice)] if advice else []):
         console.print(table)
     for warning in result.warnings + (advice.notes if advice else []):

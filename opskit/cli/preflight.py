@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import JsonOutput, SpecName, console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, emit, friendly_errors
 
 
 @friendly_errors
@@ -23,19 +23,20 @@ def preflight(
     from opskit.spec.load import load_spec
 
     result = run_preflight(load_spec(name), nodes, margin, exclude)
-    if json_output:
-        print_json(result.as_json())
-    else:
-        for node in result.nodes:
-            figures = (f"GEMM {node.gemm_tflops:.3g} TFLOP/s" if node.gemm_tflops is not None else "no result") + (
-                f", {node.free_gb:.0f} GB free" if node.free_gb is not None else "") + (
-                f", all-reduce {node.allreduce_s:.2f} s" if node.allreduce_s is not None else "")
-            verdict = "EXCLUDE: " + "; ".join(node.problems) if node.problems else "ok"
-            console.print(f"{node.node}: {verdict} ({figures})")
-        for note in result.notes:
-            console.print(f"note: {note}")
-        if exclude and result.excluded:
-            console.print(f"put {', '.join(n.node for n in result.excluded)} on the bad-node list: the next "
-                          "`opskit submit` excludes them")
+    emit(result, json_output, lambda checked: _render(checked, exclude))
     if result.excluded:
         raise typer.Exit(1)
+
+
+def _render(result, exclude: bool) -> None:
+    for node in result.nodes:
+        figures = (f"GEMM {node.gemm_tflops:.3g} TFLOP/s" if node.gemm_tflops is not None else "no result") + (
+            f", {node.free_gb:.0f} GB free" if node.free_gb is not None else "") + (
+            f", all-reduce {node.allreduce_s:.2f} s" if node.allreduce_s is not None else "")
+        verdict = "EXCLUDE: " + "; ".join(node.problems) if node.problems else "ok"
+        console.print(f"{node.node}: {verdict} ({figures})")
+    for note in result.notes:
+        console.print(f"note: {note}")
+    if exclude and result.excluded:
+        console.print(f"put {', '.join(n.node for n in result.excluded)} on the bad-node list: the next "
+                      "`opskit submit` excludes them")

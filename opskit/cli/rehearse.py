@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from opskit.cli._common import JsonOutput, SpecName, console, friendly_errors, print_json
+from opskit.cli._common import JsonOutput, SpecName, console, emit, friendly_errors
 
 _STYLE = {"ok": "green", "failed": "red", "skipped": "yellow"}
 
@@ -40,10 +40,7 @@ def rehearse(
 
     result = run_rehearsal(spec, nodes=nodes, iterations=iterations, root=out, force=force,
                            ranks_per_node=ranks, on_stage=progress)
-    if json_output:
-        print_json(result.as_json())
-    else:
-        _render(result)
+    emit(result, json_output, _render)
     if not result.ok:
         raise typer.Exit(1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import SpecName, console, friendly_errors
+from opskit.cli._common import JsonOutput, SpecName, console, emit, friendly_errors, progress_console
 
 
 @friendly_errors
@@ -21,50 +21,52 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the script and the sbatch command; write and submit "
                                                          "nothing."),
     wait: bool = typer.Option(False, "--wait", help="Stay until the whole chain has ended, printing PULSE lines."),
+    json_output: JsonOutput = False,
 ) -> None:
     """Render slurm_templates/ into the run directory and submit a chained job array (--array=1-N%1) after the
-    run's running or pending jobs."""
+    run's running or pending jobs. JSON (--json): what was submitted (or, --dry-run, would be): run, script, command,
+    job_id, local task exit codes, notes, warnings; progress and --wait's PULSE lines go to stderr then."""
     from opskit.monitor.pulse import wait_until_gone
-    from opskit.run.submit import format_command
     from opskit.run.submit import submit as submit_run
     from opskit.slurm.pending import HopelessWatch
     from opskit.spec.load import load_spec
 
     spec = load_spec(name, {"parallel": {"nodes": nodes}} if nodes else None)
+    out = progress_console(json_output)
 
     def on_local_task(task_id: int, job_id: str) -> None:
-        console.print(f"local executor: {spec.job_name} task {task_id} ({job_id}_{task_id}) starting")
+        out.print(f"local executor: {spec.job_name} task {task_id} ({job_id}_{task_id}) starting")
 
     def on_written(run) -> None:  # before the local executor's tasks run (it returns when they are done)
-        console.print(f"run directory {run.root}")
-        console.print(f"main log      {run.main_log}")
+        out.print(f"run directory {run.root}")
+        out.print(f"main log      {run.main_log}")
 
     sub = submit_run(spec, array=array, executor=executor, dry_run=dry_run, on_local_task=on_local_task,
                      after=after, begin=begin, keep=keep, yes=yes, on_written=on_written)
-    if dry_run and sub.script:
+    emit(sub, json_output, _render)
+    if any(task.exit_code for task in sub.local_tasks):
+        raise typer.Exit(1)
+    if wait and sub.job_id:
+        wait_until_gone(spec.job_name, sub.job_id, lambda pulse: [out.print(line) for line in pulse.lines],
+                        watch=HopelessWatch(spec.cli_name))
+        out.print(f"job {sub.job_id} has left the queue")
+
+
+def _render(sub) -> None:
+    """The dry run's script and command, or what was submitted; notes, and warnings as ``# warning:`` lines."""
+    from opskit.run.submit import format_command
+
+    if sub.dry_run and sub.script:
         console.print(sub.script, end="")
     for note in sub.notes:
-        console.print(f"{'# ' if dry_run else ''}note: {note}")
-    if sub.skipped:
-        console.print(sub.skipped)
-        for warning in sub.warnings:
+        console.print(f"{'# ' if sub.dry_run else ''}note: {note}")
+    if sub.skipped or sub.dry_run:
+        console.print(sub.skipped or f"# would run: {format_command(sub.command)}")
+        for warning in sub.warnings:  # a dry run's: what a real submission refuses, all at once
             console.print(f"# warning: {warning}")
-        return
-    if dry_run:
-        console.print(f"# would run: {format_command(sub.command)}")
-        for warning in sub.warnings:  # what a real submission refuses, all at once
-            console.print(f"# warning: {warning}")
-        return
-    if executor == "local":
+    elif sub.executor == "local":
         for task in sub.local_tasks:
             console.print(f"task {task.task_id}: exit code {task.exit_code}{' (time limit)' if task.timed_out else ''}"
                           f", output {task.output}")
-        if any(t.exit_code for t in sub.local_tasks):
-            raise typer.Exit(1)
-        return
-    console.print(f"submitted {format_command(sub.command)} -> job {sub.job_id}")
-    if wait:
-        wait_until_gone(spec.job_name, sub.job_id,
-                        lambda pulse: [console.print(line) for line in pulse.lines],
-                        watch=HopelessWatch(spec.cli_name))
-        console.print(f"job {sub.job_id} has left the queue")
+    else:
+        console.print(f"submitted {format_command(sub.command)} -> job {sub.job_id}")

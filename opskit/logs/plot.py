@@ -53,6 +53,14 @@ class Series:
     y: Sequence[float]
     markers: list[tuple[float, float]] = field(default_factory=list)
 
+    def as_json(self) -> dict:
+        """What ``logs plot --json`` says of the line (not its points): name, number of points, first and last x,
+        last y (null without points), and the spike markers as [x, y] pairs."""
+        n = len(self.x)
+        return {"name": self.name, "points": n, "x_first": python_value(self.x[0]) if n else None,
+                "x_last": python_value(self.x[-1]) if n else None, "y_last": python_value(self.y[-1]) if n else None,
+                "spikes": [[python_value(x), python_value(y)] for x, y in self.markers]}
+
 
 def y_key(name: str) -> str:
     """``lr`` -> ``learning_rate``; record keys pass through."""

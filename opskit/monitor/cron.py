@@ -52,6 +52,10 @@ class Installed:
     script: str | None = None
     job_ids: list[str] = field(default_factory=list)
 
+    def as_json(self) -> dict:
+        """``opskit cron install --json``: ``{"dry_run": false, "installed": <this record>}``."""
+        return {"dry_run": False, "installed": asdict(self)}
+
 
 @dataclass(frozen=True)
 class CronPlan:
@@ -63,6 +67,11 @@ class CronPlan:
     """slurm: the rendered job script."""
     command: list[str] = field(default_factory=list)
     """slurm: the sbatch command."""
+
+    def as_json(self) -> dict:
+        """``opskit cron install --dry-run --json``: the record install would write (no job ids), the script and
+        the sbatch command (slurm; None and [] for crontab)."""
+        return {"dry_run": True, "installed": asdict(self.installed), "script": self.script, "command": self.command}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +50,17 @@ class Submission:
     warnings: list[str] = field(default_factory=list)
     """Dry run only: every problem a real submission would refuse (one line each; the script shows an unset
     ``$VAR`` as written)."""
+    dry_run: bool = False
+
+    def as_json(self) -> dict:
+        """``opskit submit --json``: run directory, job script path and text, the sbatch (or bash) command, job id
+        (None for a dry run, the local executor or a ``--keep`` skip), the job it waits for, each local task's exit
+        code, notes, warnings and why nothing was submitted."""
+        return {"dry_run": self.dry_run, "executor": self.executor, "run": str(self.run.root),
+                "script_path": str(self.run.script), "script": self.script, "command": self.command,
+                "job_id": self.job_id, "after": self.after, "skipped": self.skipped,
+                "local_tasks": [asdict(task) for task in self.local_tasks], "notes": self.notes,
+                "warnings": self.warnings}
 
 
 def data_problems(spec: Spec) -> list[str]:
@@ -256,7 +267,8 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
         notes.append(f"{'would remove' if dry_run else 'removed'} {flag} ({what}) as --yes asks")
     tasks = array or spec.slurm.array
     if executor == "local":
-        submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes, warnings=problems)
+        submission = Submission(run, executor, ["bash", str(run.script)], job.script, notes=notes, warnings=problems,
+                                dry_run=dry_run)
         if not dry_run:
             write_run(spec, run, job)
             if on_written:
@@ -269,7 +281,7 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
     # A run directory still named by an unset $VAR has no jobs here (a real submission has refused it above).
     queue = None if spec.unsettled("paths.output") else _queue(spec, run, dry_run, notes)
     if keep is not None and queue is not None and queue.tasks >= keep:
-        return Submission(run, executor, [], notes=notes, warnings=problems,
+        return Submission(run, executor, [], notes=notes, warnings=problems, dry_run=dry_run,
                           skipped=f"{queue.tasks} task(s) of {spec.job_name} running or pending (--keep {keep}): "
                                   "nothing submitted")
     last = queue.last_job if queue is not None else None
@@ -282,7 +294,8 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
                      "repaired)")
     dependency = "afterany:" + ":".join(waits) if waits else None
     command = client.sbatch_command(run.script, array=tasks, dependency=dependency, begin=begin)
-    submission = Submission(run, executor, command, job.script, after=last, notes=notes, warnings=problems)
+    submission = Submission(run, executor, command, job.script, after=last, notes=notes, warnings=problems,
+                            dry_run=dry_run)
     if not dry_run:
         write_run(spec, run, job)
         if on_written:
