@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.monitor.pulse import wait_until_gone
 from opskit.run.paths import RunPaths
+from opskit.run.submit import Submission
 from opskit.slurm.client import QueueEntry
 from opskit.slurm.pending import HopelessWatch, PendingForever, hopeless_reason
 
@@ -92,8 +93,8 @@ def test_wait_until_gone_stops_promptly_on_a_hopeless_reason(monkeypatch):
 def test_submit_wait_exits_1_with_one_line_on_a_hopeless_reason(tmp_path, monkeypatch):
     fake_data = SimpleNamespace(data_prefix=tmp_path / "data" / "kjv_text_document")
     spec = write_spec(tmp_path / "pf.yaml", fake_data, tmp_path / "run", slurm={"job_name": "opskit-pf"})
-    submitted = SimpleNamespace(script="", notes=[], skipped=None, warnings=[], run=RunPaths(tmp_path / "run"),
-                                command=["sbatch", "--parsable", "train.slurm"], job_id="77", local_tasks=[])
+    submitted = Submission(run=RunPaths(tmp_path / "run"), executor="slurm",
+                           command=["sbatch", "--parsable", "train.slurm"], job_id="77")
     monkeypatch.setattr("opskit.run.submit.submit", lambda *a, **k: submitted)
     monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(PartitionConfig)")])
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 0.0)

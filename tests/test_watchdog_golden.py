@@ -3,7 +3,7 @@ healthy log, a hang with stacks, spikes, NaN, crash lines, a failed save, incomp
 switch, ledger failures, bad nodes, disk thresholds, an events-only run, stragglers, an unreachable scheduler, ...),
 runs ``run_checks`` once or twice against a fake squeue and a fake ``statvfs``, and compares every finding (key,
 severity, message, data), the PULSE lines, the report's flags, the saved watchdog state and what the watchdog did
-(scancel calls, the bad-node list) to ``tests/golden/watchdog/<scenario>.json``.
+(scancel calls, the bad-node list) to ``tests/golden_watchdog/<scenario>.json``.
 
 The golden files were written by the watchdog before it became a pipeline (snapshot -> checks -> actions -> next
 state): its findings must not change. ``OPSKIT_UPDATE_GOLDEN=1`` rewrites them; the diff is reviewed in the commit."""
@@ -28,7 +28,7 @@ from opskit.slurm import client
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
 from opskit.spec.load import load_spec
 
-GOLDEN = Path(__file__).parent / "golden" / "watchdog"
+GOLDEN = Path(__file__).parent / "golden_watchdog"
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 NOW = datetime(2026, 11, 21, 12, 0, 0)
 JOB = "opskit-wd-golden"
