@@ -162,10 +162,11 @@ def run_trainer(args: list[str], nproc: int = 1, timeout: float = 600, entry: tu
 
 
 # One process runs many trainer command lines in turn (each one's stdout and stderr caught at the file descriptors, as
-# a subprocess's would be): the cases whose whole point is the trainer's one-line refusal pay its imports once.
+# a subprocess's would be): the cases whose whole point is the trainer's one-line refusal pay its imports once. The
+# cases call opskit.train.main.main as it is when they run, so a prelude may wrap it.
 _CASES = """\
 import json, os, sys, tempfile, traceback
-from opskit.train.main import main
+import opskit.train.main
 
 cases, results = json.loads(open(sys.argv[1]).read()), {}
 for name, argv in cases.items():
@@ -176,7 +177,7 @@ for name, argv in cases.items():
         saved = os.dup(1), os.dup(2)
         os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
         try:
-            code = main(argv)
+            code = opskit.train.main.main(argv)
         except SystemExit as e:
             code = e.code
         except BaseException:
@@ -191,16 +192,18 @@ open(sys.argv[2], "w").write(json.dumps(results))
 """
 
 
-def run_trainer_cases(cases: dict[str, list[str]], folder: Path, timeout: float = 600
+def run_trainer_cases(cases: dict[str, list[str]], folder: Path, timeout: float = 600, prelude: str = ""
                       ) -> dict[str, subprocess.CompletedProcess]:
     """Each of ``cases`` (name -> trainer flags) through the trainer's ``main`` in ONE process, one after the other,
     as ``python -m opskit.train FLAGS`` would run it alone (one rank, no launcher): name -> a CompletedProcess with
     its exit code (argparse's SystemExit code included) and what it printed. For refusals at start; a case that
-    trains runs too. ``folder`` holds the case list and the results."""
+    trains runs too. ``prelude``: Python code run once before the cases (a test's patch of DeepSpeed, or a wrapper
+    of ``opskit.train.main.main``, which the cases then call; what a wrapper prints counts as its case's).
+    ``folder`` holds the case list and the results."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "cases.json").write_text(json.dumps({k: [str(a) for a in v] for k, v in cases.items()}))
-    done = run_trainer([str(folder / "cases.json"), str(folder / "results.json")], entry=("-c", _CASES),
-                       timeout=timeout)
+    done = run_trainer([str(folder / "cases.json"), str(folder / "results.json")],
+                       entry=("-c", prelude + "\n" + _CASES), timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((folder / "results.json").read_text())
     return {name: subprocess.CompletedProcess(cases[name], r["returncode"], r["stdout"], r["stderr"])
@@ -270,6 +273,49 @@ def bloom_run(trained) -> Path:
     run = trained(**BLOOM_RUN)
     assert (run.save / "latest").read_text() == "global_step20"
     return run.out
+
+
+BASELINE_RUN = dict(train_samples=640)
+"""TP=1 PP=1 DP=1, dropout 0, 80 iterations, checkpoints every 20: test_train.py's baseline, what the other layouts
+are held to."""
+
+TP2_RUN = dict(BASELINE_RUN, tensor_model_parallel_size=2, exit_interval=20, save_interval=10)
+"""TP=2 (2 processes), dropout 0, 20 iterations, checkpoints at 10 and 20: test_train.py's TP=2 run."""
+
+TP2_PP2_BF16_RUN = dict(TP2_RUN, exit_interval=10, sequence_parallel=True, pipeline_model_parallel_size=2,
+                        checkpoint_activations=True, bf16=True, zero_stage=0)
+"""TP=2 x PP=2 (4 processes) in tr11's setting (bf16, ZeRO-0, full recompute) with sequence parallelism, 10
+iterations, a checkpoint at 10: test_train.py's sequence-parallel pipeline run."""
+
+
+def plant_redundant_optimizer_copy(step: Path) -> list[dict]:
+    """Make ``step`` (a bf16 ZeRO-0 step, DP=1) what DeepSpeed 0.18.5-0.19.8 wrote before
+    ``ds_compat.save_bf16_zero0_optimizer_once``: each ``mp_rank_XX_model_states.pt`` holds its shard's
+    ``optimizer_state_dict`` as ``optimizer`` (DeepSpeed objects in the pickle), no ``param_shapes``. Changes the
+    files in place; returns the planted state dicts, one per model-parallel rank."""
+    import torch
+
+    planted = []
+    for path in sorted(step.glob("mp_rank_*_model_states.pt")):
+        mp = path.name.split("_")[2]
+        shard = torch.load(step / f"bf16_zero_pp_rank_0_mp_rank_{mp}_optim_states.pt", weights_only=False)
+        state = torch.load(path, weights_only=False)
+        state.update(optimizer=shard["optimizer_state_dict"], param_shapes=None, shared_params=None)
+        torch.save(state, path)
+        planted.append(shard["optimizer_state_dict"])
+    return planted
+
+
+@pytest.fixture(scope="session")
+def tp2_run(trained) -> Path:
+    """:data:`TP2_RUN`'s run folder (test_ckpt.py checks its checkpoints; read only)."""
+    return trained(2, **TP2_RUN).out
+
+
+@pytest.fixture(scope="session")
+def tp2_pp2_bf16_run(trained) -> Path:
+    """:data:`TP2_PP2_BF16_RUN`'s run folder (test_ckpt.py checks its checkpoints; read only)."""
+    return trained(4, **TP2_PP2_BF16_RUN).out
 
 
 @pytest.fixture(scope="session")

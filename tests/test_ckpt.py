@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_trainer, tiny_trainer_args
+from conftest import plant_redundant_optimizer_copy
 from megatron_ckpt import build_checkpoint
 
 from opskit.ckpt.check import check_step
@@ -260,23 +260,22 @@ def test_check_passes_a_consistent_trainer_checkpoint_and_agreeing_rng(bloom_run
     assert {r["key"] for r in report["rng"]} >= {"torch_rng_state", "np_rng_state", "random_rng_state"}
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
-def test_check_passes_model_parallel_trainer_checkpoints(kjv_data, tmp_path, tp, pp):
+@pytest.mark.parametrize("tp,pp,run", [(2, 1, "tp2_run"), (1, 2, "gpt_pp2_run"), (2, 2, "tp2_pp2_bf16_run")],
+                         ids=["tp2", "pp2", "tp2xpp2"])
+def test_check_passes_model_parallel_trainer_checkpoints(request, tp, pp, run):
     """The trainer seeds Python's and NumPy's generators as Megatron does (seed + 100 * pipeline rank), so the TP
-    ranks of a stage save equal RNG states and ``ckpt check`` passes the trainer's own checkpoints (it flagged them)."""
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=16, save_interval=2, log_interval=1,
-                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, tensorboard_dir=None)
-    done = run_trainer(args, nproc=tp * pp)
-    assert done.returncode == 0, done.stderr[-3000:]
-    checked = cli("check", str(tmp_path / "checkpoints"), "--json")
+    ranks of a stage save equal RNG states and ``ckpt check`` passes the trainer's own checkpoints (it flagged them):
+    the latest step of the session's shared TP=2, PP=2 and TP=2 x PP=2 runs."""
+    checkpoints = request.getfixturevalue(run) / "checkpoints"
+    checked = cli("check", str(checkpoints), "--json")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     report = json.loads(checked.stdout)
     assert report["ok"], report
     assert {(r["pp"], r["key"]) for r in report["rng"]} >= {
         (stage, key) for stage in range(pp) for key in ("random_rng_state", "np_rng_state", "torch_rng_state")}
+    step = checkpoints / (checkpoints / "latest").read_text()
     for rank in range(tp * pp):  # Megatron's rule: seed + 100 * pipeline rank (nothing draws from these two)
-        saved = torch.load(tmp_path / "checkpoints" / "global_step2" / f"mp_rank_{rank:02d}_model_states.pt",
-                           weights_only=False)
+        saved = torch.load(step / f"mp_rank_{rank:02d}_model_states.pt", weights_only=False)
         seed = 1234 + 100 * (rank // tp)
         assert saved["random_rng_state"] == random.Random(seed).getstate(), rank
         name, keys, *position = saved["np_rng_state"]
@@ -371,13 +370,15 @@ def test_tensor_rows_copied_file_to_file_are_exact(tmp_path, monkeypatch, mapped
     assert torch.equal(load_file(tmp_path / "b.safetensors")["b"], source["b"].float())
 
 
-def test_check_json_of_a_bf16_step_is_json_alone(kjv_data, tmp_path):
-    """A bf16 ZeRO-0 pipeline step's (tr11's) mp_rank files pickle DeepSpeed objects (BF16_Optimizer's fragments);
-    unpickling them imports DeepSpeed, whose logger prints its accelerator line to stdout at import: `--json` output
-    must stay parseable (that line went to stdout before)."""
-    done = run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=16, save_interval=2, bf16=True,
-                                         zero_stage=0, micro_batch_size=2, pipeline_model_parallel_size=2), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    checked = cli("check", str(tmp_path / "checkpoints"), "--json")
+def test_check_json_of_a_bf16_step_is_json_alone(tp2_pp2_bf16_run, tmp_path):
+    """A bf16 ZeRO-0 pipeline step (tr11's) as DeepSpeed 0.19.8 wrote it before opskit kept one optimizer copy: its
+    mp_rank files pickle DeepSpeed objects (BF16_Optimizer's fragments); unpickling them imports DeepSpeed, whose
+    logger prints its accelerator line to stdout at import: `--json` output must stay parseable (that line went to
+    stdout before)."""
+    step = tmp_path / "checkpoints" / "global_step10"
+    shutil.copytree(tp2_pp2_bf16_run / "checkpoints" / "global_step10", step)
+    (step.parent / "latest").write_text(step.name)
+    assert len(plant_redundant_optimizer_copy(step)) == 4
+    checked = cli("check", str(step.parent), "--json")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert json.loads(checked.stdout)["ok"] is True

@@ -8,8 +8,9 @@ the extra copy still resume exactly and convert, and ``ckpt check`` reports the 
 Each precision setting trains the tiny preset (scaled to 4 iterations) from a spec through the rendered command line,
 so that the plan and the trainer read the same model. fp16: DeepSpeed's CPU accelerator has no fp16 on these CPUs
 and the trainer refuses it in one line (test_train.py::test_fp16_without_accelerator_support_is_a_one_line_error);
-here a wrapper tells DeepSpeed's accelerator that it has fp16 (torch computes fp16 on any CPU, slowly), so that
-DeepSpeed's fp16 optimizers write their real files. One process: torchrun cannot run a ``-c`` wrapper.
+here a patch tells DeepSpeed's accelerator that it has fp16 (torch computes fp16 on any CPU, slowly), so that
+DeepSpeed's fp16 optimizers write their real files. The one-process settings train one after the other in one
+process (conftest's run_trainer_cases), patched first; torchrun cannot run it, so fp16 is tried in one process only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_trainer, write_spec
+from conftest import plant_redundant_optimizer_copy, run_trainer, run_trainer_cases, write_spec
 from test_train import printed, succeeded
 
 from opskit.ckpt.check import check_step
@@ -31,12 +32,11 @@ from opskit.run.render import render_job, trainer_args
 from opskit.spec.load import load_spec
 from opskit.spec.plan import make_plan
 
+# The fp32 settings train as without it: DeepSpeed asks only to refuse fp16 (its engine; the trainer too) and for the
+# dtypes its gradient all-reduce sorts gradients by (an fp16 bucket stays empty).
 FP16_ON_CPU = """
-import runpy, sys
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 CPU_Accelerator.is_fp16_supported = lambda self: True  # torch has fp16 on any CPU; DeepSpeed asks oneDNN
-sys.argv[0] = "opskit.train"
-runpy.run_module("opskit.train", run_name="__main__")
 """
 
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}  # tr1/tr8's: the resume must be exact with it on
@@ -53,13 +53,17 @@ def _spec(folder: Path, kjv_data, precision: str, zero_stage: int, pp: int = 1, 
     return load_spec(str(path))
 
 
-def _train(spec, nproc: int, entry: tuple[str, ...] | None = None):
-    """Run the trainer with the spec's rendered command line and DeepSpeed config; the finished process."""
+def _trainer_args(spec) -> list[str]:
+    """The spec's rendered trainer command line, its DeepSpeed config written where the line names it."""
     run = RunPaths.of(spec)
     run.ds_config.parent.mkdir(parents=True, exist_ok=True)
     run.ds_config.write_text(render_job(spec, run).ds_config)
-    extra = {"entry": entry} if entry else {}
-    return succeeded(run_trainer(trainer_args(spec, run), nproc=nproc, **extra))
+    return trainer_args(spec, run)
+
+
+def _train(spec, nproc: int):
+    """Run the trainer with the spec's rendered command line and DeepSpeed config; the finished process."""
+    return succeeded(run_trainer(_trainer_args(spec), nproc=nproc))
 
 
 def _model_states(step: Path) -> list[dict]:
@@ -91,16 +95,36 @@ def _same_losses(resumed, straight) -> None:
 
 # ------------------------------------------------------------------------------------------------ plan vs written
 
-@pytest.mark.parametrize(("precision", "zero_stage", "pp", "dp"), [
-    ("bf16", 1, 1, 2),  # BF16_Optimizer's shards, one per DP rank
-    ("fp32", 1, 1, 1),  # ZeRO's fp32 copy of its partition, beside the fp32 weights of the layer files
-    ("fp32", 0, 1, 1),  # Adam steps the weights themselves: no master copy
-    ("fp16", 1, 1, 1),  # ZeRO-1 (tr1-13B, tr8-104B)
-    ("fp16", 0, 1, 1),  # FP16_Optimizer: its fp32 copy and Adam's moments inside mp_rank_00
-], ids=["bf16-zero1-dp2", "fp32-zero1", "fp32-zero0", "fp16-zero1", "fp16-zero0"])
-def test_the_plan_states_the_bytes_of_a_saved_step(kjv_data, tmp_path, precision, zero_stage, pp, dp):
-    spec = _spec(tmp_path, kjv_data, precision, zero_stage, pp=pp, dp=dp)
-    _train(spec, nproc=pp * dp, entry=("-c", FP16_ON_CPU) if precision == "fp16" else None)
+SETTINGS = {  # name -> (precision, ZeRO stage, DP)
+    "bf16-zero1-dp2": ("bf16", 1, 2),  # BF16_Optimizer's shards, one per DP rank
+    "fp32-zero1": ("fp32", 1, 1),  # ZeRO's fp32 copy of its partition, beside the fp32 weights of the layer files
+    "fp32-zero0": ("fp32", 0, 1),  # Adam steps the weights themselves: no master copy
+    "fp16-zero1": ("fp16", 1, 1),  # ZeRO-1 (tr1-13B, tr8-104B)
+    "fp16-zero0": ("fp16", 0, 1),  # FP16_Optimizer: its fp32 copy and Adam's moments inside mp_rank_00
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_settings(kjv_data, tmp_path_factory) -> dict:
+    """The :data:`SETTINGS` of one process (DP=1) trained one after the other in one process under
+    :data:`FP16_ON_CPU`: name -> (its spec, the finished run)."""
+    root = tmp_path_factory.mktemp("one-process")
+    specs = {name: _spec(root / name, kjv_data, precision, zero_stage)
+             for name, (precision, zero_stage, dp) in SETTINGS.items() if dp == 1}
+    done = run_trainer_cases({name: _trainer_args(spec) for name, spec in specs.items()}, root / "cases",
+                             prelude=FP16_ON_CPU)
+    return {name: (spec, done[name]) for name, spec in specs.items()}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_the_plan_states_the_bytes_of_a_saved_step(kjv_data, tmp_path, request, setting):
+    precision, zero_stage, dp = SETTINGS[setting]
+    if dp == 1:
+        spec, done = request.getfixturevalue("one_process_settings")[setting]
+        succeeded(done)
+    else:
+        spec = _spec(tmp_path, kjv_data, precision, zero_stage, dp=dp)
+        _train(spec, nproc=dp)
     _plan_matches(spec)
 
 
@@ -151,14 +175,8 @@ def test_a_step_saved_with_the_redundant_copy_resumes_exactly_converts_and_is_re
     new = RunPaths.of(spec).checkpoints / "global_step2"
     old = tmp_path / "old" / "global_step2"
     shutil.copytree(new, old)
-    copied = 0
-    for mp in (0, 1):
-        shard = torch.load(old / f"bf16_zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt", weights_only=False)
-        path = old / f"mp_rank_{mp:02d}_model_states.pt"
-        state = torch.load(path, weights_only=False)
-        state.update(optimizer=shard["optimizer_state_dict"], param_shapes=None, shared_params=None)
-        torch.save(state, path)
-        copied += sum(t.untyped_storage().nbytes() for t in _tensors(shard["optimizer_state_dict"]))
+    copied = sum(t.untyped_storage().nbytes() for planted in plant_redundant_optimizer_copy(old)
+                 for t in _tensors(planted))
     assert describe_step(old).complete
 
     report = check_step(old)

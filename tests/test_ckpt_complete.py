@@ -1,6 +1,7 @@
 """One definition of a complete checkpoint step (opskit.ckpt.format.info.describe_step), used by ckpt list / check /
 set-latest / prune / backup / convert, the watchdog and the trainer's resume; a broken ``latest`` never crash-loops
-the chain. Real trainer checkpoints (conftest's ``bloom_run``), copied before any damage."""
+the chain. Real trainer checkpoints (conftest's ``bloom_run``), copied before any damage; the trainer's resumes of the
+damaged copies run in one process (:func:`resumed`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-from conftest import run_trainer, tiny_trainer_args
+from conftest import run_trainer, run_trainer_cases, tiny_trainer_args
 
 from opskit.ckpt.backup import backup
 from opskit.ckpt.check import check_step
@@ -51,19 +53,79 @@ def losses(stdout: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in ITERATION.finditer(stdout)}
 
 
-def resume(data, run: Path) -> subprocess.CompletedProcess:
-    """The trainer with ``bloom_run``'s flags (every iteration logged) on the run folder ``run``."""
-    return run_trainer(tiny_trainer_args(data, run, train_samples=160, save_interval=10, log_interval=1))
+def resume_args(data, run: Path) -> list[str]:
+    """The trainer's flags for ``bloom_run``'s run (every iteration logged) on the run folder ``run``."""
+    return tiny_trainer_args(data, run, train_samples=160, save_interval=10, log_interval=1)
+
+
+def mtimes(checkpoints: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in checkpoints.rglob("*")}
 
 
 @pytest.fixture(scope="module")
 def control(kjv_data, bloom_run, tmp_path_factory) -> dict[int, str]:
-    """The losses of an uninterrupted resume from ``bloom_run``'s global_step10 (iterations 11..20)."""
+    """The losses of an uninterrupted resume from ``bloom_run``'s global_step10 (iterations 11..20), in a process of
+    its own: the resumes compared with it run in another (:func:`resumed`)."""
     run = copy_run(bloom_run, tmp_path_factory.mktemp("control"))
     set_latest(run / "checkpoints", 10)
-    done = resume(kjv_data, run)
+    done = run_trainer(resume_args(kjv_data, run))
     assert done.returncode == 0 and "WARNING: checkpoint" not in done.stdout, done.stderr[-3000:]
     return losses(done.stdout)
+
+
+def damage_the_newest_step(run: Path) -> dict:
+    truncate(run / "checkpoints" / "global_step20" / SHARD)
+    return {}
+
+
+def damage_every_step(run: Path) -> dict:
+    """Both steps' first block truncated; ``before``: every checkpoint file's mtime then."""
+    for step in (10, 20):
+        truncate(run / "checkpoints" / f"global_step{step}" / "layer_03-model_00-model_states.pt")
+    return {"before": mtimes(run / "checkpoints")}
+
+
+def write_a_binary_latest(run: Path) -> dict:
+    (run / "checkpoints" / "latest").write_bytes(BAD_LATEST["binary"])
+    return {}
+
+
+def prune_and_restore(run: Path) -> dict:
+    """The runbook's round trip through the CLI: a --with-optim backup beside ``run``, prune deletes global_step10,
+    restore brings it back, set-latest. Each command's finished process (by its name), ``pruned``: whether step 10
+    was gone after prune, ``latest``: what latest named at the end."""
+    checkpoints, url = run / "checkpoints", f"file://{run.parent / 'backup'}"
+    done = {"backup": cli("ckpt", "backup", str(checkpoints), "--to", url, "--with-optim"),
+            "prune": cli("ckpt", "prune", str(checkpoints), "--keep", "last:1")}
+    done["pruned"] = not (checkpoints / "global_step10").exists()
+    done["restore"] = cli("ckpt", "restore", url, str(checkpoints), "--step", "10")
+    done["set-latest"] = cli("ckpt", "set-latest", str(checkpoints), "10")
+    done["latest"] = (checkpoints / "latest").read_text()
+    return done
+
+
+# name -> how a copy of bloom_run is prepared for the trainer's resume; returns what the test reads of it
+PREPARED = {
+    "newest-step-damaged": damage_the_newest_step, "restored": prune_and_restore,
+    "binary-latest": write_a_binary_latest, "no-complete-step": damage_every_step}
+
+
+class Resumed(NamedTuple):
+    run: Path  # the prepared copy of bloom_run, as the resume left it
+    prepared: dict  # what its preparation returned
+    done: subprocess.CompletedProcess  # the resume
+
+
+@pytest.fixture(scope="module")
+def resumed(kjv_data, bloom_run, tmp_path_factory) -> dict[str, Resumed]:
+    """The trainer's resume of each of :data:`PREPARED`'s copies of ``bloom_run``, one after the other in one process
+    (independent: each resumes its own copy, and the losses are compared with :func:`control`'s, from another
+    process): name -> :class:`Resumed`."""
+    root = tmp_path_factory.mktemp("resumed")
+    runs = {name: copy_run(bloom_run, root / name) for name in PREPARED}
+    prepared = {name: prepare(runs[name]) for name, prepare in PREPARED.items()}
+    done = run_trainer_cases({name: resume_args(kjv_data, run) for name, run in runs.items()}, root / "cases")
+    return {name: Resumed(runs[name], prepared[name], done[name]) for name in PREPARED}
 
 
 # --------------------------------------------------------------------------- the truncated optimizer shard
@@ -146,10 +208,8 @@ def test_deleted_optimizer_shard_and_dp_size_from_the_saved_state(bloom_run, tmp
 # --------------------------------------------------------------------------- the trainer's resume
 
 
-def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(kjv_data, bloom_run, control, tmp_path):
-    damaged = copy_run(bloom_run, tmp_path / "damaged")
-    truncate(damaged / "checkpoints" / "global_step20" / SHARD)
-    done = resume(kjv_data, damaged)
+def test_trainer_resumes_from_the_newest_complete_step_with_the_same_losses(resumed, control):
+    damaged, _, done = resumed["newest-step-damaged"]
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {"damaged": done.stdout}
     step20 = damaged / "checkpoints" / "global_step20"
@@ -184,12 +244,8 @@ def test_pp2_ranks_take_the_same_fallback(kjv_data, gpt_pp2_run, tmp_path):
     assert list(losses(done.stdout)) == [2] and describe_step(victim.parent).complete
 
 
-def test_no_complete_step_fails_in_one_line_and_changes_nothing(kjv_data, bloom_run, tmp_path):
-    run = copy_run(bloom_run, tmp_path)
-    for step in (10, 20):
-        truncate(run / "checkpoints" / f"global_step{step}" / "layer_03-model_00-model_states.pt")
-    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
-    done = resume(kjv_data, run)
+def test_no_complete_step_fails_in_one_line_and_changes_nothing(resumed):
+    run, prepared, done = resumed["no-complete-step"]
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and losses(done.stdout) == {}
     error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -197,7 +253,7 @@ def test_no_complete_step_fails_in_one_line_and_changes_nothing(kjv_data, bloom_
                      f"({run / 'checkpoints' / 'global_step20' / 'layer_03-model_00-model_states.pt'}: cannot be "
                      "loaded (not a torch.save zip file (File is not a zip file))), and no older step is complete: "
                      "restore a step from a backup (opskit ckpt verify), or move latest away to start from scratch"]
-    assert {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
+    assert mtimes(run / "checkpoints") == prepared["before"]
 
 
 # --------------------------------------------------------------------------- a broken latest
@@ -245,12 +301,10 @@ def test_broken_latest_is_one_line_in_every_command(bloom_run, tmp_path, kind):
         assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
 
 
-def test_trainer_with_a_binary_latest_resumes_from_the_newest_complete_step(kjv_data, bloom_run, tmp_path):
-    run = copy_run(bloom_run, tmp_path)
+def test_trainer_with_a_binary_latest_resumes_from_the_newest_complete_step(resumed):
+    run, _, done = resumed["binary-latest"]
     latest = run / "checkpoints" / "latest"
-    latest.write_bytes(BAD_LATEST["binary"])
     # Nothing left to train after step 20: no save, so latest shows the trainer never rewrites it itself.
-    done = resume(kjv_data, run)
     assert done.returncode == 0, done.stderr[-3000:]
     [warning] = [line for line in done.stdout.splitlines() if line.startswith("WARNING: checkpoint")]
     assert warning.startswith(f"WARNING: checkpoint {latest} is unusable ({latest}: ")
@@ -364,23 +418,18 @@ def test_a_step_lacking_its_optimizer_shard_is_refused_unless_its_weights_only_b
     assert not (tmp_path / "hf").exists()
 
 
-def test_backup_prune_restore_and_resume_gives_the_same_losses(kjv_data, bloom_run, control, tmp_path):
+def test_backup_prune_restore_and_resume_gives_the_same_losses(resumed, control):
     """The runbook's round trip, through the CLI: a --with-optim backup, prune deletes global_step10, restore brings
     it back, set-latest, and the resume from it logs exactly the losses of a resume from the step never deleted."""
-    run = copy_run(bloom_run, tmp_path / "run")
-    checkpoints, url = run / "checkpoints", f"file://{tmp_path / 'backup'}"
-    step10 = checkpoints / "global_step10"
-    backed_up = cli("ckpt", "backup", str(checkpoints), "--to", url, "--with-optim")
+    run, steps, done = resumed["restored"]
+    step10 = run / "checkpoints" / "global_step10"
+    backed_up, pruned, restored, moved = steps["backup"], steps["prune"], steps["restore"], steps["set-latest"]
     assert backed_up.returncode == 0 and backed_up.stdout.count(", verified\n") == 2, backed_up.stdout
-    pruned = cli("ckpt", "prune", str(checkpoints), "--keep", "last:1")
     assert (pruned.returncode, pruned.stderr) == (0, "") and "deleted global_step10\n" in pruned.stdout
-    assert not step10.exists()
-    restored = cli("ckpt", "restore", url, str(checkpoints), "--step", "10")
+    assert steps["pruned"]
     assert restored.returncode == 0 and restored.stdout.startswith(f"restored {step10}: "), restored.stderr
-    moved = cli("ckpt", "set-latest", str(checkpoints), "10")
-    assert moved.returncode == 0 and (checkpoints / "latest").read_text() == "global_step10", moved.stderr
+    assert moved.returncode == 0 and steps["latest"] == "global_step10", moved.stderr
 
-    done = resume(kjv_data, run)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "WARNING: checkpoint" not in done.stdout
     assert list(losses(done.stdout)) == list(range(11, 21))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_trainer, tiny_trainer_args
+from conftest import BASELINE_RUN, TP2_RUN
 
 from opskit.ckpt.convert import ConvertError, convert_step
 from opskit.ckpt.format.layout import CheckpointFormatError
@@ -236,17 +236,16 @@ def test_output_folder_is_replaced_atomically(run, tmp_path, tokens):
 # --------------------------------------------------------------------------- tensor-parallel checkpoints
 
 
-def test_tp2_checkpoint_merges_to_the_same_model(kjv_data, run, tokens, tmp_path):
-    """A TP=2 run of the same flags: its two shards per layer merge (column splits on dim 0, row splits on dim 1,
-    vocabulary rows on dim 0) into a model whose transformers logits equal the merged trainer layers', and equal the
-    TP=1 run's (the same weights trained the same way)."""
-    out = tmp_path / "tp2"
-    done = run_trainer(tiny_trainer_args(kjv_data, out, train_samples=160, save_interval=10, log_interval=10,
-                                         tensor_model_parallel_size=2), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (out / "checkpoints" / "global_step20" / "layer_03-model_01-model_states.pt").is_file()
-    result = convert_step(out / "checkpoints", tmp_path / "hf")
+def test_tp2_checkpoint_merges_to_the_same_model(trained, tokens, tmp_path):
+    """The session's TP=2 run (conftest's ``TP2_RUN``): its two shards per layer merge (column splits on dim 0, row
+    splits on dim 1, vocabulary rows on dim 0) into a model whose transformers logits equal the merged trainer
+    layers', and equal the TP=1 run's of the same flags at the same step (``BASELINE_RUN``: the same weights trained
+    the same way)."""
+    checkpoints = trained(2, **TP2_RUN).save
+    assert (checkpoints / "global_step20" / "layer_03-model_01-model_states.pt").is_file()
+    result = convert_step(checkpoints, tmp_path / "hf")
     assert result.averaged == []  # the trainer keeps replicated tensors identical across TP ranks
-    merged = reference_logits(out / "checkpoints", tokens)
+    merged = reference_logits(checkpoints, tokens)
     assert (hf_logits(result.out_dir, tokens) - merged).abs().max().item() <= 1e-5
-    assert (merged - reference_logits(run / "checkpoints", tokens)).abs().max().item() <= 1e-4
+    tp1 = trained(**BASELINE_RUN).save
+    assert (merged - reference_logits(tp1, tokens, step=20)).abs().max().item() <= 1e-4

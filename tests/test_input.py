@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_trainer_cases
 
 from opskit.spec.files import SpecError
 from opskit.spec.load import load_spec
@@ -245,11 +245,22 @@ def test_status_on_a_bad_spec_exits_2_in_one_line(tmp_path):
 
 # --------------------------------------------------------------------------- the trainer's command line
 
-@pytest.mark.parametrize("argv", [["--bogus"], ["--num-layers", "two"], []])
-def test_a_bad_trainer_flag_is_one_line_with_a_hint(tmp_path, argv):
-    for command in ([OPSKIT, "train"], [sys.executable, "-m", "opskit.train"]):
-        done = subprocess.run([*command, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+BAD_TRAINER_FLAGS = {"unknown": ["--bogus"], "not a number": ["--num-layers", "two"], "none": []}
+
+
+@pytest.fixture(scope="module")
+def bad_flags_in_the_trainer(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """:data:`BAD_TRAINER_FLAGS` through ``python -m opskit.train``'s ``main``, in one process (conftest's
+    ``run_trainer_cases``)."""
+    return run_trainer_cases(BAD_TRAINER_FLAGS, tmp_path_factory.mktemp("bad-flags"))
+
+
+@pytest.mark.parametrize("name", BAD_TRAINER_FLAGS)
+def test_a_bad_trainer_flag_is_one_line_with_a_hint(tmp_path, name, bad_flags_in_the_trainer):
+    argv = BAD_TRAINER_FLAGS[name]
+    cli = subprocess.run([OPSKIT, "train", *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    for done in (cli, bad_flags_in_the_trainer[name]):
         assert done.returncode == 2 and done.stdout == "", done.stdout
         assert done.stderr.count("\n") == 1 and "usage:" not in done.stderr, done.stderr
         assert done.stderr.startswith("python -m opskit.train: error: ") and \

@@ -236,8 +236,17 @@ def test_a_hung_rank_is_found_and_with_cancel_hung_cancelled_so_the_chain_moves_
         report = json.loads(opskit(cluster, "status", str(spec_file), "--json").stdout)
         return next((f for f in report["findings"] if f["key"] == "log.hang"), None)
 
-    # Without the opt-in, opskit offers the scancel that moves the chain on, and does nothing.
-    hang = wait_for(hang_finding, 240, "no log.hang finding", interval=2)
+    def main_log() -> str:
+        return run.main_log.read_text() if run.main_log.is_file() else ""
+
+    def evidence() -> str:
+        return f"; main log ends:\n{main_log()[-4000:]}\nqueue: {queue(cluster, sub.job_id)}"
+
+    # Without the opt-in, opskit offers the scancel that moves the chain on, and does nothing. The clock of the hang
+    # starts at the hung iteration: how long the two nodes take to get there depends on the machine's load.
+    wait_for(lambda: any(i >= 29 for i, *_ in iterations_logged(dict(tasks_of(main_log())).get(first, ""))), 240,
+             "task 1 never reached iteration 29", interval=2, evidence=evidence)
+    hang = wait_for(hang_finding, 120, "no log.hang finding", interval=2, evidence=evidence)
     hung_at = time.monotonic()
     assert hang["severity"] == "alert" and hang["data"]["last_iteration"] in (29, 30), hang
     # Both ranks printed their stacks after 7.5 s (--stack-dump-after-mins: half the floor); node1's waits in a

@@ -2,9 +2,10 @@
 converted once beside the step, with the losses of a run that never changed layout.
 
 Every run is the real trainer (under torchrun for more than one process), 20 iterations of GBS 8. To keep the file's
-CPU time low the runs are chained in module-scoped fixtures: an original run saves ``global_step10``; a run on another
-layout resumes from a copy of it, saves ``global_step15`` and ``global_step20``, and its own lines 16..20 are the
-uninterrupted reference for the runs that resume its ``global_step15`` on a third layout:
+CPU time low the runs are chained in module-scoped fixtures: an original run (all of them trained one after the
+other in one process, ``originals``) saves ``global_step10``; a run on another layout resumes from a copy of it, saves
+``global_step15`` and ``global_step20``, and its own lines 16..20 are the uninterrupted reference for the runs that
+resume its ``global_step15`` on a third layout:
 
 - BLOOM (ALiBi, embedding LayerNorm), vocabulary padded to 2176 by ``--pad-vocab-size-to``: DP=1 -> DP=2 -> DP=1 and
   DP=4; PP=1 -> PP=2 -> PP=1;
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_trainer, tiny_trainer_args
+from conftest import REPO, run_trainer, run_trainer_cases, tiny_trainer_args
 from test_convert import hf_logits, tokens  # noqa: F401  (tokens: test_convert's fixture, used here)
 from test_train import one_line_error, records, succeeded
 
@@ -76,16 +77,25 @@ convert_to_universal(sys.argv[1])
 
 # ---------------------------------------------------------------------------------------------------------- helpers
 
+def run_args(data, out: Path, load: Path | None = None, **flags) -> list[str]:
+    """The tiny model's flags for a run to iteration 20, saving every 5 iterations to ``out/checkpoints``, from
+    ``load``'s latest step if given."""
+    save = out / "checkpoints"
+    return tiny_trainer_args(data, out, train_samples=ITERATIONS * GBS, save_interval=5, micro_batch_size=2,
+                             save=save, load=load or save, **flags)
+
+
+def finished(done: subprocess.CompletedProcess, out: Path) -> argparse.Namespace:
+    """A succeeded run in ``out``: its stdout, iteration records and checkpoint dir."""
+    done = succeeded(done)
+    return argparse.Namespace(stdout=done.stdout, records=records(done.stdout), save=out / "checkpoints")
+
+
 def train(data, out: Path, nproc: int = 1, load: Path | None = None, save_after_loading: bool = False,
           **flags) -> argparse.Namespace:
-    """A run of the tiny model to iteration 20 under ``nproc`` processes, saving every 5 iterations to
-    ``out/checkpoints``, from ``load``'s latest step if given: its stdout, iteration records and checkpoint dir."""
-    save = out / "checkpoints"
-    args = tiny_trainer_args(data, out, train_samples=ITERATIONS * GBS, save_interval=5, micro_batch_size=2,
-                             save=save, load=load or save, **flags)
+    """A run of :func:`run_args` under ``nproc`` processes (:func:`finished`)."""
     entry = ("-c", SAVE_AFTER_LOADING) if save_after_loading else ("-m", "opskit.train")
-    done = succeeded(run_trainer(args, nproc=nproc, entry=entry))
-    return argparse.Namespace(stdout=done.stdout, records=records(done.stdout), save=save)
+    return finished(run_trainer(run_args(data, out, load, **flags), nproc=nproc, entry=entry), out)
 
 
 def copy_of(step: Path, checkpoints: Path) -> Path:
@@ -144,10 +154,25 @@ def optimizer_tensors(step: Path, mp_rank: int = 0) -> dict[str, dict[str, torch
 
 # ---------------------------------------------------------------------------------------------------------- runs
 
+# The runs every layout change starts from (TP=1 PP=1 DP=1), by name: their flags.
+ORIGINALS = {"bloom": BLOOM, "gpt2": GPT2, "bf16-zero1": dict(bf16=True, zero_stage=1, **BLOOM),
+             "bf16-zero0": dict(bf16=True, zero_stage=0, **BLOOM), "fp32-zero0": dict(zero_stage=0, **BLOOM)}
+
+
 @pytest.fixture(scope="module")
-def bloom(kjv_data, tmp_path_factory):
+def originals(kjv_data, tmp_path_factory) -> dict[str, argparse.Namespace]:
+    """:data:`ORIGINALS` trained one after the other in one process (conftest's ``run_trainer_cases``): name ->
+    :func:`finished`. Each is resumed on another layout in a process of its own."""
+    folder = tmp_path_factory.mktemp("originals")
+    done = run_trainer_cases({name: run_args(kjv_data, folder / name, **flags) for name, flags in ORIGINALS.items()},
+                             folder / "cases")
+    return {name: finished(done[name], folder / name) for name in ORIGINALS}
+
+
+@pytest.fixture(scope="module")
+def bloom(originals):
     """The original BLOOM run: TP=1 PP=1 DP=1."""
-    return train(kjv_data, tmp_path_factory.mktemp("bloom"), **BLOOM)
+    return originals["bloom"]
 
 
 @pytest.fixture(scope="module")
@@ -184,11 +209,11 @@ def pp_changes(kjv_data, bloom, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_changes(kjv_data, tmp_path_factory):
+def tp_changes(kjv_data, originals, tmp_path_factory):
     """The original GPT-2 run (TP=1) and its global_step10 resumed at TP=2, and that run's global_step15 at TP=1
     (saving the loaded step)."""
     out = tmp_path_factory.mktemp("tp-changes")
-    tp1 = train(kjv_data, out / "tp1", **GPT2)
+    tp1 = originals["gpt2"]
     tp2 = train(kjv_data, out / "tp2", nproc=2, load=copy_of(tp1.save / "global_step10", out / "from10"),
                 tensor_model_parallel_size=2, **GPT2)
     back = train(kjv_data, out / "back", load=copy_of(tp2.save / "global_step15", out / "from15"),
@@ -402,13 +427,13 @@ def test_a_reshaped_step_converts_to_hugging_face_with_the_original_logits(tp_ch
 # ---------------------------------------------------------------------------------------------------------- bf16
 
 @pytest.mark.parametrize("zero_stage", [1, 0])
-def test_bf16_resumes_on_another_dp(kjv_data, tmp_path, zero_stage):
+def test_bf16_resumes_on_another_dp(kjv_data, originals, tmp_path, zero_stage):
     """bf16 with ZeRO-1, and with ZeRO-0 as tr11 (BF16_Optimizer partitions over DP at stage 0 too; the trainer loads
     it itself on DeepSpeed 0.18.5-0.19.8, opskit.train.ds_compat), from DP=1 to DP=2: the losses within BF16_REL."""
-    flags = dict(bf16=True, zero_stage=zero_stage, **BLOOM)
-    straight = train(kjv_data, tmp_path / "dp1", **flags)
+    name = f"bf16-zero{zero_stage}"
+    straight = originals[name]
     resumed = train(kjv_data, tmp_path / "dp2", nproc=2,
-                    load=copy_of(straight.save / "global_step10", tmp_path / "from"), **flags)
+                    load=copy_of(straight.save / "global_step10", tmp_path / "from"), **ORIGINALS[name])
     assert layout_line(resumed.stdout) == (" checkpoint layout TP=1 PP=1 DP=1 -> TP=1 PP=1 DP=2 "
                                            "(universal checkpoint global_step10_universal)")
     assert_same_losses(resumed.records, straight.records, 11, rel=BF16_REL)
@@ -418,10 +443,10 @@ def test_bf16_resumes_on_another_dp(kjv_data, tmp_path, zero_stage):
 
 # ---------------------------------------------------------------------------------------------------------- ZeRO-0
 
-def test_zero0_fp32_changes_dp_without_conversion_and_refuses_a_tp_change(kjv_data, tmp_path):
+def test_zero0_fp32_changes_dp_without_conversion_and_refuses_a_tp_change(kjv_data, originals, tmp_path):
     """ZeRO-0 keeps the fp32 optimizer whole in the mp_rank files: DP=1 -> DP=2 loads the step itself (no universal
     folder); TP=1 -> TP=2 would need the states re-cut, which DeepSpeed only does for ZeRO-1: one line, exit 2."""
-    straight = train(kjv_data, tmp_path / "dp1", zero_stage=0, **BLOOM)
+    straight = originals["fp32-zero0"]
     checkpoints = copy_of(straight.save / "global_step10", tmp_path / "from")
     resumed = train(kjv_data, tmp_path / "dp2", nproc=2, load=checkpoints, zero_stage=0, **BLOOM)
     assert layout_line(resumed.stdout) == " checkpoint layout TP=1 PP=1 DP=1 -> TP=1 PP=1 DP=2"

@@ -4,7 +4,8 @@ Every run is a real subprocess (or two under torchrun). Runs that several tests 
 (conftest's ``trained``: one training per flag set): the 80-iteration PP=1 baseline (dropout 0) serves the loss,
 log-format, layout, TP/PP/DP equivalence, bad-resume and TensorBoard tests; each same-layout resume trains with
 dropout on (tr1-13B's and tr8's 0.1) and is compared bitwise with an uninterrupted run of the same flags, resumed from a
-copy of its middle step. The trainer's one-line refusals run in one process (``refusals``).
+copy of its middle step. The trainer's one-line refusals and the single-rank runs that need no process of their own
+run in one process (``batch``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, copy_run, run_trainer, run_trainer_cases, tiny_trainer_args
+from conftest import (
+    BASELINE_RUN,
+    REPO,
+    TP2_PP2_BF16_RUN,
+    TP2_RUN,
+    TrainedRun,
+    copy_run,
+    run_trainer,
+    run_trainer_cases,
+    tiny_trainer_args,
+)
 
 from opskit.logs.grammar import parse_iteration_line
 
@@ -191,7 +202,7 @@ def resumed_from(data, trained_run, step: str, to: Path, nproc: int = 1, **flags
 def baseline(trained):
     """PP=1 DP=1, 80 iterations, checkpoints every 20, TensorBoard; dropout 0 (the TP/PP/DP layouts give its
     losses)."""
-    return run_of(trained(train_samples=TRAIN_SAMPLES))
+    return run_of(trained(**BASELINE_RUN))
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +220,82 @@ def pp2(trained, kjv_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp2")
     return {"straight": straight, "resumed": argparse.Namespace(
         save=out / "checkpoints", stdout=resumed_from(kjv_data, straight, "global_step10", out, nproc=2).stdout)}
+
+
+@pytest.fixture(scope="module")
+def batch(kjv_data, baseline, tmp_path_factory) -> argparse.Namespace:
+    """This module's single-rank command lines that need no trainer process of their own, run in one process
+    (conftest's ``run_trainer_cases``): every one the trainer refuses at start, then :func:`batch_runs`.
+    ``.done[name]`` the finished case, ``.folder`` where their files are, ``.flags[name]`` a run's
+    ``tiny_trainer_args`` overrides (its folder: ``.folder / name``)."""
+    folder = tmp_path_factory.mktemp("batch")
+    empty = folder / "empty_text_document"
+    Path(f"{empty}.bin").touch()  # a .bin left empty by a preprocessing that died
+    shutil.copy(f"{kjv_data.data_prefix}.idx", f"{empty}.idx")
+    (folder / "tokenizer").mkdir()
+
+    def args(name: str, **flags) -> list[str]:
+        return tiny_trainer_args(kjv_data, folder / name, **{"save": None, "load": None, **flags})
+
+    cases = {
+        "missing data path": args("missing", data_path=folder / "nowhere" / "kjv_text_document"),
+        "empty data file": args("empty", data_path=empty),
+        "seed 0": args("seed0", seed=0), "seed 2**32": args("seed2", seed=2**32),
+        "tokenizer without tokenizer.json": args("tokenizer", tokenizer_name_or_path=folder / "tokenizer"),
+        "fp16 and bf16": args("both", fp16=True, bf16=True),
+        "other hidden size": args("hidden", hidden_size=2 * HIDDEN, load=baseline.save),
+        "fp16 without accelerator support": args("fp16", fp16=True),
+        "pp partition method": args("partition", pp_partition_method="balanced"),
+        **{f"split {split}": args("split", split=split) for split in SPLITS},
+        **{f"skip {value}": args("skip", skip_train_iteration_range=value) for value in SKIP_RANGES},
+        **{f"profile {name}": args("profile", profile=True, **flags) for name, (flags, _) in PROFILES.items()},
+    }
+    runs = batch_runs(folder)
+    for name, flags in runs.items():
+        (folder / name).mkdir()
+        cases[name] = tiny_trainer_args(kjv_data, folder / name, **flags)
+    runs["kill-switch-at-start"]["kill_switch_path"].touch()  # there before that run starts
+    return argparse.Namespace(done=run_trainer_cases(cases, folder / "cases"), folder=folder, flags=runs)
+
+
+RESUME_STOP = 30  # test_resume_is_exact's: not a multiple of --save-interval 20, so the exit itself must save
+
+
+def batch_runs(folder: Path) -> dict[str, dict]:
+    """The runs of :func:`batch`, name -> ``tiny_trainer_args`` overrides, each in ``folder / name``: fresh runs whose
+    tests read what they printed or left there (a resume they check runs in a process of its own), and one resume of
+    the run just before it, which no assertion compares it with (the exit request at the last iteration)."""
+    exit_requested = dict(train_samples=8 * GBS, exit_interval=4, save_interval=4)
+    first_half = folder / "exit-at-4-of-8" / "checkpoints"
+    at_lr_0 = dict(train_samples=15 * GBS, lr=0.0, min_lr=0.0, save=None, load=None)
+    validated = dict(train_samples=20 * GBS, save_interval=10, eval_interval=10, eval_iters=EVAL_ITERS,
+                     log_validation_ppl_to_tensorboard=True, **DROPOUT)
+    return {
+        "exit-at-4-of-8": {**exit_requested, "load": None,
+                           "finished_flag_path": folder / "exit-at-4-of-8" / "finished"},
+        "resumed-to-8-of-8": {**exit_requested, "save": first_half, "load": first_half,
+                              "finished_flag_path": folder / "resumed-to-8-of-8" / "finished"},
+        "exit-duration": dict(train_samples=BIG, save_interval=BIG, exit_duration_in_mins=0.05),
+        "kill-switch-at-start": dict(kill_switch_path=folder / "kill-switch-at-start" / "kill-switch",
+                                     finished_flag_path=folder / "kill-switch-at-start" / "finished"),
+        "stopped-at-30": dict(train_samples=TRAIN_SAMPLES, exit_interval=RESUME_STOP,
+                              finished_flag_path=folder / "stopped-at-30" / "finished", **DROPOUT),
+        "validated": validated,
+        "validated-stopped-at-10": {**validated, "exit_interval": 10},
+        "unskipped-at-lr-0": at_lr_0,
+        "skipped-at-lr-0": {**at_lr_0, "skip_train_iteration_range": "6-10"},
+        "skipped-with-dropout": dict(train_samples=12 * GBS, skip_train_iteration_range="6-10", save_interval=8,
+                                     **DROPOUT),
+        "logging-only-flags": dict(train_samples=2 * GBS, save=None, load=None, **LOGGING_ONLY_FLAGS),
+        "profiled": dict(train_samples=6 * GBS, save_interval=BIG, profile=True, use_pytorch_profiler=True,
+                         profile_step_start=2, profile_step_end=4),
+    }
+
+
+def batch_run(batch, name: str) -> TrainedRun:
+    """``batch``'s run ``name`` as a session run (what :func:`resumed_from` resumes); it must have succeeded."""
+    done = succeeded(batch.done[name])
+    return TrainedRun(batch.folder / name, done.stdout, done.stderr, batch.flags[name])
 
 
 # ---------------------------------------------------------------------------------------------------------- 1. loss
@@ -235,20 +322,18 @@ def test_loss_falls_and_lines_have_megatron_format(baseline):
 
 # ---------------------------------------------------------------------------------------------------------- 2. resume
 
-def test_resume_is_exact(dropped, kjv_data, tmp_path):
+def test_resume_is_exact(dropped, batch, kjv_data, tmp_path):
     """Stopped by --exit-interval and resumed, with dropout: the uninterrupted run's losses, bitwise as printed."""
-    stop = 30  # not a multiple of --save-interval 20: the exit itself must save
-    flag = tmp_path / "finished"  # written only once training completes, not on an exit request
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, exit_interval=stop,
-                             finished_flag_path=flag, **DROPOUT)
-    first = succeeded(run_trainer(args))
-    assert not flag.exists()
-    save = tmp_path / "checkpoints"
+    stop = RESUME_STOP
+    first = batch_run(batch, "stopped-at-30")
+    assert not first.flags["finished_flag_path"].exists()  # written only once training completes, not on an exit
     assert max(records(first.stdout)) == stop
     assert f"[exiting program at iteration {stop}]" in first.stdout
-    assert latest(save) == f"global_step{stop}"
-    assert (save / f"global_step{stop}" / "mp_rank_00_model_states.pt").is_file()
+    assert latest(first.save) == f"global_step{stop}"
+    assert (first.save / f"global_step{stop}" / "mp_rank_00_model_states.pt").is_file()
 
+    save, flag = tmp_path / "checkpoints", tmp_path / "finished"
+    shutil.copytree(first.save, save)  # resumed in a process of its own: nothing of the first run left in memory
     args = tiny_trainer_args(kjv_data, tmp_path, train_samples=TRAIN_SAMPLES, finished_flag_path=flag, **DROPOUT)
     second = succeeded(run_trainer(args))
     assert f"loading checkpoint from {save} at global_step{stop}" in second.stdout
@@ -263,16 +348,15 @@ def test_resume_is_exact(dropped, kjv_data, tmp_path):
     assert latest(save) == f"global_step{TRAIN_SAMPLES // GBS}"
 
 
-def test_an_exit_request_at_the_last_iteration_still_finishes_the_run(kjv_data, tmp_path):
+def test_an_exit_request_at_the_last_iteration_still_finishes_the_run(batch):
     """--exit-interval 4 of 8 iterations (the tiny:gpu chain's hand-over): the exit at 8 is the end of training, so
-    the finished flag is written and the chain's later tasks stop; before, the exit request won and no flag came."""
-    flag = tmp_path / "finished"
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, exit_interval=4,
-                                                   save_interval=4, finished_flag_path=flag, load=None)))
-    assert max(records(done.stdout)) == 4 and not flag.exists()
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=8 * GBS, exit_interval=4,
-                                                   save_interval=4, finished_flag_path=flag)))
+    the finished flag is written and the chain's later tasks stop; before, the exit request won and no flag came.
+    (Each of the two runs has a flag path of its own: ``batch`` checks them after both ran.)"""
+    done = succeeded(batch.done["exit-at-4-of-8"])
+    assert max(records(done.stdout)) == 4 and not batch.flags["exit-at-4-of-8"]["finished_flag_path"].exists()
+    done = succeeded(batch.done["resumed-to-8-of-8"])
     assert max(records(done.stdout)) == 8 and "after training is done" in done.stdout
+    flag = batch.flags["resumed-to-8-of-8"]["finished_flag_path"]
     assert flag.read_text().split(" training finished at ")[1].startswith("iteration 8,")
 
 
@@ -332,16 +416,18 @@ def test_absolute_position_embeddings_layout(gpt_pp2_run):
 
 # ---------------------------------------------------------------------------------------------------------- 4-6. exits
 
-def test_exit_duration_saves_and_exits(kjv_data, tmp_path):
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=BIG, save_interval=BIG, exit_duration_in_mins=0.05)
-    done = succeeded(run_trainer(args, timeout=300))
+def test_exit_duration_saves_and_exits(batch):
+    """--exit-duration-in-mins 0.05 (in ``batch``, the minutes count from the trainer's main() call, not from the
+    process start: ``python -m opskit.train``'s clock starts before its imports)."""
+    done = succeeded(batch.done["exit-duration"])
     match = re.search(r"^\[exiting program after (\d+\.\d+) minutes\] datetime: ", done.stdout, re.M)
     assert match, done.stdout[-2000:]
     assert float(match[1]) > 0.05
     last = max(records(done.stdout))
     assert 0 < last < BIG // GBS
-    assert latest(tmp_path / "checkpoints") == f"global_step{last}"
-    assert _load(tmp_path / "checkpoints" / f"global_step{last}" / "mp_rank_00_model_states.pt")["iteration"] == last
+    save = batch.folder / "exit-duration" / "checkpoints"
+    assert latest(save) == f"global_step{last}"
+    assert _load(save / f"global_step{last}" / "mp_rank_00_model_states.pt")["iteration"] == last
 
 
 def test_sigusr1_saves_and_exits(kjv_data, tmp_path):
@@ -356,15 +442,13 @@ def test_sigusr1_saves_and_exits(kjv_data, tmp_path):
     assert last < 1000  # stopped by the signal, not by running out of samples
 
 
-def test_kill_switch_present_at_start_exits_at_once(kjv_data, tmp_path):
-    switch = tmp_path / "kill-switch"
-    switch.touch()
-    flag = tmp_path / "finished"
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, kill_switch_path=switch,
-                                                   finished_flag_path=flag)))
-    assert f"Detected kill switch at {switch}. Exiting" in done.stdout
+def test_kill_switch_present_at_start_exits_at_once(batch):
+    flags = batch.flags["kill-switch-at-start"]
+    done = succeeded(batch.done["kill-switch-at-start"])
+    assert f"Detected kill switch at {flags['kill_switch_path']}. Exiting" in done.stdout
     assert not iteration_lines(done.stdout)
-    assert not (tmp_path / "checkpoints" / "latest").exists() and not flag.exists()
+    assert not (batch.folder / "kill-switch-at-start" / "checkpoints" / "latest").exists()
+    assert not flags["finished_flag_path"].exists()
 
 
 # The trainer in-process (one rank, no launcher) with a corrupt sample in its fourth global batch: main() raises,
@@ -570,13 +654,10 @@ def test_host_arena_buffers_are_files_of_their_own(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------- 7b. TP=2
 
-TP2 = dict(train_samples=TRAIN_SAMPLES, tensor_model_parallel_size=2, exit_interval=20, save_interval=10)
-
-
 @pytest.fixture(scope="module")
 def tp2(trained):
     """TP=2 under torchrun, dropout 0, 20 iterations, steps 10 and 20."""
-    return trained(2, **TP2)
+    return trained(2, **TP2_RUN)
 
 
 def test_tp2_trains_like_tp1(tp2, baseline):
@@ -593,7 +674,7 @@ def test_tp2_trains_like_tp1(tp2, baseline):
 def test_tp2_resume_with_dropout_is_exact(trained, kjv_data, tmp_path):
     """TP=2 with dropout (attention's inside the TP region, each rank its heads): resumed from step 10, the printed
     sequence of the uninterrupted run."""
-    straight = trained(2, **TP2, **DROPOUT)
+    straight = trained(2, **TP2_RUN, **DROPOUT)
     resumed = resumed_from(kjv_data, straight, "global_step10", tmp_path, nproc=2)
     assert "successfully loaded checkpoint" in resumed.stdout
     got, want = printed(resumed.stdout), printed(straight.stdout)
@@ -610,9 +691,8 @@ def test_sequence_parallel_trains_like_tp1_and_resumes_exactly(trained, kjv_data
     gradients, each rank's tokens' share, are summed over TP once per step. TP=1's losses within 1e-5 relative (fp32;
     compiled 1e-4; bf16 2e-2), the replicated parameters bitwise equal on both TP ranks; with dropout, an exact
     resume."""
-    split, tr11 = {**TP2, "sequence_parallel": True}, {"checkpoint_activations": True, "bf16": True, "zero_stage": 0}
-    runs = {"tp2": trained(2, **split),
-            "pp2": trained(4, **{**split, "exit_interval": 10}, pipeline_model_parallel_size=2, **tr11),
+    split = {**TP2_RUN, "sequence_parallel": True}
+    runs = {"tp2": trained(2, **split), "pp2": trained(4, **TP2_PP2_BF16_RUN),
             "compiled": trained(2, **{**split, "exit_interval": 5}, torch_compile=True)}
     assert sorted(records(runs["tp2"].stdout)) == list(range(1, 21))
     assert sorted(records(runs["pp2"].stdout)) == list(range(1, 11))
@@ -680,63 +760,34 @@ PROFILES = {  # flags with --profile -> what the refusal says
 }
 
 
-@pytest.fixture(scope="module")
-def refusals(kjv_data, baseline, tmp_path_factory) -> argparse.Namespace:
-    """Every command line of this module that the trainer refuses at start, run in one process (conftest's
-    ``run_trainer_cases``): ``.done[name]`` the finished case, ``.folder`` where their files are."""
-    folder = tmp_path_factory.mktemp("refusals")
-    empty = folder / "empty_text_document"
-    Path(f"{empty}.bin").touch()  # a .bin left empty by a preprocessing that died
-    shutil.copy(f"{kjv_data.data_prefix}.idx", f"{empty}.idx")
-    (folder / "tokenizer").mkdir()
-
-    def args(name: str, **flags) -> list[str]:
-        return tiny_trainer_args(kjv_data, folder / name, **{"save": None, "load": None, **flags})
-
-    cases = {
-        "missing data path": args("missing", data_path=folder / "nowhere" / "kjv_text_document"),
-        "empty data file": args("empty", data_path=empty),
-        "seed 0": args("seed0", seed=0), "seed 2**32": args("seed2", seed=2**32),
-        "tokenizer without tokenizer.json": args("tokenizer", tokenizer_name_or_path=folder / "tokenizer"),
-        "fp16 and bf16": args("both", fp16=True, bf16=True),
-        "other hidden size": args("hidden", hidden_size=2 * HIDDEN, load=baseline.save),
-        "fp16 without accelerator support": args("fp16", fp16=True),
-        "pp partition method": args("partition", pp_partition_method="balanced"),
-        **{f"split {split}": args("split", split=split) for split in SPLITS},
-        **{f"skip {value}": args("skip", skip_train_iteration_range=value) for value in SKIP_RANGES},
-        **{f"profile {name}": args("profile", profile=True, **flags) for name, (flags, _) in PROFILES.items()},
-    }
-    return argparse.Namespace(done=run_trainer_cases(cases, folder / "cases"), folder=folder)
+def test_missing_data_path(batch):
+    missing = batch.folder / "nowhere" / "kjv_text_document"
+    one_line_error(batch.done["missing data path"], "--data-path", str(missing))
 
 
-def test_missing_data_path(refusals):
-    missing = refusals.folder / "nowhere" / "kjv_text_document"
-    one_line_error(refusals.done["missing data path"], "--data-path", str(missing))
-
-
-def test_empty_data_file_is_a_one_line_error(refusals):
+def test_empty_data_file_is_a_one_line_error(batch):
     """A .bin left empty by a preprocessing that died: one line naming it, no traceback of megatron-core's."""
-    one_line_error(refusals.done["empty data file"], "--data-path",
-                   f"{refusals.folder / 'empty_text_document'}.bin is empty")
+    one_line_error(batch.done["empty data file"], "--data-path",
+                   f"{batch.folder / 'empty_text_document'}.bin is empty")
 
 
 @pytest.mark.parametrize("seed", [0, 2**32], ids=["0", "2**32"])
-def test_seed_numpy_cannot_take_is_a_one_line_error(refusals, seed):
+def test_seed_numpy_cannot_take_is_a_one_line_error(batch, seed):
     """Megatron's rule (a positive seed) and NumPy's range (below 2**32), rather than NumPy's traceback."""
-    one_line_error(refusals.done["seed 0" if seed == 0 else "seed 2**32"], f"--seed {seed}")
+    one_line_error(batch.done["seed 0" if seed == 0 else "seed 2**32"], f"--seed {seed}")
 
 
-def test_tokenizer_folder_without_tokenizer_json(refusals):
-    one_line_error(refusals.done["tokenizer without tokenizer.json"], "tokenizer.json",
-                   str(refusals.folder / "tokenizer"))
+def test_tokenizer_folder_without_tokenizer_json(batch):
+    one_line_error(batch.done["tokenizer without tokenizer.json"], "tokenizer.json",
+                   str(batch.folder / "tokenizer"))
 
 
-def test_fp16_and_bf16(refusals):
-    one_line_error(refusals.done["fp16 and bf16"], "--fp16", "--bf16")
+def test_fp16_and_bf16(batch):
+    one_line_error(batch.done["fp16 and bf16"], "--fp16", "--bf16")
 
 
-def test_resume_with_other_hidden_size(refusals):
-    line = one_line_error(refusals.done["other hidden size"], "hidden_size", str(HIDDEN), str(2 * HIDDEN))
+def test_resume_with_other_hidden_size(batch):
+    line = one_line_error(batch.done["other hidden size"], "hidden_size", str(HIDDEN), str(2 * HIDDEN))
     assert f"global_step{TRAIN_SAMPLES // GBS}" in line
 
 
@@ -775,20 +826,23 @@ def validations(stdout: str) -> dict[str, re.Match]:
     return found
 
 
+def validated_run(out: Path, stdout: str) -> argparse.Namespace:
+    """A validating run as the validation tests read it: its folder, checkpoints, stdout and validation blocks."""
+    return argparse.Namespace(out=out, save=out / "checkpoints", stdout=stdout, validations=validations(stdout))
+
+
 @pytest.fixture(scope="module")
-def validated(kjv_data, tmp_path_factory):
-    """20 iterations validating every 10 (2 global batches each), checkpoints every 10, dropout on; and the same run
-    stopped at 10 and resumed."""
-    runs = {}
-    for name, exit_interval in (("straight", None), ("stopped", 10), ("resumed", None)):
-        out = tmp_path_factory.mktemp("valid") if name != "resumed" else runs["stopped"].out
-        args = tiny_trainer_args(kjv_data, out, train_samples=20 * GBS, save_interval=10, eval_interval=10,
-                                 eval_iters=EVAL_ITERS, exit_interval=exit_interval,
-                                 log_validation_ppl_to_tensorboard=True, **DROPOUT)
-        done = succeeded(run_trainer(args))
-        runs[name] = argparse.Namespace(out=out, save=out / "checkpoints", stdout=done.stdout,
-                                        validations=validations(done.stdout))
-    return runs
+def validated(batch, kjv_data, tmp_path_factory):
+    """``straight``: 20 iterations validating every 10 (2 global batches each), checkpoints every 10, dropout on;
+    ``stopped``: the same run stopped at 10 (both in ``batch``); ``resumed``: the straight run resumed from a copy of
+    its step 10, in a process of its own."""
+    straight = batch_run(batch, "validated")
+    stopped = succeeded(batch.done["validated-stopped-at-10"])
+    out = tmp_path_factory.mktemp("valid")
+    resumed = resumed_from(kjv_data, straight, "global_step10", out)
+    return {"straight": validated_run(straight.out, straight.stdout),
+            "stopped": validated_run(batch.folder / "validated-stopped-at-10", stopped.stdout),
+            "resumed": validated_run(out, resumed.stdout)}
 
 
 def test_split_document_ranges_megatron_rule():
@@ -899,8 +953,8 @@ def test_validation_tensorboard(validated):
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_bad_split_is_a_one_line_error(refusals, split):
-    one_line_error(refusals.done[f"split {split}"], "--split", split)
+def test_bad_split_is_a_one_line_error(batch, split):
+    one_line_error(batch.done[f"split {split}"], "--split", split)
 
 
 def test_no_validation_by_default(baseline):
@@ -918,22 +972,18 @@ def test_skip_ranges_parse_like_megatron():
 
 
 @pytest.mark.parametrize("value", SKIP_RANGES)
-def test_bad_skip_range_is_a_one_line_error(refusals, value):
-    one_line_error(refusals.done[f"skip {value}"], "--skip-train-iteration-range", value)
+def test_bad_skip_range_is_a_one_line_error(batch, value):
+    one_line_error(batch.done[f"skip {value}"], "--skip-train-iteration-range", value)
 
 
-def test_skip_range_skips_exactly_those_global_batches(kjv_data, tmp_path):
+def test_skip_range_skips_exactly_those_global_batches(batch):
     """With the learning rate at 0 the loss of an iteration depends on its data only: skipping iterations 6-10 makes
     iterations 6.. see the data of iterations 11.. of the run without the flag (whole global batches, GBS 8 = two
     micro-batches), while the printed iteration, LR and consumed samples go on as if nothing was skipped."""
-    runs = {}
-    for name, skip in (("plain", None), ("skip", "6-10")):
-        args = tiny_trainer_args(kjv_data, tmp_path / name, train_samples=15 * GBS, lr=0.0, min_lr=0.0,
-                                 skip_train_iteration_range=skip, save=None, load=None)
-        runs[name] = succeeded(run_trainer(args)).stdout
-    plain, skip = printed(runs["plain"]), printed(runs["skip"])
+    runs = {name: succeeded(batch.done[f"{name}-at-lr-0"]).stdout for name in ("unskipped", "skipped")}
+    plain, skip = printed(runs["unskipped"]), printed(runs["skipped"])
     assert sorted(skip) == list(range(1, 16))
-    assert runs["skip"].count("Skipped iterations 6 to 10 due to --skip-train-iteration-range flag.") == 1
+    assert runs["skipped"].count("Skipped iterations 6 to 10 due to --skip-train-iteration-range flag.") == 1
     for iteration in range(1, 6):
         assert skip[iteration]["loss"] == plain[iteration]["loss"], iteration
     for iteration in range(6, 11):
@@ -942,38 +992,34 @@ def test_skip_range_skips_exactly_those_global_batches(kjv_data, tmp_path):
         assert (f["samples"], f["lr"]) == (plain[iteration]["samples"], plain[iteration]["lr"]), iteration
 
 
-def test_skip_range_keeps_lr_and_resumes_without_skipping_again(kjv_data, tmp_path, dropped):
+def test_skip_range_keeps_lr_and_resumes_without_skipping_again(batch, kjv_data, tmp_path, dropped):
     """A real schedule, dropout on: iterations 1-5 are the run's without the range (its first iterations share the
-    warm-up), iteration 6 differs (other data); a run stopped at 8 (after the skip, inside the range's numbers) and
-    resumed neither skips again nor replays the skipped data."""
-    runs = {}
-    for name, exit_interval in (("straight", None), ("stopped", 8), ("resumed", None)):
-        out = tmp_path / ("straight" if name == "straight" else "chain")
-        args = tiny_trainer_args(kjv_data, out, train_samples=12 * GBS, skip_train_iteration_range="6-10",
-                                 exit_interval=exit_interval, **DROPOUT)
-        runs[name] = succeeded(run_trainer(args)).stdout
-    straight, want = printed(runs["straight"]), printed(dropped.stdout)
+    warm-up), iteration 6 differs (other data); resumed from a copy of its step 8 (after the skip, inside the range's
+    numbers), the run neither skips again nor replays the skipped data."""
+    run = batch_run(batch, "skipped-with-dropout")
+    resumed_stdout = resumed_from(kjv_data, run, "global_step8", tmp_path).stdout
+    straight, want = printed(run.stdout), printed(dropped.stdout)
     for iteration in range(1, 6):
         assert straight[iteration]["loss"] == want[iteration]["loss"], iteration
     assert straight[6]["loss"] != want[6]["loss"]
-    assert "Skipped iterations" not in runs["resumed"]
-    resumed = printed(runs["resumed"])
+    assert "Skipped iterations" not in resumed_stdout
+    resumed = printed(resumed_stdout)
     assert sorted(resumed) == list(range(9, 13))
     for iteration, f in resumed.items():
         assert (f["loss"], f["lr"], f["samples"]) == (straight[iteration]["loss"], straight[iteration]["lr"],
                                                       straight[iteration]["samples"]), iteration
-    saved = _load(tmp_path / "chain" / "checkpoints" / "global_step12" / "mp_rank_00_model_states.pt")["args"]
+    saved = _load(tmp_path / "checkpoints" / "global_step12" / "mp_rank_00_model_states.pt")["args"]
     assert saved.skipped_train_samples == 5 * GBS and saved.consumed_train_samples == 12 * GBS
 
 
 # ---------------------------------------------------------------------------------------------------------- 13. bf16
 
-def test_fp16_without_accelerator_support_is_a_one_line_error(refusals):
+def test_fp16_without_accelerator_support_is_a_one_line_error(batch):
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().is_fp16_supported():
         pytest.skip("this accelerator supports fp16")
-    one_line_error(refusals.done["fp16 without accelerator support"], "--fp16", "does not support fp16", "--bf16")
+    one_line_error(batch.done["fp16 without accelerator support"], "--fp16", "does not support fp16", "--bf16")
 
 
 def test_bf16_zero1_trains_and_resumes_exactly(trained, kjv_data, tmp_path):
@@ -1008,19 +1054,22 @@ def test_pp_partition_method_changes_the_stages(kjv_data, tmp_path, baseline):
         assert close(record["lm_loss"], baseline.records[iteration]["lm_loss"]), iteration
 
 
-def test_bad_pp_partition_method_is_a_one_line_error(refusals):
-    one_line_error(refusals.done["pp partition method"], "--pp-partition-method", "balanced")
+def test_bad_pp_partition_method_is_a_one_line_error(batch):
+    one_line_error(batch.done["pp partition method"], "--pp-partition-method", "balanced")
 
 
-def test_logging_only_flags_are_accepted_and_documented(kjv_data, tmp_path):
+LOGGING_ONLY_FLAGS = {"log_timers_to_tensorboard": True, "log_batch_size_to_tensorboard": True,
+                      "tensorboard_queue_size": 5, "num_workers": 2, "valid_num_workers": 0,
+                      "abort_on_unmet_fused_kernel_constraints": True, "deepspeed_activation_checkpointing": True,
+                      "distributed_backend": "gloo"}
+"""BigScience's flags that tune nothing here (``batch``'s run ``logging-only-flags``)."""
+
+
+def test_logging_only_flags_are_accepted_and_documented(batch):
     """BigScience's scripts pass them; they tune nothing here, and --help says so."""
     from opskit.train.args import build_parser
 
-    flags = {"log_timers_to_tensorboard": True, "log_batch_size_to_tensorboard": True, "tensorboard_queue_size": 5,
-             "num_workers": 2, "valid_num_workers": 0, "abort_on_unmet_fused_kernel_constraints": True,
-             "deepspeed_activation_checkpointing": True, "distributed_backend": "gloo"}
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=2 * GBS, save=None, load=None,
-                                                   **flags)))
+    done = succeeded(batch.done["logging-only-flags"])
     assert sorted(records(done.stdout)) == [1, 2]
     helps = {a.dest: a.help or "" for a in build_parser()._actions}
     for dest in ("log_timers_to_tensorboard", "num_workers", "valid_num_workers",
@@ -1031,18 +1080,17 @@ def test_logging_only_flags_are_accepted_and_documented(kjv_data, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------- profiling
 
-def test_pytorch_profiler_writes_one_trace_of_the_asked_iterations(kjv_data, tmp_path):
-    """Megatron-LM's --profile --use-pytorch-profiler: iterations [start, end) traced into --tensorboard-dir."""
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS * 6, save_interval=BIG, profile=True,
-                             use_pytorch_profiler=True, profile_step_start=2, profile_step_end=4)
-    done = succeeded(run_trainer(args, timeout=300))
+def test_pytorch_profiler_writes_one_trace_of_the_asked_iterations(batch):
+    """Megatron-LM's --profile --use-pytorch-profiler: iterations [start, end) traced into --tensorboard-dir
+    (``batch``'s run ``profiled``: 6 iterations, 2 and 3 traced)."""
+    done = succeeded(batch.done["profiled"])
     assert max(records(done.stdout)) == 6
-    [trace] = (tmp_path / "tensorboard").glob("rank0.*.pt.trace.json")
+    [trace] = (batch.folder / "profiled" / "tensorboard").glob("rank0.*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("name", "").startswith("iteration ")} == {"iteration 2", "iteration 3"}
     assert any(e.get("name", "").startswith("aten::") for e in events)  # the ops inside them
 
 
 @pytest.mark.parametrize("name", PROFILES)
-def test_a_profile_the_run_cannot_take_is_one_line(refusals, name):
-    one_line_error(refusals.done[f"profile {name}"], PROFILES[name][1])
+def test_a_profile_the_run_cannot_take_is_one_line(batch, name):
+    one_line_error(batch.done[f"profile {name}"], PROFILES[name][1])

@@ -3,7 +3,7 @@ tr8b-104B BNB experiments), and the word embedding Megatron-DeepSpeed builds und
 a LayerNorm, xavier-uniform on the unpartitioned matrix, 32-bit optimizer states).
 
 One 12-iteration ZeRO-0 run (per-parameter optimizer states, so the 32-bit embedding states are visible) with a
-checkpoint at 6 serves the loss, state, checkpoint, resume and convert tests.
+checkpoint at 6 serves the loss, state, checkpoint, resume and convert tests; the ZeRO-1 runs train in its process.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_trainer, tiny_trainer_args
+from conftest import REPO, run_trainer, run_trainer_cases, tiny_trainer_args
 from test_train import HIDDEN, one_line_error, records, succeeded
 
 from opskit.ckpt.convert import convert_step
@@ -36,9 +36,27 @@ def bnb_args(data, out: Path, **overrides) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def bnb_run(kjv_data, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("bnb")
-    return out, succeeded(run_trainer(bnb_args(kjv_data, out)))
+def bnb_runs(kjv_data, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """This file's single-rank trainings, one after the other in one process: name -> (the run folder, the finished
+    run). ``straight``: the 12-iteration run, first (test_bnb_resume_is_exact's reference: nothing trained before it
+    in its process); ``zero1``: 2 iterations at ZeRO-1, not saved; ``zero1-allowed``: the same with
+    ``zero_allow_untested_optimizer`` in the DeepSpeed config."""
+    root = tmp_path_factory.mktemp("bnb")
+    ds = root / "ds.json"
+    ds.write_text('{"zero_allow_untested_optimizer": true}')
+    zero1 = dict(zero_stage=1, train_samples=2 * GBS, save=None, load=None)
+    runs = {"straight": (root / "straight", {}), "zero1": (root / "zero1", zero1),
+            "zero1-allowed": (root / "zero1-allowed", {**zero1, "deepspeed_config": ds})}
+    done = run_trainer_cases({name: bnb_args(kjv_data, out, **flags) for name, (out, flags) in runs.items()},
+                             root / "cases")
+    return {name: (out, done[name]) for name, (out, _) in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def bnb_run(bnb_runs) -> tuple[Path, subprocess.CompletedProcess]:
+    """The 12-iteration ZeRO-0 run with a checkpoint at 6: (its run folder, the finished run)."""
+    out, done = bnb_runs["straight"]
+    return out, succeeded(done)
 
 
 def _load(path: Path) -> dict:
@@ -90,16 +108,12 @@ def test_bnb_checkpoint_converts_to_bloom(bnb_run, tmp_path):
     assert '"model_type": "bloom"' in (result.out_dir / "config.json").read_text()
 
 
-def test_zero1_needs_zero_allow_untested_optimizer_and_then_trains(kjv_data, tmp_path):
+def test_zero1_needs_zero_allow_untested_optimizer_and_then_trains(bnb_runs):
     """DeepSpeed 0.19.8 takes the client 8-bit Adam under ZeRO-1 only with the key (BigScience's JSON had it);
     without it the trainer says so in one line instead of DeepSpeed's assertion."""
-    args = bnb_args(kjv_data, tmp_path, zero_stage=1, train_samples=2 * GBS, save=None, load=None)
-    one_line_error(run_trainer(args), "--use-bnb-optimizer with --zero-stage 1 needs",
+    one_line_error(bnb_runs["zero1"][1], "--use-bnb-optimizer with --zero-stage 1 needs",
                    '"zero_allow_untested_optimizer": true')
-    ds = tmp_path / "ds.json"
-    ds.write_text('{"zero_allow_untested_optimizer": true}')
-    done = succeeded(run_trainer(bnb_args(kjv_data, tmp_path, zero_stage=1, train_samples=2 * GBS, save=None,
-                                          load=None, deepspeed_config=ds)))
+    done = succeeded(bnb_runs["zero1-allowed"][1])
     assert sorted(records(done.stdout)) == [1, 2]
 
 

@@ -12,18 +12,20 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from conftest import run_trainer, tiny_trainer_args  # noqa: E402
+from conftest import run_trainer_cases, tiny_trainer_args  # noqa: E402
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer  # noqa: E402
 
 from opskit.logs.grammar import parse_iteration_line  # noqa: E402
 from opskit.train.ds_compat import fuse_zero_overflow_check  # noqa: E402
 
-# The trainer under a wrapper of DeepSpeed's train_batch that prints, after each iteration, whether the pipeline
-# engine still holds a micro-batch's output (the last stage's logits) in its buffers.
-OUTPUTS_AFTER_TRAIN_BATCH = """
-import sys
+# The trainer under two wrappers: DeepSpeed's train_batch prints, after each iteration, whether the pipeline engine
+# still holds a micro-batch's output (the last stage's logits) in its buffers; the trainer's main starts each run with
+# dynamo's caches emptied (as a fresh process) and prints at its end how many graphs torch.compile made in it
+# (dynamo's count of distinct frames it compiled, a counter of the whole process).
+PRINTING_WRAPPERS = """
+import torch._dynamo
+import opskit.train.main
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from opskit.train.main import main
 inner = PipelineEngine.train_batch
 def train_batch(self, *args, **kwargs):
     loss = inner(self, *args, **kwargs)
@@ -31,8 +33,19 @@ def train_batch(self, *args, **kwargs):
     print(f"outputs held after train_batch: {held}", flush=True)
     return loss
 PipelineEngine.train_batch = train_batch
-sys.exit(main(sys.argv[1:]))
+trainer_main = opskit.train.main.main
+def main(argv):
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    try:
+        return trainer_main(argv)
+    finally:
+        print(f"unique graphs: {torch._dynamo.utils.counters['stats']['unique_graphs'] - before}", flush=True)
+opskit.train.main.main = main
 """
+
+LAYOUTS = {"alibi": {"position_embedding_type": "alibi"},
+           "absolute": {"position_embedding_type": "absolute", "embed_layernorm": None}}
 
 
 def _optimizer(groups: list[list]) -> types.SimpleNamespace:
@@ -75,37 +88,38 @@ def test_other_optimizers_are_left_alone():
     assert not hasattr(optimizer, "has_overflow_partitioned_grads_serial")
 
 
-def test_last_stage_releases_its_logits_after_the_backward(kjv_data, tmp_path):
+@pytest.fixture(scope="module")
+def wrapped_runs(kjv_data, tmp_path_factory) -> dict:
+    """The runs of this file's trainer tests, one after the other in one process under :data:`PRINTING_WRAPPERS`
+    (none resumes): name -> the finished run. ``last-stage``: 3 iterations of 4 micro-batches; ``eager-LAYOUT`` and
+    ``compiled-LAYOUT``: 3 iterations of a 3-layer model of each of :data:`LAYOUTS`, without and with
+    --torch-compile."""
+    root = tmp_path_factory.mktemp("wrapped")
+    cases = {"last-stage": tiny_trainer_args(kjv_data, root / "last-stage", train_samples=24, micro_batch_size=2,
+                                             global_batch_size=8, log_interval=1)}
+    for layout, flags in LAYOUTS.items():
+        for mode, extra in (("eager", {}), ("compiled", {"torch_compile": True})):
+            cases[f"{mode}-{layout}"] = tiny_trainer_args(kjv_data, root / f"{mode}-{layout}", train_samples=24,
+                                                          num_layers=3, **flags, **extra)
+    return run_trainer_cases(cases, root / "cases", prelude=PRINTING_WRAPPERS)
+
+
+def test_last_stage_releases_its_logits_after_the_backward(wrapped_runs):
     """DeepSpeed 0.19.8 keeps the last stage's logits until the next forward replaces them (at that forward's memory
     peak); the trainer's engine drops them once their backward has run, and trains as before."""
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=24, micro_batch_size=2, global_batch_size=8,
-                             log_interval=1)
-    done = run_trainer(args, entry=("-c", OUTPUTS_AFTER_TRAIN_BATCH))
+    done = wrapped_runs["last-stage"]
     assert done.returncode == 0, done.stderr[-3000:]
     held = [line for line in done.stdout.splitlines() if line.startswith("outputs held after train_batch")]
     assert held == ["outputs held after train_batch: 0"] * 3
 
 
-# The trainer, then the number of graphs torch.compile made (dynamo's count of distinct frames it compiled).
-GRAPHS_AFTER_TRAINING = """
-import sys
-import torch._dynamo.utils
-from opskit.train.main import main
-code = main(sys.argv[1:])
-print(f"unique graphs: {torch._dynamo.utils.counters['stats']['unique_graphs']}", flush=True)
-sys.exit(code)
-"""
-
-
-@pytest.mark.parametrize("layout", [{"position_embedding_type": "alibi"}, {"position_embedding_type": "absolute",
-                                                                          "embed_layernorm": None}])
-def test_compiled_stage_is_one_graph_with_eager_losses(kjv_data, tmp_path, layout):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_compiled_stage_is_one_graph_with_eager_losses(wrapped_runs, layout):
     """--torch-compile at TP = PP = 1 compiles the stage (embedding to LM head) as one graph and the loss as another,
     not one per transformer layer, and trains to the eager losses (fp32 on CPU), BLOOM and GPT-2 alike."""
     losses = {}
-    for mode, extra in (("eager", {}), ("compiled", {"torch_compile": True})):
-        args = tiny_trainer_args(kjv_data, tmp_path / mode, train_samples=24, num_layers=3, **layout, **extra)
-        done = run_trainer(args, entry=("-c", GRAPHS_AFTER_TRAINING))
+    for mode in ("eager", "compiled"):
+        done = wrapped_runs[f"{mode}-{layout}"]
         assert done.returncode == 0, done.stderr[-3000:]
         losses[mode] = [r["lm_loss"] for line in done.stdout.splitlines() if (r := parse_iteration_line(line))]
         graphs = re.search(r"unique graphs: (\d+)", done.stdout).group(1)

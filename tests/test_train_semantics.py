@@ -1,7 +1,7 @@
 """Megatron-DeepSpeed semantics of the embedded trainer beyond the basics of test_train.py: curriculum learning,
 --sync-tp-duplicated-parameters, GPT-2 BPE tokenizer files and vocab padding, weighted data blends, fp16 loss-scale
 bookkeeping, CodeCarbon. Trainer runs are real subprocesses on the KJV (tiny model, a few iterations); the refusals at
-start and the one-iteration runs that only check what is printed run in one process (``batch``)."""
+start and the single-rank runs that need no process of their own run in one process (``batch``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_trainer, run_trainer_cases, tiny_trainer_args
-from test_train import one_line_error, records, succeeded
+from test_train import batch_run, one_line_error, records, resumed_from, succeeded
 
 from opskit.logs.grammar import parse_iteration_line
 
@@ -30,20 +30,25 @@ BLENDS = [["0.3", "a", "0.7"], ["x", "a", "0.7", "b"], ["-1", "a", "2", "b"]]
 
 @pytest.fixture(scope="module")
 def batch(kjv_data, numbers_prefix, tmp_path_factory) -> SimpleNamespace:
-    """This module's trainer command lines that are refused at start, or train one or three iterations only to print
-    something, run in one process (conftest's ``run_trainer_cases``): ``.done[name]``, and ``.folder``."""
+    """This module's single-rank command lines that need no trainer process of their own, run in one process
+    (conftest's ``run_trainer_cases``) in the environment of :func:`offline_hub_cache` (no case reaches the Hub): the
+    refusals at start, the runs that only check what they print, then :func:`batch_runs`. ``.done[name]``,
+    ``.folder``, and ``.flags[name]`` a run's ``tiny_trainer_args`` overrides (its folder: ``.folder / name``)."""
     folder = tmp_path_factory.mktemp("batch")
-    for name, curriculum in (("off", {**CURRICULUM, "enabled": False}),
+    for name, curriculum in (("off", {**CURRICULUM, "enabled": False}), ("on", CURRICULUM),
                              ("beyond", {**CURRICULUM, "max_difficulty": 2 * SEQ})):
         (folder / f"{name}.json").write_text(json.dumps({"curriculum_learning": curriculum}))
     (folder / "train-splits.txt").write_text(f'"train: 0.4 0:0.9 {kjv_data.data_prefix}, 0.6 0:0.9 {numbers_prefix}"\n')
     (folder / "valid-splits.txt").write_text(f'"valid_kjv: 1 0.9:1 {folder / "gone"}"\n')
+    (folder / "valid-both-splits.txt").write_text(f'"valid_kjv: 1 0.9:1 {kjv_data.data_prefix}" '
+                                                  f'"valid_numbers: 1 0.9:1 {numbers_prefix}"\n')
 
     def args(name: str, **flags) -> list[str]:
         return tiny_trainer_args(kjv_data, folder / name, **{"save": None, "load": None, **flags})
 
     gpt2 = dict(tokenizer_name_or_path=None, tokenizer_type="GPT2BPETokenizer", vocab_file=folder / "v.json")
     blend = args("blend", data_path=None, train_samples=2 * GBS, split="90,10,0", eval_interval=2, eval_iters=1)
+    halves = ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5"]
     cases = {
         "curriculum off": args("off", train_samples=GBS, deepspeed_config=folder / "off.json"),
         "curriculum beyond seq length": args("beyond", deepspeed_config=folder / "beyond.json"),
@@ -54,20 +59,67 @@ def batch(kjv_data, numbers_prefix, tmp_path_factory) -> SimpleNamespace:
         "gpt2 files missing": args("gpt2", **gpt2, merge_file=folder / "m.txt"),
         **{f"blend {' '.join(value)}": args("bad-blend", data_path=None) + ["--data-path", *value]
            for value in BLENDS},
-        "blend of a missing prefix": blend + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5",
-                                              str(folder / "missing")],
+        "blend": blend + [*halves, numbers_prefix],
+        "blend of a missing prefix": blend + [*halves, str(folder / "missing")],
         "weighted split of a missing prefix": args(
             "weighted", data_path=None, train_samples=2 * GBS, eval_interval=2, eval_iters=1,
             train_weighted_split_paths_path=folder / "train-splits.txt",
             valid_weighted_split_paths_path=folder / "valid-splits.txt"),
+        "hub tokenizer absent": args("hub", tokenizer_name_or_path="opskit-test/absent"),
     }
-    return SimpleNamespace(done=run_trainer_cases(cases, folder / "cases"), folder=folder)
+    runs = batch_runs(kjv_data, folder)
+    for name, flags in runs.items():
+        cases[name] = tiny_trainer_args(kjv_data, folder / name, **flags)
+    with pytest.MonkeyPatch.context() as env:
+        for var, value in offline_hub_cache(kjv_data.tokenizer_dir, folder / "hf").items():
+            env.setenv(var, value)
+        done = run_trainer_cases(cases, folder / "cases")
+    return SimpleNamespace(done=done, folder=folder, flags=runs)
+
+
+def batch_runs(kjv_data, folder: Path) -> dict[str, dict]:
+    """The fresh runs of :func:`batch`, name -> ``tiny_trainer_args`` overrides, each in ``folder / name``; the resume
+    or PP=2 run a test compares one with runs in a process of its own."""
+    curriculum = {**CURRICULUM_RUN, "deepspeed_config": folder / "on.json"}
+    vocab, merges = gpt2_bpe_files(kjv_data.tokenizer_dir, folder)
+    tokenized = dict(train_samples=2 * GBS, save=None, load=None, make_vocab_size_divisible_by=48)
+    return {
+        "curriculum": curriculum,
+        "curriculum-stopped-at-3": {**curriculum, "exit_interval": 3},
+        "curriculum-validated": dict(train_samples=8 * GBS, deepspeed_config=folder / "on.json", save=None, load=None,
+                                     split="90,10,0", eval_interval=3, eval_iters=1),
+        "hf-tokenizer": tokenized,
+        "gpt2-bpe-files": {**tokenized, "tokenizer_name_or_path": None, "tokenizer_type": "GPT2BPETokenizer",
+                           "vocab_file": vocab, "merge_file": merges},
+        "hub-tokenizer": dict(train_samples=GBS, save=None, load=None, tokenizer_name_or_path="opskit-test/kjv-bpe"),
+        "weighted-split-paths": dict(data_path=None, train_samples=2 * GBS, save=None, load=None, eval_interval=2,
+                                     eval_iters=1, train_weighted_split_paths_path=folder / "train-splits.txt",
+                                     valid_weighted_split_paths_path=folder / "valid-both-splits.txt"),
+        "codecarbon": dict(train_samples=2 * GBS, save_interval=1, codecarbon_dir=folder / "codecarbon" / "emissions"),
+    }
+
+
+def offline_hub_cache(tokenizer_dir: str, home: Path) -> dict[str, str]:
+    """The Hugging Face cache in ``home`` with the KJV tokenizer as the Hub repository ``opskit-test/kjv-bpe``, laid out
+    by hand as huggingface_hub writes it; the environment that reads it as a node without internet does."""
+    import shutil
+
+    snapshot = home / "hub" / "models--opskit-test--kjv-bpe" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(Path(tokenizer_dir) / "tokenizer.json", snapshot / "tokenizer.json")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
 
 
 # ---------------------------------------------------------------------------------------------------------- curriculum
 
 CURRICULUM = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": SEQ,
               "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 6, "difficulty_step": 8}}
+CURRICULUM_RUN = dict(train_samples=8 * GBS, save_interval=3, lr_warmup_samples=2 * GBS, lr_decay_tokens=1200,
+                      hidden_dropout=0.1, attention_dropout=0.1)  # the resume exact with dropout on
+"""8 iterations under :data:`CURRICULUM` (``batch``'s runs; their ds_config: ``batch.folder / "on.json"``),
+checkpoints at 3, 6 and 8."""
 
 
 def expected_seqlen(iteration: int) -> int:
@@ -76,16 +128,13 @@ def expected_seqlen(iteration: int) -> int:
     return min(d - d % 8, SEQ)
 
 
-def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path):
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"curriculum_learning": CURRICULUM}))
-    runs = {}
-    for name, exit_interval in (("straight", None), ("stopped", 3), ("resumed", None)):
-        out = tmp_path / ("straight" if name == "straight" else "chain")
-        args = tiny_trainer_args(kjv_data, out, train_samples=8 * GBS, deepspeed_config=config,
-                                 exit_interval=exit_interval, lr_warmup_samples=2 * GBS, lr_decay_tokens=1200,
-                                 hidden_dropout=0.1, attention_dropout=0.1)  # the resume exact with dropout on
-        runs[name] = records(succeeded(run_trainer(args)).stdout)
+def test_curriculum_truncates_counts_tokens_logs_and_resumes(batch, kjv_data, tmp_path):
+    """The straight run and the same run stopped at 3 (both in ``batch``); resumed from a copy of the straight run's
+    step 3 in a process of its own."""
+    run = batch_run(batch, "curriculum")
+    runs = {"straight": records(run.stdout),
+            "stopped": records(succeeded(batch.done["curriculum-stopped-at-3"]).stdout),
+            "resumed": records(resumed_from(kjv_data, run, "global_step3", tmp_path).stdout)}
     straight = runs["straight"]
     assert sorted(straight) == list(range(1, 9))
     tokens = 0
@@ -97,7 +146,7 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
     assert [straight[i]["curriculum_seqlen"] for i in (1, 2, 4, 6, 8)] == [8, 16, 24, 32, 32]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "straight" / "tensorboard"), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(run.out / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     assert {e.step: e.value for e in events.Scalars("curriculum_seqlen")} == {
         i: expected_seqlen(i) for i in range(1, 9)}
@@ -117,17 +166,11 @@ def test_curriculum_truncates_counts_tokens_logs_and_resumes(kjv_data, tmp_path)
             assert record[key] == straight[iteration][key], (iteration, key)
 
 
-def test_curriculum_pp2_with_full_length_validation_trains_like_pp1(kjv_data, tmp_path):
+def test_curriculum_pp2_with_full_length_validation_trains_like_pp1(batch, kjv_data, tmp_path):
     """The pipeline stages exchange new activation shapes when the seqlen changes and around validation (which runs
-    at the full --seq-length): PP=2 gives PP=1's losses."""
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"curriculum_learning": CURRICULUM}))
-    outputs = {}
-    for pp in (1, 2):
-        args = tiny_trainer_args(kjv_data, tmp_path / f"pp{pp}", train_samples=8 * GBS, deepspeed_config=config,
-                                 save=None, load=None, split="90,10,0", eval_interval=3, eval_iters=1,
-                                 pipeline_model_parallel_size=pp)
-        outputs[pp] = succeeded(run_trainer(args, nproc=pp)).stdout
+    at the full --seq-length): PP=2 gives PP=1's losses (PP=1: ``batch``'s run)."""
+    args = tiny_trainer_args(kjv_data, tmp_path, **batch.flags["curriculum-validated"], pipeline_model_parallel_size=2)
+    outputs = {1: succeeded(batch.done["curriculum-validated"]).stdout, 2: succeeded(run_trainer(args, nproc=2)).stdout}
     one, two = records(outputs[1]), records(outputs[2])
     assert sorted(two) == list(range(1, 9))
     for iteration in one:
@@ -256,36 +299,21 @@ def gpt2_bpe_files(tokenizer_dir: str, out: Path) -> tuple[Path, Path]:
     return vocab, merges
 
 
-def test_gpt2_bpe_files_train_like_the_same_tokenizer_from_hf(kjv_data, tmp_path):
-    vocab, merges = gpt2_bpe_files(kjv_data.tokenizer_dir, tmp_path)
-    common = dict(train_samples=2 * GBS, save=None, load=None, make_vocab_size_divisible_by=48)
-    hf = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "hf", **common)))
-    bpe = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path / "bpe", **common, tokenizer_name_or_path=None,
-                                                  tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
-                                                  merge_file=merges)))
+def test_gpt2_bpe_files_train_like_the_same_tokenizer_from_hf(batch):
+    hf, bpe = succeeded(batch.done["hf-tokenizer"]), succeeded(batch.done["gpt2-bpe-files"])
     padded = " > padded vocab (size: 2000) with 16 dummy tokens (new size: 2016)"  # 42 * 48
     assert padded in hf.stdout and padded in bpe.stdout
     assert [r["lm_loss"] for r in records(bpe.stdout).values()] == [r["lm_loss"] for r in records(hf.stdout).values()]
 
 
-def test_hub_tokenizer_name_from_the_offline_cache(kjv_data, tmp_path, monkeypatch):
+def test_hub_tokenizer_name_from_the_offline_cache(batch):
     """tr11's --tokenizer-name-or-path is a Hub repository: read from the Hugging Face cache, as on a compute node
-    without internet (HF_HUB_OFFLINE=1); the cache is laid out by hand, as huggingface_hub writes it."""
-    import shutil
-
-    snapshot = tmp_path / "hf" / "hub" / "models--opskit-test--kjv-bpe" / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    shutil.copy(Path(kjv_data.tokenizer_dir) / "tokenizer.json", snapshot / "tokenizer.json")
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = tiny_trainer_args(kjv_data, tmp_path, train_samples=GBS, save=None, load=None,
-                             tokenizer_name_or_path="opskit-test/kjv-bpe")
-    done = succeeded(run_trainer(args))
+    without internet (HF_HUB_OFFLINE=1); the cache is laid out by hand, as huggingface_hub writes it
+    (:func:`offline_hub_cache`, the environment of ``batch``)."""
+    done = succeeded(batch.done["hub-tokenizer"])
     assert " > padded vocab (size: 2000) with 48 dummy tokens (new size: 2048)" in done.stdout
-    args = tiny_trainer_args(kjv_data, tmp_path, save=None, load=None, tokenizer_name_or_path="opskit-test/absent")
-    one_line_error(run_trainer(args), "--tokenizer-name-or-path opskit-test/absent", "Hugging Face Hub")
+    one_line_error(batch.done["hub tokenizer absent"], "--tokenizer-name-or-path opskit-test/absent",
+                   "Hugging Face Hub")
 
 
 def test_vocab_padding_follows_tp_and_pad_vocab_size_to(kjv_data, tmp_path, batch):
@@ -352,10 +380,8 @@ def test_bad_blend_is_a_one_line_error(batch, value):
     one_line_error(batch.done[f"blend {' '.join(value)}"], "--data-path", "WEIGHT PREFIX")
 
 
-def test_trainer_trains_on_a_blend(kjv_data, numbers_prefix, tmp_path, batch):
-    args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, train_samples=2 * GBS, save=None, load=None,
-                             split="90,10,0", eval_interval=2, eval_iters=1)
-    done = succeeded(run_trainer(args + ["--data-path", "0.5", str(kjv_data.data_prefix), "0.5", numbers_prefix]))
+def test_trainer_trains_on_a_blend(batch):
+    done = succeeded(batch.done["blend"])
     assert sorted(records(done.stdout)) == [1, 2] and "validation loss at iteration 2" in done.stdout
     one_line_error(batch.done["blend of a missing prefix"], "--data-path", str(batch.folder / "missing"))
 
@@ -404,12 +430,10 @@ def test_loss_scale_skipped_and_nan_iterations_in_the_line(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------- CodeCarbon
 
-def test_codecarbon_writes_offline_emissions(kjv_data, tmp_path):
+def test_codecarbon_writes_offline_emissions(batch):
     pytest.importorskip("codecarbon")
-    out = tmp_path / "codecarbon"
-    done = succeeded(run_trainer(tiny_trainer_args(kjv_data, tmp_path, train_samples=2 * GBS, save_interval=1,
-                                                   codecarbon_dir=out)))
-    rows = (out / "emissions-000.csv").read_text().splitlines()
+    done = succeeded(batch.done["codecarbon"])
+    rows = (batch.flags["codecarbon"]["codecarbon_dir"] / "emissions-000.csv").read_text().splitlines()
     assert rows[0].startswith("timestamp,project_name,run_id") and len(rows) >= 2, rows
     assert "the codecarbon package is not installed" not in done.stdout
 
@@ -445,15 +469,8 @@ def test_weighted_split_paths_parse_like_megatron_deepspeed():
             parse_weighted_split_paths(bad)
 
 
-def test_trainer_reads_weighted_split_paths_with_named_validation(kjv_data, numbers_prefix, tmp_path, batch):
-    kjv = str(kjv_data.data_prefix)
-    train, valid = tmp_path / "train-splits.txt", tmp_path / "valid-splits.txt"
-    train.write_text(f'"train: 0.4 0:0.9 {kjv}, 0.6 0:0.9 {numbers_prefix}"\n')
-    valid.write_text(f'"valid_kjv: 1 0.9:1 {kjv}" "valid_numbers: 1 0.9:1 {numbers_prefix}"\n')
-    args = tiny_trainer_args(kjv_data, tmp_path, data_path=None, train_samples=2 * GBS, save=None, load=None,
-                             eval_interval=2, eval_iters=1, train_weighted_split_paths_path=train,
-                             valid_weighted_split_paths_path=valid)
-    done = succeeded(run_trainer(args))
+def test_trainer_reads_weighted_split_paths_with_named_validation(batch):
+    done = succeeded(batch.done["weighted-split-paths"])
     assert sorted(records(done.stdout)) == [1, 2]
     for name in ("valid_kjv", "valid_numbers"):
         for prefix in ("iteration 2", "the end of training for val data"):
