@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from opskit.cli._common import SpecName, console, err_console, friendly_errors, print_json
+from opskit.cli._common import SpecName, console, emit, err_console, friendly_errors
 
 _STYLE = {"ok": "green", "warn": "yellow", "alert": "bold red"}
 
@@ -38,9 +38,13 @@ def _render(found, json_output: bool) -> int:
         err_console.print(f"warning: watchdog state not saved: {report.state_error}")
     for failure in outcome.failures if outcome else ():
         err_console.print(f"error: alert not sent: {failure}")
-    if json_output:
-        print_json(found.as_json())
-        return found.exit_code
+    emit(found, json_output, _print_status)
+    return found.exit_code
+
+
+def _print_status(found) -> None:
+    """One :class:`opskit.monitor.watchdog.Status` for a person: the pulse lines, the findings table, what was sent."""
+    report, outcome = found.report, found.alerts
     for line in report.pulse_lines:
         console.print(line)
     from rich.table import Table
@@ -57,4 +61,3 @@ def _render(found, json_output: bool) -> int:
         sent = ", ".join(f"{kind} via {channel}" for channel, kind in outcome.sent)
         console.print("alerts: " + ("acknowledged: silent until something changes" if outcome.acked else
                                     sent or ("silenced (--ack)" if outcome.silenced else "nothing new to send")))
-    return found.exit_code
