@@ -331,6 +331,19 @@ def chain_files(run, cluster, disk, step):
     cluster.pending()
 
 
+def failure_cut_a_save_short(run, cluster, disk, step):
+    """A node died while global_step150 was being written: the task lost its training since global_step100, the
+    step the next task resumes from, not since the cut-short folder."""
+    healthy_log(run)
+    copy_step(step, run, 3.0)
+    cut = run.checkpoints / "global_step150"
+    cut.mkdir()
+    (cut / "layer_01-model_00-model_states.pt").write_bytes(b"PK\x03\x04")
+    os.utime(cut, (at(1.5),) * 2)
+    ledger(run, "NODE_FAIL", hours_ago=1.0)
+    cluster.pending()
+
+
 def bad_node_list_is_damaged(run, cluster, disk, step):
     healthy_log(run)
     run.bad_nodes.write_text("\tno host here\n")
@@ -434,9 +447,9 @@ SCENARIOS = {f.__name__: f for f in (
     exclusive_reservation, absent, finished, stopped_storm, stopped, spike_open, spike_recovered, nan, malformed,
     restart, hang_with_stacks, hang_cancelled, hang_stacks_from_the_state, crash, save_failed_and_fallback,
     incomplete_latest, binary_latest, saved_step_gone, no_checkpoint_although_saved, checkpoint_folder_is_a_file,
-    old_checkpoint, chain_files, bad_node_list_is_damaged, ledger_without_log, log_is_a_folder, logs_is_a_file,
-    no_iteration_lines, disk_warn, disk_alert, events_only, stragglers, stragglers_excluded, save_interval_measured,
-    incremental, unreachable, unreachable_then_running)}
+    old_checkpoint, chain_files, failure_cut_a_save_short, bad_node_list_is_damaged, ledger_without_log,
+    log_is_a_folder, logs_is_a_file, no_iteration_lines, disk_warn, disk_alert, events_only, stragglers,
+    stragglers_excluded, save_interval_measured, incremental, unreachable, unreachable_then_running)}
 
 
 # --------------------------------------------------------------------------- running and comparing

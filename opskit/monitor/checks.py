@@ -120,12 +120,16 @@ def check_ledger(snap: RunSnapshot, spec: Spec) -> list[Finding]:
 
 def _lost_since_save(checkpoints: Checkpoints | None, row: chain.TaskOutcome) -> tuple[str, float] | None:
     """(step, seconds): the training a failed task lost, from the last checkpoint it saved (the newest step folder
-    written before the failure, which the next task resumes from) to the failure; None without such a step."""
+    written before the failure, which the next task resumes from) to the failure; None without such a step. A step
+    newer than the resume point is not one: ``latest`` moves only once a step is complete, so it is a save the
+    failure cut short (or one under way now)."""
     failed_at = _ledger_time(row.time)
-    if failed_at is None or checkpoints is None:
+    if failed_at is None or checkpoints is None or checkpoints.point is None or checkpoints.point.step is None:
         return None
+    resumable = checkpoints.point.step.iteration
     before = [(mtime, name) for name, mtime in checkpoints.steps.items()
-              if mtime is not None and mtime <= failed_at.timestamp() + 1]
+              if mtime is not None and mtime <= failed_at.timestamp() + 1
+              and int(STEP_DIR.match(name).group(1)) <= resumable]
     if not before:
         return None
     mtime, name = max(before)
