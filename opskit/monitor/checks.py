@@ -562,7 +562,7 @@ def _saved_step_gone(checkpoints: Checkpoints, said_saved: tuple[int, str] | Non
     iteration, evidence = said_saved
     tag = f"global_step{iteration}"
     resume_from = checkpoints.point.step
-    newest = int(STEP_DIR.match(resume_from.path.name).group(1)) if resume_from else None
+    newest = resume_from.iteration if resume_from else None
     if tag in checkpoints.steps or (newest is not None and newest >= iteration):
         return None
     then = f"the next job resumes from {resume_from.path.name}" if resume_from else \
