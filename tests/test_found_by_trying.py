@@ -208,16 +208,26 @@ def test_a_node_slow_once_stays_in_and_one_slow_twice_is_kept_out_with_both_figu
 
     # The CI run's figures: n2 at 0.0497 TFLOP/s against a median of 0.0946 (another process on its cores).
     records = {"n1": node_record(0.0946), "n2": node_record(0.0497), "n3": node_record(0.0950)}
-    assert slow_gemm_nodes(records, margin=0.2) == ["n2"]  # measured again before any verdict
-    busy_once = judge(records, 0, 0.2, 1.0, again={"n2": node_record(0.0931)})
+    assert slow_gemm_nodes(records, margin=0.2) == ["n2"]  # then every node is measured again before any verdict
+
+    def again(n2: float | None, peers: float = 0.0940) -> dict:
+        return {"n1": node_record(peers), "n2": node_record(n2) if n2 else None, "n3": node_record(peers)}
+
+    busy_once = judge(records, 0, 0.2, 1.0, again=again(0.0931))
     assert busy_once.excluded == []
-    assert busy_once.notes == ["n2: GEMM 0.0497 TFLOP/s (53% of the median 0.0946) at first, 0.0931 (98%) measured "
-                               "again: kept in (the cores were busy for a moment)"]
-    slow_twice = judge(records, 0, 0.2, 1.0, again={"n2": node_record(0.0501)})
+    assert busy_once.notes == ["n2: GEMM 0.0497 TFLOP/s (53% of the median 0.0946) at first, 0.0931 TFLOP/s, 99% of "
+                               "that median 0.094 measured again with every node: kept in (the cores were busy for "
+                               "a moment)"]
+    # seed 51's CI run: the second measurement hit every node (the other xdist worker was training); against the
+    # first median n2 would read 58%, against its peers of the same moment it is fine
+    all_busy = judge(records, 0, 0.2, 1.0, again=again(0.0550, peers=0.0560))
+    assert all_busy.excluded == [] and "98% of that median 0.056" in all_busy.notes[0]
+    slow_twice = judge(records, 0, 0.2, 1.0, again=again(0.0501))
     assert [(n.node, n.problems) for n in slow_twice.excluded] == [
-        ("n2", ["GEMM 0.0497 TFLOP/s, 53% of the median 0.0946; measured again: 0.0501 TFLOP/s, 53%"])]
+        ("n2", ["GEMM 0.0497 TFLOP/s, 53% of the median 0.0946; measured again with every node: 0.0501 TFLOP/s, "
+                "53% of that median 0.094"])]
     assert slow_twice.nodes[1].gemm_again_tflops == 0.0501
-    no_second = judge(records, 0, 0.2, 1.0, again={"n2": None})
+    no_second = judge(records, 0, 0.2, 1.0, again=again(None))
     assert no_second.excluded[0].problems == ["GEMM 0.0497 TFLOP/s, 53% of the median 0.0946; measured again: "
                                               "no result"]
 

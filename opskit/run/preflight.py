@@ -5,8 +5,9 @@ their records and names the nodes to keep out:
 - no record (the task died or never started), or fewer GPUs than ``parallel.gpus_per_node`` (when any node has
   GPUs: on a CPU cluster no node shows one);
 - a GEMM below the fleet's median by more than ``margin`` (its slowest device against the median of every node's
-  slowest device), twice: a node slow at first is measured again on its own (another process on its cores for a
-  moment is no fault of the node), and only one slow both times is kept out, the verdict giving both figures;
+  slowest device), twice: when one is slow, every node is measured again together and the slow one is judged
+  against that second median (another process on the cores for a moment, or on all of them, is no fault of a node),
+  and only one slow both times is kept out, the verdict giving both figures;
 - less free disk at the checkpoint folder than one step (``opskit plan``'s ``checkpoint_gb``: the folder is
   shared, every node's writes land there), or GPU Xid lines in the kernel log;
 - every all-reduce it took part in failed (one with each ring neighbour) while other pairs succeeded (when all
@@ -49,7 +50,7 @@ class NodeVerdict:
     """Its slowest successful pair all-reduce, in seconds (None: none succeeded)."""
     problems: list[str] = field(default_factory=list)
     gemm_again_tflops: float | None = None
-    """Its slowest device's GEMM when measured again (a node slow the first time), None otherwise."""
+    """Its slowest device's GEMM when measured again (every node is, when one was slow), None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ def slowest_gemms(records: dict[str, dict | None]) -> dict[str, float]:
 
 
 def slow_gemm_nodes(records: dict[str, dict | None], margin: float) -> list[str]:
-    """The nodes whose slowest GEMM is below ``(1 - margin)`` x the median of the nodes' slowest: those measured
-    again before :func:`judge` keeps them out."""
+    """The nodes whose slowest GEMM is below ``(1 - margin)`` x the median of the nodes' slowest: when there are any,
+    every node is measured again before :func:`judge` keeps one out."""
     slowest = slowest_gemms(records)
     median = statistics.median(slowest.values()) if slowest else None
     return [node for node, tflops in slowest.items() if median and tflops < (1 - margin) * median]
@@ -87,13 +88,17 @@ def judge(records: dict[str, dict | None], expected_devices: int, margin: float,
     Args:
         expected_devices: GPUs each node must show (0: not checked).
         margin: a node whose slowest GEMM is below ``(1 - margin) x`` the median of the nodes' slowest is excluded
-            (when ``again`` holds it, only if slow there too; a node slow once and fine again stays in, with a note).
+            (when ``again`` holds it, only if below ``(1 - margin) x`` the median of ``again`` too: a node slow
+            once and fine again stays in, with a note).
         min_free_gb: free GB needed at the checkpoint folder.
-        again: the second records (GEMM only) of the nodes :func:`slow_gemm_nodes` named; None: not measured again.
+        again: the second records (GEMM only) of every node, measured together because :func:`slow_gemm_nodes`
+            named one; None: not measured again. Its own median is the bar, so a slowdown that hit every node at
+            the second measurement is not held against one.
     """
     slowest = slowest_gemms(records)
     median = statistics.median(slowest.values()) if slowest else None
     slowest_again = slowest_gemms(again or {})
+    median_again = statistics.median(slowest_again.values()) if slowest_again else None
     # a node is cut off when every all-reduce it took part in failed while some pair elsewhere succeeded
     reduced = {node: bool(r) and (any(pair["ok"] for pair in r["allreduce"]) or not r["allreduce"])
                for node, r in records.items()}  # one node alone has no pair
@@ -110,7 +115,8 @@ def judge(records: dict[str, dict | None], expected_devices: int, margin: float,
             if expected_devices and record["devices"] < expected_devices:
                 problems.append(f"{record['devices']} GPU(s), expected {expected_devices}")
             if median and slowest.get(node, 0) < (1 - margin) * median:
-                gemm = _gemm_verdict(node, slowest[node], median, margin, again, slowest_again)
+                gemm = _gemm_verdict(node, (slowest[node], median), margin, again,
+                                     (slowest_again.get(node), median_again))
                 problems += gemm[:1] if gemm[1] is None else []
                 notes += [gemm[1]] if gemm[1] else []
             if record["free_gb"] < min_free_gb:
@@ -126,25 +132,28 @@ def judge(records: dict[str, dict | None], expected_devices: int, margin: float,
     return Preflight(verdicts, median, notes)
 
 
-def _gemm_verdict(node: str, first: float, median: float, margin: float, again: dict[str, dict | None] | None,
-                  slowest_again: dict[str, float]) -> tuple[str, str | None]:
-    """(the problem of a node slow at first, the note when it was fine measured again: then it stays in)."""
-    problem = f"GEMM {first:.3g} TFLOP/s, {first / median:.0%} of the median {median:.3g}"
+def _gemm_verdict(node: str, first: tuple[float, float], margin: float, again: dict[str, dict | None] | None,
+                  second: tuple[float | None, float | None]) -> tuple[str, str | None]:
+    """(the problem of a node slow at first, the note when it was fine measured again: then it stays in).
+    ``first`` and ``second``: (the node's slowest GEMM, the median of every node's) of each measurement."""
+    (tflops, median), (tflops_again, median_again) = first, second
+    problem = f"GEMM {tflops:.3g} TFLOP/s, {tflops / median:.0%} of the median {median:.3g}"
     if again is None:
         return problem, None
-    second = slowest_again.get(node)
-    if second is None:
+    if tflops_again is None or not median_again:
         return f"{problem}; measured again: no result", None
-    if second < (1 - margin) * median:
-        return f"{problem}; measured again: {second:.3g} TFLOP/s, {second / median:.0%}", None
-    return problem, (f"{node}: GEMM {first:.3g} TFLOP/s ({first / median:.0%} of the median {median:.3g}) at first, "
-                     f"{second:.3g} ({second / median:.0%}) measured again: kept in (the cores were busy for a moment)")
+    again_said = f"{tflops_again:.3g} TFLOP/s, {tflops_again / median_again:.0%} of that median {median_again:.3g}"
+    if tflops_again < (1 - margin) * median_again:
+        return f"{problem}; measured again with every node: {again_said}", None
+    return problem, (f"{node}: GEMM {tflops:.3g} TFLOP/s ({tflops / median:.0%} of the median {median:.3g}) at "
+                     f"first, {again_said} measured again with every node: kept in (the cores were busy for a "
+                     "moment)")
 
 
 def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool, run: RunPaths | None = None) -> Preflight:
     """Check ``nodes`` (SLURM's node-list syntax) with one ``srun`` step of a task per node (their records kept in
-    ``<run>/preflight/<time>-<pid>/<node>.json``), the nodes whose GEMM was slow a second time on their own (in
-    ``again/``), judge them (:func:`judge`: this spec's GPUs per node and step size), and with ``exclude`` put the
+    ``<run>/preflight/<time>-<pid>/<node>.json``), when a node's GEMM was slow every node's GEMM a second time together
+    (in ``again/``), judge them (:func:`judge`: this spec's GPUs per node and step size), and with ``exclude`` put the
     failing ones on the run's bad-node list (the next submission excludes them). ``run``: the run directory, when
     not the spec's own (the job script's copy of the spec lives inside it).
 
@@ -168,7 +177,8 @@ def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool, run: Run
         said = (step.stderr.strip().splitlines() or [f"exit {step.returncode}"])[-1]
         raise PreflightError(f"no node reported ({' '.join(command[:6])} ...: {said[:300]})")
     slow = slow_gemm_nodes(records, margin)
-    again = _check_nodes(spec, run, slow, out / "again", gemm_only=True)[0] if slow else None
+    reported = [name for name, record in records.items() if record]
+    again = _check_nodes(spec, run, reported, out / "again", gemm_only=True)[0] if slow else None
     from opskit.spec.plan import make_plan
 
     gpus = spec.parallel.gpus_per_node if any(r and r["devices"] for r in records.values()) else 0
