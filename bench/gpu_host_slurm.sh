@@ -33,6 +33,10 @@ for lib in "$L"/*.so.* "$R"/lib/x86_64-linux-gnu/*.so.*; do
     ldconfig -p | grep -q " $name " || ln -sf "$lib" "$R/extra-lib/$name"
 done
 export LD_LIBRARY_PATH=$R/extra-lib:$L/slurm-wlm${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PATH=$R/usr/bin:$R/usr/sbin:$PATH
+if [ -e "$S/slurm.conf" ] && SLURM_CONF=$S/slurm.conf sinfo -h >/dev/null 2>&1; then  # started by an earlier call
+    echo "export PATH=$PATH LD_LIBRARY_PATH=$LD_LIBRARY_PATH SLURM_CONF=$S/slurm.conf"
+    exit 0
+fi
 
 dd if=/dev/urandom of="$S/munge/key" bs=1024 count=1 2>/dev/null
 chmod 400 "$S/munge/key"

@@ -283,15 +283,19 @@ def test_hostile_names_and_paths_stay_literal(kjv_data, tmp_path, slurm, cancel_
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     shellcheck(script, exclude=("SC2016",))  # literal `$(...)` in single quotes is the point here
 
-    # The script's variable lines, evaluated by bash, give back the exact paths and run nothing.
-    assignments = [line for line in script.read_text().splitlines() if line.startswith(("LOG=", "export "))]
-    assert any(line.startswith("export OMP_NUM_THREADS=") for line in assignments)
-    probe = "\n".join(assignments + ['printf "%s\\n" "$LOG" "$OPSKIT_RUN_DIR"'])
+    # The script run by bash with its one exec replaced by printf: the exact paths arrive as the job's arguments, in
+    # its environment, and nothing runs.
+    text = script.read_text()
+    assert "\nexport OMP_NUM_THREADS=" in text and text.count("\nexec ") == 1
+    probe = text.replace("\nexec ", '\nprintf "%s\\n" "$OPSKIT_RUN_DIR" ', 1)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, cwd=scratch)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [str(output / "logs" / "main_log.txt"), str(output)]
+    printed = done.stdout.splitlines()
+    assert printed[0] == str(output) and printed[2:4] == ["-m", "opskit.run.job"]
+    assert printed[printed.index("--run-dir") + 1] == str(output)
+    assert printed[printed.index("--save") + 1] == str(output / "checkpoints")
     assert list(scratch.iterdir()) == [] and not any(m.exists() for m in markers)
 
     # sbatch reads the #SBATCH header with shell-like quoting: the name and the output path arrive intact.

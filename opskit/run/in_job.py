@@ -1,16 +1,17 @@
-"""Recovery inside the allocation (issue 35): the job script trains in steps, each an ``srun`` on the nodes this module
-picks, watched by this module's heartbeat monitor; after a crash or a hang it names the node to blame, swaps it for a
-spare of the allocation, and the script starts the next step from ``latest``. The chain's next array task is left for
-what the allocation cannot fix. Plain Python (no torch): it runs in the batch shell, on the job's first node.
+"""Recovery inside the allocation (issue 35): :mod:`opskit.run.job` trains in steps, each an ``srun`` on the nodes this
+module picks, watched by this module's heartbeat monitor; after a crash or a hang it names the node to blame, swaps it
+for a spare of the allocation, and the job starts the next step from ``latest``. The chain's next array task is left
+for what the allocation cannot fix. Plain Python (no torch): it runs in the job's process, on the job's first node.
 
 The job's state is ``<run>/in-job/<job id>.json``: the allocation's nodes, the nodes needed, the nodes this job
 excluded (and why), and each step's nodes, heartbeat folder, start offsets in the per-node logs and hang record.
 
-``python -m opskit.run.in_job start RUN_DIR JOB_ID NEED NODELIST [--preflight]`` checks the usable nodes first (under
-SLURM, ``opskit preflight``) and prints ``STEP NODES HEARTBEAT_DIR`` for the next step after its log lines (exit 3:
-fewer than NEED usable nodes left); ``watch RUN_DIR JOB_ID PID TIMEOUT_S STARTUP_S HANG_FACTOR`` watches the
-step run by process PID; ``failed RUN_DIR JOB_ID`` blames the failed step and says whether to restart (exit 0) or not
-(exit 3). Lines for main_log.txt go to stdout.
+:func:`main` is the interface of job scripts rendered before :mod:`opskit.run.job` (a bash loop that called it; such a
+script may still be queued when opskit is upgraded): ``python -m opskit.run.in_job start RUN_DIR JOB_ID NEED NODELIST
+[--preflight]`` prints ``STEP NODES HEARTBEAT_DIR`` for the next step after its log lines (exit 3: fewer than NEED
+usable nodes left); ``watch RUN_DIR JOB_ID PID TIMEOUT_S STARTUP_S HANG_FACTOR`` watches the step run by process PID;
+``failed RUN_DIR JOB_ID`` blames the failed step and says whether to restart (exit 0) or not (exit 3). Lines for
+main_log.txt go to stdout.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ DUMP_WAIT_S = 5.0
 """How long the watchdog waits for the ranks' stacks after asking for them."""
 STOP_WAIT_S = 45.0
 """How long a stopped step gets between SIGTERM and SIGKILL (srun forwards SIGTERM to every task)."""
+STOP_POLL_S = 0.1
 
 
 def state_path(run: RunPaths, job_id: str) -> Path:
@@ -115,9 +117,15 @@ def start_step(run: RunPaths, job_id: str, need: int, nodelist: str,
     return nodes, heartbeats, lines
 
 
-def preflight_check(run: RunPaths, margin: float = 0.2) -> Callable[[list[str]], dict[str, str]]:
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def preflight_check(run: RunPaths, margin: float = 0.2, say: Callable[[str], None] = _print
+                    ) -> Callable[[list[str]], dict[str, str]]:
     """``opskit preflight`` on the job's usable nodes, with the run's copy of its spec (``slurm/spec.yaml``): the
-    failing nodes (put on the bad-node list) -> their problems. A check that cannot run excludes nobody."""
+    failing nodes (put on the bad-node list) -> their problems. A check that cannot run excludes nobody (``say``
+    gets the line saying why, for main_log.txt)."""
     from opskit.run.preflight import run_preflight
     from opskit.spec.load import load_spec
 
@@ -125,7 +133,7 @@ def preflight_check(run: RunPaths, margin: float = 0.2) -> Callable[[list[str]],
         try:
             verdict = run_preflight(load_spec(str(run.resolved_spec)), ",".join(nodes), margin, exclude=True, run=run)
         except OpskitError as e:
-            print(f"pre-flight not run: {e}")
+            say(f"pre-flight not run: {e}")
             return {}
         return {n.node: "; ".join(n.problems) for n in verdict.excluded}
 
@@ -181,10 +189,11 @@ def hung_ranks(beats: list[Beat], silent: list[Beat]) -> list[Beat]:
     return behind if len(behind) < len(beats) else []
 
 
-def watch_step(run: RunPaths, job_id: str, pid: int, limits: Limits, now=time.time, sleep=time.sleep) -> int:
+def watch_step(run: RunPaths, job_id: str, pid: int, limits: Limits, now=time.time, sleep=time.sleep,
+               say: Callable[[str], None] = _print) -> int:
     """Watch the current step's heartbeats until process ``pid`` (the step's srun) ends; on a hang, ask every rank
-    for its stacks, name the hung rank(s) in main_log.txt (beats, else stacks), record it in the job's state and stop
-    the step (SIGTERM, then SIGKILL after :data:`STOP_WAIT_S`).
+    for its stacks, name the hung rank(s) (``say``: a line for main_log.txt; beats, else stacks), record it in the
+    job's state and stop the step (SIGTERM, then SIGKILL after :data:`STOP_WAIT_S`).
 
     Returns:
         0 when the step ended on its own, 1 when it was stopped for a hang.
@@ -203,7 +212,7 @@ def watch_step(run: RunPaths, job_id: str, pid: int, limits: Limits, now=time.ti
             seen[b.rank] = b.seconds
         silent = silent_ranks(beats, intervals, limits, now()) if beats else []
         if silent:
-            _report_hang(run, job_id, state, beats, silent, limits, now, sleep)
+            _report_hang(run, job_id, state, beats, silent, limits, now, sleep, say)
             _stop(pid, sleep)
             return 1
         sleep(POLL_S)
@@ -212,13 +221,13 @@ def watch_step(run: RunPaths, job_id: str, pid: int, limits: Limits, now=time.ti
 
 def _running(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return _alive(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
 
 def _report_hang(run: RunPaths, job_id: str, state: dict, beats: list[Beat], silent: list[Beat], limits: Limits,
-                 now, sleep) -> None:
+                 now, sleep, say: Callable[[str], None]) -> None:
     step = state["steps"][-1]
     folder = Path(step["heartbeats"])
     (folder / DUMP_REQUEST).touch()
@@ -234,9 +243,9 @@ def _report_hang(run: RunPaths, job_id: str, state: dict, beats: list[Beat], sil
     age = max(now() - b.seconds for b in silent)
     oldest = min(silent, key=lambda b: b.seconds)
     who = ", ".join(f"{node} local rank {lr}" for node, lr in named) if named else "not named (every rank alike)"
-    print(f"{HANG_LINE}{len(silent)} of {len(beats)} ranks silent for up to {age:.0f} s (limit "
-          f"{limits.limit(oldest, []):.0f} s; last iteration {oldest.iteration}); hung: {who}"
-          + (f" ({how})" if named else "") + "; stopping the step", flush=True)
+    say(f"{HANG_LINE}{len(silent)} of {len(beats)} ranks silent for up to {age:.0f} s (limit "
+        f"{limits.limit(oldest, []):.0f} s; last iteration {oldest.iteration}); hung: {who}"
+        + (f" ({how})" if named else "") + "; stopping the step")
     step["hang"] = {"nodes": sorted({node for node, _ in named}), "ranks": [b.rank for b in hung],
                     "silent_s": round(age, 1)}
     _save(run, job_id, state)
@@ -244,7 +253,8 @@ def _report_hang(run: RunPaths, job_id: str, state: dict, beats: list[Beat], sil
 
 def _stop(pid: int, sleep) -> None:
     """SIGTERM to the step's process and its local children (srun forwards it to every task), SIGKILL to whatever
-    is left after :data:`STOP_WAIT_S`."""
+    is left after :data:`STOP_WAIT_S`. Nothing is reaped here: the step's parent (the job) must read its exit status
+    (a child reaped by another wait reads as 0 to Python's ``Popen.wait``)."""
     try:
         parent = psutil.Process(pid)
         processes = [parent, *parent.children(recursive=True)]
@@ -252,9 +262,20 @@ def _stop(pid: int, sleep) -> None:
         return
     for p in processes:
         _signal(p, signal.SIGTERM)
-    _, alive = psutil.wait_procs(processes, timeout=STOP_WAIT_S)
-    for p in alive:
-        _signal(p, signal.SIGKILL)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while any(_alive(p) for p in processes) and time.monotonic() < deadline:
+        sleep(STOP_POLL_S)
+    for p in processes:
+        if _alive(p):
+            _signal(p, signal.SIGKILL)
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Still running (a zombie has ended: its parent reaps it)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _signal(process: psutil.Process, sig: int) -> None:
@@ -334,7 +355,7 @@ def _down(nodes: list[str]) -> dict[str, str]:
         return {}
 
 
-# --------------------------------------------------------------------------- the job script's entry point
+# --------------------------------------------------------------------------- entry of scripts rendered before run.job
 
 
 def main(argv: list[str] | None = None) -> int:

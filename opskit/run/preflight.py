@@ -5,9 +5,9 @@ their records and names the nodes to keep out:
 - no record (the task died or never started), or fewer GPUs than ``parallel.gpus_per_node`` (when any node has
   GPUs: on a CPU cluster no node shows one);
 - a GEMM below the fleet's median by more than ``margin`` (its slowest device against the median of every node's
-  slowest device), twice: when one is slow, every node is measured again together and the slow one is judged
-  against that second median (another process on the cores for a moment, or on all of them, is no fault of a node),
-  and only one slow both times is kept out, the verdict giving both figures;
+  slowest device), twice: when one is slow, every node is measured again together, and only a node below the margin
+  again, against the smaller of the two medians, is kept out, the verdict giving both figures (another process on its
+  cores for a moment, or on every node's at the second measurement, is no fault of a node);
 - less free disk at the checkpoint folder than one step (``opskit plan``'s ``checkpoint_gb``: the folder is
   shared, every node's writes land there), or GPU Xid lines in the kernel log;
 - every all-reduce it took part in failed (one with each ring neighbour) while other pairs succeeded (when all
@@ -88,12 +88,13 @@ def judge(records: dict[str, dict | None], expected_devices: int, margin: float,
     Args:
         expected_devices: GPUs each node must show (0: not checked).
         margin: a node whose slowest GEMM is below ``(1 - margin) x`` the median of the nodes' slowest is excluded
-            (when ``again`` holds it, only if below ``(1 - margin) x`` the median of ``again`` too: a node slow
-            once and fine again stays in, with a note).
+            (when ``again`` holds it, only if its second figure is below ``(1 - margin) x`` the smaller of the two
+            medians too: a node slow once and fine again stays in, with a note).
         min_free_gb: free GB needed at the checkpoint folder.
         again: the second records (GEMM only) of every node, measured together because :func:`slow_gemm_nodes`
-            named one; None: not measured again. Its own median is the bar, so a slowdown that hit every node at
-            the second measurement is not held against one.
+            named one; None: not measured again. The smaller median is the bar: a slowdown that hit every node at
+            the second measurement is not held against one, nor one that hit this node alone at the first (several
+            local "nodes" sharing a machine's cores take turns).
     """
     slowest = slowest_gemms(records)
     median = statistics.median(slowest.values()) if slowest else None
@@ -143,7 +144,7 @@ def _gemm_verdict(node: str, first: tuple[float, float], margin: float, again: d
     if tflops_again is None or not median_again:
         return f"{problem}; measured again: no result", None
     again_said = f"{tflops_again:.3g} TFLOP/s, {tflops_again / median_again:.0%} of that median {median_again:.3g}"
-    if tflops_again < (1 - margin) * median_again:
+    if tflops_again < (1 - margin) * min(median, median_again):
         return f"{problem}; measured again with every node: {again_said}", None
     return problem, (f"{node}: GEMM {tflops:.3g} TFLOP/s ({tflops / median:.0%} of the median {median:.3g}) at "
                      f"first, {again_said} measured again with every node: kept in (the cores were busy for a "

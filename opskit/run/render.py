@@ -21,6 +21,8 @@ from opskit.rules.deepspeed import deepspeed_config as rules_deepspeed_config
 from opskit.rules.formats import parse_data_path
 from opskit.rules.schedule import BatchRampup
 from opskit.run.chain import job_comment
+from opskit.run.in_job import Limits
+from opskit.run.job import JobConfig, job_flags
 from opskit.run.paths import RunPaths, data_paths
 from opskit.spec.load import deep_merge
 from opskit.spec.schema import Spec
@@ -187,6 +189,15 @@ class RenderedJob:
     ds_config: str
 
 
+def job_config(spec: Spec, run: RunPaths) -> JobConfig:
+    """What the job script passes to :mod:`opskit.run.job` for a spec (the trainer's flags: :func:`trainer_args`)."""
+    s, w = spec.slurm, spec.watchdog
+    return JobConfig(run, spec.cli_name, spec.parallel.nodes, spec.parallel.gpus_per_node, s.master_port,
+                     int(s.time_minutes * 60), s.max_failures, s.max_stalled_starts, s.in_job_restarts, s.preflight,
+                     Limits(w.in_job_timeout_s, w.hang_min_minutes * 60, w.hang_factor),
+                     tuple(trainer_args(spec, run)))
+
+
 def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude: list[str] = ()) -> RenderedJob:
     """The job script and DeepSpeed config for a spec.
 
@@ -217,24 +228,16 @@ def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude:
         "signal": f"B:USR1@{s.signal_margin_secs}",
         "output": run.job_output,
     }
+    job = job_config(spec, run)
     ds_config = json.dumps(deepspeed_config(spec), indent=2) + "\n"  # no line of it can be the heredoc's delimiter
     script = env.get_template("train.slurm").render(
         sbatch={k: v for k, v in sbatch.items() if v is not None},
         spec=spec,
         run=run,
         python=python,
-        gpus_per_node=spec.parallel.gpus_per_node,
-        master_port=s.master_port,
-        time_limit_s=int(s.time_minutes * 60),
-        max_failures=s.max_failures,
-        max_stalled_starts=s.max_stalled_starts,
-        train_nodes=spec.parallel.nodes,
-        in_job_restarts=s.in_job_restarts,
-        preflight="--preflight" if s.preflight else "",
-        in_job_watch=f"{spec.watchdog.in_job_timeout_s:g} {spec.watchdog.hang_min_minutes * 60:g} "
-                     f"{spec.watchdog.hang_factor:g}",
+        job_flags=_one_flag_per_line(job_flags(job)),
         env={key: spec.expand(value, f"slurm.env.{key}") for key, value in s.env.items()},
-        trainer_args=_one_flag_per_line(trainer_args(spec, run)),
+        trainer_args=_one_flag_per_line(list(job.trainer_args)),
         ds_config=ds_config,
     )
     return RenderedJob(script=script, ds_config=ds_config)
