@@ -156,35 +156,14 @@ def test_files_without_column_wise_records_are_written_as_before(tmp_path, outpu
 
 
 def _walked_spikes(records: list[dict], config) -> list[dict]:
-    """The spike detector before issue 19: every value walked against its window, one record at a time."""
-    from opskit.logs.spikes import Spike, _is_spike, _Window
+    """The spikes a walk over every value finds: the rule book's :class:`opskit.rules.spikes.SpikeWatch`, which the
+    trainer's divergence check runs as the iterations come."""
+    from opskit.rules.spikes import SpikeWatch
 
-    found = []
-    for metric in config.metrics:
-        window, floor, current = _Window(config.window), config.relative_floor(metric), None
-        for record in records:
-            value = record.get(metric)
-            if value is None:
-                continue
-            flagged, baseline = _is_spike(window, value, config, floor)
-            if flagged:
-                if current is None:
-                    current = [record["iteration"], record["iteration"], record["iteration"], value, baseline, None, 0]
-                else:
-                    current[1], current[5], current[6] = record["iteration"], None, 0
-                    if not value <= current[3]:
-                        current[2], current[3] = record["iteration"], value
-                continue
-            window.add(value)
-            if current is not None:
-                current[5] = current[5] or record["iteration"]
-                current[6] += 1
-                if current[6] >= config.merge_gap:
-                    found.append(Spike(metric, *current[:6]))
-                    current = None
-        if current is not None:
-            found.append(Spike(metric, *current[:6]))
-    return [s.as_json() for s in sorted(found, key=lambda s: (s.first, s.metric))]
+    watch = SpikeWatch(config)
+    for record in records:
+        watch.add(record["iteration"], record)
+    return [s.as_json() for s in sorted(watch.closed + watch.open, key=lambda s: (s.first, s.metric))]
 
 
 @pytest.mark.parametrize("rough_share", [1, 10**9])  # candidates: always the median's bound alone / never

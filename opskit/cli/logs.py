@@ -191,7 +191,8 @@ def spikes(
 ) -> None:
     """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
     --skip-train-iteration-range to restart with."""
-    from opskit.logs.spikes import SpikeConfig, remedies, spikes_of
+    from opskit.logs.spikes import remedies, spikes_of
+    from opskit.rules.spikes import SpikeConfig
     from opskit.run.sources import resolve
 
     source, config = resolve(name_or_file), SpikeConfig(window=window, threshold=threshold)
