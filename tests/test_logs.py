@@ -352,7 +352,7 @@ def test_eta_is_the_tr11_chronicles_arithmetic(monkeypatch, tmp_path):
     assert from_log.consumed_tokens // 10**9 == 20 and from_log.planned_tokens // 10**9 == 450
     assert from_log.planned_tokens == 20155564032 + (115311 - 12695) * 2048 * 2048
     monkeypatch.setenv("six_ALL_CCFRSCRATCH", str(tmp_path))
-    from opskit.run.sources import from_spec
+    from opskit.history.sources import from_spec
 
     source = from_spec("tr11-176B-ml")
     assert (source.planned_tokens, source.save_interval) == (220_000_000 * 2048, 100)
@@ -485,8 +485,8 @@ def test_plot_series_smooths_ranges_and_reads_extra_fields():
 
 
 def test_run_series_resolve_restarts_place_validation_and_mark_spikes():
+    from opskit.history.sources import resolved
     from opskit.logs.plot import run_series
-    from opskit.run.sources import resolved
 
     skipped = []
     logs = [str(FIXTURES / name) for name in ("restart.txt", "tr11-176B-spike.txt", "tr8b-104B.txt")]

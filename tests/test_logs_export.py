@@ -119,8 +119,8 @@ def _two_ranks_lines() -> list[str]:
 @pytest.mark.parametrize("output_format", ["jsonl", "csv"])
 def test_columnar_output_of_two_printing_ranks_is_the_records_written_one_by_one(tmp_path, monkeypatch,
                                                                                  output_format):
+    from opskit.history.sources import resolve
     from opskit.logs.parse import record_columns, timeline
-    from opskit.run.sources import resolve
 
     log = tmp_path / "main_log.txt"
     log.write_text("\n".join(_two_ranks_lines()) + "\n")
@@ -205,10 +205,10 @@ def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monke
     series as the timeline of records built one dict at a time (the path before issue 19)."""
     import polars as pl
 
+    from opskit.history.sources import resolve, resolved
     from opskit.logs import spikes
     from opskit.logs.parse import as_list, record_columns, timeline
     from opskit.logs.plot import X_AXES, metric_value, run_series
-    from opskit.run.sources import resolve, resolved
 
     log = _varied_log(tmp_path)
     monkeypatch.setattr(parse, "_BULK_MIN", 1)  # the bulk path, in several blocks
