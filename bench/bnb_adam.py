@@ -158,7 +158,7 @@ def main() -> None:
 
     from opskit.data.corpus import prepare_data
     from opskit.errors import OpskitError
-    from opskit.rules.model import megatron_flops_per_iteration
+    from opskit.rules.model_size import megatron_flops_per_iteration
 
     try:  # rebuilt from the folder's kjv.jsonl where its path moved (its manifest has absolute paths)
         data = prepare_data("kjv", opts.data, vocab_size=VOCAB, name="kjv", force=True)

@@ -59,9 +59,9 @@ def measure(setting: str, data: Path, scratch: Path, **shape) -> dict:
     """Train the setting's spec one iteration and compare its ``global_step1`` with the plan."""
     from opskit.ckpt.format.info import describe_step
     from opskit.run.paths import RunPaths
-    from opskit.run.render import render_job, trainer_args
     from opskit.spec.load import load_spec
     from opskit.spec.plan import make_plan
+    from opskit.submission.render import render_job, trainer_args
 
     folder = scratch / setting.replace(" ", "_")
     folder.mkdir()

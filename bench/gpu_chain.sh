@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The job script on GPUs (issue 47): `tiny:gpu`'s 2-task chain (the first task exits at iteration 250 with a
 # checkpoint, the second resumes from it and finishes) through `opskit submit --wait` on a real one-node SLURM
-# (bench/gpu_host_slurm.sh): the rendered script execs opskit.run.job, which runs the step through srun and
-# opskit.run.node_step (torchrun, NCCL). Expected: two COMPLETED tasks in the ledger, the second loading
+# (bench/gpu_host_slurm.sh): the rendered script execs opskit.allocation.job, which runs the step through srun and
+# opskit.allocation.node_step (torchrun, NCCL). Expected: two COMPLETED tasks in the ledger, the second loading
 # global_step250, the finished flag. Prints opskit's main_log lines and `opskit status`; main_log.txt goes to $OUT when
 # set. GPUS=1: one GPU (TP=1 x PP=1) instead of 4 (TP=2 x PP=2).
 #
@@ -23,7 +23,7 @@ from opskit.spec.load import deep_merge
 
 preset = yaml.safe_load(open("opskit/spec/presets/tiny.yaml"))
 spec = deep_merge({k: v for k, v in preset.items() if k != "variants"}, preset["variants"]["gpu"])
-spec = deep_merge(spec, {"description": "tiny:gpu's chain through opskit.run.job (bench/gpu_chain.sh)",
+spec = deep_merge(spec, {"description": "tiny:gpu's chain through opskit.allocation.job (bench/gpu_chain.sh)",
                          "paths": {"output": "runs/tiny-gpu-chain"}})
 if os.environ["GPUS"] == "1":
     spec = deep_merge(spec, {

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trainer_throughput  # noqa: E402
 from trainer_throughput import PEAK_FLOPS, VOCAB, median_step_seconds, step_result  # noqa: E402
 
-from opskit.rules.model import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
+from opskit.rules.model_size import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 
 TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
 L = int(os.environ.get("LAYERS", trainer_throughput.L))

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_throughput import BLOOM, PEAK_FLOPS, REPO, VOCAB, make_data  # noqa: E402
 
 from opskit.logs.grammar import parse_iteration_line  # noqa: E402
-from opskit.rules.model import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
+from opskit.rules.model_size import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 
 
 def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, iters: int, tp: int,

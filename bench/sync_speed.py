@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 from remote_services import FaultProxy, start_gcs_emulator  # noqa: E402
 
-from opskit.monitor.sync import candidates, changed_files, load_manifest, sync  # noqa: E402
 from opskit.run.paths import RunPaths  # noqa: E402
 from opskit.targets import open_target  # noqa: E402
 from opskit.targets.base import TargetOptions, crc32c_of_file  # noqa: E402
+from opskit.upkeep.sync import candidates, changed_files, load_manifest, sync  # noqa: E402
 
 
 def make_run(root: Path, files: int) -> RunPaths:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from opskit.rules.model import padded_vocab_size
+from opskit.rules.model_size import padded_vocab_size
 
 REPO = Path(__file__).resolve().parents[1]
 L, H, HEADS, S, VOCAB = 24, 2048, 16, 2048, 50257
@@ -133,7 +133,7 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
         return {"name": name, "gpus": gpus, "error": f"exit {done.returncode}"}
     # The log's TFLOPs (2 decimals) is more precise than its seconds; it is Megatron-DeepSpeed's estimate (a V/(16lh)
     # vocabulary term), so the seconds come back through that same rule, not through model_flops (V/(12lh)).
-    from opskit.rules.model import megatron_flops_per_iteration
+    from opskit.rules.model_size import megatron_flops_per_iteration
 
     tflops = [float(t) for t in re.findall(r"TFLOPs: ([\d.]+)", done.stdout)]
     steady_tflops = statistics.median(tflops[1:]) if len(tflops) > 1 else tflops[0]  # window 1 holds warm-up

@@ -53,12 +53,10 @@ from opskit.logs.parse import parse_text, read_tail, timeline
 from opskit.monitor.watchdog import run_checks
 from opskit.rules import checks
 from opskit.rules.formats import parse_skip_ranges
-from opskit.rules.model import padded_vocab_size
+from opskit.rules.model_size import padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.run import chain
 from opskit.run.paths import RunPaths
-from opskit.run.render import data_files
-from opskit.run.submit import submit
 from opskit.slurm import client
 from opskit.slurm.pending import HopelessWatch
 from opskit.spec.files import SpecError
@@ -66,6 +64,8 @@ from opskit.spec.load import deep_merge, validate_spec
 from opskit.spec.placeholders import unset_variables
 from opskit.spec.plan import make_plan
 from opskit.spec.schema import Spec
+from opskit.submission.render import data_files
+from opskit.submission.submit import submit
 from opskit.train import REHEARSAL_CLOCK_ENV
 
 COMMAND = "rehearse"
@@ -457,7 +457,7 @@ class DataPlan:
 
 
 def plan_data(spec: Spec, data_root: Path) -> DataPlan:
-    """The spec's own data when every file it reads exists here (:func:`opskit.run.render.data_files`), else the
+    """The spec's own data when every file it reads exists here (:func:`opskit.submission.render.data_files`), else the
     KJV demo corpus prepared with the spec's tokenizer settings as far as offline allows: a corpus spec's own BPE at
     its vocabulary size; for a Hub tokenizer or GPT-2's vocabulary files (not reachable offline), a byte-level BPE of
     :data:`DEMO_VOCAB` tokens trained on the corpus, written as what the spec reads (a tokenizer folder, GPT-2 vocab

@@ -23,10 +23,10 @@ from opskit.logs.crash import expand_nodelist, find_crashes
 from opskit.monitor.pulse import wait_until_gone
 from opskit.run import chain
 from opskit.run.paths import RunPaths
-from opskit.run.submit import SubmitError, submit
 from opskit.slurm.client import QueueEntry
 from opskit.spec.files import SpecError
 from opskit.spec.load import load_spec
+from opskit.submission.submit import SubmitError, submit
 
 # The 2022-03-21 crash of BLOOM-176B (tr11 chronicles), as torchrun's --tee prints a worker's stderr.
 BLOOM_CRASH = """\
@@ -325,7 +325,7 @@ def test_crash_puts_the_node_on_the_bad_list_and_failures_stop_the_chain(kjv_dat
     log = run.main_log.read_text()
     tasks = tasks_of(log)
     assert [t for t, _ in tasks] == [f"{sub.job_id}_{i}" for i in (1, 2, 3)], log[-3000:]
-    # the job blames the node (opskit.run.in_job); with no other node to train on, the chain takes over
+    # the job blames the node (opskit.allocation.in_job); with no other node to train on, the chain takes over
     one(r"blamed localhost: CUDA error: unknown error: .*CUDA error: unknown error$", tasks[0][1])
     one(r"0 usable node\(s\) left for 1: the chain's next task takes over$", tasks[0][1])
     alert = one(r"\*\*\*ALERT: .*: 2 consecutive failed tasks \(\S+_1 FAILED exit 1 on localhost, \S+_2 FAILED exit 1 "

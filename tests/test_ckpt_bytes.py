@@ -28,9 +28,9 @@ from opskit.ckpt.convert import convert_step
 from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.universal import convert_to_universal
 from opskit.run.paths import RunPaths
-from opskit.run.render import render_job, trainer_args
 from opskit.spec.load import load_spec
 from opskit.spec.plan import make_plan
+from opskit.submission.render import render_job, trainer_args
 
 # The fp32 settings train as without it: DeepSpeed asks only to refuse fp16 (its engine; the trainer too) and for the
 # dtypes its gradient all-reduce sorts gradients by (an fp16 bucket stays empty).

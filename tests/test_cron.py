@@ -17,10 +17,10 @@ import pytest
 from conftest import write_spec
 from test_submit import OPSKIT
 
-from opskit.monitor import cron
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
 from opskit.spec.load import load_spec
+from opskit.upkeep import cron
 
 
 def cron_spec(tmp_path: Path, job_name: str, output: Path | None = None):

@@ -17,10 +17,10 @@ from pydantic_core import PydanticUndefined
 
 from opskit.rules import flags
 from opskit.run.paths import RunPaths
-from opskit.run.render import data_flags, deepspeed_config, trainer_args
 from opskit.spec.files import SpecError
 from opskit.spec.load import validate_spec
 from opskit.spec.schema import Spec
+from opskit.submission.render import data_flags, deepspeed_config, trainer_args
 from opskit.train.args import build_parser, parse_args
 
 PROPERTY = settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))

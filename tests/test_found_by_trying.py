@@ -23,8 +23,8 @@ from megatron_ckpt import build_checkpoint
 from typer.testing import CliRunner
 
 from opskit.cli.app import app
+from opskit.history.goodput import account
 from opskit.run import chain
-from opskit.run.goodput import account
 from opskit.run.paths import RunPaths
 from opskit.train.log import iteration_line
 
@@ -204,7 +204,7 @@ def node_record(tflops: float) -> dict:
 
 
 def test_a_node_slow_once_stays_in_and_one_slow_twice_is_kept_out_with_both_figures():
-    from opskit.run.preflight import judge, slow_gemm_nodes
+    from opskit.allocation.preflight import judge, slow_gemm_nodes
 
     # The CI run's figures: n2 at 0.0497 TFLOP/s against a median of 0.0946 (another process on its cores).
     records = {"n1": node_record(0.0946), "n2": node_record(0.0497), "n3": node_record(0.0950)}
@@ -469,6 +469,7 @@ def test_restore_refuses_the_filesystem_root_and_the_backup_tree(step_backup, en
 
 def test_in_job_start_never_creates_a_missing_run_dir(env, tmp_path):
     missing = tmp_path / "nonexistent" / "x"
+    # the entry of scripts rendered before opskit.allocation.job
     done = opskit(env, "start", str(missing), "5", "1", "n1", module="opskit.run.in_job")
     assert done.returncode == 3 and "Traceback" not in done.stderr
     assert done.stdout == f"no restart in this job: RUN_DIR {missing}: no such run directory (the job script passes " \

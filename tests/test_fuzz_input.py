@@ -14,13 +14,13 @@ from conftest import REPO
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from opskit.history import sources
 from opskit.logs import eta, follow, parse, spikes
 from opskit.logs.bulk import scan_blocks
 from opskit.logs.grammar import scan_bytes
 from opskit.monitor.checks import log_findings, progress_findings
 from opskit.monitor.snapshot import progress_of, read_log
 from opskit.monitor.state import WatchdogState
-from opskit.run import sources
 from opskit.run.paths import RunPaths
 from opskit.spec.files import SpecError
 from opskit.spec.load import load_spec, validate_spec

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from opskit.run.paths import RunPaths
-from opskit.run.render import RenderedJob, render_job
 from opskit.spec.files import preset_names
 from opskit.spec.load import load_spec, resolve_spec
+from opskit.submission.render import RenderedJob, render_job
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("OPSKIT_UPDATE_GOLDEN") == "1"

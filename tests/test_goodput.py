@@ -13,8 +13,8 @@ from conftest import write_spec
 from typer.testing import CliRunner
 
 from opskit.cli.app import app
+from opskit.history.goodput import CATEGORIES, GoodputError, account
 from opskit.run import chain
-from opskit.run.goodput import CATEGORIES, GoodputError, account
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 from opskit.train.log import iteration_line
@@ -187,7 +187,7 @@ def test_a_running_task_counts_to_now_and_a_run_without_saves_loses_from_its_sta
 
 
 def test_an_in_job_restart_splits_the_task_into_steps_and_its_hang_and_redone_work_count(tmp_path):
-    """One task, two training steps (opskit.run.in_job): step 0 trains 1-12 (save after 10), hangs 20 s until the
+    """One task, two training steps (opskit.allocation.in_job): step 0 trains 1-12 (save after 10), hangs 20 s until the
     in-job watchdog stops it; step 1 starts at once on the spare, loads step 10 and trains 11-30. Step 0's 11-12 are
     redone, its silence a hang, and the ledger's COMPLETED row is the task's last step's."""
     run = RunPaths(tmp_path / "run")

@@ -1,5 +1,5 @@
 """In-job recovery without SLURM: the heartbeat files, the watchdog's verdict on them, and the choice and blame of
-nodes between training steps (opskit.run.in_job). The real scenarios run on the 3-node SLURM in
+nodes between training steps (opskit.allocation.in_job). The real scenarios run on the 3-node SLURM in
 tests/test_multinode_failures.py."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from opskit.allocation import in_job
 from opskit.logs.stacks import rank_stacks
-from opskit.rules.heartbeat import DUMP_HEADER, WIDTH, Beat, beat_file, encode, read_beats
-from opskit.run import chain, in_job
+from opskit.rules.beats import DUMP_HEADER, WIDTH, Beat, beat_file, encode, read_beats
+from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.train.fault import CRASH_LINES
 from opskit.train.heartbeat import Heartbeat
@@ -170,8 +171,8 @@ def test_a_step_that_ends_on_its_own_is_not_watched_further(tmp_path, monkeypatc
 
 
 def test_the_entry_of_job_scripts_rendered_before_run_job_says_what_it_needs_in_one_line(tmp_path):
-    """``python -m opskit.run.in_job``, which scripts rendered before opskit.run.job call (one may still be queued
-    when opskit is upgraded)."""
+    """``python -m opskit.run.in_job``, which scripts rendered before opskit.allocation.job call (one may still be
+    queued when opskit is upgraded)."""
     def call(*args):
         return subprocess.run([sys.executable, "-m", "opskit.run.in_job", *args], capture_output=True, text=True,
                               env={k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"})
@@ -192,8 +193,8 @@ def test_the_entry_of_job_scripts_rendered_before_run_job_says_what_it_needs_in_
 def test_submit_refuses_more_spares_than_the_partition_and_a_timeout_a_save_outlasts(kjv_data, tmp_path, slurm):
     from conftest import write_spec
 
-    from opskit.run.submit import SubmitError, submit
     from opskit.spec.load import load_spec
+    from opskit.submission.submit import SubmitError, submit
 
     path = write_spec(tmp_path / "spec.yaml", kjv_data, tmp_path / "run", slurm={"spare_nodes": 1},
                       watchdog={"in_job_timeout_mins": 0.5})

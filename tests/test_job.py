@@ -1,5 +1,5 @@
-"""The job script's one entry (opskit.run.job) without SLURM: its step loop driven by a fake launcher whose steps are
-small Python processes (a crash line on a node, a hang, a trainer that saves on SIGUSR1), with the real in-job
+"""The job script's one entry (opskit.allocation.job) without SLURM: its step loop driven by a fake launcher whose steps
+are small Python processes (a crash line on a node, a hang, a trainer that saves on SIGUSR1), with the real in-job
 recovery, main_log.txt and ledger underneath. The same loop on the 3-node SLURM: tests/test_multinode_failures.py."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from opskit.rules.heartbeat import beat_file, encode
-from opskit.run import chain, in_job, job
+from opskit.allocation import in_job, job
+from opskit.rules.beats import beat_file, encode
+from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.train.fault import CRASH_LINES
 
@@ -26,8 +27,8 @@ ALLOCATION = job.Allocation("77", "70_1", "node[1-3]", under_slurm=False, partit
 
 
 class FakeSteps:
-    """A launcher (:data:`opskit.run.job.Launcher`) whose step N runs ``snippets[N]`` with ``python -c``: the step's
-    nodes in ``$NODES``, the run in ``$RUN``. Keeps each call's nodes and environment."""
+    """A launcher (:data:`opskit.allocation.job.Launcher`) whose step N runs ``snippets[N]`` with ``python -c``: the
+    step's nodes in ``$NODES``, the run in ``$RUN``. Keeps each call's nodes and environment."""
 
     def __init__(self, run: RunPaths, *snippets: str):
         self.run, self.snippets = run, snippets
@@ -188,7 +189,7 @@ def signal_when(run: RunPaths, text: str, sig: int) -> threading.Thread:
 
 @pytest.fixture
 def handlers():
-    """Installs a Job's SIGUSR1 and SIGTERM handlers as :func:`opskit.run.job.main` does, restored afterwards."""
+    """Installs a Job's SIGUSR1 and SIGTERM handlers as :func:`opskit.allocation.job.main` does, restored afterwards."""
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
 
     def install(j: job.Job) -> job.Job:
@@ -256,16 +257,16 @@ def test_the_flags_round_trip_and_a_job_outside_slurm_is_one_line(tmp_path):
     c = config(run)
     assert job.parse_job_flags([*job.job_flags(c), "--", *c.trainer_args]) == c
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    done = subprocess.run([sys.executable, "-m", "opskit.run.job", *job.job_flags(c), "--"], input=DS_CONFIG,
+    done = subprocess.run([sys.executable, "-m", "opskit.allocation.job", *job.job_flags(c), "--"], input=DS_CONFIG,
                           capture_output=True, text=True, env=env, timeout=60)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == ("opskit.run.job: SLURM_JOB_ID is not set: a job of sbatch or of opskit submit --executor "
-                           "local runs this\n")
+    assert done.stderr == ("opskit.allocation.job: SLURM_JOB_ID is not set: a job of sbatch or of opskit submit "
+                           "--executor local runs this\n")
     missing = config(RunPaths(tmp_path / "nowhere" / "run"))
-    done = subprocess.run([sys.executable, "-m", "opskit.run.job", *job.job_flags(missing), "--"], input=DS_CONFIG,
-                          capture_output=True, text=True, timeout=60,
+    done = subprocess.run([sys.executable, "-m", "opskit.allocation.job", *job.job_flags(missing), "--"],
+                          input=DS_CONFIG, capture_output=True, text=True, timeout=60,
                           env={**env, "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "node1"})
-    assert (done.returncode, done.stderr) == (2, f"opskit.run.job: --run-dir {missing.run.root}: no such run "
+    assert (done.returncode, done.stderr) == (2, f"opskit.allocation.job: --run-dir {missing.run.root}: no such run "
                                                  "directory\n")
     assert not (tmp_path / "nowhere").exists()  # never created
 
@@ -276,13 +277,13 @@ GOLDEN_SCRIPTS = sorted((Path(__file__).parent / "golden").rglob("train.slurm"))
 @pytest.mark.parametrize("path", GOLDEN_SCRIPTS, ids=lambda p: str(p.parent.relative_to(p.parents[2])))
 def test_the_rendered_job_script_holds_no_control_flow(path):
     """Every bundled preset's job script (tests/golden, rendered by test_golden.py): after the #SBATCH header,
-    comments, exports and one exec of opskit.run.job with its DeepSpeed config as a heredoc; no if/for/while/case,
-    no trap, no function."""
+    comments, exports and one exec of opskit.allocation.job with its DeepSpeed config as a heredoc; no
+    if/for/while/case, no trap, no function."""
     script = path.read_text()
     body = script[:script.index("<<'DS_CONFIG_JSON'")]
     commands = [line for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     execs = [line for line in commands if line.startswith("exec ")]
-    assert len(execs) == 1 and execs[0].endswith(" -m opskit.run.job \\")
+    assert len(execs) == 1 and execs[0].endswith(" -m opskit.allocation.job \\")
     starts = {line.split()[0] for line in commands if not line.startswith(" ")}  # the rest continues the exec
     assert starts == {"export", "exec"}, starts
     assert all(line.startswith("        --") or line == "    -- \\" for line in commands[commands.index(execs[0]) + 1:])

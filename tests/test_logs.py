@@ -18,7 +18,8 @@ from opskit.logs.eta import progress
 from opskit.logs.follow import follow, published_key
 from opskit.logs.grammar import parse_iteration_line, parse_line
 from opskit.logs.parse import LogFormatError, read_from, read_tail, split_segments, timeline
-from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
+from opskit.logs.spikes import find_spikes, remedies
+from opskit.rules.spikes import SpikeConfig, SpikeWatch
 from opskit.train.log import iteration_line, validation_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -313,6 +314,32 @@ def test_no_spike_in_a_smooth_run_and_nan_is_always_one():
                                                                records[31]["iteration"])
 
 
+def test_the_rule_value_by_value_acts_on_a_spike_that_stays_not_on_tr11s_that_recovered():
+    """SpikeWatch (the trainer's divergence check, issue 48) on tr11's log around 31216: the spike came back within
+    the band by 31250 (35 iterations), so with a patience of 50 there is never anything to act on; with a patience of 5
+    it would have been acted on at 31220. A NaN is acted on at once."""
+    records = [r for r in timeline(read_from(FIXTURES / "tr11-176B-spike.txt").records) if r["kind"] == "iteration"]
+
+    def first_action(patience: int, rows: list[dict]) -> tuple[int, str, int] | None:
+        watch = SpikeWatch()
+        for record in rows:
+            watch.add(record["iteration"], record)
+            spike = watch.unrecovered(record["iteration"], patience)
+            if spike is not None:
+                return record["iteration"], spike.metric, spike.first
+        return None
+
+    assert first_action(50, records) is None
+    assert first_action(5, records) == (31220, "grad_norm", 31215)
+    at = len(records) // 2
+    nan = [*records[:at], {**records[at], "lm_loss": float("nan")}, *records[at + 1:]]
+    assert first_action(10**6, nan) == (records[at]["iteration"], "lm_loss", records[at]["iteration"])
+    watch = SpikeWatch()
+    for record in records:
+        watch.add(record["iteration"], record)
+    assert sorted(watch.closed + watch.open, key=lambda s: (s.first, s.metric)) == find_spikes(records)  # logs spikes
+
+
 def test_eta_is_the_tr11_chronicles_arithmetic(monkeypatch, tmp_path):
     record = parse_iteration_line(fixture_line("malformed.txt", 12695))  # seed 004's line
     # "we need 125 days more `(115311-12695)*105/(3600*24)=124.7`"
@@ -325,7 +352,7 @@ def test_eta_is_the_tr11_chronicles_arithmetic(monkeypatch, tmp_path):
     assert from_log.consumed_tokens // 10**9 == 20 and from_log.planned_tokens // 10**9 == 450
     assert from_log.planned_tokens == 20155564032 + (115311 - 12695) * 2048 * 2048
     monkeypatch.setenv("six_ALL_CCFRSCRATCH", str(tmp_path))
-    from opskit.run.sources import from_spec
+    from opskit.history.sources import from_spec
 
     source = from_spec("tr11-176B-ml")
     assert (source.planned_tokens, source.save_interval) == (220_000_000 * 2048, 100)
@@ -458,8 +485,8 @@ def test_plot_series_smooths_ranges_and_reads_extra_fields():
 
 
 def test_run_series_resolve_restarts_place_validation_and_mark_spikes():
+    from opskit.history.sources import resolved
     from opskit.logs.plot import run_series
-    from opskit.run.sources import resolved
 
     skipped = []
     logs = [str(FIXTURES / name) for name in ("restart.txt", "tr11-176B-spike.txt", "tr8b-104B.txt")]

@@ -119,8 +119,8 @@ def _two_ranks_lines() -> list[str]:
 @pytest.mark.parametrize("output_format", ["jsonl", "csv"])
 def test_columnar_output_of_two_printing_ranks_is_the_records_written_one_by_one(tmp_path, monkeypatch,
                                                                                  output_format):
+    from opskit.history.sources import resolve
     from opskit.logs.parse import record_columns, timeline
-    from opskit.run.sources import resolve
 
     log = tmp_path / "main_log.txt"
     log.write_text("\n".join(_two_ranks_lines()) + "\n")
@@ -156,35 +156,14 @@ def test_files_without_column_wise_records_are_written_as_before(tmp_path, outpu
 
 
 def _walked_spikes(records: list[dict], config) -> list[dict]:
-    """The spike detector before issue 19: every value walked against its window, one record at a time."""
-    from opskit.logs.spikes import Spike, _is_spike, _Window
+    """The spikes a walk over every value finds: the rule book's :class:`opskit.rules.spikes.SpikeWatch`, which the
+    trainer's divergence check runs as the iterations come."""
+    from opskit.rules.spikes import SpikeWatch
 
-    found = []
-    for metric in config.metrics:
-        window, floor, current = _Window(config.window), config.relative_floor(metric), None
-        for record in records:
-            value = record.get(metric)
-            if value is None:
-                continue
-            flagged, baseline = _is_spike(window, value, config, floor)
-            if flagged:
-                if current is None:
-                    current = [record["iteration"], record["iteration"], record["iteration"], value, baseline, None, 0]
-                else:
-                    current[1], current[5], current[6] = record["iteration"], None, 0
-                    if not value <= current[3]:
-                        current[2], current[3] = record["iteration"], value
-                continue
-            window.add(value)
-            if current is not None:
-                current[5] = current[5] or record["iteration"]
-                current[6] += 1
-                if current[6] >= config.merge_gap:
-                    found.append(Spike(metric, *current[:6]))
-                    current = None
-        if current is not None:
-            found.append(Spike(metric, *current[:6]))
-    return [s.as_json() for s in sorted(found, key=lambda s: (s.first, s.metric))]
+    watch = SpikeWatch(config)
+    for record in records:
+        watch.add(record["iteration"], record)
+    return [s.as_json() for s in sorted(watch.closed + watch.open, key=lambda s: (s.first, s.metric))]
 
 
 @pytest.mark.parametrize("rough_share", [1, 10**9])  # candidates: always the median's bound alone / never
@@ -226,10 +205,10 @@ def test_plot_and_spikes_read_from_columns_what_the_records_give(tmp_path, monke
     series as the timeline of records built one dict at a time (the path before issue 19)."""
     import polars as pl
 
+    from opskit.history.sources import resolve, resolved
     from opskit.logs import spikes
     from opskit.logs.parse import as_list, record_columns, timeline
     from opskit.logs.plot import X_AXES, metric_value, run_series
-    from opskit.run.sources import resolve, resolved
 
     log = _varied_log(tmp_path)
     monkeypatch.setattr(parse, "_BULK_MIN", 1)  # the bulk path, in several blocks

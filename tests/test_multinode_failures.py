@@ -25,8 +25,8 @@ from test_submit import OPSKIT, iterations_logged, one, tasks_of
 
 from opskit.run import chain
 from opskit.run.paths import RunPaths
-from opskit.run.submit import submit
 from opskit.spec.load import load_spec
+from opskit.submission.submit import submit
 
 pytestmark = pytest.mark.slurm
 
@@ -123,7 +123,7 @@ def test_crash_on_one_node_excludes_it_and_the_chain_resumes_on_the_healthy_node
     # No human action: the epilogue moved the exclusion onto the queued tasks; SLURM still shows it (MinJobAge).
     log = run.main_log.read_text()
     tasks = dict(tasks_of(log))
-    # The job blamed node2 (opskit.run.in_job) and, with no spare node in the allocation, left it to the chain.
+    # The job blamed node2 (opskit.allocation.in_job) and, with no spare node in the allocation, left it to the chain.
     one(r"blamed node2: CUDA launch failure: .*an illegal memory access was encountered$", tasks[f"{sub.job_id}_1"])
     one(rf"queued task\(s\) {sub.job_id}_\[2-3\] now exclude node2 \(ExcNodeList\)$", tasks[f"{sub.job_id}_1"])
     one(r"1 usable node\(s\) left for 2: the chain's next task takes over$", tasks[f"{sub.job_id}_1"])

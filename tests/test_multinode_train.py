@@ -22,8 +22,8 @@ from opskit.ckpt.format.info import describe_step
 from opskit.logs.parse import read_from
 from opskit.run import chain
 from opskit.run.paths import RunPaths
-from opskit.run.render import render_job, trainer_args
 from opskit.spec.load import load_spec
+from opskit.submission.render import render_job, trainer_args
 
 pytestmark = pytest.mark.slurm
 

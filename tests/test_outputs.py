@@ -235,7 +235,7 @@ def run_paths(tmp_path):
 
 
 def test_sync_refuses_to_replace_a_file_it_did_not_upload(run_paths, tmp_path):
-    from opskit.monitor.sync import sync
+    from opskit.upkeep.sync import sync
 
     share = users_folder(tmp_path / "share")
     (share / "logs").mkdir()
@@ -248,7 +248,7 @@ def test_sync_refuses_to_replace_a_file_it_did_not_upload(run_paths, tmp_path):
 
 
 def test_sync_delete_removes_only_what_it_uploaded(run_paths, tmp_path):
-    from opskit.monitor.sync import sync
+    from opskit.upkeep.sync import sync
 
     url, share = f"file://{tmp_path / 'share'}", users_folder(tmp_path / "share")
     old = run_paths.logs / "old_log.txt"

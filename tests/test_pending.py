@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from opskit.cli.app import app
 from opskit.monitor.pulse import wait_until_gone
 from opskit.run.paths import RunPaths
-from opskit.run.submit import Submission
 from opskit.slurm.client import QueueEntry
 from opskit.slurm.pending import HopelessWatch, PendingForever, hopeless_reason
+from opskit.submission.submit import Submission
 
 
 def pending(reason: str, job_id: str = "77_[1-2%1]", name: str = "opskit-pf") -> QueueEntry:
@@ -95,7 +95,7 @@ def test_submit_wait_exits_1_with_one_line_on_a_hopeless_reason(tmp_path, monkey
     spec = write_spec(tmp_path / "pf.yaml", fake_data, tmp_path / "run", slurm={"job_name": "opskit-pf"})
     submitted = Submission(run=RunPaths(tmp_path / "run"), executor="slurm",
                            command=["sbatch", "--parsable", "train.slurm"], job_id="77")
-    monkeypatch.setattr("opskit.run.submit.submit", lambda *a, **k: submitted)
+    monkeypatch.setattr("opskit.submission.submit.submit", lambda *a, **k: submitted)
     monkeypatch.setattr("opskit.monitor.pulse.squeue", lambda *a, **k: [pending("(PartitionConfig)")])
     monkeypatch.setattr("opskit.slurm.pending.GRACE_S", 0.0)
     started = time.monotonic()

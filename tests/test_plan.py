@@ -22,8 +22,6 @@ from opskit.cli.app import app
 from opskit.rules.deepspeed import installed_deepspeed_version
 from opskit.rules.schedule import BatchRampup, annealing_lr, num_microbatches
 from opskit.run.paths import RunPaths
-from opskit.run.render import deepspeed_config, render_job, trainer_args
-from opskit.run.submit import data_problems, trainer_problems
 from opskit.spec.files import SpecError
 from opskit.spec.load import load_spec, validate_spec
 from opskit.spec.new import list_specs
@@ -42,6 +40,8 @@ from opskit.spec.plan import (
     training_days,
 )
 from opskit.spec.schema import Spec, deepspeed_resume_problem, padded_vocab_size, parse_slurm_time
+from opskit.submission.render import deepspeed_config, render_job, trainer_args
+from opskit.submission.submit import data_problems, trainer_problems
 from opskit.train.args import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1121,7 +1121,7 @@ def test_a_relative_path_set_into_a_spec_starts_from_the_project_for_every_field
     """`--set VAR=rel/path` resolved paths.output from the project but the split files (and every
     other data file) from the current directory, so the job read other files than submit checked."""
     from opskit.run.paths import RunPaths
-    from opskit.run.render import data_files, trainer_args
+    from opskit.submission.render import data_files, trainer_args
 
     runner = CliRunner()
     done = runner.invoke(app, ["specs", "new", "rel", "--from", "tr11", "--set", "six_ALL_CCFRWORK=work",

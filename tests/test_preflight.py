@@ -1,9 +1,9 @@
-"""``opskit preflight``'s verdicts on node records (opskit.run.preflight.judge); the checks on a real 3-node SLURM are
-in tests/test_multinode_failures.py."""
+"""``opskit preflight``'s verdicts on node records (opskit.allocation.preflight.judge); the checks on a real 3-node
+SLURM are in tests/test_multinode_failures.py."""
 
 from __future__ import annotations
 
-from opskit.run.preflight import judge
+from opskit.allocation.preflight import judge
 
 
 def record(node: str, tflops=(400.0, 410.0), devices=2, free_gb=900.0, xid=(), pairs=(True, True)) -> dict:

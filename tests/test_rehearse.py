@@ -41,9 +41,9 @@ from opskit.rehearse import (
 )
 from opskit.rules.schedule import BatchRampup
 from opskit.run.paths import RunPaths
-from opskit.run.submit import submit
 from opskit.slurm import client
 from opskit.spec.load import load_spec
+from opskit.submission.submit import submit
 from opskit.train import REHEARSAL_CLOCK_ENV
 
 STAGES = ["spec scaled down", "data", "submit", "task 1: exit duration", "task 2: resume", "exact resume",

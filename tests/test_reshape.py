@@ -34,7 +34,7 @@ from test_train import one_line_error, records, succeeded
 
 from opskit.ckpt.format.info import saved_files_digest
 from opskit.ckpt.format.universal import Layout, ReshapeError, convert_to_universal, needs_conversion, universal_origin
-from opskit.rules.model import padded_vocab_size
+from opskit.rules.model_size import padded_vocab_size
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 GBS, ITERATIONS = 8, 20

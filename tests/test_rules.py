@@ -21,14 +21,14 @@ from opskit.rules.deepspeed import (
     deepspeed_version_problem,
     with_flags,
 )
-from opskit.rules.model import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size
+from opskit.rules.model_size import VocabPaddingError, megatron_flops_per_iteration, padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, annealing_lr, iterations_to_tokens
 from opskit.run.paths import RunPaths
-from opskit.run.render import render_job, trainer_args
 from opskit.spec.files import SpecError
 from opskit.spec.load import load_spec
 from opskit.spec.new import list_specs
 from opskit.spec.schema import _field_name
+from opskit.submission.render import render_job, trainer_args
 from opskit.train.args import parse_args
 
 BIGSCIENCE_ENV = ("six_ALL_CCFRWORK", "six_ALL_CCFRSCRATCH")

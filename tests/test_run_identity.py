@@ -116,9 +116,9 @@ def test_group_members_share_a_run_directory_not_a_job_name(tmp_path, cancel_aft
     from opskit.monitor.watchdog import run_checks
     from opskit.run import chain
     from opskit.run.paths import RunPaths
-    from opskit.run.render import render_job
-    from opskit.run.submit import submit
     from opskit.spec.load import load_spec
+    from opskit.submission.render import render_job
+    from opskit.submission.submit import submit
 
     name = f"opskit-group-{uuid.uuid4().hex[:8]}"
     spec_a, spec_b = (load_spec(p) for p in twin_specs(tmp_path, name, group="trainers"))

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from opskit.cli.app import app
+from opskit.history.measures import save_interval_advice
 from opskit.rules.reliability import lost_fraction, optimal_save_interval
-from opskit.run.history import save_interval_advice
 from opskit.run.paths import RunPaths
 
 WEEK = 7 * 86400

@@ -1,5 +1,5 @@
-"""opskit.run.submit end to end: a real 2-task chain on the local SLURM (each task stops on its exit duration with a
-checkpoint, task 2 resuming exactly where task 1 saved), the same chain with the local executor (tasks stopped by
+"""opskit.submission.submit end to end: a real 2-task chain on the local SLURM (each task stops on its exit duration
+with a checkpoint, task 2 resuming exactly where task 1 saved), the same chain with the local executor (tasks stopped by
 SIGUSR1), SIGUSR1 through srun, --dry-run, the rendered script under bash -n / shellcheck, hostile names and paths,
 missing data."""
 
@@ -23,9 +23,9 @@ from opskit.fsutil import write_marker
 from opskit.monitor.pulse import wait_until_gone
 from opskit.run import chain
 from opskit.run.paths import RunPaths
-from opskit.run.submit import SubmitError, submit
 from opskit.slurm import client
 from opskit.spec.load import load_spec
+from opskit.submission.submit import SubmitError, submit
 
 OPSKIT = str(Path(sys.executable).with_name("opskit"))
 GBS = 8
@@ -293,7 +293,7 @@ def test_hostile_names_and_paths_stay_literal(kjv_data, tmp_path, slurm, cancel_
     done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, cwd=scratch)
     assert done.returncode == 0, done.stderr
     printed = done.stdout.splitlines()
-    assert printed[0] == str(output) and printed[2:4] == ["-m", "opskit.run.job"]
+    assert printed[0] == str(output) and printed[2:4] == ["-m", "opskit.allocation.job"]
     assert printed[printed.index("--run-dir") + 1] == str(output)
     assert printed[printed.index("--save") + 1] == str(output / "checkpoints")
     assert list(scratch.iterdir()) == [] and not any(m.exists() for m in markers)

@@ -11,9 +11,9 @@ import sys
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from opskit.monitor.sync import SyncBusy, SyncError, sync
 from opskit.run.paths import RunPaths
 from opskit.targets.base import TargetError
+from opskit.upkeep.sync import SyncBusy, SyncError, sync
 
 KINDS = ["logs", "tensorboard", "codecarbon"]
 
@@ -184,8 +184,8 @@ def test_cli_syncs_to_the_spec_targets_and_reports_json(run, tmp_path, kjv_data)
                            text=True, env=env)
     assert again.stdout == f"file://{share}: published 0 file(s), 1 unchanged\n"
 
-    from opskit.monitor.cron import hourly_commands
     from opskit.spec.load import load_spec
+    from opskit.upkeep.cron import hourly_commands
 
     hourly = hourly_commands(load_spec(str(spec)), sync_to=None)
     assert hourly[-1].endswith(f" sync all {load_spec(str(spec)).cli_name}")  # the spec's targets, no --to
@@ -202,8 +202,8 @@ def test_a_specs_targets_sync_in_turn_and_a_busy_one_is_skipped(run, tmp_path, k
 
     from conftest import write_spec
 
-    from opskit.monitor.sync import sync_spec
     from opskit.spec.load import load_spec
+    from opskit.upkeep.sync import sync_spec
 
     busy_url, free_url = f"file://{tmp_path / 'busy'}", f"file://{tmp_path / 'free'}"
     spec = load_spec(str(write_spec(tmp_path / "trainings" / "t.yaml", kjv_data, run.root,

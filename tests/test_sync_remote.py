@@ -14,10 +14,10 @@ from hub_standin import HubStandIn, serve
 from remote_services import FaultProxy, olah_cli, start_gcs_emulator, start_olah
 
 from opskit.logs.follow import follow_published
-from opskit.monitor.sync import sync
 from opskit.run.paths import RunPaths
 from opskit.targets import open_target
 from opskit.targets.base import TargetError, TargetOptions, scrub
+from opskit.upkeep.sync import sync
 
 TOKEN = "hf_opskitTestToken0123456789abcdef"
 FAST = TargetOptions(workers=4, create_repo=True, retries=2, backoff_s=0.01)

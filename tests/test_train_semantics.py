@@ -491,8 +491,8 @@ def test_every_bigscience_preset_command_line_is_accepted(monkeypatch, tmp_path)
     import yaml
 
     from opskit.run.paths import RunPaths
-    from opskit.run.render import trainer_args
     from opskit.spec.load import load_spec
+    from opskit.submission.render import trainer_args
     from opskit.train.args import parse_args
 
     for var in ("six_ALL_CCFRWORK", "six_ALL_CCFRSCRATCH"):

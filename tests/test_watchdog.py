@@ -854,7 +854,7 @@ def test_no_channel_and_bad_settings_are_one_line_errors(tmp_path):
 
 @pytest.mark.slurm
 def test_user_config_and_cron(slurm, tmp_path, webhook, monkeypatch):
-    from opskit.monitor.cron import hourly_commands
+    from opskit.upkeep.cron import hourly_commands
 
     name = unique("opskit-wd-user")
     spec = spec_file(tmp_path, name, alerts={"resend_hours": 1})

@@ -62,7 +62,7 @@ from opskit.fsutil import (
     replace_dir,
     write_marker,
 )
-from opskit.rules.model import has_embedding_layernorm
+from opskit.rules.model_size import has_embedding_layernorm
 
 # What transformers' tokenizers read from a folder; a tokenizer folder's other files (weights...) are not copied.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -38,7 +38,7 @@ def target_problems(args: Namespace, target: Layout) -> list[str]:
     """Why the model saved with ``args`` cannot run on ``target``: the trainer's own TP and PP rules
     (:func:`opskit.rules.checks.tensor_parallel_problems`, :func:`~opskit.rules.checks.pipeline_problems`, with the
     trainer's partition method). The padded vocabulary needs no rule: a resume pads it to a multiple of the new TP
-    (:func:`opskit.rules.model.resumed_padded_vocab_size`)."""
+    (:func:`opskit.rules.model_size.resumed_padded_vocab_size`)."""
     if small := [f"{what.upper()}={value} must be at least 1" for what, value in vars(target).items() if value < 1]:
         return small
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size

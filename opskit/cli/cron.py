@@ -22,8 +22,8 @@ def install(
 ) -> None:
     """Install the hourly jobs (run from the current directory, where trainings/ is). JSON: dry_run, installed (the
     record: method, commands, crontab_line or job_name, script and job_ids), script and command (--dry-run)."""
-    from opskit.monitor import cron
     from opskit.spec.load import load_spec
+    from opskit.upkeep import cron
 
     if dry_run:
         emit(cron.plan_install(load_spec(name), sync_to=sync_to, method=via), json_output, _render_plan)
@@ -32,7 +32,7 @@ def install(
 
 
 def _render_plan(plan) -> None:
-    from opskit.run.submit import format_command
+    from opskit.submission.submit import format_command
 
     if plan.script is None:
         console.print(f"# would add to the crontab: {plan.installed.crontab_line}")
@@ -56,8 +56,8 @@ def status(
     json_output: JsonOutput = False,
 ) -> None:
     """Next run of the hourly jobs; exit 1 with a WARNING when the installed cron is gone."""
-    from opskit.monitor import cron
     from opskit.spec.load import load_spec
+    from opskit.upkeep import cron
 
     result = cron.status(load_spec(name))
     emit(result, json_output, lambda status: print_lines(status.lines))
@@ -73,8 +73,8 @@ def uninstall(
     json_output: JsonOutput = False,
 ) -> None:
     """Remove exactly what install added. JSON: ``{"dry_run", "removed": [what, ...]}``."""
-    from opskit.monitor import cron
     from opskit.spec.load import load_spec
+    from opskit.upkeep import cron
 
     removed = cron.uninstall(load_spec(name), dry_run=dry_run)
     emit({"dry_run": dry_run, "removed": removed}, json_output,

@@ -1,5 +1,5 @@
 """``opskit goodput NAME [--json] [--out goodput.png [--force]]``: where the run's wall clock went
-(opskit.run.goodput)."""
+(opskit.history.goodput)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def goodput(
     """Split the run's wall clock (first submit to now) into training that counts, redone training, saving, loading,
     start-up, evaluation, hangs, queue wait and idle: the whole run and each chain task. Exit 0; 1 when the run has
     no task yet or a file is unreadable."""
-    from opskit.run.goodput import account, write_plot
+    from opskit.history.goodput import account, write_plot
     from opskit.run.paths import RunPaths
     from opskit.spec.load import load_spec
 
@@ -34,7 +34,7 @@ def goodput(
 
 
 def _render(result, out: Path | None) -> None:
-    from opskit.run.goodput import CATEGORIES
+    from opskit.history.goodput import CATEGORIES
 
     console.print(_totals_table(result, CATEGORIES))
     console.print("per task (queue: the wait before it)")

@@ -72,7 +72,7 @@ def show(
     json_output: bool = typer.Option(False, "--json", help="Records, progress and ETA as JSON."),
 ) -> None:
     """The last iteration lines (read from the end of the log), progress, ETA and tokens consumed / planned."""
-    from opskit.run.sources import log_tail
+    from opskit.history.sources import log_tail
 
     emit(log_tail(name_or_file, last, recent), json_output, lambda view: _render_show(view, recent))
 
@@ -116,8 +116,8 @@ def tail(
 ) -> None:
     """Follow a log as `tail -f` does, from its last lines; survives the file being replaced (a sync). With --json,
     JSON Lines (one object per line), not one JSON document."""
+    from opskit.history.sources import resolve
     from opskit.logs.follow import follow, follow_published, published_key
-    from opskit.run.sources import resolve
     from opskit.targets import open_target
 
     local = resolve(name_or_file).text_log("tail")
@@ -156,9 +156,9 @@ def plot(
 ) -> None:
     """Plot a metric of one or more runs: an image with --out, else a terminal plot. One line per run, spikes marked
     with x; restarts resolved (what a resume re-ran replaces the old lines)."""
+    from opskit.history.sources import resolved
     from opskit.logs.parse import LogFormatError
     from opskit.logs.plot import check_x, claim_image, draw_image, draw_text, parse_range, run_series, y_key
-    from opskit.run.sources import resolved
 
     key, bounds = y_key(y), parse_range(x_range)
     check_x(x)
@@ -191,8 +191,9 @@ def spikes(
 ) -> None:
     """lm-loss and grad-norm spikes: iteration ranges, the checkpoint to roll back to, the
     --skip-train-iteration-range to restart with."""
-    from opskit.logs.spikes import SpikeConfig, remedies, spikes_of
-    from opskit.run.sources import resolve
+    from opskit.history.sources import resolve
+    from opskit.logs.spikes import remedies, spikes_of
+    from opskit.rules.spikes import SpikeConfig
 
     source, config = resolve(name_or_file), SpikeConfig(window=window, threshold=threshold)
     line = source.timeline(config.metrics)

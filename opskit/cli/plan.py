@@ -24,7 +24,7 @@ def plan(
     json_output: bool = typer.Option(False, "--json", help="Machine-readable output (keys: docs/plan.md)."),
 ) -> None:
     """Parameters, memory, layout, batch ramp-up, LR and curriculum schedules, FLOPs and days of a training spec."""
-    from opskit.run.history import save_interval_advice
+    from opskit.history.measures import save_interval_advice
     from opskit.run.paths import RunPaths
     from opskit.spec.load import load_spec
     from opskit.spec.plan import make_plan
@@ -45,7 +45,7 @@ def _render(spec, result, advice) -> None:
 
 
 def _advice_table(advice) -> Table:
-    """The save interval from the run's history (:class:`opskit.run.history.SaveIntervalAdvice`)."""
+    """The save interval from the run's history (:class:`opskit.history.measures.SaveIntervalAdvice`)."""
     table = _table("save interval from the run (Young/Daly: sqrt(2 x save cost x MTBF))")
     table.add_row("run so far", f"{advice.tasks} task(s), {advice.hours_run:.1f} h running, {advice.failures} "
                                 f"failure(s)")

@@ -1,5 +1,5 @@
 """``opskit preflight NAME --nodes LIST [--margin F] [--exclude] [--json]``: check nodes before training trusts them
-(opskit.run.preflight)."""
+(opskit.allocation.preflight)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def preflight(
 ) -> None:
     """Run one check per node (srun, a task per node): devices, a timed GEMM, free disk at the checkpoints, GPU Xid
     lines, an all-reduce over the nodes; name the nodes to keep out. Exit 0 when every node passes, 1 otherwise."""
-    from opskit.run.preflight import run_preflight
+    from opskit.allocation.preflight import run_preflight
     from opskit.spec.load import load_spec
 
     result = run_preflight(load_spec(name), nodes, margin, exclude)

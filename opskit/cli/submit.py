@@ -27,9 +27,9 @@ def submit(
     run's running or pending jobs. JSON (--json): what was submitted (or, --dry-run, would be): run, script, command,
     job_id, local task exit codes, notes, warnings; progress and --wait's PULSE lines go to stderr then."""
     from opskit.monitor.pulse import wait_until_gone
-    from opskit.run.submit import submit as submit_run
     from opskit.slurm.pending import HopelessWatch
     from opskit.spec.load import load_spec
+    from opskit.submission.submit import submit as submit_run
 
     spec = load_spec(name, {"parallel": {"nodes": nodes}} if nodes else None)
     out = progress_console(json_output)
@@ -54,7 +54,7 @@ def submit(
 
 def _render(sub) -> None:
     """The dry run's script and command, or what was submitted; notes, and warnings as ``# warning:`` lines."""
-    from opskit.run.submit import format_command
+    from opskit.submission.submit import format_command
 
     if sub.dry_run and sub.script:
         console.print(sub.script, end="")

@@ -24,8 +24,8 @@ def sync(
 ) -> None:
     """Publish new and changed log / TensorBoard / CodeCarbon files of a run; unchanged files are never sent, a sync
     with nothing new makes no request. Exit 1 when an upload failed after its retries."""
-    from opskit.monitor.sync import kinds_of, sync_spec
     from opskit.spec.load import load_spec
+    from opskit.upkeep.sync import kinds_of, sync_spec
 
     kinds = kinds_of(kind)
     results = []

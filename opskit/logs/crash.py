@@ -60,12 +60,12 @@ _NODELIST = re.compile(rf"{_NODELIST_ITEM.pattern}(?:,{_NODELIST_ITEM.pattern})*
 _TASK_PREFIX = re.compile(r"^\s*(\d+): ")
 # torchrun --tee's prefix, after that label if any: "[default3]:" is the worker of local rank 3 (GPU 3 of its node).
 _WORKER_PREFIX = re.compile(r"\[[A-Za-z_-]*(\d+)\]:")
-# The line opskit.run.job writes as each array task starts; the lines after it, up to the next one, are
+# The line opskit.allocation.job writes as each array task starts; the lines after it, up to the next one, are
 # that task's: ``job`` (SLURM_JOB_ID), ``task`` (``<array job>_<task id>``), ``nodes`` (its compressed node list).
 JOB_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job (?P<job>\d+) \(array task (?P<task>\S+)\) "
                         r"nodes (?P<nodes>\S+): start$", re.M)
-# The line it writes as each training step of the task starts (opskit.run.in_job picks the nodes: a restart inside
-# the allocation may run on other nodes): srun's labels after it index ``nodes``, the step's node list, not the
+# The line it writes as each training step of the task starts (opskit.allocation.in_job picks the nodes: a restart
+# inside the allocation may run on other nodes): srun's labels after it index ``nodes``, the step's node list, not the
 # job's; ``step`` counts from 0 in each job.
 STEP_HEADER = re.compile(r"^\[opskit\] \S+ \S+ job \d+ \(array task \S+\) nodes \S+: "
                          r"training step (?P<step>\d+) on nodes (?P<nodes>\S+)$", re.M)

@@ -24,10 +24,11 @@ from opskit.errors import MissingExtraError
 from opskit.fsutil import claim_file, staging_path
 from opskit.logs.grammar import iteration_fields
 from opskit.logs.parse import LogFormatError, as_list, python_value, record_columns
-from opskit.logs.spikes import Spike, SpikeConfig, spikes_of
+from opskit.logs.spikes import spikes_of
+from opskit.rules.spikes import Spike, SpikeConfig
 
 if TYPE_CHECKING:  # the run layer above hands its sources in
-    from opskit.run.sources import LogSource
+    from opskit.history.sources import LogSource
 
 X_AXES = {"iteration": "iteration", "samples": "consumed_samples", "tokens": "consumed_tokens"}
 Y_ALIASES = {"lr": "learning_rate", "loss": "lm_loss", "time": "elapsed_time_per_iteration_s",
@@ -144,12 +145,12 @@ def make_series(name: str, columns: dict[str, Sequence], x: str, y: str, x_range
 def run_series(sources: Iterable[tuple[str, LogSource]], x: str, y: str, x_range=(None, None), smooth: int = 1,
                on_skipped: Callable[[str, int], None] = lambda item, skipped: None) -> list[Series]:
     """One :class:`Series` per (input, its source) pair (a spec name, run folder, log file or TensorBoard event folder
-    and what :func:`opskit.run.sources.resolve` made of it; a generator resolves each as its turn comes), in order:
+    and what :func:`opskit.history.sources.resolve` made of it; a generator resolves each as its turn comes), in order:
     metric ``y`` (a record key or alias, checked against what each log holds) over ``x``, restarts resolved (what a
     resume re-ran replaces the old records), validation metrics at the consumed samples/tokens of their iteration,
     lm-loss and grad-norm spikes marked; ``x_range`` and ``smooth`` as :func:`make_series`. ``on_skipped(input, n)``
     hears of an input's n cut or garbled lines. A large log's iteration records stay columns
-    (:meth:`opskit.run.sources.LogSource.timeline`), never a dict each.
+    (:meth:`opskit.history.sources.LogSource.timeline`), never a dict each.
 
     Raises:
         LogFormatError: an unknown ``y``; an input without iteration lines, or without ``y`` values with an x in

@@ -8,53 +8,12 @@ first iteration after that checkpoint and B the last one before the training was
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from itertools import compress
 
 from opskit.logs.parse import python_value, record_columns
-
-
-@dataclass(frozen=True)
-class SpikeConfig:
-    """How spikes are told from noise.
-
-    A value is a spike when its robust z-score ``(x - median) / scale`` over the ``window`` previous non-spike values
-    exceeds ``threshold``; ``scale`` is the inter-quartile range / 1.349 (the standard deviation for normal noise,
-    untouched by outliers), floored at ``min_relative[metric]`` x |median| so that neither a flat series nor the
-    noise of a 100-value quartile estimate makes a wiggle a spike: lm loss spikes worth a rollback are +10% and more
-    (2.21 -> 2.60 at tr11's 31216), grad-norm ones several-fold (0.24 -> 0.95 at 31215), while healthy grad norms
-    wander by tens of percent. Nothing is flagged before ``min_history`` values have been seen. Spikes less than
-    ``merge_gap`` records apart are one event. NaN/inf values are always spikes.
-    """
-
-    window: int = 100
-    threshold: float = 6.0
-    min_history: int = 20
-    min_relative: tuple[tuple[str, float], ...] = (("lm_loss", 0.01), ("grad_norm", 0.25))
-    merge_gap: int = 5
-    metrics: tuple[str, ...] = ("lm_loss", "grad_norm")
-
-    def relative_floor(self, metric: str) -> float:
-        return dict(self.min_relative).get(metric, 0.01)
-
-
-@dataclass(frozen=True)
-class Spike:
-    """One spike of one metric: first and last flagged iteration, the highest value and where, the median before it,
-    and ``recovered_at``, the first iteration logged back within the threshold (None: not recovered yet)."""
-
-    metric: str
-    first: int
-    last: int
-    peak_iteration: int
-    peak: float
-    baseline: float
-    recovered_at: int | None
-
-    def as_json(self) -> dict:
-        return asdict(self)
+from opskit.rules.spikes import DEFAULT_CONFIG, Spike, SpikeConfig, Window, is_spike, robust_z
 
 
 @dataclass(frozen=True)
@@ -75,27 +34,11 @@ class Remedy:
         return {**asdict(self), "checkpoint": self.checkpoint}
 
 
-class _Window:
-    """The last ``size`` accepted values, kept sorted so median and quartiles cost O(1) to read."""
-
-    def __init__(self, size: int, values: list[float] = ()):
-        self.size, self.order, self.sorted = size, list(values), sorted(values)
-
-    def add(self, value: float) -> None:
-        self.order.append(value)
-        bisect.insort(self.sorted, value)
-        if len(self.order) > self.size:
-            self.sorted.pop(bisect.bisect_left(self.sorted, self.order.pop(0)))
-
-    def quantile(self, q: float) -> float:
-        return self.sorted[min(len(self.sorted) - 1, int(q * len(self.sorted)))]
-
-
 _COLUMNAR_MIN = 20_000  # values of a metric from which polars takes the windows' statistics column-wise
 _ROUGH_SHARE = 500  # the median's bound alone picks the candidates while it passes at most 1 value in this many
 
 
-def find_spikes(records: Iterable[dict], config: SpikeConfig = SpikeConfig()) -> list[Spike]:
+def find_spikes(records: Iterable[dict], config: SpikeConfig = DEFAULT_CONFIG) -> list[Spike]:
     """Upward spikes of each metric of ``config.metrics`` over iteration records in iteration order (a
     :func:`opskit.logs.parse.timeline`), sorted by first iteration. Records without the metric are passed over.
 
@@ -104,7 +47,7 @@ def find_spikes(records: Iterable[dict], config: SpikeConfig = SpikeConfig()) ->
     return spikes_of(record_columns([r for r in records if r["kind"] == "iteration"], config.metrics), config)
 
 
-def spikes_of(columns: dict[str, Sequence], config: SpikeConfig = SpikeConfig()) -> list[Spike]:
+def spikes_of(columns: dict[str, Sequence], config: SpikeConfig = DEFAULT_CONFIG) -> list[Spike]:
     """:func:`find_spikes` of iteration records given column-wise (``columns["iteration"]`` and one column per metric:
     lists with None, or polars Series with null, where a record lacks it; :func:`opskit.logs.parse.timeline_columns`).
     """
@@ -160,7 +103,7 @@ def _replayed(flagged: dict[int, float], merge_gap: int, n: int) -> list[int]:
 
 
 def _flagged(values: Sequence[float], config: SpikeConfig, floor: float) -> dict[int, float]:
-    """{index: baseline} of the spikes among ``values``, each value judged (:func:`_is_spike`) against the window of
+    """{index: baseline} of the spikes among ``values``, each value judged (:func:`is_spike`) against the window of
     the ``config.window`` accepted (non-spike) values before it.
 
     Walked value by value, except where the ``window`` values before are all accepted: the window is then those
@@ -169,7 +112,7 @@ def _flagged(values: Sequence[float], config: SpikeConfig, floor: float) -> dict
     """
     size, n = config.window, len(values)
     candidates = _candidates(values, config, floor) if n >= _COLUMNAR_MIN else None
-    window, flagged, accepted = _Window(size), {}, 0  # accepted: values accepted in a row just before i
+    window, flagged, accepted = Window(size), {}, 0  # accepted: values accepted in a row just before i
     i = 0
     while i < n:
         if candidates is not None and i >= size and accepted >= size:  # the window is values[i - size:i]
@@ -178,8 +121,8 @@ def _flagged(values: Sequence[float], config: SpikeConfig, floor: float) -> dict
                 break
             if candidates[at] > i:
                 i = candidates[at]
-                window = _Window(size, values[i - size:i])
-        spike, baseline = _is_spike(window, values[i], config, floor)
+                window = Window(size, values[i - size:i])
+        spike, baseline = is_spike(window, values[i], config, floor)
         if spike:
             flagged[i], accepted = baseline, 0
         else:
@@ -190,9 +133,9 @@ def _flagged(values: Sequence[float], config: SpikeConfig, floor: float) -> dict
 
 
 def _candidates(values: Sequence[float], config: SpikeConfig, floor: float) -> list[int]:
-    """Indices (from ``config.window`` on) of the values :func:`_is_spike` flags when the window is the ``window``
+    """Indices (from ``config.window`` on) of the values :func:`is_spike` flags when the window is the ``window``
     values right before each, and of the non-finite ones: the only places where a walk that no spike has disturbed
-    can find one. Quantiles as :meth:`_Window.quantile` takes them: the element of rank ``int(q * window)``, which is
+    can find one. Quantiles as :meth:`Window.quantile` takes them: the element of rank ``int(q * window)``, which is
     polars' ``nearest`` rank for ``int(q * window) / (window - 1)``."""
     import polars as pl  # polars: only from _COLUMNAR_MIN values on
 
@@ -214,24 +157,9 @@ def _candidates(values: Sequence[float], config: SpikeConfig, floor: float) -> l
         rough = frame.filter(later & (~value.is_finite() | ((value - median) > bound).fill_null(False)))["i"]
         if len(rough) <= len(values) // _ROUGH_SHARE:
             return rough.to_list()
-    z = _robust_z(value, median, quantile(0.25), quantile(0.75), floor, maximum)
+    z = robust_z(value, median, quantile(0.25), quantile(0.75), floor, maximum)
     spike = ~value.is_finite() | ((z > config.threshold).fill_null(False) & (size >= config.min_history))
     return frame.filter(spike & later)["i"].to_list()
-
-
-def _is_spike(window: _Window, value: float, config: SpikeConfig, floor: float) -> tuple[bool, float]:
-    if not math.isfinite(value):
-        return True, window.quantile(0.5) if window.sorted else math.nan
-    if len(window.sorted) < config.min_history:
-        return False, math.nan
-    median = window.quantile(0.5)
-    return _robust_z(value, median, window.quantile(0.25), window.quantile(0.75), floor) > config.threshold, median
-
-
-def _robust_z(value, median, q25, q75, floor: float, maximum=max):
-    """``(value - median) / scale``, scale = max(IQR / 1.349, ``floor`` x |median|, 1e-12) (:class:`SpikeConfig`);
-    of floats, or of polars expressions (``maximum``: their element-wise max)."""
-    return (value - median) / maximum((q75 - q25) / 1.349, floor * abs(median), 1e-12)
 
 
 def remedies(spikes: list[Spike], save_interval: int | None = None,

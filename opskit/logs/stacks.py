@@ -1,5 +1,5 @@
 """Which rank hung: the Python stacks each trainer rank prints when one iteration runs past
-``--stack-dump-after-mins`` (:mod:`opskit.train.stacks`, Python's ``faulthandler``) or when the in-job watchdog asks
+``--stack-dump-after-mins`` (:mod:`opskit.train.stack_dump`, Python's ``faulthandler``) or when the in-job watchdog asks
 (:mod:`opskit.train.heartbeat`), read back from main_log.txt.
 
 In a hang every rank stops: the one that broke and all the others, which wait for it in the next collective. The
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from opskit.logs.crash import line_source, place, task_node
-from opskit.rules.heartbeat import DUMP_HEADER
+from opskit.rules.beats import DUMP_HEADER
 
 # faulthandler's first line of a timed dump, or the line before one the in-job watchdog asked for
 _DUMP_START = re.compile(r"Timeout \(\d+:\d\d:\d\d(?:\.\d+)?\)!$|" + re.escape(DUMP_HEADER) + "$")

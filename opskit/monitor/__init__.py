@@ -1,1 +1,2 @@
-"""Watching a run: the hourly watchdog, its findings and alerts, the pulse of a running job, cron, and sync."""
+"""Watching a run: the hourly watchdog as read -> check -> act -> report, its findings and alerts, the pulse of a
+running job."""

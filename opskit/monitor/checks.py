@@ -17,6 +17,7 @@ from pathlib import Path
 
 from opskit.ckpt.format.info import FALLBACK_LINE
 from opskit.ckpt.format.layout import SAVE_FAILED_LINE, STEP_DIR, save_failed_message
+from opskit.history.measures import advise
 from opskit.logs.crash import (
     JOB_HEADER,
     SIGNATURES,
@@ -29,13 +30,13 @@ from opskit.logs.crash import (
     may_hold_crash,
 )
 from opskit.logs.eta import Progress, progress_lines
-from opskit.logs.spikes import SpikeConfig, find_spikes, remedies
+from opskit.logs.spikes import find_spikes, remedies
 from opskit.logs.stacks import rank_stacks, stuck_ranks
 from opskit.monitor.findings import Finding
 from opskit.monitor.snapshot import Checkpoints, Disk, LogRead, RunFlags, RunSnapshot, matches, slurm_time
+from opskit.rules.spikes import SpikeConfig
 from opskit.rules.stragglers import parse_slowest_rank_line, straggler
 from opskit.run import chain
-from opskit.run.history import advise
 from opskit.run.paths import RunPaths
 from opskit.slurm.client import QueueEntry
 from opskit.slurm.pending import never_starts
@@ -610,8 +611,8 @@ def check_save_interval(snap: RunSnapshot, spec: Spec) -> list[Finding]:
 def save_interval_findings(measured: dict | None, failures: int, save_interval: int) -> list[Finding]:
     """``checkpoint.save_interval``: the run's measured MTBF, save cost and iteration time
     (:func:`opskit.monitor.snapshot.measure_save_interval`), Young/Daly's interval and what the spec's loses
-    (:mod:`opskit.run.history`); a warning when it loses more than :data:`SAVE_INTERVAL_EXCESS` of the wall time over
-    the best one. Nothing without figures (before the first failure: no MTBF)."""
+    (:mod:`opskit.history.measures`); a warning when it loses more than :data:`SAVE_INTERVAL_EXCESS` of the wall time
+    over the best one. Nothing without figures (before the first failure: no MTBF)."""
     if measured is None:
         return []
     hours = measured.get("hours_run") or 0.0

@@ -19,13 +19,13 @@ from pathlib import Path
 from opskit.ckpt.format.info import ResumePoint, resume_point
 from opskit.ckpt.format.layout import SAVED_LINE, step_dirs
 from opskit.fsutil import open_regular
+from opskit.history.measures import save_interval_advice
 from opskit.logs.crash import last_header
 from opskit.logs.eta import Progress, progress
 from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.monitor.state import WatchdogState
 from opskit.run import chain
-from opskit.run.history import save_interval_advice
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
@@ -225,9 +225,9 @@ def read_disk(run: RunPaths) -> Disk:
 
 def measure_save_interval(run: RunPaths, save_interval: int, ledger: list[chain.TaskOutcome],
                           cached: dict | None) -> dict | None:
-    """The run's measured save-interval figures (:func:`opskit.run.history.save_interval_advice`'s JSON): ``cached``
-    when it counted as many failures as the ledger does (the log is read whole for them), else measured again.
-    None before the first failure (no MTBF), or when the log cannot be read (its own finding says so)."""
+    """The run's measured save-interval figures (:func:`opskit.history.measures.save_interval_advice`'s JSON):
+    ``cached`` when it counted as many failures as the ledger does (the log is read whole for them), else measured
+    again. None before the first failure (no MTBF), or when the log cannot be read (its own finding says so)."""
     failures = sum(row.state in chain.FAILURES for row in ledger)
     if not failures:
         return None

@@ -37,7 +37,7 @@ class WatchdogState:
     last_running: float | None = None
     """When a task of the run was last seen running (epoch s)."""
     measured: dict | None = None
-    """The run's measured save-interval figures (:func:`opskit.run.history.save_interval_advice`'s JSON), taken
+    """The run's measured save-interval figures (:func:`opskit.history.measures.save_interval_advice`'s JSON), taken
     again only when the ledger's failure count changes: the log is read whole for them."""
 
     @classmethod

@@ -78,7 +78,7 @@ def _pulse(snap: RunSnapshot, spec: Spec) -> list[str]:
 @dataclass
 class Status:
     """What ``opskit status`` shows: the watchdog's :class:`Report`, what the alert channels were told (None without
-    ``--alert`` / ``--ack``) and the run's goodput (:func:`opskit.run.goodput.summary`; None unless asked)."""
+    ``--alert`` / ``--ack``) and the run's goodput (:func:`opskit.history.goodput.summary`; None unless asked)."""
 
     report: Report
     alerts: Outcome | None = None
@@ -104,8 +104,8 @@ def status(spec: Spec, alert: bool = False, ack: bool = False, goodput: bool = F
         OutputRefusedError: no run directory to keep the alert state in.
     """
     # Imported here: a plain hourly check needs neither the alert channels nor the goodput account (plotting's).
+    from opskit.history.goodput import summary
     from opskit.monitor.alerts import notify
-    from opskit.run.goodput import summary
 
     report = run_checks(spec)
     run = RunPaths.of(spec)

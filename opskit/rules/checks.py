@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from opskit.rules.formats import parse_data_path, parse_skip_ranges, parse_split
-from opskit.rules.model import splits_sequence
+from opskit.rules.model_size import splits_sequence
 
 Namer = Callable[..., str]
 """``name(key)`` or ``name(key, value)``: the setting as its user wrote it, e.g. ``model.num_attention_heads 12`` in a
@@ -99,7 +99,7 @@ def pad_vocab_problems(pad_vocab_size_to: int | None, make_vocab_size_divisible_
     requires a multiple of ``make_vocab_size_divisible_by`` at least the tokenizer's vocabulary, and its
     VocabParallelEmbedding splits the rows over TP (``divide`` asserts), so a multiple of TP too. BLOOM-176B: 250880
     (128 * 1960, and 4 * 62720 rows per TP rank). ``vocab_size`` None: the vocabulary is not known yet (the trainer
-    meets that rule when it reads its tokenizer, :func:`opskit.rules.model.padded_vocab_size`)."""
+    meets that rule when it reads its tokenizer, :func:`opskit.rules.model_size.padded_vocab_size`)."""
     if pad_vocab_size_to is None:
         return []
     multiple = math.lcm(make_vocab_size_divisible_by, tp)

@@ -1,5 +1,5 @@
 """The DeepSpeed config a training runs with, and the DeepSpeed versions that cannot run a layout: one builder for the
-JSON the job script carries (``opskit.run.render``) and the config the trainer hands to ``deepspeed.initialize``.
+JSON the job script carries (``opskit.submission.render``) and the config the trainer hands to ``deepspeed.initialize``.
 
 Values are BigScience's (the tr1-13B / tr11-176B-ml job scripts' heredoc): the fp16 block with dynamic loss scaling
 from 2^12, ``steps_per_print`` 2000 (the trainer prints Megatron's own lines anyway), no wall-clock breakdown; plus

@@ -1,1 +1,2 @@
-"""A run and its chain of jobs: run paths, submit, rehearse, the ledger, bad nodes and the run's flags."""
+"""A run's directory (:mod:`opskit.run.paths`) and the chain of jobs whose state lives in it (:mod:`opskit.run.chain`:
+which queued jobs are the run's, the ledger, the bad-node list, the kill switch and the finished and stopped flags)."""

@@ -10,7 +10,7 @@
 - flags: the kill switch (running task saves and exits, queued ones exit at start), the finished flag (the trainer
   wrote it: every later task exits 0 at start) and the stopped flag (``slurm.max_failures`` consecutive failures);
 - the failure ledger ``ledger.jsonl``: one line per task (COMPLETED, TIMEOUT, FAILED with exit code, NODE_FAIL: a
-  node of the task went down, CANCELLED, SKIPPED) and ALERT lines, written by each task (:mod:`opskit.run.job`,
+  node of the task went down, CANCELLED, SKIPPED) and ALERT lines, written by each task (:mod:`opskit.allocation.job`,
   no torch);
 - the bad-node list ``bad-nodes.txt``: nodes whose log showed a GPU/NCCL crash (:mod:`opskit.logs.crash`), excluded by
   the next submission.
@@ -497,7 +497,7 @@ def clear_bad_nodes(run: RunPaths, nodes: list[str] | None = None) -> list[str]:
     return gone
 
 
-# --------------------------------------------------------------------------- the task's hooks (opskit.run.job)
+# --------------------------------------------------------------------------- the task's hooks (opskit.allocation.job)
 
 
 def node_crashes(run: RunPaths, job_id: str) -> list[Crash]:
@@ -557,8 +557,8 @@ def _down_nodes(nodelist: str, lines: list[str]) -> dict[str, str]:
 def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str, exit_code: int | None,
                nodes: str, max_failures: int, now: datetime | None = None, job_nodes: int | None = None,
                partition: str | None = None, max_stalled_starts: int | None = None) -> list[str]:
-    """A task's epilogue (:mod:`opskit.run.job`): record the task's outcome (under SLURM, a FAILED or CANCELLED task
-    with a node SLURM holds down is NODE_FAIL, the reason naming the node); on a failure, put crashed nodes on the
+    """A task's epilogue (:mod:`opskit.allocation.job`): record the task's outcome (under SLURM, a FAILED or CANCELLED
+    task with a node SLURM holds down is NODE_FAIL, the reason naming the node); on a failure, put crashed nodes on the
     bad-node list (and, under SLURM, ``job_nodes`` given, on the run's pending tasks: :func:`exclude_in_queue`) and, at
     ``max_failures`` consecutive failures, stop the chain and raise the alert. At ``max_stalled_starts`` starts in a
     row that moved no ``latest`` (:func:`stalled_starts`), stop it with the ``chain.restart_storm`` alert instead and
@@ -642,8 +642,8 @@ def _cancel_pending(run: RunPaths) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m opskit.run.chain ended RUN_DIR SPEC JOB_ID TASK STATE EXIT_CODE NODES MAX_FAILURES`` or
-    ``... skipped RUN_DIR JOB_ID TASK NODES REASON``: what job scripts rendered before :mod:`opskit.run.job` call (one
-    may still be queued when opskit is upgraded); prints main_log lines."""
+    ``... skipped RUN_DIR JOB_ID TASK NODES REASON``: what job scripts rendered before :mod:`opskit.allocation.job` call
+    (one may still be queued when opskit is upgraded); prints main_log lines."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if args[:1] == ["ended"] and len(args) in (9, 10):  # 9: scripts rendered before max_stalled_starts

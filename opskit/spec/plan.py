@@ -34,7 +34,7 @@ from opskit.rules.memory import (
     checkpoint_bytes,
     sharded_over_dp,
 )
-from opskit.rules.model import has_embedding_layernorm, megatron_flops_per_iteration, splits_sequence
+from opskit.rules.model_size import has_embedding_layernorm, megatron_flops_per_iteration, splits_sequence
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
 from opskit.spec.schema import Spec, deepspeed_resume_problem, padded_vocab_size
 

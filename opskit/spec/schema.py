@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from opskit.rules import checks, flags
 from opskit.rules.checks import listed, valid_node_counts
 from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
-from opskit.rules.model import padded_vocab_size as _padded_vocab_size
+from opskit.rules.model_size import padded_vocab_size as _padded_vocab_size
 from opskit.spec.files import USER_SPEC_DIR, SpecError, find_spec, preset_dir
 from opskit.spec.placeholders import ENV_VAR, has_value, var_of
 from opskit.targets import check_url
@@ -326,7 +326,7 @@ class SlurmSpec(_Section):
     queued tasks are cancelled."""
     spare_nodes: int = Field(default=0, ge=0)
     """Nodes the job asks for beyond ``parallel.nodes``: a node blamed for a crash or a hang is swapped for one of them
-    and training restarts inside the same allocation (opskit.run.in_job)."""
+    and training restarts inside the same allocation (opskit.allocation.in_job)."""
     in_job_restarts: int = Field(default=2, ge=0)
     """Training restarts inside one job after a crash or a hang, before the chain's next task takes over."""
     preflight: bool = True
@@ -818,6 +818,6 @@ def deepspeed_resume_problem(spec: Spec, version: str | None = None) -> str | No
 
 
 def padded_vocab_size(vocab_size: int, model: ModelSpec, tp: int) -> int:
-    """The model's padded vocabulary (:func:`opskit.rules.model.padded_vocab_size`; the spec checked
+    """The model's padded vocabulary (:func:`opskit.rules.model_size.padded_vocab_size`; the spec checked
     ``pad_vocab_size_to`` already)."""
     return _padded_vocab_size(vocab_size, model.make_vocab_size_divisible_by, tp, model.pad_vocab_size_to)

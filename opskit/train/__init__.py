@@ -2,7 +2,7 @@
 
 REQUIRED_MODULES = ("torch", "deepspeed", "megatron.core", "tokenizers", "numpy")
 """What the trainer imports whatever its flags (the ``train`` extra): checked by the trainer at start and by
-``opskit submit`` against the job's Python (:func:`opskit.run.submit.job_python_problem`), one list for both."""
+``opskit submit`` against the job's Python (:func:`opskit.submission.submit.job_python_problem`), one list for both."""
 
 REHEARSAL_CLOCK_ENV = "OPSKIT_REHEARSAL_MINUTES_PER_ITERATION"
 """The variable ``opskit rehearse`` sets in the job's environment so that each iteration counts as that many minutes

@@ -29,7 +29,7 @@ from opskit.rules.deepspeed import (
     installed_deepspeed_version,
     with_flags,
 )
-from opskit.rules.model import splits_sequence
+from opskit.rules.model_size import splits_sequence
 from opskit.train.config import TrainConfig, TrainerError
 from opskit.train.ds_compat import (
     fuse_zero_overflow_check,

@@ -40,7 +40,7 @@ from opskit.ckpt.format.universal import (
     universal_dir,
     universal_origin,
 )
-from opskit.rules.model import resumed_padded_vocab_size
+from opskit.rules.model_size import resumed_padded_vocab_size
 from opskit.train.ds_compat import load_bf16_zero0_optimizer, loads_optimizer_itself
 from opskit.train.log import timer_line
 from opskit.train.state import TrainState
@@ -181,7 +181,7 @@ class ResumePlan:
         universal: the step's universal form when the layouts differ and the optimizer state must be re-cut
             (the engine then needs ``checkpoint.load_universal``); None otherwise.
         padded_vocab_size: the model's padded vocabulary: a fresh start's, or on a layout change the saved step's
-            where the new TP divides it (:func:`opskit.rules.model.resumed_padded_vocab_size`).
+            where the new TP divides it (:func:`opskit.rules.model_size.resumed_padded_vocab_size`).
     """
 
     point: ResumePoint | None
@@ -201,7 +201,7 @@ def plan_resume(load: str | None, padded_vocab_size: int, current: Layout) -> Re
     universal form exists (rank 0 converts it beside the step, once:
     :func:`opskit.ckpt.format.universal.convert_to_universal`; the other ranks wait for its answer).
     ``padded_vocab_size`` is a fresh start's; on a layout change the plan keeps the saved one where it can
-    (:func:`opskit.rules.model.resumed_padded_vocab_size`).
+    (:func:`opskit.rules.model_size.resumed_padded_vocab_size`).
 
     Raises:
         CheckpointError: a layout change DeepSpeed cannot load, or a failed conversion (one line, on every rank).

@@ -13,7 +13,7 @@ node, when given):
   as long (on CPU ranks: :class:`opskit.train.rank_times.ForwardTimes` sleeps the difference), as a throttled GPU or
   a node with a failing fan does;
 - ``slow_gemm`` (``:factor=F``, default 3) and ``allreduce_fail``: ``opskit preflight``'s check on the node
-  (:mod:`opskit.run.node_check`) finds its GEMM slower, or its all-reduces failing.
+  (:mod:`opskit.allocation.node_check`) finds its GEMM slower, or its all-reduces failing.
 
 Never set it for a real training. Unset (always, outside tests) it costs one dictionary lookup per iteration.
 """

@@ -1,4 +1,4 @@
-"""This rank's heartbeat for the job's in-job watchdog (:mod:`opskit.rules.heartbeat` has the file format): a beat at
+"""This rank's heartbeat for the job's in-job watchdog (:mod:`opskit.rules.beats` has the file format): a beat at
 the start of every iteration and of every save, and a thread that prints the rank's stacks when the watchdog asks.
 
 The beats come from the training loop itself, never from a thread: a rank whose main thread is stuck (in a
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from opskit.rules.heartbeat import DUMP_HEADER, DUMP_REQUEST, ENV, beat_file, encode
+from opskit.rules.beats import DUMP_HEADER, DUMP_REQUEST, ENV, beat_file, encode
 from opskit.train.fault import node_name
 
 POLL_S = 1.0
@@ -53,7 +53,7 @@ class Heartbeat:
 
     def beat(self, iteration: int, phase: str) -> None:
         """Record that this rank is alive at ``iteration`` (the last completed one) in ``phase``
-        (:data:`opskit.rules.heartbeat.PHASES`): one ``pwrite``, which also sets the file's time."""
+        (:data:`opskit.rules.beats.PHASES`): one ``pwrite``, which also sets the file's time."""
         os.pwrite(self._fd, encode(self.rank, self.node, self.local_rank, iteration, phase), 0)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ def print_datetime(message: str) -> None:
 def timer_line(name: str, started: float) -> str:
     """Megatron's ``time (ms) | NAME: X``, X the milliseconds since ``started`` (time.time()): ``save-checkpoint``
     (what a save stopped training), ``save-checkpoint-background``, ``load-checkpoint`` and ``evaluate``, which
-    opskit.run.goodput and opskit.run.history read."""
+    opskit.history.goodput and opskit.history.measures read."""
     return f"time (ms) | {name}: {(time.time() - started) * 1000:.2f}"
 
 

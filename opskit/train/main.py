@@ -24,7 +24,7 @@ from opskit.train.build import (
 from opskit.train.config import TrainConfig, TrainerError
 from opskit.train.exit import ExitPolicy, ExitRequests
 from opskit.train.fault import inject_test_fault
-from opskit.train.stacks import disarm_stack_dump
+from opskit.train.stack_dump import disarm_stack_dump
 
 
 def main(argv: list[str] | None = None, start_time: float | None = None) -> int:

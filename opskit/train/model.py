@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opskit.rules.model import has_embedding_layernorm
+from opskit.rules.model_size import has_embedding_layernorm
 from opskit.train import sequence_parallel
 
 
@@ -63,7 +63,7 @@ class GPTConfig:
 
     @property
     def embedding_norm(self) -> bool:
-        """Whether a LayerNorm follows the word embedding (:func:`opskit.rules.model.has_embedding_layernorm`)."""
+        """Whether a LayerNorm follows the word embedding (:func:`opskit.rules.model_size.has_embedding_layernorm`)."""
         return has_embedding_layernorm(self.embed_layernorm, self.stable_embedding)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opskit.rules.model import VocabPaddingError, padded_vocab_size
+from opskit.rules.model_size import VocabPaddingError, padded_vocab_size
 from opskit.train.config import TrainConfig, TrainerError
 
 
@@ -27,7 +27,7 @@ def vocab_sizes(config: TrainConfig, rank: int) -> tuple[int, int]:
 
 
 def _padded_vocab(config: TrainConfig, vocab_size: int) -> int:
-    """Megatron's padding (:func:`opskit.rules.model.padded_vocab_size`): ``--pad-vocab-size-to`` or up to a
+    """Megatron's padding (:func:`opskit.rules.model_size.padded_vocab_size`): ``--pad-vocab-size-to`` or up to a
     multiple of make_vocab_size_divisible_by * TP.
 
     Raises:

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.fsutil import atomic_write_text
-from opskit.rules.model import megatron_flops_per_iteration
+from opskit.rules.model_size import megatron_flops_per_iteration
 from opskit.train.build import (
     World,
     build_deepspeed_config,
@@ -44,7 +44,7 @@ from opskit.train.log import (  # torch-free: torch is imported where it is used
     validation_lines,
 )
 from opskit.train.profile import StepProfiler
-from opskit.train.stacks import arm_stack_dump
+from opskit.train.stack_dump import arm_stack_dump
 from opskit.train.state import TrainState
 from opskit.train.tokenizer import vocab_sizes
 
@@ -118,7 +118,7 @@ class Trainer:
                                        enabled=world.is_last_rank)
         self.tensorboard.restart_marker(self.state.iteration, world.size)
         self.emissions = Emissions.start(config.codecarbon_dir, world.rank)
-        # 8. the in-job watchdog's heartbeat (the job script sets its folder; opskit.run.in_job watches it)
+        # 8. the in-job watchdog's heartbeat (the job script sets its folder; opskit.allocation.in_job watches it)
         self.heartbeat = _heartbeat(world.rank)
         self._beat("start")
 

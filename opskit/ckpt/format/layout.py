@@ -21,7 +21,7 @@ from pathlib import Path
 from opskit.ckpt.format.tensorfile import TensorFileError, load_lazy, materialize
 from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text, read_bounded
-from opskit.rules.model import has_embedding_layernorm
+from opskit.rules.model_size import has_embedding_layernorm
 
 LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 MP_RANK_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")

@@ -1,17 +1,17 @@
 """A training task inside its allocation, the job script's one entry: the rendered batch script sets the environment
-and hands over (``exec python -m opskit.run.job FLAGS -- TRAINER_ARGS``, the DeepSpeed config on stdin), so every
+and hands over (``exec python -m opskit.allocation.job FLAGS -- TRAINER_ARGS``, the DeepSpeed config on stdin), so every
 decision of a task is Python, testable without SLURM (a fake launcher), and signals are handled here:
 
 1. the chain's stop flags (training finished, the kill switch, a stopped chain): the task records SKIPPED and exits 0
    before starting anything;
 2. the DeepSpeed config the job was rendered with (BigScience's heredoc), written at every start: a task queued
    before a resubmission of an edited spec must not read the newer config beside its own trainer flags;
-3. training in steps (:meth:`Job.train_in_steps`): each step one :mod:`opskit.run.node_step` per node (``srun``, one
-   task per node; the local executor runs its one node here) on the nodes :func:`opskit.run.in_job.start_step` picks,
-   watched by :func:`opskit.run.in_job.watch_step`; after a crash or a hang
-   :func:`opskit.run.in_job.blame_failed_step` swaps the blamed node for a spare (the allocation holds
-   ``slurm.spare_nodes`` more than training uses) and the next step resumes from ``latest``, up to
-   ``slurm.in_job_restarts`` times; what the allocation cannot fix goes to the chain's next task;
+3. training in steps (:meth:`Job.train_in_steps`): each step one :mod:`opskit.allocation.node_step` per node
+   (``srun``, one task per node; the local executor runs its one node here) on the nodes
+   :func:`opskit.allocation.in_job.start_step` picks, watched by :func:`opskit.allocation.in_job.watch_step`;
+   after a crash or a hang :func:`opskit.allocation.in_job.blame_failed_step` swaps the blamed node for a spare
+   (the allocation holds ``slurm.spare_nodes`` more than training uses) and the next step resumes from ``latest``, up
+   to ``slurm.in_job_restarts`` times; what the allocation cannot fix goes to the chain's next task;
 4. SIGUSR1 (SLURM's ``--signal=B:USR1`` before the time limit) passed to the step: the trainer saves and exits 0 and
    no restart follows; SIGTERM (the trainer did not stop in time, or scancel) ends the task as TIMEOUT or CANCELLED;
 5. the ledger (:func:`opskit.run.chain.task_ended`): the task's outcome, the chain's failure counts and stop.
@@ -35,9 +35,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
+from opskit.allocation import in_job
+from opskit.allocation.node_step import shell_code
 from opskit.fsutil import OutputRefusedError, atomic_write_text
-from opskit.run import chain, in_job
-from opskit.run.node_step import shell_code
+from opskit.run import chain
 from opskit.run.paths import RunPaths
 
 TERMINATED = 143
@@ -67,7 +68,7 @@ class JobConfig:
 
 
 def job_flags(config: JobConfig) -> list[str]:
-    """The command-line flags of :mod:`opskit.run.job` for ``config`` (the trainer's arguments not included)."""
+    """The command-line flags of :mod:`opskit.allocation.job` for ``config`` (the trainer's arguments not included)."""
     return ["--run-dir", str(config.run.root), "--spec-name", config.spec_name, "--nodes", str(config.nodes),
             "--gpus-per-node", str(config.gpus_per_node), "--master-port", str(config.master_port),
             "--time-limit-s", str(config.time_limit_s), "--max-failures", str(config.max_failures),
@@ -78,7 +79,7 @@ def job_flags(config: JobConfig) -> list[str]:
 
 def parse_job_flags(argv: list[str]) -> JobConfig:
     """:func:`job_flags` and ``-- TRAINER_ARGS`` read back (argparse: a wrong flag exits 2 with one usage line)."""
-    parser = argparse.ArgumentParser(prog="python -m opskit.run.job")
+    parser = argparse.ArgumentParser(prog="python -m opskit.allocation.job")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--spec-name", required=True)
     for name in ("nodes", "gpus-per-node", "master-port", "time-limit-s", "max-failures", "max-stalled-starts",
@@ -150,8 +151,9 @@ Launcher = Callable[[JobConfig, list[str], dict[str, str]], subprocess.Popen]
 
 
 def node_command(config: JobConfig) -> list[str]:
-    """The command every node of a step runs (:mod:`opskit.run.node_step`)."""
-    return [sys.executable, "-u", "-m", "opskit.run.node_step", str(config.run.node_logs), str(config.gpus_per_node),
+    """The command every node of a step runs (:mod:`opskit.allocation.node_step`)."""
+    return [sys.executable, "-u", "-m", "opskit.allocation.node_step", str(config.run.node_logs),
+            str(config.gpus_per_node),
             "--", *config.trainer_args]
 
 
@@ -285,7 +287,7 @@ class Job:
         return nodes, heartbeats
 
     def _in_job(self, call, *args):
-        """``call(*args)`` of :mod:`opskit.run.in_job`; None when it cannot go on, the reason in main_log.txt."""
+        """``call(*args)`` of :mod:`opskit.allocation.in_job`; None when it cannot go on, the reason in main_log.txt."""
         try:
             return call(*args)
         except (in_job.InJobError, OutputRefusedError) as e:
@@ -344,7 +346,7 @@ class Job:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m opskit.run.job FLAGS -- TRAINER_ARGS < DS_CONFIG``: the task (:class:`Job`) with SIGUSR1 and
+    """``python -m opskit.allocation.job FLAGS -- TRAINER_ARGS < DS_CONFIG``: the task (:class:`Job`) with SIGUSR1 and
     SIGTERM handled; its exit status. Exit 2: the flags or SLURM's variables are not what a rendered script gives."""
     config = parse_job_flags(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -353,11 +355,11 @@ def main(argv: list[str] | None = None) -> int:
             raise chain.ChainError(f"--run-dir {config.run.root}: no such run directory")
         chain.claim_run_dir(config.run, "the job", write=False)
     except KeyError as e:
-        print(f"opskit.run.job: {e.args[0]} is not set: a job of sbatch or of opskit submit --executor local runs "
-              "this", file=sys.stderr)
+        print(f"opskit.allocation.job: {e.args[0]} is not set: a job of sbatch or of opskit submit --executor local "
+              "runs this", file=sys.stderr)
         return 2
     except (chain.ChainError, OutputRefusedError, OSError) as e:
-        print(f"opskit.run.job: {e}", file=sys.stderr)
+        print(f"opskit.allocation.job: {e}", file=sys.stderr)
         return 2
     job = Job(config, allocation, srun_step if allocation.under_slurm else local_step,
               MainLog(config.run.main_log, allocation), stdout=sys.stdout.buffer)

@@ -17,12 +17,12 @@ from opskit.ckpt.format.universal import Layout
 from opskit.ckpt.reshape import resume_layout_note
 from opskit.errors import OpskitError
 from opskit.fsutil import append_lines, atomic_write_text
+from opskit.history.goodput import read_task_logs
 from opskit.run import chain
-from opskit.run.goodput import read_task_logs
 from opskit.run.paths import RunPaths
-from opskit.run.render import RenderedJob, data_files, render_job
 from opskit.slurm import client, local
 from opskit.spec.schema import Spec, deepspeed_resume_problem
+from opskit.submission.render import RenderedJob, data_files, render_job
 from opskit.train import REQUIRED_MODULES
 
 
@@ -307,7 +307,7 @@ def submit(spec: Spec, array: int | None = None, executor: str = "slurm", dry_ru
 
 def log_submission(run: RunPaths, job_id: str, tasks: int) -> None:
     """``[opskit] DATE submitted job J (N tasks)`` in main_log.txt, where the job script's lines go: the goodput
-    account's wall clock starts at a run's first one (opskit.run.goodput)."""
+    account's wall clock starts at a run's first one (opskit.history.goodput)."""
     run.logs.mkdir(parents=True, exist_ok=True)
     line = f"[opskit] {datetime.now():%Y-%m-%d %H:%M:%S} submitted job {job_id} ({tasks} tasks)"
     append_lines(run.main_log, [line])

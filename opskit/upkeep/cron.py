@@ -28,9 +28,9 @@ from opskit.fsutil import atomic_write_text, claim_file, read_json
 from opskit.monitor.alerts import AlertConfigError, settings
 from opskit.run import chain
 from opskit.run.paths import RunPaths
-from opskit.run.render import template_env
 from opskit.slurm import client
 from opskit.spec.schema import Spec
+from opskit.submission.render import template_env
 
 METHODS = ("crontab", "slurm")
 CRON_TIME = "0:30:00"  # the SLURM cron job's time limit (BigScience's cron-hourly.slurm)

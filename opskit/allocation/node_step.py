@@ -2,14 +2,14 @@
 torchrun at this node's place in the step, the trainer under it, and this node's own copy of the output
 (``logs/nodes/JOB-NODE.log``, where a crash line names its node). Plain Python (no torch import of its own).
 
-SIGUSR1 (SLURM's warning before the time limit, passed on by :mod:`opskit.run.job` through srun) goes to the trainers:
-torchrun's agent ignores it, or it would die of it; each trainer saves a checkpoint and exits 0.
+SIGUSR1 (SLURM's warning before the time limit, passed on by :mod:`opskit.allocation.job` through srun) goes to the
+trainers: torchrun's agent ignores it, or it would die of it; each trainer saves a checkpoint and exits 0.
 
 A static rendezvous (``--master_addr``, ``--node_rank``): node rank = srun task id = place in the step's node list, so
 global rank 0 (and PP stage 0) is on the step's first node, MASTER_ADDR, which hosts the store. torchrun's c10d
 rendezvous would ignore ``--node_rank`` and order nodes by host name and pid, not by the allocation.
 
-``python -m opskit.run.node_step NODE_LOGS GPUS_PER_NODE -- TRAINER_ARGS...`` with srun's ``SLURM_JOB_ID``,
+``python -m opskit.allocation.node_step NODE_LOGS GPUS_PER_NODE -- TRAINER_ARGS...`` with srun's ``SLURM_JOB_ID``,
 ``SLURM_NNODES`` and ``SLURM_PROCID`` and the job's ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment.
 """
 
@@ -86,15 +86,16 @@ def _signal_children(pid: int, sig: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 3 or args[2] != "--" or not args[1].isdigit():
-        print(f"usage: python -m opskit.run.node_step NODE_LOGS GPUS_PER_NODE -- TRAINER_ARGS... (got {args!r})",
+        print(f"usage: python -m opskit.allocation.node_step NODE_LOGS GPUS_PER_NODE -- TRAINER_ARGS... (got {args!r})",
               file=sys.stderr)
         return 2
     try:
         return run_node(Path(args[0]), int(args[1]), args[3:])
     except KeyError as e:
-        print(f"opskit.run.node_step: {e.args[0]} is not set (srun and opskit.run.job set it)", file=sys.stderr)
+        print(f"opskit.allocation.node_step: {e.args[0]} is not set (srun and opskit.allocation.job set it)",
+              file=sys.stderr)
     except OSError as e:
-        print(f"opskit.run.node_step: {e}", file=sys.stderr)
+        print(f"opskit.allocation.node_step: {e}", file=sys.stderr)
     return 1
 
 

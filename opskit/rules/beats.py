@@ -1,6 +1,6 @@
 """The in-job watchdog's heartbeat files: one rule for the trainer, which rewrites its rank's file at the start of
 every iteration and of every save (:class:`opskit.train.heartbeat.Heartbeat`), and the job script's monitor, which
-reads their ages (:mod:`opskit.run.in_job`).
+reads their ages (:mod:`opskit.allocation.in_job`).
 
 A file per rank in ``$OPSKIT_HEARTBEAT_DIR`` (one folder per training step of a job, on the run's shared file
 system): no socket and no process beside the trainer, one ``pwrite`` of :data:`WIDTH` bytes per iteration. The beat's

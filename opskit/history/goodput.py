@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from opskit.allocation.in_job import HANG_LINE
 from opskit.ckpt.format.layout import SAVED_LINE
 from opskit.errors import OpskitError
 from opskit.fsutil import bounded_lines, open_regular
@@ -47,14 +48,13 @@ from opskit.logs.crash import STEP_HEADER, line_source
 from opskit.logs.grammar import parse_iteration_line
 from opskit.logs.plot import claim_image, save_image
 from opskit.run import chain
-from opskit.run.in_job import HANG_LINE
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
 CATEGORIES = ("training", "redone", "saving", "loading", "startup", "evaluation", "hang", "queue", "stopped", "idle")
 RESTARTED = "RESTARTED"
-"""The state of a training step that the job restarted inside its allocation (opskit.run.in_job): its work since its
-last save is lost like a failed task's, and the task goes on in its next step."""
+"""The state of a training step that the job restarted inside its allocation (opskit.allocation.in_job): its work since
+its last save is lost like a failed task's, and the task goes on in its next step."""
 LOSES_WORK = (*chain.FAILURES, "CANCELLED", RESTARTED)
 """Ledger states whose task's work since its last save is lost: the next task (or step) trains it again."""
 
@@ -155,7 +155,7 @@ class TaskLog:
     task: str
     start: datetime
     step: int = 0
-    """Its training step in the job (opskit.run.in_job: each in-job restart starts a new one, logged as a new
+    """Its training step in the job (opskit.allocation.in_job: each in-job restart starts a new one, logged as a new
     :class:`TaskLog` of the same task)."""
     hung: bool = False
     """The in-job watchdog stopped this step for a hang: its silence after the last iteration line is one."""
@@ -271,7 +271,7 @@ class TaskLogs:
 
 def read_task_logs(log: Path, now: datetime | None = None) -> TaskLogs:
     """The ``submitted`` lines' times and every task start's :class:`TaskLog`, in one pass over ``log`` (also
-    :mod:`opskit.run.history`'s reading). Lines cut or garbled (a crash mid-write, bad bytes) are skipped; a line
+    :mod:`opskit.history.measures`'s reading). Lines cut or garbled (a crash mid-write, bad bytes) are skipped; a line
     with a garbage date (:class:`LogDates`, against ``now``: default the current time) counts at the date before it.
 
     Raises:

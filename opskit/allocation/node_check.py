@@ -1,10 +1,10 @@
 """The per-node half of ``opskit preflight``: run once on every node (``srun --ntasks-per-node=1``), it writes
 ``<out>/<node>.json``: the devices it sees, a fixed GEMM timed on each (on a CPU node, the CPU), the free disk at the
 run's checkpoint folder, GPU Xid lines of the kernel log where readable, and an all-reduce with each of its two
-neighbours in the ring of the step's nodes (gloo on CPUs, NCCL on GPUs). ``opskit.run.preflight`` reads the files
+neighbours in the ring of the step's nodes (gloo on CPUs, NCCL on GPUs). ``opskit.allocation.preflight`` reads the files
 and decides.
 
-``python -m opskit.run.node_check OUT_DIR CHECKPOINT_DIR PORT [--gemm-only]``; the step's first node hosts the
+``python -m opskit.allocation.node_check OUT_DIR CHECKPOINT_DIR PORT [--gemm-only]``; the step's first node hosts the
 rendezvous at PORT; ``--gemm-only`` times the GEMM alone (a node measured again).
 Test-only (``OPSKIT_TEST_FAULT``, :mod:`opskit.train.fault`): ``slow_gemm:NODE[:factor=F]`` makes the node's GEMM F
 (3) times slower, ``allreduce_fail:NODE`` makes its all-reduces fail.
@@ -85,7 +85,7 @@ def xid_lines() -> list[str] | None:
 def allreduces(port: int) -> list[dict]:
     """This node's all-reduces with its two neighbours in the ring of the step's nodes (node i hosts the pair
     (i, i+1) at ``port + i``; with two nodes, one pair): one record per pair, ``{"peer", "ok", "seconds"|"error"}``.
-    A node whose every pair fails, while other pairs succeed, is the broken one (``opskit.run.preflight``)."""
+    A node whose every pair fails, while other pairs succeed, is the broken one (``opskit.allocation.preflight``)."""
     rank = int(os.environ["SLURM_PROCID"])
     nodes = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])  # in srun's task order: node i is SLURM_PROCID i
     pairs = sorted({tuple(sorted((i, (i + 1) % len(nodes)))) for i in range(len(nodes))} - {(0, 0)})

@@ -1,5 +1,5 @@
 """``opskit preflight``: check nodes before training trusts them (BigScience bisected a 5% slow node by hand with
-spare nodes). Each node runs :mod:`opskit.run.node_check` (one ``srun`` step, a task per node); this module reads
+spare nodes). Each node runs :mod:`opskit.allocation.node_check` (one ``srun`` step, a task per node); this module reads
 their records and names the nodes to keep out:
 
 - no record (the task died or never started), or fewer GPUs than ``parallel.gpus_per_node`` (when any node has
@@ -191,7 +191,7 @@ def run_preflight(spec: Spec, nodes: str, margin: float, exclude: bool, run: Run
 
 def _check_nodes(spec: Spec, run: RunPaths, names: list[str], out: Path, gemm_only: bool = False
                  ) -> tuple[dict[str, dict | None], list[str], subprocess.CompletedProcess]:
-    """One ``srun`` step of :mod:`opskit.run.node_check` on ``names`` (``gemm_only``: the timed GEMM alone, for a
+    """One ``srun`` step of :mod:`opskit.allocation.node_check` on ``names`` (``gemm_only``: the timed GEMM alone, for a
     second measurement): (node -> its record in ``out``, None without one; the command; the finished step).
 
     Raises:
@@ -202,8 +202,8 @@ def _check_nodes(spec: Spec, run: RunPaths, names: list[str], out: Path, gemm_on
                f"--nodelist={','.join(names)}", "--time=10", f"--job-name={spec.job_name}-preflight",
                *([f"--partition={s.partition}"] if s.partition else []),
                *([f"--account={s.account}"] if s.account else []),
-               sys.executable, "-m", "opskit.run.node_check", str(out), str(run.checkpoints), str(s.master_port + 1),
-               *(["--gemm-only"] if gemm_only else [])]
+               sys.executable, "-m", "opskit.allocation.node_check", str(out), str(run.checkpoints), str(s.master_port +
+               1), *(["--gemm-only"] if gemm_only else [])]
     try:
         step = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -212,7 +212,7 @@ def _check_nodes(spec: Spec, run: RunPaths, names: list[str], out: Path, gemm_on
 
 
 def _read_record(path: Path) -> dict | None:
-    """A node's record (:func:`opskit.run.node_check.check`), None when it wrote none or one that is not a JSON
+    """A node's record (:func:`opskit.allocation.node_check.check`), None when it wrote none or one that is not a JSON
     object (bounded read: :func:`opskit.fsutil.read_json`)."""
     try:
         record = read_json(path)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import jinja2
 
+from opskit.allocation.in_job import Limits
+from opskit.allocation.job import JobConfig, job_flags
 from opskit.rules import flags
 from opskit.rules.deepspeed import deepspeed_config as rules_deepspeed_config
 from opskit.rules.formats import parse_data_path
 from opskit.rules.schedule import BatchRampup
 from opskit.run.chain import job_comment
-from opskit.run.in_job import Limits
-from opskit.run.job import JobConfig, job_flags
 from opskit.run.paths import RunPaths, data_paths
 from opskit.spec.load import deep_merge
 from opskit.spec.schema import Spec
@@ -190,7 +190,8 @@ class RenderedJob:
 
 
 def job_config(spec: Spec, run: RunPaths) -> JobConfig:
-    """What the job script passes to :mod:`opskit.run.job` for a spec (the trainer's flags: :func:`trainer_args`)."""
+    """What the job script passes to :mod:`opskit.allocation.job` for a spec (the trainer's flags:
+    :func:`trainer_args`)."""
     s, w = spec.slurm, spec.watchdog
     return JobConfig(run, spec.cli_name, spec.parallel.nodes, spec.parallel.gpus_per_node, s.master_port,
                      int(s.time_minutes * 60), s.max_failures, s.max_stalled_starts, s.in_job_restarts, s.preflight,
