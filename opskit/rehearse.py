@@ -51,7 +51,7 @@ from opskit.fsutil import (
 from opskit.logs.crash import JOB_HEADER, line_source
 from opskit.logs.parse import parse_text, read_tail, timeline
 from opskit.monitor.watchdog import run_checks
-from opskit.rules import checks
+from opskit.rules import consistency
 from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.model_size import padded_vocab_size
 from opskit.rules.schedule import BatchRampup, SeqlenSchedule, iterations_to_tokens, tokens_per_iteration
@@ -186,7 +186,7 @@ def scale_layout(spec: Spec, shape: Shape) -> tuple[dict, list[str]]:
 def _rehearsal_layers(spec: Spec, pp: int) -> int:
     """Two layers per pipeline stage, or the fewest above that the spec's ``pp_partition_method`` accepts."""
     layers = 2 * pp
-    while checks.pipeline_problems(layers, pp, spec.parallel.pp_partition_method, lambda key, value=None: key):
+    while consistency.pipeline_problems(layers, pp, spec.parallel.pp_partition_method, lambda key, value=None: key):
         layers += 1
     return min(layers, max(spec.model.num_layers, 2 * pp))
 

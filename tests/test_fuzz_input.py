@@ -20,7 +20,7 @@ from opskit.logs.bulk import scan_blocks
 from opskit.logs.grammar import scan_bytes
 from opskit.monitor.checks import log_findings, progress_findings
 from opskit.monitor.snapshot import progress_of, read_log
-from opskit.monitor.state import WatchdogState
+from opskit.monitor.watch_state import WatchdogState
 from opskit.run.paths import RunPaths
 from opskit.spec.files import SpecError
 from opskit.spec.load import load_spec, validate_spec

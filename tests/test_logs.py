@@ -530,7 +530,7 @@ from opskit.cli.app import app
 from opskit.logs import follow, parse
 from opskit.run.paths import RunPaths
 from opskit.monitor.snapshot import read_log
-from opskit.monitor.state import WatchdogState
+from opskit.monitor.watch_state import WatchdogState
 
 log = Path(sys.argv[1])
 began = time.monotonic()

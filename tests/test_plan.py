@@ -741,7 +741,7 @@ def test_the_job_lets_pytorch_reuse_fragmented_memory_unless_told_otherwise(in_t
     ran out of memory without them); the spec's slurm.env or the caller's environment (sbatch exports it) wins."""
     spec = load_spec("tiny", {"slurm": {"env": spec_env}})
     script = render_job(spec, RunPaths(in_tmp / "run")).script
-    preamble = script[:script.index('TASK="')]  # exports only: nothing is started before the task id
+    preamble = script[:script.index("\nexec ") + 1]  # the exports: all before the hand-over to opskit's job
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
     env.update({"PYTORCH_CUDA_ALLOC_CONF": caller} if caller else {})
     done = subprocess.run(["bash", "-c", preamble + 'echo "$PYTORCH_CUDA_ALLOC_CONF"'], capture_output=True,
@@ -763,7 +763,7 @@ def test_tr11_renders_the_real_cluster_job(jean_zay):
                       "#SBATCH --signal=B:USR1@120", f"#SBATCH --output={run.slurm_dir}/%x-%j.out"]
     work = jean_zay / "six_ALL_CCFRWORK"
     assert f"export TRANSFORMERS_CACHE={work}/models\n" in job.script
-    assert "--nproc_per_node 8" in job.script
+    assert "--gpus-per-node 8" in job.script  # each node's torchrun: --nproc_per_node 8 (allocation.node_step)
     args = trainer_args(spec, run)
     text = " ".join(args)
     for expected in ["--num-layers 70 --hidden-size 14336", "--num-attention-heads 112", "--seq-length 2048",

@@ -27,7 +27,7 @@ from opskit.ckpt.format.layout import read_latest, write_latest
 from opskit.logs.grammar import parse_iteration_line
 from opskit.monitor.checks import log_findings
 from opskit.monitor.snapshot import read_log
-from opskit.monitor.state import WatchdogState
+from opskit.monitor.watch_state import WatchdogState
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opskit.rules import checks
+from opskit.rules import consistency
 from opskit.rules.deepspeed import (
     Contradiction,
     bf16_zero0_optimizer_load_broken,
@@ -149,9 +149,9 @@ def test_pad_vocab_size_to_is_megatron_deepspeeds_rule(in_tmp):
     """Megatron-DeepSpeed (_vocab_size_with_padding) wants a multiple of make_vocab_size_divisible_by, and its
     vocab-parallel embedding a multiple of TP; the spec asked for make_vocab_size_divisible_by * TP, the trainer for TP
     only."""
-    assert checks.pad_vocab_problems(384, 128, 4, None, checks.flag_name) == []  # the spec refused it
-    assert checks.pad_vocab_problems(96, 32, 3, None, checks.flag_name) == []
-    assert checks.pad_vocab_problems(250_880, 128, 4, 250_680, checks.flag_name) == []
+    assert consistency.pad_vocab_problems(384, 128, 4, None, consistency.flag_name) == []  # the spec refused it
+    assert consistency.pad_vocab_problems(96, 32, 3, None, consistency.flag_name) == []
+    assert consistency.pad_vocab_problems(250_880, 128, 4, 250_680, consistency.flag_name) == []
     message = trainer_error([*TINY, "--pad-vocab-size-to", "2100"])  # the trainer accepted it
     assert message.startswith("--pad-vocab-size-to 2100 is not divisible by --make-vocab-size-divisible-by 128 and "
                               "--tensor-model-parallel-size 1 (Megatron-DeepSpeed's vocabulary padding rule): use 2176")
@@ -180,7 +180,7 @@ def _spec(tmp: Path, raw: dict, name: str):
 
 
 def test_one_rule_names_the_spec_field_or_the_flag():
-    assert checks.tensor_parallel_problems(4, 256, 3, _field_name) == [
+    assert consistency.tensor_parallel_problems(4, 256, 3, _field_name) == [
         "model.num_attention_heads 4 is not divisible by parallel.tensor_model_parallel_size 3 (Megatron splits heads "
         "over TP): use TP in 1, 2, 4"]
     assert trainer_error([*TINY, "--tensor-model-parallel-size", "3"]).startswith(
@@ -227,16 +227,16 @@ def test_deepspeed_version_rule_for_spec_and_trainer():
         "with pipeline stage 0's norm only on DeepSpeed 0.19.8")
     assert deepspeed_version_problem("fp16", 0, 32, 0.0, "0.19.8", _field_name) is None
     assert deepspeed_version_problem("fp16", 0, 32, 1.0, "0.18.5", _field_name) is None
-    assert deepspeed_version_problem("bf16", 0, 1, 1.0, "0.18.3", checks.flag_name).message.startswith(
+    assert deepspeed_version_problem("bf16", 0, 1, 1.0, "0.18.3", consistency.flag_name).message.startswith(
         "--bf16 with --zero-stage 0 on DeepSpeed 0.18.3 saves the optimizer states but never loads them back")
     # 0.18.5-0.19.8 fail loading bf16 ZeRO-0 optimizer states (KeyError: 0); the trainer loads them itself there
-    assert deepspeed_version_problem("bf16", 0, 2, 1.0, "0.19.8", checks.flag_name) is None
+    assert deepspeed_version_problem("bf16", 0, 2, 1.0, "0.19.8", consistency.flag_name) is None
     assert [bf16_zero0_optimizer_load_broken(v) for v in ("0.18.4", "0.18.5", "0.19.8", "0.20.0")] == \
         [False, True, True, False]
     # the same change saved those states twice (in mp_rank files too); the trainer saves them once there
     assert [bf16_zero0_optimizer_saved_twice(v) for v in ("0.18.4", "0.18.5", "0.19.8", "0.20.0")] == \
         [False, True, True, False]
-    assert deepspeed_version_problem("bf16", 1, 1, 1.0, "0.19.8", checks.flag_name) is None
+    assert deepspeed_version_problem("bf16", 1, 1, 1.0, "0.19.8", consistency.flag_name) is None
     # The trainer meets the clipping rule with the DeepSpeed installed here (0.19.8 in CI).
     message = trainer_error([*TINY, "--pipeline-model-parallel-size", "2", "--zero-stage", "0"])
     assert message.startswith("fp32 (neither --fp16 nor --bf16) with --zero-stage 0 and --pipeline-model-parallel-size "
@@ -313,7 +313,7 @@ def test_a_json_may_repeat_flags_never_contradict_them():
 
 
 def test_the_world_size_rule_is_one_for_the_spec_and_the_trainer():
-    from opskit.rules.checks import flag_name, world_size_problems
+    from opskit.rules.consistency import flag_name, world_size_problems
 
     assert world_size_problems(48, 4, 12, flag_name) == []
     assert world_size_problems(56, 4, 12, flag_name) == [
@@ -348,7 +348,7 @@ def test_every_rule_is_applied_by_both_the_spec_and_the_trainer():
     import opskit.train
 
     spec_only = {"batch_problems": "needs DP; the trainer meets it at run time (rules.schedule.num_microbatches)"}
-    rules = [name for name, f in vars(checks).items() if name.endswith("_problems") and inspect.isfunction(f)]
+    rules = [name for name, f in vars(consistency).items() if name.endswith("_problems") and inspect.isfunction(f)]
     spec_text = Path(opskit.spec.schema.__file__).read_text()
     train_text = "".join(p.read_text() for p in Path(opskit.train.__file__).parent.glob("*.py"))
     assert len(rules) >= 14

@@ -107,7 +107,7 @@ def test_plan_from_run_reports_the_advice_and_a_broken_ledger_in_one_line(tmp_pa
 def test_the_watchdog_says_when_the_specs_interval_loses_over_1_percent_and_reads_the_log_once_per_failure(tmp_path):
     from opskit.monitor.checks import save_interval_findings
     from opskit.monitor.snapshot import measure_save_interval
-    from opskit.monitor.state import WatchdogState
+    from opskit.monitor.watch_state import WatchdogState
     from opskit.run import chain
 
     run = _history(tmp_path, ["FAILED", "COMPLETED", "NODE_FAIL"])

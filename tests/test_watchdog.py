@@ -27,7 +27,7 @@ from conftest import as_run, queued, running, unique, write_spec
 from opskit.logs.parse import read_from
 from opskit.monitor.checks import checkpoint_findings, disk_findings, log_findings, progress_findings
 from opskit.monitor.snapshot import progress_of, read_checkpoints, read_disk, read_log
-from opskit.monitor.state import WatchdogState, load_state, save_state
+from opskit.monitor.watch_state import WatchdogState, load_state, save_state
 from opskit.run.paths import RunPaths
 from opskit.spec.load import load_spec
 from opskit.spec.schema import WatchdogSpec

@@ -560,7 +560,7 @@ def test_the_checks_read_nothing_but_the_snapshot(name, tmp_path, monkeypatch, c
     after the read, the findings are the same."""
     from opskit.monitor.checks import CHECKS
     from opskit.monitor.snapshot import read_snapshot
-    from opskit.monitor.state import WatchdogState
+    from opskit.monitor.watch_state import WatchdogState
 
     outcome(tmp_path, SCENARIOS[name], complete_step, monkeypatch)  # the run folder, the fake queue and disk
     spec = load_spec(str(tmp_path / f"{JOB}.yaml"))

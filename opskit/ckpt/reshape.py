@@ -22,11 +22,11 @@ from opskit.ckpt.format.universal import (
     verify_universal,
 )
 from opskit.fsutil import claim_dir
-from opskit.rules import checks
+from opskit.rules import consistency
 
 
 def layout_name(key: str, value=None) -> str:
-    """The :data:`~opskit.rules.checks.Namer` of a checkpoint resumed on a target layout: ``TP=3`` for the target's
+    """The :data:`~opskit.rules.consistency.Namer` of a checkpoint resumed on a target layout: ``TP=3`` for the target's
     degrees, ``the checkpoint's num_attention_heads 4`` for the saved model's settings."""
     short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP"}.get(key)
     if short:
@@ -36,15 +36,15 @@ def layout_name(key: str, value=None) -> str:
 
 def target_problems(args: Namespace, target: Layout) -> list[str]:
     """Why the model saved with ``args`` cannot run on ``target``: the trainer's own TP and PP rules
-    (:func:`opskit.rules.checks.tensor_parallel_problems`, :func:`~opskit.rules.checks.pipeline_problems`, with the
-    trainer's partition method). The padded vocabulary needs no rule: a resume pads it to a multiple of the new TP
-    (:func:`opskit.rules.model_size.resumed_padded_vocab_size`)."""
+    (:func:`opskit.rules.consistency.tensor_parallel_problems`, :func:`~opskit.rules.consistency.pipeline_problems`,
+    with the trainer's partition method). The padded vocabulary needs no rule: a resume pads it to a multiple of the new
+    TP (:func:`opskit.rules.model_size.resumed_padded_vocab_size`)."""
     if small := [f"{what.upper()}={value} must be at least 1" for what, value in vars(target).items() if value < 1]:
         return small
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size
-    method = getattr(args, "pp_partition_method", None) or checks.TRAINER_PARTITION_METHOD
-    return [*checks.tensor_parallel_problems(args.num_attention_heads, ffn, target.tp, layout_name),
-            *checks.pipeline_problems(args.num_layers, target.pp, method, layout_name)]
+    method = getattr(args, "pp_partition_method", None) or consistency.TRAINER_PARTITION_METHOD
+    return [*consistency.tensor_parallel_problems(args.num_attention_heads, ffn, target.tp, layout_name),
+            *consistency.pipeline_problems(args.num_layers, target.pp, method, layout_name)]
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from opskit.logs.crash import last_header
 from opskit.logs.eta import Progress, progress
 from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
-from opskit.monitor.state import WatchdogState
+from opskit.monitor.watch_state import WatchdogState
 from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.slurm import client

@@ -21,7 +21,7 @@ from opskit.monitor.checks import CHECKS
 from opskit.monitor.findings import Finding, Report
 from opskit.monitor.pulse import pulse_lines, unreachable_line
 from opskit.monitor.snapshot import RunSnapshot, read_snapshot
-from opskit.monitor.state import WatchdogState, load_state, save_state
+from opskit.monitor.watch_state import WatchdogState, load_state, save_state
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import Spec
 

@@ -15,7 +15,7 @@ from importlib import metadata
 from typing import Any
 
 from opskit.errors import OpskitError
-from opskit.rules.checks import Namer
+from opskit.rules.consistency import Namer
 
 FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1,
               "initial_scale_power": 12}

@@ -13,7 +13,7 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
                       pad_vocab_size_to: int | None = None) -> int:
     """Megatron-DeepSpeed's ``_vocab_size_with_padding`` (megatron/tokenizer/tokenizer.py): ``pad_vocab_size_to``
     when given, else the next multiple of ``make_vocab_size_divisible_by * TP`` (50257 -> 50432 at 128 * 2). The
-    divisibility of ``pad_vocab_size_to`` is :func:`opskit.rules.checks.pad_vocab_problems`'s.
+    divisibility of ``pad_vocab_size_to`` is :func:`opskit.rules.consistency.pad_vocab_problems`'s.
 
     Raises:
         VocabPaddingError: ``pad_vocab_size_to`` below ``vocab_size`` (names both numbers).

@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from opskit.errors import OpskitError
-from opskit.rules.checks import batch_sizes_of, valid_node_counts
+from opskit.rules.consistency import batch_sizes_of, valid_node_counts
 from opskit.rules.memory import (
     ADAM_STATE_BYTES,
     BNB_OPTIMIZER_STATE_BYTES,

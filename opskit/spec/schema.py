@@ -40,8 +40,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from opskit.rules import checks, flags
-from opskit.rules.checks import listed, valid_node_counts
+from opskit.rules import consistency, flags
+from opskit.rules.consistency import listed, valid_node_counts
 from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
 from opskit.rules.model_size import padded_vocab_size as _padded_vocab_size
 from opskit.spec.files import USER_SPEC_DIR, SpecError, find_spec, preset_dir
@@ -117,8 +117,8 @@ class ModelSpec(_Section):
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelSpec:
-        if problems := checks.attention_problems(self.hidden_size, self.num_attention_heads, self.seq_length,
-                                                 self.max_position_embeddings, _key_name):
+        if problems := consistency.attention_problems(self.hidden_size, self.num_attention_heads, self.seq_length,
+                                                      self.max_position_embeddings, _key_name):
             raise ValueError("; ".join(problems))
         return self
 
@@ -187,12 +187,13 @@ class BatchSpec(_Section):
     def _one_length(self) -> BatchSpec:
         if self.rampup_batch_size is not None:
             start, _, samples = self.rampup_batch_size
-            if start > 0 and samples // start > MAX_ITERATIONS:  # start <= 0: checks.rampup_problems (spec's rules)
+            # start <= 0: consistency.rampup_problems (the spec's rules)
+            if start > 0 and samples // start > MAX_ITERATIONS:
                 raise ValueError(f"rampup_batch_size {list(self.rampup_batch_size)}: {samples} ramp-up samples at a "
                                  f"start batch of {start} is up to {samples // start:,} iterations of ramp-up (more "
                                  f"than {MAX_ITERATIONS:,}: a typo?)")
-        if problems := checks.train_length_problems(self.train_samples, self.train_iters, self.rampup_batch_size,
-                                                    _key_name):
+        if problems := consistency.train_length_problems(self.train_samples, self.train_iters, self.rampup_batch_size,
+                                                         _key_name):
             raise ValueError("; ".join(problems))
         return self
 
@@ -268,10 +269,10 @@ class DataSpec(_Section):
                 raise ValueError(f"corpus brings its own tokenizer (opskit data prepare trains it): remove "
                                  f"{', '.join(extra) or 'tokenizer_type'}")
             return self
-        problems = [*checks.data_source_problems(self.data_path, self.train_weighted_split_paths_path,
-                                                 self.valid_weighted_split_paths_path, _key_name),
-                    *checks.tokenizer_problems(self.tokenizer_type, self.tokenizer_name_or_path, self.vocab_file,
-                                               self.merge_file, _key_name)]
+        problems = [*consistency.data_source_problems(self.data_path, self.train_weighted_split_paths_path,
+                                                      self.valid_weighted_split_paths_path, _key_name),
+                    *consistency.tokenizer_problems(self.tokenizer_type, self.tokenizer_name_or_path, self.vocab_file,
+                                                    self.merge_file, _key_name)]
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -584,20 +585,20 @@ class Spec(_Section):
     @model_validator(mode="after")
     def _cluster_rules(self) -> Spec:
         p, b = self.parallel, self.batch
-        if world := checks.world_size_problems(p.world_size, p.tensor_model_parallel_size,
-                                               p.pipeline_model_parallel_size, _field_name,
-                                               f" ({p.nodes} nodes x {p.gpus_per_node})"):
-            sizes = checks.batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
+        if world := consistency.world_size_problems(p.world_size, p.tensor_model_parallel_size,
+                                                    p.pipeline_model_parallel_size, _field_name,
+                                                    f" ({p.nodes} nodes x {p.gpus_per_node})"):
+            sizes = consistency.batch_sizes_of(b.global_batch_size, b.rampup_batch_size)
             nodes = valid_node_counts(p.gpus_per_node, p.tensor_model_parallel_size,
                                       p.pipeline_model_parallel_size, b.micro_batch_size, sizes)
             fix = f"valid parallel.nodes for this layout: {listed(nodes)}" if nodes else "change TP or PP"
             raise ValueError(f"parallel: {world[0]}; {fix}")
         problems = [*self._layout_problems(), *self._batch_problems(), *self._curriculum_problems(),
-                    *checks.training_flag_problems({**self.megatron_args, "split": self.data.split}, _field_name),
-                    *checks.client_optimizer_problems(bool(self.megatron_args.get("use_bnb_optimizer")),
-                                                      p.zero_stage,
-                                                      self.deepspeed_config.get("zero_allow_untested_optimizer"),
-                                                      _field_name)]
+                    *consistency.training_flag_problems({**self.megatron_args, "split": self.data.split}, _field_name),
+                    *consistency.client_optimizer_problems(bool(self.megatron_args.get("use_bnb_optimizer")),
+                                                           p.zero_stage,
+                                                           self.deepspeed_config.get("zero_allow_untested_optimizer"),
+                                                           _field_name)]
         version = self.parallel.deepspeed_version
         if version and (problem := deepspeed_resume_problem(self, version)):
             problems.append(f"parallel.deepspeed_version {version}: {problem}")
@@ -611,26 +612,27 @@ class Spec(_Section):
     def _layout_problems(self) -> list[str]:
         m, p = self.model, self.parallel
         tp = p.tensor_model_parallel_size
-        return [*checks.tensor_parallel_problems(m.num_attention_heads, m.ffn_size, tp, _field_name),
-                *checks.sequence_parallel_problems(p.sequence_parallel, m.seq_length, tp, _field_name),
-                *checks.partition_method_problems(p.pp_partition_method, _field_name),
-                *checks.pipeline_problems(m.num_layers, p.pipeline_model_parallel_size, p.pp_partition_method,
-                                          _field_name),
-                *checks.pad_vocab_problems(m.pad_vocab_size_to, m.make_vocab_size_divisible_by, tp,
-                                           self.data.vocab_size, _field_name)]
+        return [*consistency.tensor_parallel_problems(m.num_attention_heads, m.ffn_size, tp, _field_name),
+                *consistency.sequence_parallel_problems(p.sequence_parallel, m.seq_length, tp, _field_name),
+                *consistency.partition_method_problems(p.pp_partition_method, _field_name),
+                *consistency.pipeline_problems(m.num_layers, p.pipeline_model_parallel_size, p.pp_partition_method,
+                                               _field_name),
+                *consistency.pad_vocab_problems(m.pad_vocab_size_to, m.make_vocab_size_divisible_by, tp,
+                                                self.data.vocab_size, _field_name)]
 
     def _batch_problems(self) -> list[str]:
         b, p = self.batch, self.parallel
-        return checks.rampup_problems(b.global_batch_size, b.rampup_batch_size, _field_name) or checks.batch_problems(
-            b.global_batch_size, b.rampup_batch_size, b.micro_batch_size, p.nodes, p.gpus_per_node,
-            p.tensor_model_parallel_size, p.pipeline_model_parallel_size, _field_name)
+        return consistency.rampup_problems(b.global_batch_size, b.rampup_batch_size, _field_name) or \
+            consistency.batch_problems(b.global_batch_size, b.rampup_batch_size, b.micro_batch_size, p.nodes,
+                                       p.gpus_per_node, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                       _field_name)
 
     def _curriculum_problems(self) -> list[str]:
         cl = self.curriculum_learning
         if cl is None:
             return []
-        return checks.curriculum_problems(cl.min_difficulty, self.curriculum_max_difficulty, cl.difficulty_step,
-                                          self.model.seq_length, _field_name)
+        return consistency.curriculum_problems(cl.min_difficulty, self.curriculum_max_difficulty, cl.difficulty_step,
+                                               self.model.seq_length, _field_name)
 
     @property
     def curriculum_max_difficulty(self) -> int:
@@ -790,12 +792,14 @@ def _gres_gpus(gres: str | None) -> int | None:
 
 
 def _key_name(key: str, value: Any = None) -> str:
-    """The :data:`opskit.rules.checks.Namer` inside one section (pydantic prefixes the section): ``hidden_size 128``."""
+    """The :data:`opskit.rules.consistency.Namer` inside one section (pydantic prefixes the section):
+    ``hidden_size 128``."""
     return key if value is None else f"{key} {value}"
 
 
 def _field_name(key: str, value: Any = None) -> str:
-    """The :data:`opskit.rules.checks.Namer` of a whole spec: the field's path, ``model.num_attention_heads 12``."""
+    """The :data:`opskit.rules.consistency.Namer` of a whole spec: the field's path,
+    ``model.num_attention_heads 12``."""
     sections = (("model", ModelSpec), ("parallel", ParallelSpec), ("batch", BatchSpec), ("optimizer", OptimizerSpec),
                 ("data", DataSpec), ("curriculum_learning", CurriculumSpec))
     path = next((f"{section}.{key}" for section, model in sections if key in model.model_fields),

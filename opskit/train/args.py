@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from opskit.rules import checks, flags
-from opskit.rules.checks import flag_name
+from opskit.rules import consistency, flags
+from opskit.rules.consistency import flag_name
 from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
 from opskit.rules.formats import parse_skip_ranges
 
@@ -73,16 +73,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--fp16 and --bf16 are mutually exclusive")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     problems = [
-        *checks.attention_problems(args.hidden_size, args.num_attention_heads, args.seq_length,
-                                   args.max_position_embeddings, flag_name),
-        *checks.tensor_parallel_problems(args.num_attention_heads, args.ffn_hidden_size or 4 * args.hidden_size, tp,
-                                         flag_name),
-        *checks.sequence_parallel_problems(args.sequence_parallel, args.seq_length, tp, flag_name),
-        *checks.pipeline_problems(args.num_layers, pp, args.pp_partition_method or checks.TRAINER_PARTITION_METHOD,
-                                  flag_name),
-        *checks.pad_vocab_problems(args.pad_vocab_size_to, args.make_vocab_size_divisible_by, tp, None, flag_name),
-        *checks.rampup_problems(args.global_batch_size, args.rampup_batch_size, flag_name),
-        *checks.train_length_problems(args.train_samples, args.train_iters, args.rampup_batch_size, flag_name),
+        *consistency.attention_problems(args.hidden_size, args.num_attention_heads, args.seq_length,
+                                        args.max_position_embeddings, flag_name),
+        *consistency.tensor_parallel_problems(args.num_attention_heads, args.ffn_hidden_size or 4 * args.hidden_size,
+                                              tp, flag_name),
+        *consistency.sequence_parallel_problems(args.sequence_parallel, args.seq_length, tp, flag_name),
+        *consistency.pipeline_problems(args.num_layers, pp,
+                                       args.pp_partition_method or consistency.TRAINER_PARTITION_METHOD, flag_name),
+        *consistency.pad_vocab_problems(args.pad_vocab_size_to, args.make_vocab_size_divisible_by, tp, None, flag_name),
+        *consistency.rampup_problems(args.global_batch_size, args.rampup_batch_size, flag_name),
+        *consistency.train_length_problems(args.train_samples, args.train_iters, args.rampup_batch_size, flag_name),
     ]
     version = installed_deepspeed_version()
     problem = version and deepspeed_version_problem(args.params_dtype, args.zero_stage, pp, args.clip_grad, version,
@@ -91,11 +91,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problems.append(problem.message)
     if args.save and not args.save_interval:
         problems.append("--save needs --save-interval")
-    problems += [*checks.partition_method_problems(args.pp_partition_method, flag_name),
-                 *checks.data_source_problems(args.data_path, args.train_weighted_split_paths_path,
-                                              args.valid_weighted_split_paths_path, flag_name),
-                 *checks.tokenizer_problems(args.tokenizer_type, args.tokenizer_name_or_path, args.vocab_file,
-                                            args.merge_file, flag_name),
-                 *checks.training_flag_problems(vars(args), flag_name)]
+    problems += [*consistency.partition_method_problems(args.pp_partition_method, flag_name),
+                 *consistency.data_source_problems(args.data_path, args.train_weighted_split_paths_path,
+                                                   args.valid_weighted_split_paths_path, flag_name),
+                 *consistency.tokenizer_problems(args.tokenizer_type, args.tokenizer_name_or_path, args.vocab_file,
+                                                 args.merge_file, flag_name),
+                 *consistency.training_flag_problems(vars(args), flag_name)]
     if problems:  # the first, as argparse reports one error
         parser.error(problems[0])

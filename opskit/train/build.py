@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from opskit.rules.checks import (
+from opskit.rules.consistency import (
     TRAINER_PARTITION_METHOD,
     client_optimizer_problems,
     flag_name,
@@ -178,7 +178,7 @@ def build_deepspeed_config(config: TrainConfig, global_batch_size: int) -> dict:
 
     Raises:
         TrainerError: when the JSON is unreadable or contradicts a flag (it names both); ``--use-bnb-optimizer``
-            under ZeRO without ``zero_allow_untested_optimizer`` (rules.checks.client_optimizer_problems).
+            under ZeRO without ``zero_allow_untested_optimizer`` (rules.consistency.client_optimizer_problems).
     """
     loaded: dict = {}
     if path := config.deepspeed_config:

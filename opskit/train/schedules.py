@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from opskit.rules import checks
+from opskit.rules import consistency
 from opskit.rules.schedule import annealing_lr
 
 # Checkpointed AnnealingLR fields that must agree with the command line unless told otherwise.
@@ -110,9 +110,10 @@ class AnnealingLR:
 
 
 def _json_key(key: str, value=None) -> str:
-    """The :data:`opskit.rules.checks.Namer` of the DeepSpeed JSON's curriculum block (``--seq-length`` is a flag)."""
+    """The :data:`opskit.rules.consistency.Namer` of the DeepSpeed JSON's curriculum block (``--seq-length`` is a
+    flag)."""
     if key == "seq_length":
-        return checks.flag_name(key, value)
+        return consistency.flag_name(key, value)
     where = "curriculum_learning" if key in ("min_difficulty", "max_difficulty") else \
         "curriculum_learning.schedule_config"
     return f"{where}.{key}" if value is None else f"{where}.{key} {value}"
@@ -132,7 +133,7 @@ class SeqlenCurriculum:
 
     Raises:
         ValueError: (at construction) a block that is not a seqlen curriculum DeepSpeed can schedule, or that breaks
-            the spec's rule (:func:`opskit.rules.checks.curriculum_problems`: multiples of 8, rising to at most
+            the spec's rule (:func:`opskit.rules.consistency.curriculum_problems`: multiples of 8, rising to at most
             ``seq_length``); the message names the key.
     """
 
@@ -148,8 +149,8 @@ class SeqlenCurriculum:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"curriculum_learning.{key} is {value!r}; expected a positive integer")
         step = (config.get("schedule_config") or {}).get("difficulty_step")
-        if problems := checks.curriculum_problems(config["min_difficulty"], config["max_difficulty"],
-                                                  step if isinstance(step, int) else None, seq_length, _json_key):
+        if problems := consistency.curriculum_problems(config["min_difficulty"], config["max_difficulty"],
+                                                       step if isinstance(step, int) else None, seq_length, _json_key):
             raise ValueError(problems[0])
         try:
             self.scheduler = CurriculumScheduler(config)
