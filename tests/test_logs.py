@@ -19,7 +19,7 @@ from opskit.logs.follow import follow, published_key
 from opskit.logs.grammar import parse_iteration_line, parse_line
 from opskit.logs.parse import LogFormatError, read_from, read_tail, split_segments, timeline
 from opskit.logs.spikes import find_spikes, remedies
-from opskit.rules.spikes import SpikeConfig, SpikeWatch
+from opskit.rules.spike_rule import SpikeConfig, SpikeWatch
 from opskit.train.log import iteration_line, validation_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

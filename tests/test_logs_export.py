@@ -156,9 +156,9 @@ def test_files_without_column_wise_records_are_written_as_before(tmp_path, outpu
 
 
 def _walked_spikes(records: list[dict], config) -> list[dict]:
-    """The spikes a walk over every value finds: the rule book's :class:`opskit.rules.spikes.SpikeWatch`, which the
+    """The spikes a walk over every value finds: the rule book's :class:`opskit.rules.spike_rule.SpikeWatch`, which the
     trainer's divergence check runs as the iterations come."""
-    from opskit.rules.spikes import SpikeWatch
+    from opskit.rules.spike_rule import SpikeWatch
 
     watch = SpikeWatch(config)
     for record in records:

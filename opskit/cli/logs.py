@@ -193,7 +193,7 @@ def spikes(
     --skip-train-iteration-range to restart with."""
     from opskit.history.sources import resolve
     from opskit.logs.spikes import remedies, spikes_of
-    from opskit.rules.spikes import SpikeConfig
+    from opskit.rules.spike_rule import SpikeConfig
 
     source, config = resolve(name_or_file), SpikeConfig(window=window, threshold=threshold)
     line = source.timeline(config.metrics)

@@ -25,7 +25,7 @@ from opskit.fsutil import claim_file, staging_path
 from opskit.logs.grammar import iteration_fields
 from opskit.logs.parse import LogFormatError, as_list, python_value, record_columns
 from opskit.logs.spikes import spikes_of
-from opskit.rules.spikes import Spike, SpikeConfig
+from opskit.rules.spike_rule import Spike, SpikeConfig
 
 if TYPE_CHECKING:  # the run layer above hands its sources in
     from opskit.history.sources import LogSource

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from itertools import compress
 
 from opskit.logs.parse import python_value, record_columns
-from opskit.rules.spikes import DEFAULT_CONFIG, Spike, SpikeConfig, Window, is_spike, robust_z
+from opskit.rules.spike_rule import DEFAULT_CONFIG, Spike, SpikeConfig, Window, is_spike, robust_z
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from opskit.logs.spikes import find_spikes, remedies
 from opskit.logs.stacks import rank_stacks, stuck_ranks
 from opskit.monitor.findings import Finding
 from opskit.monitor.snapshot import Checkpoints, Disk, LogRead, RunFlags, RunSnapshot, matches, slurm_time
-from opskit.rules.spikes import SpikeConfig
+from opskit.rules.spike_rule import SpikeConfig
 from opskit.rules.stragglers import parse_slowest_rank_line, straggler
 from opskit.run import chain
 from opskit.run.paths import RunPaths
