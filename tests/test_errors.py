@@ -16,6 +16,8 @@ NOT_LIBRARY_ERRORS = {
     "opskit.targets.gcs.ChecksumMismatch",
     # A YAMLError raised inside the spec's YAML loader and turned into a SpecError there.
     "opskit.spec.load._DuplicateKey",
+    # The job's SIGTERM handler raises it on the main thread and Job.run catches it: control flow, never seen outside.
+    "opskit.allocation.job.Terminated",
 }
 # The trainer (torch at import) runs as its own process and prints its own one-line errors (train/main.py).
 SKIPPED_PACKAGES = ("opskit.train",)

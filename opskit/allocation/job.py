@@ -190,8 +190,9 @@ def chain_stop_reason(run: RunPaths) -> str | None:
     return None
 
 
-class Terminated(Exception):
-    """SIGTERM reached the job (raised by its handler on the main thread)."""
+class Terminated(BaseException):
+    """SIGTERM reached the job (raised by its handler on the main thread, caught in :meth:`Job.run`). A
+    BaseException, as SystemExit is: no ``except Exception`` on the way may swallow it."""
 
 
 class Job:
