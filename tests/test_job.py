@@ -156,6 +156,28 @@ def test_too_few_usable_nodes_start_no_step(tmp_path):
     assert ledger(run)[0][:2] == ("FAILED", 1)
 
 
+def test_a_main_log_that_cannot_be_written_stops_neither_the_job_nor_the_step(tmp_path):
+    """A full disk (here: main_log.txt a folder): the lines and the step's output go to the job's output file."""
+    run = make_run(tmp_path)
+    run.main_log.mkdir()  # logs/ exists (make_run made logs/nodes)
+    fallback = io.BytesIO()
+    steps = FakeSteps(run, TRAINED)
+    code = job.Job(config(run), ALLOCATION, steps, job.MainLog(run.main_log, ALLOCATION, fallback)).run(DS_CONFIG)
+    assert code == 0 and ledger(run) == [("COMPLETED", 0, "")]
+    lines = fallback.getvalue().decode().splitlines()
+    assert lines[0].startswith(f"[opskit] {run.main_log} not written ([Errno 21] Is a directory") and len(lines) == 5
+    assert lines[2].endswith(": training step 0 on nodes node1,node2") and lines[3] == "0: iteration 10/10 trained"
+
+
+def test_a_deepspeed_config_that_cannot_be_written_starts_no_step(tmp_path):
+    run = make_run(tmp_path)
+    run.ds_config.parent.write_text("not a folder")
+    steps = FakeSteps(run)
+    code = job.Job(config(run), ALLOCATION, steps, job.MainLog(run.main_log, ALLOCATION)).run(DS_CONFIG)
+    assert code == 1 and steps.calls == [] and ledger(run)[0][:2] == ("FAILED", 1)
+    assert said(run)[1].startswith("the DeepSpeed config was not written: [Errno 17] File exists")
+
+
 @pytest.mark.parametrize("flag, reason", [
     ("finished_flag", "the finished flag exists: training is done"),
     ("kill_switch", "the kill switch is on (opskit kill-switch NAME off)"),

@@ -124,13 +124,20 @@ class Allocation:
 class MainLog:
     """``main_log.txt``: opskit's own lines, stamped and prefixed as the run's readers expect (``[opskit] DATE TIME job
     ID (array task T) nodes NODES: ...``), and the step's output as it comes. Appends under one lock (the step's
-    output, the watchdog's lines and the job's own come from three threads)."""
+    output, the watchdog's lines and the job's own come from three threads). A write that fails (a full disk) never
+    stops the job nor the step's output, which would then fill its pipe and block the trainer: the bytes go to
+    ``fallback`` (the job's output file) instead, after one line saying why."""
 
-    def __init__(self, path: Path, allocation: Allocation):
+    def __init__(self, path: Path, allocation: Allocation, fallback: IO[bytes] | None = None):
         self.path = path
         self.prefix = f"job {allocation.job_id} (array task {allocation.task}) nodes {allocation.nodelist}: "
         self.lock = threading.RLock()  # a signal handler on the main thread may log while it holds the lock
-        path.parent.mkdir(exist_ok=True)
+        self.fallback = fallback if fallback is not None else sys.stderr.buffer
+        self.failed = False
+        try:
+            path.parent.mkdir(exist_ok=True)
+        except OSError:
+            pass  # said at the first write
 
     def line(self, text: str) -> None:
         self.write(f"[opskit] {datetime.now():%Y-%m-%d %H:%M:%S} {self.prefix}{text}\n".encode())
@@ -141,8 +148,17 @@ class MainLog:
                 self.line(text)
 
     def write(self, data: bytes) -> None:
-        with self.lock, open(self.path, "ab") as f:
-            f.write(data)
+        with self.lock:
+            try:
+                with open(self.path, "ab") as f:
+                    f.write(data)
+                return
+            except OSError as e:
+                if not self.failed:
+                    self.failed = True
+                    self.fallback.write(f"[opskit] {self.path} not written ({e}): its lines go here\n".encode())
+            self.fallback.write(data)
+            self.fallback.flush()
 
 
 Launcher = Callable[[JobConfig, list[str], dict[str, str]], subprocess.Popen]
@@ -218,8 +234,14 @@ class Job:
             self._record_skipped(reason)
             self.log.line("end, exit code 0")
             return 0
-        self.config.run.ds_config.parent.mkdir(exist_ok=True)
-        atomic_write_text(self.config.run.ds_config, ds_config)
+        try:
+            self.config.run.ds_config.parent.mkdir(exist_ok=True)
+            atomic_write_text(self.config.run.ds_config, ds_config)
+        except OSError as e:  # the trainer would read a stale or no config: no step starts
+            self.log.line(f"the DeepSpeed config was not written: {e}")
+            self._task_ended("FAILED", 1)
+            self.log.line("end, exit code 1")
+            return 1
         self.training = True
         try:
             code = self.train_in_steps()
