@@ -111,7 +111,7 @@ def start_step(run: RunPaths, job_id: str, need: int, nodelist: str,
     nodes = usable[:need]
     heartbeats = run.root / "in-job" / f"{job_id}.{len(state['steps'])}.heartbeats"
     state["steps"].append({"nodes": nodes, "started": time.time(), "heartbeats": str(heartbeats),
-                           "log_offsets": {n: _size(_node_log(run, job_id, n)) for n in nodes},
+                           "log_offsets": {n: _size(run.node_log(job_id, n)) for n in nodes},
                            "main_log_offset": _size(run.main_log), "hang": None})
     _save(run, job_id, state)
     return nodes, heartbeats, lines
@@ -142,10 +142,6 @@ def preflight_check(run: RunPaths, margin: float = 0.2, say: Callable[[str], Non
 
 class InJobError(OpskitError):
     """The allocation cannot go on training (too few usable nodes)."""
-
-
-def _node_log(run: RunPaths, job_id: str, node: str) -> Path:
-    return run.node_logs / f"{job_id}-{node}.log"
 
 
 def _size(path: Path) -> int:
@@ -306,7 +302,7 @@ def blame_failed_step(run: RunPaths, job_id: str, now: datetime | None = None) -
         blamed = {node: f"hung (silent {hang['silent_s']:.0f} s)" for node in hang["nodes"]}
     else:
         for node in step["nodes"]:
-            crashes = find_crashes(_lines_from(_node_log(run, job_id, node), step["log_offsets"].get(node, 0)),
+            crashes = find_crashes(_lines_from(run.node_log(job_id, node), step["log_offsets"].get(node, 0)),
                                    node=node)
             if crashes:
                 blamed[node] = f"{crashes[0].signature}: {crashes[0].line.strip()[:200]}"

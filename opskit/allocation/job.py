@@ -168,9 +168,8 @@ Launcher = Callable[[JobConfig, list[str], dict[str, str]], subprocess.Popen]
 
 def node_command(config: JobConfig) -> list[str]:
     """The command every node of a step runs (:mod:`opskit.allocation.node_step`)."""
-    return [sys.executable, "-u", "-m", "opskit.allocation.node_step", str(config.run.node_logs),
-            str(config.gpus_per_node),
-            "--", *config.trainer_args]
+    return [sys.executable, "-u", "-m", "opskit.allocation.node_step", str(config.run.root),
+            str(config.gpus_per_node), "--", *config.trainer_args]
 
 
 def srun_step(config: JobConfig, nodes: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -191,19 +190,6 @@ def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
     # stdin closed: the job's stdin is the script's heredoc, and srun would pass its stdin on to task 0
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-
-
-def chain_stop_reason(run: RunPaths) -> str | None:
-    """Why this task must not start (the chain stops itself): training finished, the kill switch is on, or the chain
-    was stopped after ``slurm.max_failures`` consecutive failures or ``slurm.max_stalled_starts`` starts that saved
-    nothing; None: train."""
-    if run.finished_flag.exists():
-        return "the finished flag exists: training is done"
-    if run.kill_switch.exists():
-        return "the kill switch is on (opskit kill-switch NAME off)"
-    if run.stopped_flag.exists():
-        return "the chain was stopped (after failures or starts that saved nothing: chain-stopped says which)"
-    return None
 
 
 class Terminated(BaseException):
@@ -228,7 +214,7 @@ class Job:
     def run(self, ds_config: str) -> int:
         """The task from start to its ledger line; returns its exit status (0 also for a skipped task)."""
         self.log.line("start")
-        reason = chain_stop_reason(self.config.run)
+        reason = chain.stop_reason(self.config.run)
         if reason:
             self.log.line(f"exiting at once: {reason}")
             self._record_skipped(reason)
@@ -362,8 +348,7 @@ class Job:
     def _record_skipped(self, reason: str) -> None:
         a = self.allocation
         try:
-            chain.record(self.config.run, chain.TaskOutcome(f"{datetime.now():%Y-%m-%d %H:%M:%S}", a.job_id, a.task,
-                                                            "SKIPPED", 0, a.nodelist, reason))
+            chain.task_skipped(self.config.run, a.job_id, a.task, a.nodelist, reason)
         except (chain.ChainError, OSError) as e:
             self.log.line(f"ledger not updated: {e}")
 

@@ -1,6 +1,7 @@
 """What each node of a training step runs (``srun``, one task per node; with the local executor the one node here):
 torchrun at this node's place in the step, the trainer under it, and this node's own copy of the output
-(``logs/nodes/JOB-NODE.log``, where a crash line names its node). Plain Python (no torch import of its own).
+(:meth:`opskit.run.paths.RunPaths.node_log`, where a crash line names its node). Plain Python (no torch import of its
+own).
 
 SIGUSR1 (SLURM's warning before the time limit, passed on by :mod:`opskit.allocation.job` through srun) goes to the
 trainers: torchrun's agent ignores it, or it would die of it; each trainer saves a checkpoint and exits 0.
@@ -9,7 +10,7 @@ A static rendezvous (``--master_addr``, ``--node_rank``): node rank = srun task 
 global rank 0 (and PP stage 0) is on the step's first node, MASTER_ADDR, which hosts the store. torchrun's c10d
 rendezvous would ignore ``--node_rank`` and order nodes by host name and pid, not by the allocation.
 
-``python -m opskit.allocation.node_step NODE_LOGS GPUS_PER_NODE -- TRAINER_ARGS...`` with srun's ``SLURM_JOB_ID``,
+``python -m opskit.allocation.node_step RUN_DIR GPUS_PER_NODE -- TRAINER_ARGS...`` with srun's ``SLURM_JOB_ID``,
 ``SLURM_NNODES`` and ``SLURM_PROCID`` and the job's ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment.
 """
 
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import psutil
 
+from opskit.run.paths import RunPaths
+
 
 def torchrun_command(gpus_per_node: int, trainer_args: list[str], env: Mapping[str, str]) -> list[str]:
     """torchrun for this node (``env``: srun's and the job's variables, see the module's doc) with the trainer."""
@@ -34,10 +37,9 @@ def torchrun_command(gpus_per_node: int, trainer_args: list[str], env: Mapping[s
             "--max_restarts", "0", "--tee", "3", "-m", "opskit.train", *trainer_args]
 
 
-def node_log(node_logs: Path, env: Mapping[str, str]) -> Path:
-    """This node's copy of the step's output: ``NODE_LOGS/<job id>-<node>.log`` (the node as SLURM names it)."""
-    node = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    return node_logs / f"{env['SLURM_JOB_ID']}-{node}.log"
+def node_log(run: RunPaths, env: Mapping[str, str]) -> Path:
+    """This node's copy of the step's output (the node as SLURM names it, else the short host name)."""
+    return run.node_log(env["SLURM_JOB_ID"], env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0])
 
 
 def shell_code(returncode: int) -> int:
@@ -45,7 +47,7 @@ def shell_code(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def run_node(node_logs: Path, gpus_per_node: int, trainer_args: list[str], env: Mapping[str, str] = os.environ
+def run_node(run: RunPaths, gpus_per_node: int, trainer_args: list[str], env: Mapping[str, str] = os.environ
              ) -> int:
     """Run torchrun and the trainer under it, its output (stdout and stderr) copied line by line to stdout (srun
     labels it for main_log.txt) and appended to :func:`node_log`; SIGUSR1 passed to the trainers.
@@ -56,7 +58,7 @@ def run_node(node_logs: Path, gpus_per_node: int, trainer_args: list[str], env: 
         KeyError: a variable of the module's doc is not set. OSError: the node log cannot be opened.
     """
     command = torchrun_command(gpus_per_node, trainer_args, env)
-    log_path = node_log(node_logs, env)
+    log_path = node_log(run, env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # torchrun starts with SIGUSR1 ignored (an exec keeps that)
@@ -86,11 +88,11 @@ def _signal_children(pid: int, sig: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 3 or args[2] != "--" or not args[1].isdigit():
-        print(f"usage: python -m opskit.allocation.node_step NODE_LOGS GPUS_PER_NODE -- TRAINER_ARGS... (got {args!r})",
+        print(f"usage: python -m opskit.allocation.node_step RUN_DIR GPUS_PER_NODE -- TRAINER_ARGS... (got {args!r})",
               file=sys.stderr)
         return 2
     try:
-        return run_node(Path(args[0]), int(args[1]), args[3:])
+        return run_node(RunPaths(Path(args[0])), int(args[1]), args[3:])
     except KeyError as e:
         print(f"opskit.allocation.node_step: {e.args[0]} is not set (srun and opskit.allocation.job set it)",
               file=sys.stderr)

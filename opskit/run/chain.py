@@ -609,6 +609,28 @@ def task_ended(run: RunPaths, spec_name: str, job_id: str, task: str, state: str
 RESTART_STORM = "chain.restart_storm"
 
 
+def stop_reason(run: RunPaths) -> str | None:
+    """Why a task of the chain must not start (the chain stops itself): training finished, the kill switch is on, or
+    the chain was stopped after ``slurm.max_failures`` consecutive failures or ``slurm.max_stalled_starts`` starts that
+    saved nothing; None: train."""
+    if run.finished_flag.exists():
+        return "the finished flag exists: training is done"
+    if run.kill_switch.exists():
+        return "the kill switch is on (opskit kill-switch NAME off)"
+    if run.stopped_flag.exists():
+        return "the chain was stopped (after failures or starts that saved nothing: chain-stopped says which)"
+    return None
+
+
+def task_skipped(run: RunPaths, job_id: str, task: str, nodes: str, reason: str) -> None:
+    """Record a task that exited at start for :func:`stop_reason`'s ``reason`` (SKIPPED, exit 0).
+
+    Raises:
+        ChainError, OSError: the ledger cannot be written (:func:`record`).
+    """
+    record(run, TaskOutcome(f"{datetime.now():%Y-%m-%d %H:%M:%S}", job_id, task, "SKIPPED", 0, nodes, reason))
+
+
 def _summary(rows: list[TaskOutcome]) -> str:
     return ", ".join(f"{r.task} {r.state}" + (f" exit {r.exit_code}" if r.state == "FAILED" else "") +
                      f" on {r.nodes}" for r in rows)
@@ -658,8 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args[:1] == ["skipped"] and len(args) == 6:
             _, root, job_id, task, nodes, reason = args
-            record(RunPaths(Path(root)),
-                   TaskOutcome(f"{datetime.now():%Y-%m-%d %H:%M:%S}", job_id, task, "SKIPPED", 0, nodes, reason))
+            task_skipped(RunPaths(Path(root)), job_id, task, nodes, reason)
             return 0
     except (ChainError, OSError) as e:
         print(f"ledger not updated: {e}")

@@ -110,8 +110,12 @@ class RunPaths:
 
     @property
     def node_logs(self) -> Path:
-        """Each node's own copy of its output (``<job id>-<node>.log``), where crash lines name their node."""
+        """Each node's own copy of its output (:meth:`node_log`), where crash lines name their node."""
         return self.logs / "nodes"
+
+    def node_log(self, job_id: str, node: str) -> Path:
+        """Node ``node``'s copy of job ``job_id``'s output: ``logs/nodes/<job id>-<node>.log``."""
+        return self.node_logs / f"{job_id}-{node}.log"
 
     @property
     def cron_dir(self) -> Path:
