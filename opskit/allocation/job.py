@@ -23,6 +23,7 @@ output file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
@@ -35,10 +36,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from opskit.allocation import in_job
+from opskit.allocation import divergence, in_job
 from opskit.allocation.node_step import shell_code
 from opskit.fsutil import OutputRefusedError, atomic_write_text
+from opskit.rules.divergence import REPORT_DIR_ENV, read_reports
 from opskit.run import chain
+from opskit.run.incidents import IncidentsError
 from opskit.run.paths import RunPaths
 
 TERMINATED = 143
@@ -65,6 +68,7 @@ class JobConfig:
     preflight: bool
     limits: in_job.Limits
     trainer_args: tuple[str, ...]
+    divergence: divergence.Bounds = divergence.Bounds()
 
 
 def job_flags(config: JobConfig) -> list[str]:
@@ -74,7 +78,9 @@ def job_flags(config: JobConfig) -> list[str]:
             "--time-limit-s", str(config.time_limit_s), "--max-failures", str(config.max_failures),
             "--max-stalled-starts", str(config.max_stalled_starts), "--in-job-restarts", str(config.in_job_restarts),
             *(["--preflight"] if config.preflight else []), "--hang-timeout-s", f"{config.limits.timeout:g}",
-            "--hang-startup-s", f"{config.limits.startup:g}", "--hang-factor", f"{config.limits.hang_factor:g}"]
+            "--hang-startup-s", f"{config.limits.startup:g}", "--hang-factor", f"{config.limits.hang_factor:g}",
+            "--skip-after", str(config.divergence.skip_after), "--max-rollbacks",
+            str(config.divergence.max_rollbacks), "--rollback-hours", f"{config.divergence.rollback_hours:g}"]
 
 
 def parse_job_flags(argv: list[str]) -> JobConfig:
@@ -88,11 +94,17 @@ def parse_job_flags(argv: list[str]) -> JobConfig:
     parser.add_argument("--preflight", action="store_true")
     for name in ("hang-timeout-s", "hang-startup-s", "hang-factor"):
         parser.add_argument(f"--{name}", type=float, required=True)
+    # scripts rendered before issue 48 pass none of these: the spec's defaults
+    bounds = divergence.Bounds()
+    parser.add_argument("--skip-after", type=int, default=bounds.skip_after)
+    parser.add_argument("--max-rollbacks", type=int, default=bounds.max_rollbacks)
+    parser.add_argument("--rollback-hours", type=float, default=bounds.rollback_hours)
     ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     a = parser.parse_args(ours)
     return JobConfig(RunPaths(a.run_dir), a.spec_name, a.nodes, a.gpus_per_node, a.master_port, a.time_limit_s,
                      a.max_failures, a.max_stalled_starts, a.in_job_restarts, a.preflight,
-                     in_job.Limits(a.hang_timeout_s, a.hang_startup_s, a.hang_factor), tuple(trainer_args))
+                     in_job.Limits(a.hang_timeout_s, a.hang_startup_s, a.hang_factor), tuple(trainer_args),
+                     divergence.Bounds(a.skip_after, a.max_rollbacks, a.rollback_hours))
 
 
 @dataclass(frozen=True)
@@ -245,16 +257,33 @@ class Job:
 
     def train_in_steps(self) -> int:
         """Steps until one ends well, SIGUSR1 came, or no restart is left or possible; the last step's status (1
-        when no step could start)."""
-        restarts = 0
+        when no step could start). A step stopped by the divergence check is followed by the triage's next step
+        (:mod:`opskit.allocation.divergence`: a replay, or training on after a skip), which no restart counts: the
+        triage's own bound (``max_rollbacks``) ends that."""
+        restarts, steps = 0, 0
         while True:
-            picked = self._next_step_nodes(check=restarts == 0)
+            picked = self._next_step_nodes(check=steps == 0)
             if picked is None:
                 return 1
             nodes, heartbeats = picked
-            self.log.line(f"training step {restarts} on nodes {','.join(nodes)}")
-            code = self._run_step(nodes, heartbeats)
+            args = self._in_job(divergence.step_trainer_args, self.config.run, list(self.config.trainer_args))
+            if args is None:
+                return 1
+            self.log.lines(args[1])
+            self.log.line(f"training step {steps} on nodes {','.join(nodes)}")
+            reports = heartbeats.with_suffix(".divergence")
+            code = self._run_step(nodes, heartbeats, reports, args[0])
+            steps += 1
+            triage = self._in_job(divergence.triage, self.config.run, read_reports(reports), nodes,
+                                  self.config.divergence, self.allocation.job_id, self.allocation.task,
+                                  self.config.spec_name)
+            if triage is not None:
+                self.log.lines(triage.lines)
             if code == 0 or self.usr1:
+                return code
+            if triage is not None and triage.restart is not None:
+                if triage.restart:
+                    continue
                 return code
             if restarts >= self.config.in_job_restarts:
                 self.log.line(f"step {restarts} failed (exit {code}): no in-job restart left (slurm.in_job_restarts "
@@ -296,19 +325,22 @@ class Job:
         return nodes, heartbeats
 
     def _in_job(self, call, *args):
-        """``call(*args)`` of :mod:`opskit.allocation.in_job`; None when it cannot go on, the reason in main_log.txt."""
+        """``call(*args)`` of :mod:`opskit.allocation.in_job` or :mod:`opskit.allocation.divergence`; None when it
+        cannot go on, the reason in main_log.txt."""
         try:
             return call(*args)
-        except (in_job.InJobError, OutputRefusedError) as e:
+        except (in_job.InJobError, OutputRefusedError, IncidentsError) as e:
             self.log.line(f"no restart in this job: {e}")
         except (OSError, ValueError, KeyError, chain.ChainError) as e:
             self.log.line(f"in-job recovery: {type(e).__name__}: {e}")
         return None
 
-    def _run_step(self, nodes: list[str], heartbeats: Path) -> int:
-        """One step on ``nodes``, its output copied as it comes and its heartbeats watched; its exit status."""
-        env = {**os.environ, "OPSKIT_HEARTBEAT_DIR": str(heartbeats), "MASTER_PORT": str(self.config.master_port)}
-        step = self.launch(self.config, nodes, env)
+    def _run_step(self, nodes: list[str], heartbeats: Path, reports: Path, trainer_args: list[str]) -> int:
+        """One step on ``nodes`` with ``trainer_args``, its output copied as it comes and its heartbeats watched; the
+        trainer's divergence reports go to ``reports``; its exit status."""
+        env = {**os.environ, "OPSKIT_HEARTBEAT_DIR": str(heartbeats), REPORT_DIR_ENV: str(reports),
+               "MASTER_PORT": str(self.config.master_port)}
+        step = self.launch(dataclasses.replace(self.config, trainer_args=tuple(trainer_args)), nodes, env)
         self.step = step
         copier = threading.Thread(target=self._copy_output, args=(step.stdout,), daemon=True)
         watcher = threading.Thread(target=self._watch, args=(step.pid,), daemon=True)

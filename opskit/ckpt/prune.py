@@ -213,3 +213,33 @@ def set_latest(directory: str | Path, step: int) -> str:
     previous, problem = latest_state(directory)
     write_latest(directory, folder.name)
     return f"unusable ({problem})" if problem else previous
+
+
+ABANDONED = ".abandoned-"
+"""``global_stepN.abandoned-<incident>``: a step set aside by a divergence rollback (:func:`roll_back`), no longer a
+``global_stepN`` any reader or resume sees; kept for a person to look at, prune may remove it."""
+
+
+def roll_back(directory: str | Path, step: int, label: str) -> list[str]:
+    """Move ``latest`` back to the complete ``global_step{step}``, after setting aside every newer step folder
+    (renamed ``global_stepN.abandoned-<label>``, never deleted: a later save of the same iteration would otherwise
+    overwrite it). Returns the names set aside.
+
+    Raises:
+        PruneError: as :func:`set_latest`; OSError: a rename failed (``latest`` not moved).
+    """
+    directory = Path(directory)
+    if not (directory / f"global_step{step}").is_dir() or describe_step(directory / f"global_step{step}").problems:
+        set_latest(directory, step)  # raises, naming what is wrong
+    set_aside = []
+    for iteration, folder in sorted(step_dirs(directory).items()):
+        if iteration > step:
+            target = folder.with_name(f"{folder.name}{ABANDONED}{label}")
+            n = 1
+            while target.exists():
+                n += 1
+                target = folder.with_name(f"{folder.name}{ABANDONED}{label}.{n}")
+            folder.rename(target)
+            set_aside.append(target.name)
+    set_latest(directory, step)
+    return set_aside

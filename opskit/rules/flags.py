@@ -260,6 +260,19 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
              help="skip the global batches of data these iterations would have trained on (e.g. 101-200 251-300); "
                   "iteration, LR and consumed samples do not advance"),
     )),
+    ("divergence", (
+        Flag("--divergence-action", choices=("alert", "rollback"), default="alert",
+             derived="watchdog.divergence.action",
+             help="opskit extension: on a loss/grad-norm spike that has not come back within --divergence-patience "
+                  "iterations, or a NaN: print a warning (alert), or stop without saving and report it to the job "
+                  "for a replay and rollback (rollback)"),
+        Flag("--divergence-patience", type=int, default=50, derived="watchdog.divergence.patience", gt=0),
+        Flag("--spike-window", type=int, default=100, derived="watchdog.spike_window", ge=5),
+        Flag("--spike-threshold", type=float, default=6.0, derived="watchdog.spike_threshold", gt=0),
+        Flag("--divergence-replay", metavar="ITERATION:METRIC:VALUE:BASELINE", derived="the job's triage",
+             help="opskit extension, set by the job: this run replays a spike; at ITERATION its METRIC is judged "
+                  "reproduced or not"),
+    )),
     ("logging", (
         Flag("--log-interval", type=int, default=100, section="checkpoint", gt=0),
         Flag("--tensorboard-dir", derived=_RUN_DIR),

@@ -91,8 +91,6 @@ def robust_z(value, median, q25, q75, floor: float, maximum=max):
     return (value - median) / maximum((q75 - q25) / 1.349, floor * abs(median), 1e-12)
 
 
-
-
 class SpikeWatch:
     """:func:`opskit.logs.spikes.find_spikes`, value by value as the iterations come (the trainer's divergence
     check): each metric of ``config.metrics`` is judged by :func:`is_spike` against its window of accepted values; a
@@ -107,6 +105,26 @@ class SpikeWatch:
         self._open: dict[str, list] = {}
         self.closed: list[Spike] = []
         """The spikes that closed, in the order they closed."""
+
+    def state(self) -> dict:
+        """What a checkpoint saves (JSON-able: each metric's window in arrival order and its open spike), so that a
+        resumed run judges its next values exactly as the run that saved it would have (:meth:`restore`)."""
+        return {"windows": {metric: list(window.order) for metric, window in self._windows.items()},
+                "open": {metric: list(current) for metric, current in self._open.items()}}
+
+    def restore(self, state: dict) -> None:
+        """Take back :meth:`state`'s windows and open spikes (a metric it lacks starts empty).
+
+        Raises:
+            ValueError: ``state`` is not what :meth:`state` returns.
+        """
+        try:
+            windows, opened = state["windows"], state["open"]
+            self._windows = {metric: Window(self.config.window, [float(v) for v in windows.get(metric, [])]
+                                            [-self.config.window:]) for metric in self.config.metrics}
+            self._open = {metric: list(opened[metric]) for metric in self.config.metrics if metric in opened}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a SpikeWatch state ({e})") from None
 
     def add(self, iteration: int, values: Mapping[str, float | None]) -> list[Spike]:
         """Judge one iteration's values (a metric missing or None is passed over, as a log line without it).

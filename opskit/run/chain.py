@@ -643,6 +643,14 @@ def _stop_chain(run: RunPaths, alert: TaskOutcome, code: str) -> list[str]:
     return [alert.reason]
 
 
+def hold_chain(run: RunPaths, job_id: str, task: str, nodes: str, alert: str, code: str) -> list[str]:
+    """Stop the chain for a person (the stopped flag naming ``code``, the ALERT line in the ledger), as after
+    ``slurm.max_failures`` failures: later tasks exit at start until ``opskit submit --yes`` clears it. Returns the
+    lines for main_log.txt."""
+    return _stop_chain(run, TaskOutcome(f"{datetime.now():%Y-%m-%d %H:%M:%S}", job_id, task, "ALERT", None, nodes,
+                                        alert), code)
+
+
 def stopped_code(flag_text: str) -> str | None:
     """The finding code a stopped flag names (``chain.restart_storm``, ``chain.failures``), None in flags written
     before codes were."""

@@ -104,6 +104,11 @@ class RunPaths:
         return self.root / "ledger.jsonl"
 
     @property
+    def incidents(self) -> Path:
+        """The divergence incidents, one record each (opskit.run.incidents)."""
+        return self.root / "incidents.json"
+
+    @property
     def bad_nodes(self) -> Path:
         """Nodes the next submission excludes (``--exclude``), one per line with why."""
         return self.root / "bad-nodes.txt"

@@ -442,6 +442,27 @@ class AlertsSpec(_Section):
     """Last lines of main_log.txt quoted in the message."""
 
 
+class DivergenceSpec(_Section):
+    """What training does about a loss or grad-norm spike that does not come back (docs/reliability.md, issue 48).
+    The spike rule is the watchdog's (``spike_window``, ``spike_threshold``)."""
+
+    action: Literal["alert", "rollback"] = "rollback"
+    """``rollback``: the trainer stops without saving, the job replays from the last complete step before the spike;
+    a spike that comes back is rolled back to that step and its data skipped, one that does not was the machine's (a
+    strike for the node) and training goes on with the data kept. ``alert``: a warning line, training goes on, the
+    watchdog alerts. Rollback by default: a diverging run otherwise burns the night's GPU hours for nothing, the
+    replay skips data only when the spike is reproducible, and ``max_rollbacks`` bounds it."""
+    patience: int = Field(default=50, ge=1)
+    """Iterations a spike may take to come back inside the band before it is acted on (NaN/Inf: at once). tr11's
+    spike at 31216 came back in 35."""
+    skip_after: int = Field(default=0, ge=0)
+    """Iterations skipped past the spike's last flagged one (the skip starts right after the rollback step)."""
+    max_rollbacks: int = Field(default=3, ge=0)
+    rollback_hours: float = Field(default=24, gt=0)
+    """At most ``max_rollbacks`` rollbacks in ``rollback_hours``; the next spike holds the chain and asks a person
+    (tr8-104B's case: change the LR, not skip more data)."""
+
+
 class WatchdogSpec(_Section):
     """Thresholds of ``opskit status`` (docs/operations.md says what each finding means)."""
 
@@ -471,7 +492,9 @@ class WatchdogSpec(_Section):
     """Put a straggler's node on the run's bad-node list, so the next submission and restart run without it."""
     spike_window: int = Field(default=100, ge=5)
     spike_threshold: float = Field(default=6.0, gt=0)
-    """Robust z-score above which an lm loss / grad norm value is a spike (opskit.logs.spikes)."""
+    """Robust z-score above which an lm loss / grad norm value is a spike (opskit.rules.spike_rule): the watchdog's
+    and the trainer's divergence check."""
+    divergence: DivergenceSpec = DivergenceSpec()
     throughput_drop: float = Field(default=0.5, gt=0, lt=1)
     """Warn when recent samples/s fall below this fraction of the median before them."""
     checkpoint_age_factor: float = Field(default=2, gt=1)

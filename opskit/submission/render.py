@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jinja2
 
+from opskit.allocation.divergence import Bounds
 from opskit.allocation.in_job import Limits
 from opskit.allocation.job import JobConfig, job_flags
 from opskit.rules import flags
@@ -66,6 +67,9 @@ def _derived_flags(spec: Spec, run: RunPaths) -> dict[str, object]:
         "finished_flag_path": run.finished_flag, "tensorboard_dir": run.tensorboard,
         # the stacks are in the log before the watchdog's hang floor passes
         "stack_dump_after_mins": spec.watchdog.hang_min_minutes / 2 or None,
+        "divergence_action": spec.watchdog.divergence.action,
+        "divergence_patience": spec.watchdog.divergence.patience,
+        "spike_window": spec.watchdog.spike_window, "spike_threshold": spec.watchdog.spike_threshold,
     }
 
 
@@ -192,11 +196,11 @@ class RenderedJob:
 def job_config(spec: Spec, run: RunPaths) -> JobConfig:
     """What the job script passes to :mod:`opskit.allocation.job` for a spec (the trainer's flags:
     :func:`trainer_args`)."""
-    s, w = spec.slurm, spec.watchdog
+    s, w, d = spec.slurm, spec.watchdog, spec.watchdog.divergence
     return JobConfig(run, spec.cli_name, spec.parallel.nodes, spec.parallel.gpus_per_node, s.master_port,
                      int(s.time_minutes * 60), s.max_failures, s.max_stalled_starts, s.in_job_restarts, s.preflight,
                      Limits(w.in_job_timeout_s, w.hang_min_minutes * 60, w.hang_factor),
-                     tuple(trainer_args(spec, run)))
+                     tuple(trainer_args(spec, run)), Bounds(d.skip_after, d.max_rollbacks, d.rollback_hours))
 
 
 def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude: list[str] = ()) -> RenderedJob:

@@ -12,6 +12,7 @@ import sys
 from opskit.rules import consistency, flags
 from opskit.rules.consistency import flag_name
 from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
+from opskit.rules.divergence import Replay
 from opskit.rules.formats import parse_skip_ranges
 
 
@@ -91,6 +92,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         problems.append(problem.message)
     if args.save and not args.save_interval:
         problems.append("--save needs --save-interval")
+    if args.divergence_replay is not None:
+        try:
+            Replay.parse(args.divergence_replay)
+        except ValueError as e:
+            problems.append(f"--divergence-replay: {e}")
     problems += [*consistency.partition_method_problems(args.pp_partition_method, flag_name),
                  *consistency.data_source_problems(args.data_path, args.train_weighted_split_paths_path,
                                                    args.valid_weighted_split_paths_path, flag_name),

@@ -166,6 +166,7 @@ def client_state(args: argparse.Namespace, state: TrainState) -> dict:
                             "original_vocab_size": args.original_vocab_size},
         "universal_checkpoint_info": universal_checkpoint_info(args),
         **({"reshaped_from": state.reshaped_from} if state.reshaped_from else {}),
+        **({"spike_watch": state.spike_watch} if state.spike_watch is not None else {}),
         **_rng_state(),
     }
 
@@ -294,6 +295,7 @@ def load_checkpoint(engine, args: argparse.Namespace, state: TrainState, plan: R
     state.skipped_train_samples = getattr(saved_args, "skipped_train_samples", 0)
     state.applied_skip_train_iteration_ranges = getattr(saved_args, "applied_skip_train_iteration_ranges", [])
     state.reshaped_from = f"{tag} at {plan.saved}" if plan.reshaped else saved.get("reshaped_from")
+    state.spike_watch = saved.get("spike_watch")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {state.iteration}", flush=True)
         print(timer_line("load-checkpoint", started), flush=True)

@@ -99,6 +99,12 @@ class TrainConfig:
     stack_dump_after_mins: float | None
     skip_train_iteration_range: tuple[tuple[int, int], ...]
     """Sorted, overlapping ranges merged (``rules.formats.parse_skip_ranges``); () without the flag."""
+    # divergence (opskit.train.divergence)
+    divergence_action: str
+    divergence_patience: int
+    spike_window: int
+    spike_threshold: float
+    divergence_replay: str | None
     # logging
     log_interval: int
     tensorboard_dir: str | None

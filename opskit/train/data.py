@@ -27,6 +27,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from opskit.rules.formats import parse_data_path, parse_split, parse_weighted_split_paths
 from opskit.train.config import TrainConfig, TrainerError
+from opskit.train.fault import PoisonedSamples, poisoned_samples
 from opskit.train.state import TrainState
 
 
@@ -201,6 +202,8 @@ class TrainBatches:
     def __init__(self, config: TrainConfig, state: TrainState, dp_size: int, dp_rank: int,
                  device: torch.device | None = None):
         ((_, self.samples),) = split_samples(config, "train")
+        if (poisoned := poisoned_samples(config.global_batch_size)) is not None:  # tests only (OPSKIT_TEST_FAULT)
+            self.samples = PoisonedSamples(self.samples, poisoned)
         self.micro_batch_size, self.dp_size, self.dp_rank = config.micro_batch_size, dp_size, dp_rank
         self.state, self.device = state, device
         self.ranges = pending_skip_ranges(config.skip_train_iteration_range, state)

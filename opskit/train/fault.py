@@ -13,13 +13,19 @@ node, when given):
   as long (on CPU ranks: :class:`opskit.train.rank_times.ForwardTimes` sleeps the difference), as a throttled GPU or
   a node with a failing fan does;
 - ``slow_gemm`` (``:factor=F``, default 3) and ``allreduce_fail``: ``opskit preflight``'s check on the node
-  (:mod:`opskit.allocation.node_check`) finds its GEMM slower, or its all-reduces failing.
+  (:mod:`opskit.allocation.node_check`) finds its GEMM slower, or its all-reduces failing;
+- ``nan``: the node's ranks compute a NaN loss in iteration ``N`` (so NaN gradients), once: not when the run replays
+  that iteration (``--divergence-replay``), as a transient fault of a GPU would;
+- ``poison`` (node ``*``, any, with ``:count=C``, default 1): the training samples of iterations ``N`` to
+  ``N+C-1`` (their places in the data as an uninterrupted run without ramp-up reads it) hold random tokens, on every
+  attempt, as bad data would: the spike comes back when the run replays them, and is gone once they are skipped.
 
 Never set it for a real training. Unset (always, outside tests) it costs one dictionary lookup per iteration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -46,7 +52,7 @@ def fault_here(environ: Mapping[str, str] = os.environ) -> tuple[str, dict[str, 
     node, _, options = rest.partition(":")
     wanted = dict(option.partition("=")[::2] for option in options.split(":") if option)
     here = node_name(environ)
-    if node != here or any(wanted.get(option, environ.get(variable)) != environ.get(variable)
+    if node not in (here, "*") or any(wanted.get(option, environ.get(variable)) != environ.get(variable)
                            for option, variable in (("task", "SLURM_ARRAY_TASK_ID"), ("local_rank", "LOCAL_RANK"))):
         return None
     return kind, wanted, here
@@ -78,3 +84,49 @@ def inject_test_fault(iteration: int, environ: Mapping[str, str] = os.environ) -
     if kind == "hang":
         print(f"OPSKIT_TEST_FAULT: hanging in iteration {iteration + 1} on {here}", flush=True)
         time.sleep(HANG_S)
+
+
+def nan_loss_now(iteration: int, replaying: bool, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this rank's loss of ``iteration`` is to be NaN (``nan``, see the module docstring)."""
+    fault = fault_here(environ)
+    return fault is not None and fault[0] == "nan" and fault[1].get("iteration") == str(iteration) and not replaying
+
+
+@contextlib.contextmanager
+def nan_loss(module, active: bool):
+    """While in the block, ``module``'s (a pipeline stage's) loss function returns NaN times the loss, when
+    ``active`` (:func:`nan_loss_now`)."""
+    if not active:
+        yield
+        return
+    loss_fn = module.loss_fn
+    module.loss_fn = lambda *args: loss_fn(*args) * float("nan")
+    try:
+        yield
+    finally:
+        module.loss_fn = loss_fn
+
+
+def poisoned_samples(global_batch_size: int, environ: Mapping[str, str] = os.environ) -> range | None:
+    """The indices of the training samples ``poison`` replaces (see the module docstring), None when not asked."""
+    fault = fault_here(environ)
+    if fault is None or fault[0] != "poison" or not fault[1].get("iteration", "").isdigit():
+        return None
+    first, count = int(fault[1]["iteration"]), int(fault[1].get("count", "1") or 1)
+    return range((first - 1) * global_batch_size, (first - 1 + count) * global_batch_size)
+
+
+class PoisonedSamples:
+    """``samples`` (a sequence of token arrays) with those at ``indices`` replaced by random tokens of the same length
+    and range (seeded by the index: every attempt reads the same poison)."""
+
+    def __init__(self, samples, indices: range):
+        self.samples, self.indices = samples, indices
+
+    def __getitem__(self, index: int):
+        import numpy as np
+
+        sample = self.samples[index]
+        if index not in self.indices:
+            return sample
+        return np.random.default_rng(index).integers(0, int(sample.max()) + 1, size=sample.shape, dtype=sample.dtype)

@@ -22,9 +22,14 @@ from opskit.train.build import (
     init_model_parallel,
 )
 from opskit.train.config import TrainConfig, TrainerError
+from opskit.train.divergence import Diverged
 from opskit.train.exit import ExitPolicy, ExitRequests
 from opskit.train.fault import inject_test_fault
 from opskit.train.stack_dump import disarm_stack_dump
+
+DIVERGED = 3
+"""The exit status of a run stopped by the divergence check (under torchrun, which exits 1 for any failed worker, the
+job reads the reports instead)."""
 
 
 def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
@@ -35,8 +40,9 @@ def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
     ``opskit train`` or a test) counts from this call.
 
     Returns:
-        0: trained, or saved and exited on request; 2: bad input (missing packages, a bad flag combination found at
-        run time, data, tokenizer, checkpoint), printed as one ``error:`` line. argparse's own errors exit 2.
+        0: trained, or saved and exited on request; 3 (:data:`DIVERGED`): stopped without saving for the job's
+        divergence triage (:mod:`opskit.train.divergence`); 2: bad input (missing packages, a bad flag combination
+        found at run time, data, tokenizer, checkpoint), printed as one ``error:`` line. argparse's own errors exit 2.
     """
     start_time = time.time() if start_time is None else start_time
     # One write per line: under PYTHONUNBUFFERED print() writes text and newline separately, and two ranks sharing
@@ -52,6 +58,10 @@ def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
 
     try:
         return train(args, TrainConfig.from_args(args, start_time), exit_requests)
+    except Diverged as e:  # every rank stops at the same iteration; the job triages its report
+        sys.stderr.write(f"{e}\n")
+        sys.stderr.flush()
+        return DIVERGED
     except (TrainerError, CheckpointError) as e:
         # one write per line: every rank of a job prints the same error, and two ranks' print() calls (text, then
         # newline) would splice their lines on torchrun's shared stderr

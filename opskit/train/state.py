@@ -12,10 +12,11 @@ from opskit.train.log import IntervalStats
 class TrainState:
     """Progress of one training run.
 
-    The first seven fields are saved in every checkpoint, in Megatron-DeepSpeed's places where it has them (the
-    client state's ``iteration``, ``tokens`` and ``reshaped_from``; the saved ``args``' ``consumed_train_samples``,
-    ``consumed_valid_samples``, ``skipped_train_samples`` and ``applied_skip_train_iteration_ranges``: see
-    opskit.train.checkpointing), and a resume restores them; the others belong to this process's run.
+    The first eight fields are saved in every checkpoint, in Megatron-DeepSpeed's places where it has them (the
+    client state's ``iteration``, ``tokens`` and ``reshaped_from``, and opskit's ``spike_watch``; the saved ``args``'
+    ``consumed_train_samples``, ``consumed_valid_samples``, ``skipped_train_samples`` and
+    ``applied_skip_train_iteration_ranges``: see opskit.train.checkpointing), and a resume restores them; the others
+    belong to this process's run.
     """
 
     iteration: int = 0
@@ -31,6 +32,9 @@ class TrainState:
     reshaped_from: str | None = None
     """``global_stepN at TP=.. PP=.. DP=..``: the step on another layout this run's weights were resumed from (saved
     with every later step as ``reshaped_from``, for ``opskit ckpt inspect``); kept from a step that carries one."""
+    spike_watch: dict | None = None
+    """The divergence check's windows (:meth:`opskit.train.divergence.DivergenceCheck.state`), saved as the client
+    state's ``spike_watch`` and restored by a resume (None: none saved)."""
     seqlen: int = 0
     """The sequence length trained at now: the curriculum's (read by the data iterator before each micro-batch), or
     ``--seq-length`` without one."""

@@ -31,8 +31,9 @@ from opskit.train.build import (
     rank_device,
 )
 from opskit.train.config import TrainConfig
+from opskit.train.divergence import DivergenceCheck
 from opskit.train.exit import ExitPolicy
-from opskit.train.fault import slowdown_factor
+from opskit.train.fault import nan_loss, nan_loss_now, node_name, slowdown_factor
 from opskit.train.log import (  # torch-free: torch is imported where it is used
     IntervalStats,
     TensorBoard,
@@ -59,6 +60,19 @@ class StepResult:
     grad_norm: float | None
     loss_scale: float | None
     """fp16 only (None otherwise)."""
+    skipped: bool
+    """DeepSpeed skipped the optimizer step (non-finite gradients; with fp16, the loss scaler's overflow)."""
+    local_loss: float | None
+    """This rank's loss before the data-parallel average (last pipeline stage only)."""
+
+    @property
+    def judged(self) -> tuple[float | None, float | None, float | None]:
+        """(lm loss, grad norm, local loss) for the divergence check; nothing of a step the fp16 loss scaler skipped
+        (an overflow is the scaler's business, not a divergence). In bf16 and fp32 DeepSpeed skips a step with
+        non-finite gradients too, and that is one: a NaN or Inf, acted on at once."""
+        if self.skipped and self.loss_scale is not None:
+            return None, None, None
+        return self.loss, self.grad_norm, self.local_loss
 
 
 class Trainer:
@@ -107,8 +121,10 @@ class Trainer:
 
         self.forward_times = None if os.environ.get(RANK_TIMES_ENV) == "off" else ForwardTimes(
             model, self.engine.stage_id, functools.partial(slowdown_factor, environ=dict(os.environ)))
-        # 5. resume: weights, optimizer, LR schedule, RNG and the state's counters
+        # 5. resume: weights, optimizer, LR schedule, RNG, the state's counters and the divergence check's windows
         self._resume(model)
+        self.divergence = DivergenceCheck.from_environ(config, world.rank, node_name())
+        self.divergence.restore(self.state.spike_watch)
         if world.rank == 0:
             print(f"setting training iterations to {self.train_iters}", flush=True)
         # 6. data: this DP rank's micro-batches from the consumed samples on, and the validation sets
@@ -178,6 +194,7 @@ class Trainer:
             iterations_run += 1
             self.profiler.after_iteration(state.iteration)
             self._log(step)
+            self.divergence.after_iteration(state.iteration, *step.judged)  # a spike to act on stops before a save
             self.after_iteration(state.iteration)  # after the line: a test crash "after iteration N" has logged it
             if self.do_valid and state.iteration % config.eval_interval == 0:
                 self._evaluate_and_print(f"iteration {state.iteration}")
@@ -217,18 +234,21 @@ class Trainer:
             engine.reset_activation_shape()  # the pipeline stages then exchange the new shapes
         skipped_before = engine.skipped_steps
         set_dropout_position(engine.module, state.consumed_train_samples // (config.micro_batch_size * self.world.dp))
-        loss = float(engine.train_batch(data_iter=self.batches.iterator))
+        with nan_loss(engine.module, nan_loss_now(state.iteration + 1, config.divergence_replay is not None)):
+            loss = float(engine.train_batch(data_iter=self.batches.iterator))
         if self.tp_duplicated:
             self._sync_tp_duplicated()
         state.iteration += 1
         state.consumed_train_samples += global_batch_size
         state.consumed_train_tokens += global_batch_size * state.seqlen
-        state.interval.add(loss, skipped=engine.skipped_steps > skipped_before)
+        skipped = engine.skipped_steps > skipped_before
+        state.interval.add(loss, skipped=skipped)
         grad_norm = engine.get_global_grad_norm()
         return StepResult(global_batch_size=global_batch_size, loss=loss,
                           learning_rate=self.optimizer.param_groups[0]["lr"],
                           grad_norm=float(grad_norm) if grad_norm is not None else None,
-                          loss_scale=current_loss_scale(engine.optimizer) if config.fp16 else None)
+                          loss_scale=current_loss_scale(engine.optimizer) if config.fp16 else None, skipped=skipped,
+                          local_loss=float(engine.dp_group_loss) if engine.is_last_stage() else None)
 
     def _sync_tp_duplicated(self) -> None:
         from megatron.core import parallel_state
@@ -300,6 +320,7 @@ class Trainer:
 
     def _save(self) -> None:
         self._beat("save")
+        self.state.spike_watch = self.divergence.state()
         self.checkpointer.save(self.state)
 
     def _finish(self, exit_reason: str | None) -> None:
