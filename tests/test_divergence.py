@@ -9,17 +9,22 @@ import json
 import math
 import re
 import shutil
+from datetime import datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 from conftest import run_trainer, tiny_trainer_args
 
 from opskit.allocation import divergence, in_job, job
 from opskit.ckpt.prune import ABANDONED
+from opskit.history.goodput import account
+from opskit.monitor.checks import check_divergence
 from opskit.rules.divergence import DETECTED, REPLAYED, Replay, Report, read_reports, reproduced, write_report
 from opskit.rules.spike_rule import SpikeWatch
 from opskit.run import chain
 from opskit.run.incidents import read_incidents
 from opskit.run.paths import RunPaths
+from opskit.spec.load import load_spec
 
 NODE = "node1"
 ALLOCATION = job.Allocation("77", "70_1", NODE, under_slurm=False, partition=None, num_nodes=None)
@@ -30,8 +35,7 @@ FLAGS = dict(hidden_dropout=0.1, attention_dropout=0.1, save_interval=5, diverge
 LOSS = re.compile(r" iteration +(\d+)/ +\d+ \|.* lm loss: ([0-9.E+-]+|nan) \|")
 
 
-def job_run(tmp_path, monkeypatch, kjv_data, fault: str, nproc: int = 1, bounds=divergence.Bounds(),
-            **flags) -> tuple[int, RunPaths]:
+def job_run(tmp_path, monkeypatch, kjv_data, fault: str, nproc: int = 1, bounds=None, **flags) -> tuple[int, RunPaths]:
     """One task of the chain with the real trainer under the local executor's launcher; (exit status, run)."""
     run = RunPaths(tmp_path / "run")
     chain.claim_run_dir(run, "the test")
@@ -41,7 +45,8 @@ def job_run(tmp_path, monkeypatch, kjv_data, fault: str, nproc: int = 1, bounds=
     args = tiny_trainer_args(kjv_data, run.root, **{**FLAGS, **flags})
     config = job.JobConfig(run, "tiny", nodes=1, gpus_per_node=nproc, master_port=_port(), time_limit_s=3600,
                            max_failures=3, max_stalled_starts=3, in_job_restarts=0, preflight=False,
-                           limits=in_job.Limits(600, 600, 10), trainer_args=tuple(map(str, args)), divergence=bounds)
+                           limits=in_job.Limits(600, 600, 10), trainer_args=tuple(map(str, args)),
+                           divergence=bounds or divergence.Bounds())
     code = job.Job(config, ALLOCATION, job.local_step, job.MainLog(run.main_log, ALLOCATION),
                    stdout=io.BytesIO()).run("{}")
     return code, run
@@ -85,6 +90,17 @@ def test_a_spike_in_the_data_is_replayed_rolled_back_and_skipped_with_no_person(
     assert (run.checkpoints / incident["abandoned"][0]).is_dir()  # set aside, never deleted
     assert (run.checkpoints / "latest").read_text() == "global_step40"
     assert chain.read_bad_nodes(run) == {}  # the data's fault, no strike
+    # goodput counts it: 20->28 trained then dropped, 20->25 replayed; 8 iterations' data skipped
+    assert account(run).divergence == {"incidents": 1, "replaying": 0, "reproduced": 1, "transient": 0, "held": 0,
+                                       "rollbacks": 1, "iterations_redone": 13, "iterations_skipped": 8}
+    # the watchdog: one alert for the incident, under its own key, then a warning once told
+    spec = load_spec("tiny")
+    snap = SimpleNamespace(incidents=tuple(read_incidents(run)), incidents_error=None, now=datetime.now())
+    (finding,) = check_divergence(snap, spec)
+    assert (finding.key, finding.severity) == ("divergence.incident_1", "alert")
+    assert finding.message.endswith("reproduced (8.4457): rolled back to global_step20, iterations 21-28 skipped")
+    later = SimpleNamespace(**{**vars(snap), "now": datetime.now() + timedelta(hours=7)})
+    assert [f.severity for f in check_divergence(later, spec)] == ["warn"]
     # after the skip, the losses equal a run given the same skip range by hand from global_step20
     by_hand = tmp_path / "by-hand"
     (by_hand / "checkpoints").mkdir(parents=True)

@@ -40,6 +40,10 @@ def _render(result, out: Path | None) -> None:
     console.print("per task (queue: the wait before it)")
     for line in _task_lines(result, CATEGORIES):
         console.print(f"  {line}")
+    if result.divergence:
+        d = result.divergence
+        console.print(f"divergence: {d['incidents']} incident(s), {d['rollbacks']} rollback(s), "
+                      f"{d['iterations_redone']} iterations trained again, {d['iterations_skipped']} skipped")
     for note in result.notes:
         err_console.print(f"note: {note}")
     if out is not None:

@@ -48,6 +48,7 @@ from opskit.logs.crash import STEP_HEADER, line_source
 from opskit.logs.grammar import parse_iteration_line
 from opskit.logs.plot import claim_image, save_image
 from opskit.run import chain
+from opskit.run.incidents import IncidentsError, divergence_account, read_incidents
 from opskit.run.paths import RunPaths
 from opskit.spec.schema import WatchdogSpec
 
@@ -119,6 +120,8 @@ class Goodput:
     queue_after_s: float
     """The wait after the last task (0 once training finished)."""
     notes: list[str] = field(default_factory=list)
+    divergence: dict = field(default_factory=dict)
+    """What divergence incidents cost (:func:`opskit.run.incidents.divergence_account`); {} without any."""
 
     @property
     def wall_seconds(self) -> float:
@@ -144,7 +147,8 @@ class Goodput:
                 "categories": {name: {"hours": round(s / 3600, 4), "seconds": round(s, 3),
                                       "percent": round(100 * s / wall, 2) if wall else 0}
                                for name, s in self.totals.items()},
-                "tasks": [t.as_json() for t in self.tasks], "notes": self.notes}
+                "tasks": [t.as_json() for t in self.tasks], "notes": self.notes,
+                **({"divergence": self.divergence} if self.divergence else {})}
 
 
 @dataclass
@@ -377,7 +381,12 @@ def account(run: RunPaths, watchdog: WatchdogSpec | None = None, now: datetime |
         tasks.append(task)
         previous_end = max(previous_end, end)
     end = previous_end if finished else max(now, previous_end)
-    return Goodput(first_submit or logs[0].start, end, tasks, (end - previous_end).total_seconds(), notes)
+    try:
+        incidents = read_incidents(run)
+    except IncidentsError as e:
+        incidents, notes = [], [*notes, str(e)]
+    return Goodput(first_submit or logs[0].start, end, tasks, (end - previous_end).total_seconds(), notes,
+                   divergence_account(incidents) if incidents else {})
 
 
 def _job_of(task: str) -> str:

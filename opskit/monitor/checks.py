@@ -34,7 +34,7 @@ from opskit.logs.spikes import find_spikes, remedies
 from opskit.logs.stacks import rank_stacks, stuck_ranks
 from opskit.monitor.findings import Finding
 from opskit.monitor.snapshot import Checkpoints, Disk, LogRead, RunFlags, RunSnapshot, matches, slurm_time
-from opskit.rules.spike_rule import SpikeConfig
+from opskit.rules.divergence import spike_config
 from opskit.rules.stragglers import parse_slowest_rank_line, straggler
 from opskit.run import chain
 from opskit.run.paths import RunPaths
@@ -325,7 +325,7 @@ def keep_out_hint(node: str) -> str:
 
 
 def _spikes(log: LogRead, wd: WatchdogSpec, save_interval: int | None) -> list[Finding]:
-    config = SpikeConfig(window=wd.spike_window, threshold=wd.spike_threshold)
+    config = spike_config(wd.spike_window, wd.spike_threshold)
     first_new = log.new[0]["iteration"]
     analysed = log.records[-(2 * wd.spike_window + len(log.new)):]
     spikes = [s for s in find_spikes(analysed, config) if s.last >= first_new]
@@ -659,7 +659,31 @@ def _usage(key: str, what: str, percent: float, free: str, path: Path, wd: Watch
 
 Check = Callable[[RunSnapshot, Spec], list[Finding]]
 
+def check_divergence(snap: RunSnapshot, spec: Spec) -> list[Finding]:
+    """One finding per divergence incident (:mod:`opskit.run.incidents`), keyed by its id: an alert while it is
+    younger than ``alerts.resend_hours`` (so the channels tell it once and never again), then a warning; one being
+    replayed or held stays an alert (a held chain is also the scheduler's alert)."""
+    if snap.incidents_error is not None:
+        return [Finding("divergence.unreadable", "warn", snap.incidents_error)]
+    findings = []
+    for incident in snap.incidents:
+        opened = incident.get("opened_s") or 0
+        fresh = snap.now.timestamp() - opened < spec.watchdog.alerts.resend_hours * 3600
+        open_one = incident.get("verdict") in ("replaying", "held")
+        findings.append(Finding(f"divergence.incident_{incident['id']}", "alert" if fresh or open_one else "warn",
+                                incident_line(incident), {"incident": incident}))
+    return findings
+
+
+def incident_line(incident: dict) -> str:
+    """One line of an incident: what, where, the verdict and what was done."""
+    metric = str(incident.get("metric", "?")).replace("_", " ")
+    what = f"{metric} {incident.get('kind', 'spike')} at iteration {incident.get('first')}"
+    return (f"divergence incident {incident.get('id')} ({incident.get('opened')}): {what}, "
+            f"{incident.get('outcome') or incident.get('verdict')}")
+
+
 CHECKS: tuple[Check, ...] = (check_scheduler, check_chain, check_ledger, check_progress, check_log, check_stragglers,
-                             check_checkpoint, check_save_interval, check_disk)
+                             check_divergence, check_checkpoint, check_save_interval, check_disk)
 """Every check, in the report's order. A new check: a function ``(snapshot, spec) -> list[Finding]`` above, and its
 name here."""

@@ -26,6 +26,7 @@ from opskit.logs.parse import LogFormatError, read_tail, timeline
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
 from opskit.monitor.watch_state import WatchdogState
 from opskit.run import chain
+from opskit.run.incidents import IncidentsError, read_incidents
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
 from opskit.slurm.client import QueueEntry, SchedulerUnreachable
@@ -283,6 +284,10 @@ class RunSnapshot:
     """main_log's last STRAGGLER_TEXT bytes (read only when there is a log)."""
     stack_text: str = ""
     """main_log's last STACK_TEXT bytes, read only when a task has run silent past ``watchdog.hang_min_minutes``."""
+    incidents: tuple[dict, ...] = ()
+    """The run's divergence incidents (:mod:`opskit.run.incidents`)."""
+    incidents_error: str | None = None
+    """Why ``incidents.json`` could not be read (one line), else None."""
 
     @property
     def running(self) -> list[QueueEntry]:
@@ -329,11 +334,19 @@ def read_snapshot(spec: Spec, state: WatchdogState, now: datetime, users: list[s
         unreachable, ledger, read_flags(run), bad_nodes, bad_nodes_error, run_missing, log, log_error,
         run.logs.exists() and not run.logs.is_dir(), _size(run.main_log) if log else None,
         progress_of(spec, log.records if log else []), None if run_missing else read_checkpoints(run), measured,
-        read_disk(run))
+        read_disk(run), **_incidents(run))
     if log is None or run_missing:
         return snapshot
     return replace(snapshot, straggler_text=log_tail(run.main_log, STRAGGLER_TEXT),
                    stack_text=log_tail(run.main_log, STACK_TEXT) if _silent_long(snapshot, spec.watchdog) else "")
+
+
+def _incidents(run: RunPaths) -> dict:
+    """The snapshot's ``incidents`` and ``incidents_error``."""
+    try:
+        return {"incidents": tuple(read_incidents(run))}
+    except IncidentsError as e:
+        return {"incidents_error": str(e)}
 
 
 def _size(path: Path) -> int | None:

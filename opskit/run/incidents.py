@@ -2,11 +2,11 @@
 triage (:mod:`opskit.allocation.divergence`) and read by every task at start (the skip ranges to add, a replay to
 finish), ``opskit status`` (one alert per incident), ``opskit goodput`` and ``opskit logs spikes``.
 
-A record (a JSON object): ``id``, ``opened`` / ``closed`` (``%Y-%m-%d %H:%M:%S``), ``job``, ``kind`` (``spike``, ``nan`` or
-``inf``), ``metric``, ``first`` (the spike's first iteration), ``detected_at``, ``value`` (at ``first``), ``peak``,
-``baseline`` (the median before it), ``nodes`` (the step's), ``replicas`` (node -> its own lm loss at ``first``),
-``verdict`` (:data:`VERDICTS`), ``replay_value``, ``rollback_step``, ``skip_range`` (``[A, B]``), ``abandoned`` (the
-newer steps set aside), ``struck`` (nodes given a strike), ``outcome`` (one line).
+A record (a JSON object): ``id``, ``opened`` / ``closed`` (``%Y-%m-%d %H:%M:%S``), ``job``, ``kind`` (``spike``,
+``nan`` or ``inf``), ``metric``, ``first`` (the spike's first iteration), ``detected_at``, ``value`` (at ``first``),
+``peak``, ``baseline`` (the median before it), ``nodes`` (the step's), ``replicas`` (node -> its own lm loss at
+``first``), ``verdict`` (:data:`VERDICTS`), ``replay_value``, ``rollback_step``, ``skip_range`` (``[A, B]``),
+``abandoned`` (the newer steps set aside), ``struck`` (nodes given a strike), ``outcome`` (one line).
 """
 
 from __future__ import annotations
@@ -71,3 +71,16 @@ def replaying(incidents: list[dict]) -> dict | None:
 def rollbacks_since(incidents: list[dict], since: float) -> list[dict]:
     """The incidents opened at or after ``since`` (seconds since the epoch) that rolled ``latest`` back."""
     return [i for i in incidents if i.get("rollback_step") is not None and i.get("opened_s", 0) >= since]
+
+
+def divergence_account(incidents: list[dict]) -> dict:
+    """What divergence cost, for ``opskit goodput``: incidents by verdict, rollbacks, the iterations trained again
+    because of them (from the rollback step to where the check acted, and the replay's from the rollback step to the
+    spike) and the iterations skipped (their samples and tokens: a skipped range's global batches, Megatron's)."""
+    by_verdict = {verdict: sum(i.get("verdict") == verdict for i in incidents) for verdict in VERDICTS}
+    rolled = [i for i in incidents if i.get("rollback_step") is not None]
+    redone = sum(i["detected_at"] - i["rollback_step"] for i in rolled)
+    redone += sum(i["first"] - i["rollback_step"] for i in rolled if i.get("replay_value") is not None)
+    skipped = sum(b - a + 1 for a, b in skip_ranges(incidents))
+    return {"incidents": len(incidents), **by_verdict, "rollbacks": len(rolled), "iterations_redone": redone,
+            "iterations_skipped": skipped}
