@@ -6,8 +6,12 @@
 # global_step250, the finished flag. Prints opskit's main_log lines and `opskit status`; main_log.txt goes to $OUT when
 # set. GPUS=1: one GPU (TP=1 x PP=1) instead of 4 (TP=2 x PP=2).
 #
+# FAULT=SPEC (issue 48) sets OPSKIT_TEST_FAULT on the nodes with a divergence patience of 20, e.g.
+# FAULT='poison:*:iteration=300:count=25': the second task detects the spike, replays it from global_step250 on the GPU
+# (replay_value against value in incidents.json: how far a GPU replay is from bitwise), rolls back and skips.
+#
 # There (the device tool, carrying .slurmdebs, the wheels and data/kjv's dataset and tokenizer):
-#   [GPUS=1] bash bench/gpu_chain.sh .slurmdebs
+#   [GPUS=1] [FAULT=...] bash bench/gpu_chain.sh .slurmdebs
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 RUN=runs/tiny-gpu-chain
@@ -29,13 +33,17 @@ if os.environ["GPUS"] == "1":
     spec = deep_merge(spec, {
         "parallel": {"gpus_per_node": 1, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1},
         "slurm": {"gres": "gpu:1"}})
+if os.environ.get("FAULT"):
+    spec = deep_merge(spec, {"slurm": {"env": {"OPSKIT_TEST_FAULT": os.environ["FAULT"]}},
+                             "watchdog": {"divergence": {"patience": 20}}})
 yaml.safe_dump(spec, open("runs-tiny-gpu-chain.yaml", "w"))
 SPEC
 started=$SECONDS
 timeout 500 python3 -m opskit.cli.app submit runs-tiny-gpu-chain.yaml --wait
 echo "chain of 2 tasks: $((SECONDS - started)) s"
 LOG=$RUN/logs/main_log.txt
-grep -E '^\[opskit\]|iteration +(250|500)/|loaded checkpoint|successfully saved' "$LOG" | cut -c1-300
+grep -E '^\[opskit\]|iteration +(250|500)/|loaded checkpoint|successfully saved|divergence|Skipped' "$LOG" | cut -c1-300
+[ -e "$RUN/incidents.json" ] && cat "$RUN/incidents.json"
 python3 -m opskit.cli.app status runs-tiny-gpu-chain.yaml
 [ -n "${OUT:-}" ] && cp "$LOG" "$OUT/tiny-gpu-chain-main_log.txt"
 [ -e "$RUN/finished" ] && [ "$(grep -c '"state":"COMPLETED"' "$RUN/ledger.jsonl")" -eq 2 ]

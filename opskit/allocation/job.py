@@ -279,11 +279,11 @@ class Job:
                                   self.config.spec_name)
             if triage is not None:
                 self.log.lines(triage.lines)
-            if code == 0 or self.usr1:
-                return code
-            if triage is not None and triage.restart is not None:
-                if triage.restart:
+            if triage is not None and triage.restart is not None:  # the trainer stopped for the triage (exit 0)
+                if triage.restart and not self.usr1:
                     continue
+                return code or 1  # held: the task did not train to its end
+            if code == 0 or self.usr1:
                 return code
             if restarts >= self.config.in_job_restarts:
                 self.log.line(f"step {restarts} failed (exit {code}): no in-job restart left (slurm.in_job_restarts "

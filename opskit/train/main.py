@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from opskit.rules.divergence import REPORT_DIR_ENV
 from opskit.train.args import parse_args
 from opskit.train.build import (
     check_precision,
@@ -28,8 +29,7 @@ from opskit.train.fault import inject_test_fault
 from opskit.train.stack_dump import disarm_stack_dump
 
 DIVERGED = 3
-"""The exit status of a run stopped by the divergence check (under torchrun, which exits 1 for any failed worker, the
-job reads the reports instead)."""
+"""The exit status of a run stopped by the divergence check when no job triages it (a run by hand)."""
 
 
 def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
     ``opskit train`` or a test) counts from this call.
 
     Returns:
-        0: trained, or saved and exited on request; 3 (:data:`DIVERGED`): stopped without saving for the job's
-        divergence triage (:mod:`opskit.train.divergence`); 2: bad input (missing packages, a bad flag combination
-        found at run time, data, tokenizer, checkpoint), printed as one ``error:`` line. argparse's own errors exit 2.
+        0: trained, or saved and exited on request, or stopped by the divergence check under a job (its triage
+        reads the reports, :data:`~opskit.rules.divergence.REPORT_DIR_ENV`); 3 (:data:`DIVERGED`): stopped by the
+        divergence check with no job to triage (:mod:`opskit.train.divergence`); 2: bad input (missing packages, a
+        bad flag combination found at run time, data, tokenizer, checkpoint), printed as one ``error:`` line.
+        argparse's own errors exit 2.
     """
     start_time = time.time() if start_time is None else start_time
     # One write per line: under PYTHONUNBUFFERED print() writes text and newline separately, and two ranks sharing
@@ -58,10 +60,12 @@ def main(argv: list[str] | None = None, start_time: float | None = None) -> int:
 
     try:
         return train(args, TrainConfig.from_args(args, start_time), exit_requests)
-    except Diverged as e:  # every rank stops at the same iteration; the job triages its report
+    except Diverged as e:  # every rank stops at the same iteration
         sys.stderr.write(f"{e}\n")
         sys.stderr.flush()
-        return DIVERGED
+        # under the job, its triage takes it from its reports: a failure would only make torchrun print a traceback
+        # that reads as a crash
+        return 0 if os.environ.get(REPORT_DIR_ENV) else DIVERGED
     except (TrainerError, CheckpointError) as e:
         # one write per line: every rank of a job prints the same error, and two ranks' print() calls (text, then
         # newline) would splice their lines on torchrun's shared stderr
