@@ -444,6 +444,21 @@ def slurm_cluster():
 
 
 @pytest.fixture
+def cluster(slurm_cluster, monkeypatch):
+    """The 3-node cluster (tests/test_multinode_failures.py, test_multinode_divergence.py), made the SLURM of this test
+    process (opskit's library calls sbatch/squeue here)."""
+    c = slurm_cluster(3)
+    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])
+    jobs: list[str] = []
+    c.jobs = jobs
+    yield c
+    if jobs:
+        c.run("scancel", *jobs)
+    done = c.script("start")  # a node a test took down serves again for the next test
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.fixture
 def jobs(slurm, tmp_path):
     """``submit(name, *sbatch_args, wrap=...)`` -> job id; every job is cancelled at the end of the test."""
     submitted: list[str] = []

@@ -25,6 +25,8 @@ from opskit.run import chain
 from opskit.run.incidents import read_incidents
 from opskit.run.paths import RunPaths
 from opskit.spec.load import load_spec
+from opskit.train.fault import flip_one_bit
+from opskit.train.replica_digest import odd_replicas, parameter_digests
 
 NODE = "node1"
 ALLOCATION = job.Allocation("77", "70_1", NODE, under_slurm=False, partition=None, num_nodes=None)
@@ -91,8 +93,8 @@ def test_a_spike_in_the_data_is_replayed_rolled_back_and_skipped_with_no_person(
     assert (run.checkpoints / "latest").read_text() == "global_step40"
     assert chain.read_bad_nodes(run) == {}  # the data's fault, no strike
     # goodput counts it: 20->28 trained then dropped, 20->25 replayed; 8 iterations' data skipped
-    assert account(run).divergence == {"incidents": 1, "replaying": 0, "reproduced": 1, "transient": 0, "held": 0,
-                                       "rollbacks": 1, "iterations_redone": 13, "iterations_skipped": 8}
+    assert account(run).divergence == {"incidents": 1, "replaying": 0, "reproduced": 1, "transient": 0, "corrupted": 0,
+                                       "held": 0, "rollbacks": 1, "iterations_redone": 13, "iterations_skipped": 8}
     # the watchdog: one alert for the incident, under its own key, then a warning once told
     spec = load_spec("tiny")
     snap = SimpleNamespace(incidents=tuple(read_incidents(run)), incidents_error=None, now=datetime.now())
@@ -204,3 +206,23 @@ def test_reports_round_trip_and_a_torn_one_is_passed_over(tmp_path):
     (back,) = read_reports(tmp_path)
     assert back.first == 25 and math.isnan(back.value) and back.node == NODE
     assert read_reports(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize("rows, odd", [
+    ([(1, 2)] * 4, []), ([(1, 2), (1, 2), (1, 3), (1, 2)], [2]), ([(1, 2), (1, 3)], [0, 1]),
+    ([(1, 2), (1, 2), (1, 3), (1, 3)], [0, 1, 2, 3]), ([(5,), (6,), (5,)], [1]),
+])
+def test_the_replica_whose_digest_differs_is_the_odd_one_out_and_of_two_both(rows, odd):
+    assert odd_replicas(rows) == odd
+
+
+def test_a_flipped_bit_changes_the_digest_of_its_tensor_only():
+    import torch
+
+    params = [torch.randn(7, 3), torch.randn(5).to(torch.bfloat16), torch.randn(2, dtype=torch.float64)]
+    before = parameter_digests(params)
+    flip_one_bit(params)
+    after = parameter_digests(params)
+    assert before.dtype == torch.int64 and before.shape == (3,)
+    assert abs(int(after[0]) - int(before[0])) == 1 and after[1:].tolist() == before[1:].tolist()
+    assert parameter_digests([p.clone() for p in params]).tolist() == after.tolist()  # copies agree bitwise

@@ -51,20 +51,6 @@ def node_spec(tmp_path: Path, data, iterations: int, save_interval: int, fault: 
     return load_spec(str(path))
 
 
-@pytest.fixture
-def cluster(slurm_cluster, monkeypatch):
-    """The 3-node cluster, made the SLURM of this test process (opskit's library calls sbatch/squeue here)."""
-    c = slurm_cluster(3)
-    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])
-    jobs: list[str] = []
-    c.jobs = jobs
-    yield c
-    if jobs:
-        c.run("scancel", *jobs)
-    done = c.script("start")  # a node a test took down serves again for the next test
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
 def opskit(cluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([OPSKIT, *args], capture_output=True, text=True, timeout=timeout, env=cluster.env)
 

@@ -22,15 +22,17 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from opskit.allocation import in_job
 from opskit.ckpt.format.info import describe_step
 from opskit.ckpt.format.layout import step_dirs
 from opskit.ckpt.prune import PruneError, roll_back
 from opskit.logs.spikes import remedies
-from opskit.rules.divergence import DETECTED, REPLAYED, Replay, Report
+from opskit.rules.divergence import DETECTED, DIGEST, REPLAYED, Replay, Report
 from opskit.rules.formats import parse_skip_ranges
 from opskit.rules.spike_rule import Spike
 from opskit.run import chain
 from opskit.run.incidents import (
+    CORRUPTED,
     HELD,
     REPLAYING,
     REPRODUCED,
@@ -113,6 +115,9 @@ def triage(run: RunPaths, reports: list[Report], step_nodes: list[str], bounds: 
     detected = [r for r in reports if r.event == DETECTED]
     if detected:
         restart = _open_incident(run, incidents, detected, step_nodes, bounds, job_id, task, spec_name, now, lines)
+    digests = [r for r in reports if r.event == DIGEST]
+    if digests:
+        restart = _corruption(run, incidents, digests, step_nodes, bounds, job_id, task, spec_name, now, lines)
     write_incidents(run, incidents)
     return Triage(restart, lines)
 
@@ -121,15 +126,8 @@ def _open_incident(run: RunPaths, incidents: list[dict], detected: list[Report],
                    job_id: str, task: str, spec_name: str, now: float, lines: list[str]) -> bool:
     """A new incident for a detected spike: replay it (True), or hold the chain (False)."""
     report = detected[0]
-    incident = {
-        "id": max((i["id"] for i in incidents), default=0) + 1, "opened": stamp(now), "opened_s": now, "job": job_id,
-        "kind": _kind(report.peak), "metric": report.metric, "first": report.first,
-        "last": report.last, "detected_at": report.detected_at, "value": report.value, "peak": report.peak,
-        "baseline": report.baseline, "nodes": step_nodes,
-        "replicas": _replicas(detected), "verdict": REPLAYING, "replay_value": None, "rollback_step": None,
-        "skip_range": None, "abandoned": [], "struck": [], "outcome": "", "closed": None,
-    }
-    incidents.append(incident)
+    incident = _new_incident(incidents, now, job_id, report, step_nodes, _kind(report.peak), REPLAYING)
+    incident["replicas"] = _replicas(detected)
     what = (f"incident {incident['id']}: {report.metric.replace('_', ' ')} {incident['kind']} from iteration "
             f"{report.first} ({report.value:.6g} against a median of {report.baseline:.6g}), acted on at "
             f"{report.detected_at}")
@@ -151,6 +149,36 @@ def _open_incident(run: RunPaths, incidents: list[dict], detected: list[Report],
     lines.append(f"{what}: replaying from global_step{step}, nothing skipped"
                  + (f" (set aside: {', '.join(incident['abandoned'])})" if incident["abandoned"] else ""))
     return True
+
+
+def _corruption(run: RunPaths, incidents: list[dict], digests: list[Report], step_nodes: list[str], bounds: Bounds,
+                job_id: str, task: str, spec_name: str, now: float, lines: list[str]) -> bool:
+    """Replicas that disagreed: their nodes kept out, ``latest`` back to the newest complete step at or before the
+    last iteration they agreed at (every save is checked first, so the step the run resumed from agreed too); True:
+    restart on a spare in this allocation."""
+    odd = sorted({r.node for r in digests if r.odd})
+    iteration = digests[0].first
+    agreed = max((r.agreed_at for r in digests if r.agreed_at is not None), default=None)
+    incident = _new_incident(incidents, now, job_id, digests[0], step_nodes, kind="digest", verdict=CORRUPTED)
+    incident["struck"] = odd
+    what = (f"incident {incident['id']}: the data-parallel replicas' parameters differ after iteration {iteration} "
+            f"(odd replica(s) on {', '.join(odd) or 'no node named'}; last agreed at {agreed})")
+    recent = rollbacks_since(incidents, now - bounds.rollback_hours * 3600)
+    if len(recent) >= bounds.max_rollbacks:
+        return _hold(run, incident, f"{what}; {len(recent)} rollbacks in {bounds.rollback_hours:g} h already "
+                     f"(watchdog.divergence.max_rollbacks {bounds.max_rollbacks})", job_id, task, step_nodes,
+                     spec_name, now, lines)
+    step = _step_before(run, (agreed if agreed is not None else iteration - 1) + 1)
+    if step is None:
+        return _hold(run, incident, f"{what}; no complete checkpoint before it", job_id, task, step_nodes, spec_name,
+                     now, lines)
+    incident["abandoned"] = roll_back(run.checkpoints, step, f"incident{incident['id']}")
+    why = f"replica digest differs after iteration {iteration} (incident {incident['id']})"
+    restart, kept_out = in_job.keep_out(run, job_id, {node: why for node in odd})
+    incident.update(rollback_step=step, closed=stamp(now),
+                    outcome=f"silent data corruption: {', '.join(odd)} kept out, resumed from global_step{step}")
+    lines += [f"{what}: rolled back to global_step{step}", *kept_out]
+    return restart
 
 
 def _judge_replay(run: RunPaths, incidents: list[dict], replayed: list[Report], step_nodes: list[str],
@@ -197,6 +225,20 @@ def _hold(run: RunPaths, incident: dict, why: str, job_id: str, task: str, nodes
              f"`opskit submit {spec_name} --yes`***")
     lines += chain.hold_chain(run, job_id, task, ",".join(nodes), alert, HELD_CODE)
     return False
+
+
+def _new_incident(incidents: list[dict], now: float, job_id: str, report: Report, step_nodes: list[str], kind: str,
+                  verdict: str) -> dict:
+    """A new record (:mod:`opskit.run.incidents`) of ``report``'s event, appended to ``incidents``."""
+    incident = {
+        "id": max((i["id"] for i in incidents), default=0) + 1, "opened": stamp(now), "opened_s": now, "job": job_id,
+        "kind": kind, "metric": report.metric, "first": report.first, "last": report.last,
+        "detected_at": report.detected_at, "value": report.value, "peak": report.peak, "baseline": report.baseline,
+        "nodes": step_nodes, "replicas": {}, "verdict": verdict, "replay_value": None, "rollback_step": None,
+        "skip_range": None, "abandoned": [], "struck": [], "outcome": "", "closed": None,
+    }
+    incidents.append(incident)
+    return incident
 
 
 def _kind(peak: float) -> str:

@@ -295,7 +295,6 @@ def blame_failed_step(run: RunPaths, job_id: str, now: datetime | None = None) -
     """
     state = _load(run, job_id)
     step = state["steps"][-1]
-    stamp = f"{now or datetime.now():%Y-%m-%d %H:%M:%S}"
     blamed: dict[str, str] = {}
     hang = step["hang"]
     if hang is not None:
@@ -312,13 +311,26 @@ def blame_failed_step(run: RunPaths, job_id: str, now: datetime | None = None) -
         if hang is not None:
             return True, ["no rank could be blamed for the hang: restarting on the same nodes"]
         return False, ["the step failed with no crash line, hang or node down to blame: no restart in this job"]
-    state["excluded"].update(blamed)
+    return keep_out(run, job_id, blamed, now)
+
+
+def keep_out(run: RunPaths, job_id: str, nodes: dict[str, str], now: datetime | None = None
+             ) -> tuple[bool, list[str]]:
+    """Keep ``nodes`` (node -> why) out of this job's later steps and off the chain's (the run's bad-node list; under
+    SLURM the queued tasks' ``--exclude`` too).
+
+    Returns:
+        (restart: enough usable nodes are left in the allocation, lines for main_log.txt).
+    """
+    state = _load(run, job_id)
+    stamp = f"{now or datetime.now():%Y-%m-%d %H:%M:%S}"
+    state["excluded"].update(nodes)
     _save(run, job_id, state)
-    chain.add_bad_nodes(run, {n: f"{stamp} job {job_id} (in-job): {why}" for n, why in blamed.items()})
-    lines = [f"blamed {node}: {why}" for node, why in blamed.items()]
+    chain.add_bad_nodes(run, {n: f"{stamp} job {job_id} (in-job): {why}" for n, why in nodes.items()})
+    lines = [f"blamed {node}: {why}" for node, why in nodes.items()]
     if _under_slurm():  # the chain's queued tasks keep out of it too
         lines.append(chain.exclude_in_queue_line(run, len(state["allocation"]), os.environ.get("SLURM_JOB_PARTITION"),
-                                                 list(blamed)))
+                                                 list(nodes)))
     usable = [n for n in state["allocation"] if n not in state["excluded"]]
     if len(usable) < state["need"]:
         lines.append(f"{len(usable)} usable node(s) left for {state['need']}: the chain's next task takes over")

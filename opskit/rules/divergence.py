@@ -28,9 +28,10 @@ without saving and the job triages (replay, roll back and skip, or a strike for 
 REPORT_DIR_ENV = "OPSKIT_DIVERGENCE_DIR"
 """The folder the job gives each step for the trainer's reports (unset: a trainer run by hand writes none)."""
 
-DETECTED, REPLAYED = "detected", "replayed"
+DETECTED, REPLAYED, DIGEST = "detected", "replayed", "digest"
 """A report's ``event``: the check acted on a spike; a replay reached the spike's iteration (``reproduced`` says how
-it came out)."""
+it came out); the data-parallel replicas' parameter digests differed (``odd``: this rank's replica is one that differs;
+``agreed_at``: the last iteration they agreed at)."""
 
 
 def spike_config(window: int, threshold: float) -> SpikeConfig:
@@ -84,7 +85,8 @@ def reproduced(replay: Replay, value: float | None) -> bool:
 
 @dataclass(frozen=True)
 class Report:
-    """One last-stage rank's report of one event. ``metric``, ``first``, ``last``, ``peak``, ``value`` (at ``first``)
+    """One rank's report of one event (spikes: the last stage's ranks and rank 0; digests: the odd replicas and rank
+    0). ``metric``, ``first``, ``last``, ``peak``, ``value`` (at ``first``)
     and ``baseline`` describe the spike (``value`` is the replayed one in a replay's report); ``detected_at`` the
     iteration the check acted at; ``local_loss`` this rank's own lm loss at ``first`` before the data-parallel average
     (what names the replica that computed a transient spike)."""
@@ -102,6 +104,8 @@ class Report:
     local_loss: float | None
     reproduced: bool | None = None
     time: float = 0.0
+    odd: bool | None = None
+    agreed_at: int | None = None
 
     @property
     def replay(self) -> Replay:

@@ -269,6 +269,10 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         Flag("--divergence-patience", type=int, default=50, derived="watchdog.divergence.patience", gt=0),
         Flag("--spike-window", type=int, default=100, derived="watchdog.spike_window", ge=5),
         Flag("--spike-threshold", type=float, default=6.0, derived="watchdog.spike_threshold", gt=0),
+        Flag("--replica-digest-interval", type=int, default=0, derived="watchdog.divergence.digest_interval", ge=0,
+             help="opskit extension: every N iterations, and before every save, the data-parallel replicas compare "
+                  "digests of their parameters (bitwise equal under ZeRO-0/1); one that differs stops the run for the "
+                  "job, which keeps its node out (default 0: never)"),
         Flag("--divergence-replay", metavar="ITERATION:METRIC:VALUE:BASELINE", derived="the job's triage",
              help="opskit extension, set by the job: this run replays a spike; at ITERATION its METRIC is judged "
                   "reproduced or not"),

@@ -19,11 +19,12 @@ from opskit.errors import OpskitError
 from opskit.fsutil import atomic_write_text, read_json
 from opskit.run.paths import RunPaths
 
-REPLAYING, REPRODUCED, TRANSIENT, HELD = "replaying", "reproduced", "transient", "held"
-VERDICTS = (REPLAYING, REPRODUCED, TRANSIENT, HELD)
+REPLAYING, REPRODUCED, TRANSIENT, CORRUPTED, HELD = "replaying", "reproduced", "transient", "corrupted", "held"
+VERDICTS = (REPLAYING, REPRODUCED, TRANSIENT, CORRUPTED, HELD)
 """``replaying``: training replays from the step before the spike; ``reproduced``: the spike came back, rolled back and
-skipped; ``transient``: it did not, the data kept and the node struck; ``held``: past the rollback bound, or nothing
-to roll back to: the chain is held for a person."""
+skipped; ``transient``: it did not, the data kept and the node struck; ``corrupted``: the replicas' digests differed,
+the odd node kept out and the run rolled back to the last step they agreed at; ``held``: past the rollback bound, or
+nothing to roll back to: the chain is held for a person."""
 
 
 class IncidentsError(OpskitError, ValueError):

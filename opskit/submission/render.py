@@ -69,6 +69,7 @@ def _derived_flags(spec: Spec, run: RunPaths) -> dict[str, object]:
         "stack_dump_after_mins": spec.watchdog.hang_min_minutes / 2 or None,
         "divergence_action": spec.watchdog.divergence.action,
         "divergence_patience": spec.watchdog.divergence.patience,
+        "replica_digest_interval": spec.watchdog.divergence.digest_interval,
         "spike_window": spec.watchdog.spike_window, "spike_threshold": spec.watchdog.spike_threshold,
     }
 

@@ -105,6 +105,7 @@ class TrainConfig:
     spike_window: int
     spike_threshold: float
     divergence_replay: str | None
+    replica_digest_interval: int
     # logging
     log_interval: int
     tensorboard_dir: str | None

@@ -94,7 +94,7 @@ class DivergenceCheck:
                 _print(self.rank, f"WARNING: divergence: {what}; --divergence-action alert: training goes on")
             return
         value, local_loss = self._at(spike.first, spike.metric)
-        self._report(Report(DETECTED, spike.metric, spike.first, spike.last, iteration, spike.peak, value,
+        self.write(Report(DETECTED, spike.metric, spike.first, spike.last, iteration, spike.peak, value,
                             spike.baseline, self.rank, self.node, local_loss, time=time.time()))
         raise Diverged(f"divergence: {what}; stopping without saving for the job's replay (--divergence-action "
                        "rollback)")
@@ -102,7 +102,7 @@ class DivergenceCheck:
     def _judge_replay(self, iteration: int, value: float | None) -> None:
         replay, self.replay = self.replay, None
         again = reproduced(replay, value)
-        self._report(Report(REPLAYED, replay.metric, replay.iteration, replay.iteration, iteration, replay.value,
+        self.write(Report(REPLAYED, replay.metric, replay.iteration, replay.iteration, iteration, replay.value,
                             math.nan if value is None else value, replay.baseline, self.rank, self.node,
                             self._at(iteration, replay.metric)[1], reproduced=again, time=time.time()))
         verdict = (f"replay of iteration {iteration}: {replay.metric} {value} against {replay.value} at the spike "
@@ -117,13 +117,13 @@ class DivergenceCheck:
         value = values.get(metric)
         return (math.nan if value is None else value), local_loss
 
-    def _report(self, report: Report) -> None:
-        """Write this rank's report (last stage ranks: they hold a local loss; rank 0 always) and wait for every rank
-        at a barrier, so that none leaves before the reports are on disk (the launcher stops the others when one
-        exits)."""
+    def write(self, report: Report) -> None:
+        """Write this rank's report (when it holds something of its own: a local loss, an odd replica; rank 0
+        always) and wait for every rank at a barrier, so that none leaves before the reports are on disk (the launcher
+        stops the others when one exits)."""
         import torch.distributed as dist
 
-        if self.report_dir is not None and (report.local_loss is not None or self.rank == 0):
+        if self.report_dir is not None and (report.local_loss is not None or report.odd or self.rank == 0):
             write_report(self.report_dir, report)
         if dist.is_initialized():
             dist.barrier()

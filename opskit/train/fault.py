@@ -16,6 +16,8 @@ node, when given):
   (:mod:`opskit.allocation.node_check`) finds its GEMM slower, or its all-reduces failing;
 - ``nan``: the node's ranks compute a NaN loss in iteration ``N`` (so NaN gradients), once: not when the run replays
   that iteration (``--divergence-replay``), as a transient fault of a GPU would;
+- ``flip``: right after iteration ``N``'s step, one bit of the node's ranks' first parameter flips (the lowest
+  mantissa bit of its first element), as silent data corruption would: the replicas' digests no longer agree;
 - ``poison`` (node ``*``, any, with ``:count=C``, default 1): the training samples of iterations ``N`` to
   ``N+C-1`` (their places in the data as an uninterrupted run without ramp-up reads it) hold random tokens, on every
   attempt, as bad data would: the spike comes back when the run replays them, and is gone once they are skipped.
@@ -90,6 +92,22 @@ def nan_loss_now(iteration: int, replaying: bool, environ: Mapping[str, str] = o
     """Whether this rank's loss of ``iteration`` is to be NaN (``nan``, see the module docstring)."""
     fault = fault_here(environ)
     return fault is not None and fault[0] == "nan" and fault[1].get("iteration") == str(iteration) and not replaying
+
+
+def flip_bit_now(iteration: int, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether one bit of this rank's parameters flips after ``iteration`` (``flip``, see the module docstring)."""
+    fault = fault_here(environ)
+    return fault is not None and fault[0] == "flip" and fault[1].get("iteration") == str(iteration)
+
+
+def flip_one_bit(parameters) -> None:
+    """Flip the lowest bit of the first element of the first of ``parameters`` (torch tensors), in place."""
+    import torch
+
+    first = next(iter(parameters))
+    with torch.no_grad():
+        bits = first.data.view(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()])
+        bits ^= 1
 
 
 @contextlib.contextmanager

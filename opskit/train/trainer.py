@@ -33,7 +33,7 @@ from opskit.train.build import (
 from opskit.train.config import TrainConfig
 from opskit.train.divergence import DivergenceCheck
 from opskit.train.exit import ExitPolicy
-from opskit.train.fault import nan_loss, nan_loss_now, node_name, slowdown_factor
+from opskit.train.fault import flip_bit_now, flip_one_bit, nan_loss, nan_loss_now, node_name, slowdown_factor
 from opskit.train.log import (  # torch-free: torch is imported where it is used
     IntervalStats,
     TensorBoard,
@@ -45,6 +45,7 @@ from opskit.train.log import (  # torch-free: torch is imported where it is used
     validation_lines,
 )
 from opskit.train.profile import StepProfiler
+from opskit.train.replica_digest import ReplicaDigests
 from opskit.train.stack_dump import arm_stack_dump
 from opskit.train.state import TrainState
 from opskit.train.tokenizer import vocab_sizes
@@ -125,6 +126,8 @@ class Trainer:
         self._resume(model)
         self.divergence = DivergenceCheck.from_environ(config, world.rank, node_name())
         self.divergence.restore(self.state.spike_watch)
+        self.digests = ReplicaDigests(model, self.engine.grid.get_data_parallel_group(), world.dp,
+                                      config.replica_digest_interval, self.divergence)
         if world.rank == 0:
             print(f"setting training iterations to {self.train_iters}", flush=True)
         # 6. data: this DP rank's micro-batches from the consumed samples on, and the validation sets
@@ -194,12 +197,17 @@ class Trainer:
             iterations_run += 1
             self.profiler.after_iteration(state.iteration)
             self._log(step)
+            if flip_bit_now(state.iteration):  # tests only (OPSKIT_TEST_FAULT)
+                flip_one_bit(self.digests.parameters)
             self.divergence.after_iteration(state.iteration, *step.judged)  # a spike to act on stops before a save
+            saving = bool(config.save) and state.iteration % config.save_interval == 0
+            if self.digests.due(state.iteration) or (saving and self.digests.interval):
+                self.digests.compare(state.iteration)  # a saved step is one whose replicas agreed
             self.after_iteration(state.iteration)  # after the line: a test crash "after iteration N" has logged it
             if self.do_valid and state.iteration % config.eval_interval == 0:
                 self._evaluate_and_print(f"iteration {state.iteration}")
             self.checkpointer.poll()
-            if config.save and state.iteration % config.save_interval == 0:
+            if saving:
                 self._save()
                 self.emissions.flush()
             exit_reason = self.exits.reason(state.iteration, iterations_run)
@@ -335,6 +343,8 @@ class Trainer:
             if self.do_valid:
                 self._evaluate_and_print("the end of training for val data")
         if config.save and state.last_saved != state.iteration:
+            if self.digests.interval:
+                self.digests.compare(state.iteration)
             self._save()
         self.checkpointer.finish()  # the last save complete, `latest` on it, before the run ends
         if exit_reason and rank == 0:
