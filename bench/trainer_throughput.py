@@ -12,6 +12,7 @@ Usage (on a GPU machine, DeepSpeed and megatron-core installed)::
     python bench/trainer_throughput.py bare gpt-compile --mbs 4 --gas 16       # issue 19: vs the bare model
     python bench/trainer_throughput.py mcore bare gpt-compile --mbs 4 --gas 16 # and megatron-core's GPTModel
     python bench/trainer_throughput.py titan gpt-compile --mbs 4 --gas 16      # and torchtitan's Llama 3 1B
+    python bench/trainer_throughput.py gpt digest                              # issue 48: the replica digests' cost
 """
 
 from __future__ import annotations
@@ -146,6 +147,30 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
             "plan_mem_gb": round(plan_gib(mbs, gas, gpus, extra), 1)}
 
 
+def run_digest(results: list[dict], interval: int = 100) -> dict:
+    """The replica digest check's cost (issue 48, opskit.train.replica_digest): its per-parameter digests of this
+    file's 1.3B GPT-2 parameters (bf16, the trainer's shapes) timed on the GPU, against the iteration time of the
+    trainer run before it in ``results``, at the spec's default interval. The check's all-gather (one int64 per
+    parameter tensor, ~300) is not timed: at DP 1 there is no one to gather from, and it is a few KB."""
+    import torch
+
+    from opskit.train.replica_digest import parameter_digests
+
+    def bf16(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="cuda").normal_()
+
+    layer = [bf16(H), bf16(H), bf16(3 * H, H), bf16(3 * H), bf16(H, H), bf16(H), bf16(H), bf16(H),
+             bf16(4 * H, H), bf16(4 * H), bf16(H, 4 * H), bf16(H)]
+    params = [bf16(PADDED_VOCAB, H), bf16(S, H), *(p.clone() for _ in range(L) for p in layer), bf16(H), bf16(H)]
+    seconds, _ = median_step_seconds(lambda: parameter_digests(params), warm=3, steps=20)
+    trained = next((r for r in reversed(results) if "s_per_iter" in r and r["name"].startswith("opskit")), None)
+    result = {"name": "replica-digest", "parameters": sum(p.numel() for p in params), "tensors": len(params),
+              "digest_ms": round(seconds * 1000, 3), "interval": interval}
+    if trained is not None:
+        result["cost_of_iteration_time"] = round(seconds / (interval * trained["s_per_iter"]), 6)
+    return result
+
+
 def run_hf(which: str, iters: int, mbs: int, gas: int = 1) -> dict:
     """The bare compiled model (``bare``, ``bare-bloom``: bench/bare_gpt.py) or a reference baseline run of
     ``$GPU_BASELINE`` (``hf``, ``hf-bloom``) under the same DeepSpeed config, or the megatron-core peer (``mcore``,
@@ -202,6 +227,9 @@ def main() -> None:
                     results.append(run_trainer(f"opskit-{which}", TRAINER_VARIANTS[which], data, tokenizer,
                                                opts.iters, opts.mbs, gpus, opts.gas))
                     print(json.dumps(results[-1]), flush=True)
+            elif which == "digest":
+                results.append(run_digest(results))
+                print(json.dumps(results[-1]), flush=True)
             else:
                 results.append(run_hf(which, opts.iters, opts.mbs, opts.gas))
                 print(json.dumps(results[-1]), flush=True)

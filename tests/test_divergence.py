@@ -9,11 +9,13 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 from datetime import datetime, timedelta
 from types import SimpleNamespace
 
 import pytest
-from conftest import run_trainer, tiny_trainer_args
+from conftest import run_trainer, run_trainer_cases, tiny_trainer_args
 
 from opskit.allocation import divergence, in_job, job
 from opskit.ckpt.prune import ABANDONED
@@ -103,6 +105,11 @@ def test_a_spike_in_the_data_is_replayed_rolled_back_and_skipped_with_no_person(
     assert finding.message.endswith("reproduced (8.4457): rolled back to global_step20, iterations 21-28 skipped")
     later = SimpleNamespace(**{**vars(snap), "now": datetime.now() + timedelta(hours=7)})
     assert [f.severity for f in check_divergence(later, spec)] == ["warn"]
+    # `opskit logs spikes` of the run says what the run did about its spike
+    done = subprocess.run([sys.executable, "-m", "opskit.cli.app", "logs", "spikes", str(run.root), "--window", "10"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and re.search(r"divergence incident 1 \(.*\): lm loss spike at iteration 25, "
+                                              r"reproduced .*iterations 21-28 skipped", done.stdout), done
     # after the skip, the losses equal a run given the same skip range by hand from global_step20
     by_hand = tmp_path / "by-hand"
     (by_hand / "checkpoints").mkdir(parents=True)
@@ -226,3 +233,16 @@ def test_a_flipped_bit_changes_the_digest_of_its_tensor_only():
     assert before.dtype == torch.int64 and before.shape == (3,)
     assert abs(int(after[0]) - int(before[0])) == 1 and after[1:].tolist() == before[1:].tolist()
     assert parameter_digests([p.clone() for p in params]).tolist() == after.tolist()  # copies agree bitwise
+
+
+def test_no_false_alarm_on_ten_clean_tiny_runs(kjv_data, tmp_path):
+    """Ten clean trainings (seeds 1-10, dropout on) under this file's strict settings (a window of 10, a patience of
+    3): the check never acts, and nothing would be acted on at the spec's defaults either. One process runs them in
+    turn (conftest.run_trainer_cases: the imports once)."""
+    flags = {**FLAGS, "save": None, "load": None, "save_interval": None}
+    cases = {f"seed{seed}": tiny_trainer_args(kjv_data, tmp_path / f"seed{seed}", **flags, seed=seed)
+             for seed in range(1, 11)}
+    for name, done in run_trainer_cases(cases, tmp_path / "cases").items():
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+        assert "divergence" not in done.stdout + done.stderr, name
+        assert len(losses(done.stdout)) == 40, name

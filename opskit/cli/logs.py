@@ -193,18 +193,23 @@ def spikes(
     --skip-train-iteration-range to restart with."""
     from opskit.history.sources import resolve
     from opskit.logs.spikes import remedies, spikes_of
-    from opskit.rules.spike_rule import SpikeConfig
+    from opskit.rules.divergence import spike_config
 
-    source, config = resolve(name_or_file), SpikeConfig(window=window, threshold=threshold)
+    source, config = resolve(name_or_file), spike_config(window, threshold)
     line = source.timeline(config.metrics)
     found, iterations = spikes_of(line, config), line["iteration"]
     fixes = remedies(found, save_interval or source.save_interval,
                      None if save_interval else source.checkpoints)
-    emit({"file": str(source.path), "spikes": found, "remedies": fixes}, json_output,
-         lambda _: _render_spikes(source.path, found, fixes, iterations))
+    incidents = source.incidents()
+    emit({"file": str(source.path), "spikes": found, "remedies": fixes, "incidents": incidents}, json_output,
+         lambda _: _render_spikes(source.path, found, fixes, iterations, incidents))
 
 
-def _render_spikes(path: Path, found: list, fixes: list, iterations) -> None:
+def _render_spikes(path: Path, found: list, fixes: list, iterations, incidents: list[dict]) -> None:
+    from opskit.run.incidents import incident_line
+
+    for incident in incidents:  # what the run did about them, itself (opskit.allocation.divergence)
+        console.print(incident_line(incident))
     if not found:
         # a line per --log-interval iterations: the lines are what was judged, not every iteration
         console.print(f"{path}: no spikes in {len(iterations):,} iteration line(s) "

@@ -19,6 +19,7 @@ from opskit.logs.parse import (
     timeline_columns,
 )
 from opskit.logs.tensorboard import is_event_dir, read_event_dir
+from opskit.run.incidents import IncidentsError, read_incidents
 from opskit.run.paths import RunPaths
 from opskit.spec.files import SpecError, split_variant
 
@@ -44,6 +45,16 @@ class LogSource:
         if self.events:
             return LogChunk(records=read_event_dir(self.path))
         return read_from(self.path, fields=fields, columnar=True)
+
+    def incidents(self) -> list[dict]:
+        """The divergence incidents of the run this log is the ``logs/main_log.txt`` of ([] for another file, or
+        when ``incidents.json`` cannot be read)."""
+        if self.events or self.path.name != "main_log.txt" or self.path.parent.name != "logs":
+            return []
+        try:
+            return read_incidents(RunPaths(self.path.parent.parent))
+        except IncidentsError:
+            return []
 
     def text_log(self, command: str) -> Path:
         """The text log of this source, for commands that read text only.

@@ -37,6 +37,7 @@ from opskit.monitor.snapshot import Checkpoints, Disk, LogRead, RunFlags, RunSna
 from opskit.rules.divergence import spike_config
 from opskit.rules.stragglers import parse_slowest_rank_line, straggler
 from opskit.run import chain
+from opskit.run.incidents import incident_line
 from opskit.run.paths import RunPaths
 from opskit.slurm.client import QueueEntry
 from opskit.slurm.pending import never_starts
@@ -673,14 +674,6 @@ def check_divergence(snap: RunSnapshot, spec: Spec) -> list[Finding]:
         findings.append(Finding(f"divergence.incident_{incident['id']}", "alert" if fresh or open_one else "warn",
                                 incident_line(incident), {"incident": incident}))
     return findings
-
-
-def incident_line(incident: dict) -> str:
-    """One line of an incident: what, where, the verdict and what was done."""
-    metric = str(incident.get("metric", "?")).replace("_", " ")
-    what = f"{metric} {incident.get('kind', 'spike')} at iteration {incident.get('first')}"
-    return (f"divergence incident {incident.get('id')} ({incident.get('opened')}): {what}, "
-            f"{incident.get('outcome') or incident.get('verdict')}")
 
 
 CHECKS: tuple[Check, ...] = (check_scheduler, check_chain, check_ledger, check_progress, check_log, check_stragglers,

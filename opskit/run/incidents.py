@@ -85,3 +85,11 @@ def divergence_account(incidents: list[dict]) -> dict:
     skipped = sum(b - a + 1 for a, b in skip_ranges(incidents))
     return {"incidents": len(incidents), **by_verdict, "rollbacks": len(rolled), "iterations_redone": redone,
             "iterations_skipped": skipped}
+
+
+def incident_line(incident: dict) -> str:
+    """One line of an incident: what, where, the verdict and what was done (``opskit status``, ``logs spikes``)."""
+    metric = str(incident.get("metric", "?")).replace("_", " ")
+    what = f"{metric} {incident.get('kind', 'spike')} at iteration {incident.get('first')}"
+    return (f"divergence incident {incident.get('id')} ({incident.get('opened')}): {what}, "
+            f"{incident.get('outcome') or incident.get('verdict')}")
