@@ -4,7 +4,12 @@
 # allocation (slurm.spare_nodes: 1), each with the test-only fault hook on node2:
 #   1. a hang after iteration 12: the in-job watchdog (15 s timeout) names node2 and stops the step, and training
 #      resumes from the save at 10 on node1 + node3 under the same job id;
-#   2. a GEMM 3x slower: the pre-flight check keeps node2 out before training, which runs on node1 + node3.
+#   2. a GEMM 3x slower: the pre-flight check keeps node2 out before training, which runs on node1 + node3;
+#   3. bad data (the batches of iterations 25-28 poisoned): the trainer's divergence check stops at 28 without
+#      saving, the job replays from global_step20, the spike comes back at 25, the job rolls back to 20 and skips
+#      21-28, training finishes: no person;
+#   4. silent data corruption (one bit of a replica's parameters on node2 flips after iteration 12, 4 replicas): the
+#      replica digests of iteration 15 name node2, which is kept out; training resumes from global_step10 on node3.
 # Prints each job's timeline from main_log.txt. The cluster is stopped on every exit. Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,14 +23,15 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "demo-recovery: the 3-node cluster needs root (network and UTS namespaces)" >&2
     exit 2
 fi
-for name in demo-recovery-hang demo-recovery-slow; do
+for name in demo-recovery-hang demo-recovery-slow demo-recovery-data demo-recovery-flip; do
     if [ -e "trainings/$name.yaml" ] && ! grep -qxF "$MARKER" "trainings/$name.yaml"; then
         echo "demo-recovery: trainings/$name.yaml exists and is not the demo's; move it away first" >&2
         exit 2
     fi
 done
 
-write_spec() {  # name, fault, description
+write_spec() {  # name, fault, description, [iterations, gpus per node, ZeRO stage]
+    local iterations=${4:-30} gpus=${5:-1} zero=${6:-1}
     mkdir -p trainings
     cat >"trainings/$1.yaml" <<EOF
 $MARKER
@@ -34,12 +40,15 @@ description: "$3"
 model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32, max_position_embeddings: 32,
         position_embedding_type: alibi, embed_layernorm: true, hidden_dropout: 0.0, attention_dropout: 0.0,
         precision: fp32}
-parallel: {nodes: 2, gpus_per_node: 1}
-batch: {micro_batch_size: 4, global_batch_size: 8, train_samples: 240}    # 30 iterations
+parallel: {nodes: 2, gpus_per_node: $gpus, zero_stage: $zero}
+batch: {micro_batch_size: $((4 / gpus)), global_batch_size: 8, train_samples: $((iterations * 8))}
 optimizer: {lr: 3.0e-3, min_lr: 3.0e-4, lr_decay_style: cosine, lr_warmup_samples: 32}
 data: {corpus: kjv, dir: data/kjv, name: kjv, vocab_size: 8000}          # the data of \`make demo\`
 checkpoint: {save_interval: 5, log_interval: 1, seed: 42}
-watchdog: {in_job_timeout_mins: 0.25}    # 15 s without a heartbeat is a hang
+watchdog:
+  in_job_timeout_mins: 0.25              # 15 s without a heartbeat is a hang
+  spike_window: 10                       # a short run: 10 values make the spike rule's window
+  divergence: {patience: 3, digest_interval: 5}
 slurm:
   job_name: $1
   array: 1
@@ -65,7 +74,8 @@ stop_cluster() {
 }
 
 timeline() {  # name: the job's [opskit] lines and the iteration lines around the fault
-    grep -E '^\[opskit\]|iteration +(1[0-3]|30)/|successfully loaded' "runs/$1/logs/main_log.txt" | cut -c1-200
+    grep -E '^\[opskit\]|iteration +(1[0-3]|2[4-5]|30|40)/|successfully loaded|divergence:|Skipped' \
+        "runs/$1/logs/main_log.txt" | cut -c1-220
     python - "runs/$1/ledger.jsonl" <<'EOF'
 import json, sys
 for line in open(sys.argv[1]):
@@ -76,6 +86,10 @@ EOF
 
 write_spec demo-recovery-hang "hang:node2:iteration=12" "recovery demo: node2 hangs after iteration 12 (test-only fault hook)"
 write_spec demo-recovery-slow "slow_gemm:node2" "recovery demo: node2's GEMM is 3x slower (test-only fault hook)"
+write_spec demo-recovery-data "poison:*:iteration=25:count=4" \
+    "recovery demo: the batches of iterations 25-28 are bad data (test-only fault hook)" 40
+write_spec demo-recovery-flip "flip:node2:iteration=12:local_rank=1" \
+    "recovery demo: a bit of a replica's parameters flips on node2 (test-only fault hook)" 30 2 0
 
 step "opskit data prepare demo-recovery-hang   (the KJV Bible tokenized; skipped when make demo did it)"
 opskit data prepare demo-recovery-hang
@@ -97,6 +111,21 @@ opskit submit demo-recovery-slow --wait
 timeline demo-recovery-slow
 grep -q "pre-flight: node2 kept out" runs/demo-recovery-slow/logs/main_log.txt
 test -e runs/demo-recovery-slow/finished
+
+step "3. bad data: opskit submit demo-recovery-data --wait"
+opskit submit demo-recovery-data --wait
+timeline demo-recovery-data
+grep -q "the replay reproduced the spike at iteration 25" runs/demo-recovery-data/logs/main_log.txt
+test -e runs/demo-recovery-data/finished
+
+step "4. a flipped bit: opskit submit demo-recovery-flip --wait"
+opskit submit demo-recovery-flip --wait
+timeline demo-recovery-flip
+grep -q "training step 1 on nodes node1,node3" runs/demo-recovery-flip/logs/main_log.txt
+test -e runs/demo-recovery-flip/finished
+
+step "opskit logs spikes demo-recovery-data --window 10   (the spike, and what the run did about it)"
+COLUMNS=120 opskit logs spikes demo-recovery-data --window 10
 
 step "opskit goodput demo-recovery-hang   (step 0's hang and redone iterations, step 1 on the spare)"
 COLUMNS=120 opskit goodput demo-recovery-hang

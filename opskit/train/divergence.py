@@ -124,7 +124,11 @@ class DivergenceCheck:
         import torch.distributed as dist
 
         if self.report_dir is not None and (report.local_loss is not None or report.odd or self.rank == 0):
-            write_report(self.report_dir, report)
+            try:
+                write_report(self.report_dir, report)
+            except OSError as e:  # the run still stops; the job then finds no report and treats it as a failure
+                print(f"WARNING: rank {self.rank}: divergence report not written to {self.report_dir}: {e}",
+                      flush=True)
         if dist.is_initialized():
             dist.barrier()
 
