@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Debian packages opskit's demo and tests use: SLURM + munge (local cluster), bible-kjv (the demo corpus),
 # ShellCheck for the rendered-script checks, g++ (DeepSpeed's CPU communication op compiles once on first use),
-# cron (crontab, for `opskit cron`'s crontab path), openssl (a self-signed certificate for the SMTP TLS tests).
+# cron (crontab, for `opskit cron`'s crontab path), openssl (a self-signed certificate for the SMTP TLS tests),
+# chromium (the tests open `opskit report`'s page in it, headless, through Playwright).
 set -euo pipefail
-packages=(slurm-wlm munge bible-kjv shellcheck g++ cron openssl)
+packages=(slurm-wlm munge bible-kjv shellcheck g++ cron openssl chromium)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

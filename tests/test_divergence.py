@@ -110,6 +110,15 @@ def test_a_spike_in_the_data_is_replayed_rolled_back_and_skipped_with_no_person(
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and re.search(r"divergence incident 1 \(.*\): lm loss spike at iteration 25, "
                                               r"reproduced .*iterations 21-28 skipped", done.stdout), done
+    # `opskit ckpt prune --abandoned` removes the step set aside, by the record, and nothing else it was not asked to
+    prune = [sys.executable, "-m", "opskit.cli.app", "ckpt", "prune", str(run.checkpoints), "--keep", "every:5",
+             "--abandoned"]
+    done = subprocess.run([*prune, "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"would delete {incident['abandoned'][0]}" in done.stdout, done
+    assert (run.checkpoints / incident["abandoned"][0]).is_dir()
+    done = subprocess.run(prune, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not (run.checkpoints / incident["abandoned"][0]).exists(), done
+    assert (run.checkpoints / "global_step20").is_dir() and (run.checkpoints / "global_step25").is_dir()
     # after the skip, the losses equal a run given the same skip range by hand from global_step20
     by_hand = tmp_path / "by-hand"
     (by_hand / "checkpoints").mkdir(parents=True)

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slurm
 DIVERGENCE = {"spike_window": 10, "divergence": {"patience": 3, "digest_interval": 5}}
 
 
-def chain_run(cluster, tmp_path, kjv_data, fault: str, gpus_per_node: int = 1, zero_stage: int = 1):
+def chain_run(cluster, tmp_path, kjv_data, fault: str, gpus_per_node: int = 1, zero_stage: int = 1,
+              divergence: dict | None = None, iterations: int = 40):
     """A 2-node chain of 40 iterations (GBS 8) with one spare node, dropout on, a step every 5, the fault in the job's
     environment (as :func:`test_multinode_failures.node_spec`); submitted and waited for until it drained: (spec, run,
     seconds)."""
@@ -35,13 +36,13 @@ def chain_run(cluster, tmp_path, kjv_data, fault: str, gpus_per_node: int = 1, z
     path = write_spec(tmp_path / "spec.yaml", kjv_data, tmp_path / "run",
                       model={**MODEL, "hidden_dropout": 0.1, "attention_dropout": 0.1},
                       parallel={"nodes": 2, "gpus_per_node": gpus_per_node, "zero_stage": zero_stage},
-                      batch={"micro_batch_size": 8 // dp, "global_batch_size": 8, "train_samples": 40 * 8},
+                      batch={"micro_batch_size": 8 // dp, "global_batch_size": 8, "train_samples": iterations * 8},
                       optimizer={"lr_warmup_samples": 32}, checkpoint={"save_interval": 5, "log_interval": 1},
                       slurm={"job_name": f"mnd-{tmp_path.name[-12:]}", "cpus_per_task": 1, "array": 2,
                              "max_failures": 3, "time": "10", "master_port": random.randint(20000, 29000),
                              "spare_nodes": 1,
                              "env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "OPSKIT_TEST_FAULT": fault}},
-                      watchdog=DIVERGENCE)
+                      watchdog={**DIVERGENCE, "divergence": {**DIVERGENCE["divergence"], **(divergence or {})}})
     spec = load_spec(str(path))
     started = time.monotonic()
     sub = submit(spec)
@@ -106,3 +107,17 @@ def test_a_flipped_bit_in_one_replica_names_its_node_and_the_run_resumes_on_the_
     final = losses(after_last_step(run))
     assert final == {i: v for i, v in uninterrupted(spec, run, tmp_path, 4).items() if i in final} and 11 in final
     print(f"\nbit flip on node2: named, kept out, resumed on node3, finished in {seconds:.0f} s")
+
+
+def test_bad_data_that_comes_back_after_each_rollback_holds_the_chain_with_one_alert(cluster, kjv_data, tmp_path):
+    # all data from iteration 61 on is bad: the first incident is rolled back and skipped, the second one is past the
+    # bound of one rollback
+    spec, run, seconds = chain_run(cluster, tmp_path, kjv_data, "poison:*:iteration=61:count=100",
+                                   divergence={"max_rollbacks": 1}, iterations=80)
+    assert run.stopped_flag.exists() and not run.finished_flag.exists()
+    assert [i["verdict"] for i in read_incidents(run)] == ["reproduced", "held"]
+    flag = run.stopped_flag.read_text()
+    assert "[divergence.held]" in flag and flag.count("***ALERT") == 1
+    rows = chain.read_ledger(run)
+    assert [r.state for r in rows] == ["ALERT", "FAILED", "SKIPPED"], rows  # the chain's second task did not train
+    print(f"\nbad data that comes back: held after one rollback, in {seconds:.0f} s")

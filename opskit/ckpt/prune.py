@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,15 +111,21 @@ class PrunePlan:
     protected: dict[int, str] = field(default_factory=dict)
     unbacked: dict[int, str] = field(default_factory=dict)
     universal: list[Path] = field(default_factory=list)
+    abandoned: list[Path] = field(default_factory=list)
+    """Steps a divergence rollback set aside (:func:`roll_back`) that go too."""
     dry_run: bool = True
 
     def as_json(self) -> dict:
         return {"dir": str(self.directory), "keep": self.keep, "delete": self.delete, "protected": self.protected,
-                "unbacked": self.unbacked, "universal": [str(p) for p in self.universal], "dry_run": self.dry_run}
+                "unbacked": self.unbacked, "universal": [str(p) for p in self.universal],
+                "abandoned": [str(p) for p in self.abandoned], "dry_run": self.dry_run}
 
 
-def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False) -> PrunePlan:
-    """Which steps of a run's checkpoint dir the rules keep, and which would be deleted (module docstring).
+def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False,
+               abandoned: Iterable[str] = ()) -> PrunePlan:
+    """Which steps of a run's checkpoint dir the rules keep, and which would be deleted (module docstring); with
+    ``abandoned``, the names of the steps the run's divergence rollbacks set aside (its ``incidents.json``: opskit's
+    own record that they are opskit's), those of them still there go too.
 
     Raises:
         CheckpointFormatError: no such checkpoint dir; ``latest`` is unusable (the step it protects cannot be known).
@@ -160,6 +167,8 @@ def plan_prune(directory: str | Path, rules: list[KeepRule], force: bool = False
     plan.keep = dict(sorted(plan.keep.items()))
     _refuse_symlinked_steps(plan)
     plan.universal = _our_universal_folders(directory, plan.delete)
+    plan.abandoned = [directory / name for name in abandoned if ABANDONED in name and "/" not in name
+                      and (directory / name).is_dir() and not (directory / name).is_symlink()]
     return plan
 
 
@@ -178,13 +187,15 @@ def _refuse_symlinked_steps(plan: PrunePlan) -> None:
                              "wrote; nothing deleted (remove the link yourself)")
 
 
-def prune(directory: str | Path, rules: list[KeepRule], dry_run: bool = False, force: bool = False) -> PrunePlan:
-    """:func:`plan_prune`, then delete ``plan.delete`` (unless ``dry_run``)."""
-    plan = plan_prune(directory, rules, force)
+def prune(directory: str | Path, rules: list[KeepRule], dry_run: bool = False, force: bool = False,
+          abandoned: Iterable[str] = ()) -> PrunePlan:
+    """:func:`plan_prune`, then delete ``plan.delete``, their universal forms and ``plan.abandoned`` (unless
+    ``dry_run``)."""
+    plan = plan_prune(directory, rules, force, abandoned)
     plan.dry_run = dry_run
     if dry_run:
         return plan
-    for folder in [plan.directory / f"global_step{step}" for step in plan.delete] + plan.universal:
+    for folder in [plan.directory / f"global_step{step}" for step in plan.delete] + plan.universal + plan.abandoned:
         hidden = folder.with_name(f".pruning-{folder.name}-{os.getpid()}")
         os.replace(folder, hidden)
         shutil.rmtree(hidden)

@@ -15,6 +15,7 @@ from opskit.cli import (
     plan,
     preflight,
     rehearse,
+    report,
     specs,
     status,
     submit,
@@ -52,6 +53,7 @@ app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown
             add_help_option=False)(train.train)
 app.command("status")(status.status)
 app.command("goodput")(goodput.goodput)
+app.command("report")(report.report)
 app.command("preflight")(preflight.preflight)
 app.command("sync")(sync.sync)
 app.command("kill-switch")(chain.kill_switch)

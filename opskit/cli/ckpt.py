@@ -300,15 +300,20 @@ def prune(
     dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
     force: bool = typer.Option(False, "--force", help="Also delete steps that no backup able to resume them (made "
                                                       "with --with-optim) still holds, with a warning (never latest)."),
+    abandoned: bool = typer.Option(False, "--abandoned", help="Also delete the steps divergence rollbacks set aside "
+                                                              "(global_stepN.abandoned-incidentK, as the run's "
+                                                              "incidents.json records them)."),
     json_output: JsonOutput = False,
 ) -> None:
     """Delete the steps no keep-rule keeps (and the universal form opskit converted from a deleted step); never the
     step 'latest' names, nor (without --force) a step that no --with-optim backup still holds."""
     from opskit.ckpt.prune import parse_keep
     from opskit.ckpt.prune import prune as prune_steps
+    from opskit.run.incidents import read_incidents
 
-    directory, _ = checkpoint_dir_of(run_or_dir)
-    plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force)
+    directory, run = checkpoint_dir_of(run_or_dir)
+    set_aside = [name for i in read_incidents(run) for name in i.get("abandoned", [])] if abandoned else []
+    plan = prune_steps(directory, [parse_keep(k) for k in keep], dry_run=dry_run, force=force, abandoned=set_aside)
     for step, problem in plan.unbacked.items():
         err_console.print(f"warning: global_step{step} {'would be' if dry_run else 'was'} deleted with no backup that "
                           f"can resume it ({problem})")
@@ -324,6 +329,8 @@ def _render_prune(plan, dry_run: bool) -> None:
         console.print(f"{'would delete' if dry_run else 'deleted'} global_step{step}")
     for folder in plan.universal:
         console.print(f"{'would delete' if dry_run else 'deleted'} {folder.name}  (its universal form)")
+    for folder in plan.abandoned:
+        console.print(f"{'would delete' if dry_run else 'deleted'} {folder.name}  (set aside by a rollback)")
 
 
 @app.command("set-latest")

@@ -29,12 +29,15 @@ if TYPE_CHECKING:
     from opskit.monitor.alerts import Outcome
 
 
-def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None = None) -> Report:
+def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None = None,
+               persist: bool = True) -> Report:
     """Every check, once: read -> check -> act -> next state (saved) -> report; the PULSE lines appended to
     main_log.txt with ``watchdog.append_to_main_log``.
 
     Args:
         now: the check's time (default: now). users: whose jobs squeue lists (default: ``slurm.group``'s members).
+        persist: False for a reader that is not the hourly watchdog (``opskit report``): the state, the PULSE lines
+            and the actions' changes stay as they were, so the next check still sees what is new.
 
     Raises:
         ChainError: ``slurm.group`` names no usable Unix group; a bad-node list an action cannot write.
@@ -44,6 +47,10 @@ def run_checks(spec: Spec, now: datetime | None = None, users: list[str] | None 
     run = RunPaths.of(spec)
     snap = read_snapshot(spec, load_state(run), now, users)
     findings = [finding for check in CHECKS for finding in check(snap, spec)]
+    if not persist:
+        return Report(spec.name, spec.job_name, now, _pulse(snap, spec), findings,
+                      unreachable=snap.unreachable is not None, main_log=run.main_log,
+                      run_missing=snap.run_missing is not None)
     for action in ACTIONS:  # the checks only looked; what the watchdog does happens here, once all are in
         findings = action(findings, snap, spec)
     state_error = save_state(run, next_state(snap, findings))

@@ -104,6 +104,11 @@ class RunPaths:
         return self.root / "ledger.jsonl"
 
     @property
+    def report(self) -> Path:
+        """The run's page (``opskit report``), published by ``opskit sync`` with the logs."""
+        return self.logs / "report.html"
+
+    @property
     def incidents(self) -> Path:
         """The divergence incidents, one record each (opskit.run.incidents)."""
         return self.root / "incidents.json"

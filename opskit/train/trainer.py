@@ -122,12 +122,12 @@ class Trainer:
 
         self.forward_times = None if os.environ.get(RANK_TIMES_ENV) == "off" else ForwardTimes(
             model, self.engine.stage_id, functools.partial(slowdown_factor, environ=dict(os.environ)))
-        # 5. resume: weights, optimizer, LR schedule, RNG, the state's counters and the divergence check's windows
-        self._resume(model)
+        # the divergence check and the replica digests (before the resume: a save right after it records them)
         self.divergence = DivergenceCheck.from_environ(config, world.rank, node_name())
-        self.divergence.restore(self.state.spike_watch)
         self.digests = ReplicaDigests(model, self.engine.grid.get_data_parallel_group(), world.dp,
                                       config.replica_digest_interval, self.divergence)
+        # 5. resume: weights, optimizer, LR schedule, RNG, the state's counters and the divergence check's windows
+        self._resume(model)
         if world.rank == 0:
             print(f"setting training iterations to {self.train_iters}", flush=True)
         # 6. data: this DP rank's micro-batches from the consumed samples on, and the validation sets
@@ -142,8 +142,8 @@ class Trainer:
         self._beat("start")
 
     def _resume(self, model) -> None:
-        """Load ``--load`` (if it has a checkpoint) into the engine and the state; heal the TP-duplicated parameters
-        with ``--sync-tp-duplicated-parameters``.
+        """Load ``--load`` (if it has a checkpoint) into the engine, the state and the divergence check; heal the
+        TP-duplicated parameters with ``--sync-tp-duplicated-parameters``.
 
         Raises:
             CheckpointError: no step can be resumed, or one contradicts the flags (one line).
@@ -152,6 +152,7 @@ class Trainer:
 
         config, world = self.config, self.world
         self.checkpointer.resume(self.state)
+        self.divergence.restore(self.state.spike_watch)
         sync = config.sync_tp_duplicated_parameters and world.tp > 1
         self.tp_duplicated = tp_duplicated_parameters(model) if sync else []
         if self.tp_duplicated:  # also heals copies that drifted apart before this run (BLOOM-176B's checkpoints)

@@ -45,11 +45,12 @@ from opskit.targets.base import Target, TargetOptions, crc32c_of_file
 if TYPE_CHECKING:
     from opskit.spec.schema import Spec
 
-# What each kind of sync publishes: (the run's folder, glob under it). Keys at the target are paths under the run.
-KINDS: dict[str, tuple[Callable[[RunPaths], Path], str]] = {
-    "logs": (attrgetter("logs"), "**/*.txt"),
-    "tensorboard": (attrgetter("tensorboard"), "**/*tfevents*"),
-    "codecarbon": (attrgetter("codecarbon"), "**/*.csv"),
+# What each kind of sync publishes: (the run's folder, globs under it). Keys at the target are paths under the run.
+# The logs go with the run's page (opskit report), where people look.
+KINDS: dict[str, tuple[Callable[[RunPaths], Path], tuple[str, ...]]] = {
+    "logs": (attrgetter("logs"), ("**/*.txt", "report.html")),
+    "tensorboard": (attrgetter("tensorboard"), ("**/*tfevents*",)),
+    "codecarbon": (attrgetter("codecarbon"), ("**/*.csv",)),
 }
 
 
@@ -96,9 +97,9 @@ def candidates(run: RunPaths, kinds: list[str]) -> dict[str, Path]:
     """Key at the target (path relative to the run folder) -> local file, for the chosen kinds."""
     files = {}
     for kind in kinds:
-        folder, pattern = KINDS[kinds_of(kind)[0]]
+        folder, patterns = KINDS[kinds_of(kind)[0]]
         base = folder(run)
-        for path in sorted(base.glob(pattern)) if base.is_dir() else []:
+        for path in sorted(p for pattern in patterns for p in base.glob(pattern)) if base.is_dir() else []:
             if path.is_file():
                 files[str(path.relative_to(run.root))] = path
     return files
