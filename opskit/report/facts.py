@@ -25,7 +25,7 @@ from opskit.run.incidents import IncidentsError, read_incidents, skip_ranges
 from opskit.run.paths import RunPaths
 
 SERIES = ("lm_loss", "grad_norm", "learning_rate", "global_batch_size", "samples_per_second", "tflops",
-          "elapsed_time_per_iteration_s", "consumed_tokens")
+          "elapsed_time_per_iteration_s")
 """The iteration line's fields the page charts (``opskit.logs.grammar.FIELDS``' names)."""
 SCREEN_COLUMNS = 1500
 """Points kept per series and per screen column: a 1M-iteration log is thinned to what a wide screen shows
@@ -119,33 +119,46 @@ def _run_of(source: LogSource) -> RunPaths | None:
 
 def _series(page: RunPage, source: LogSource) -> None:
     """Each charted field over the iterations, thinned per screen column, and the spikes of the lm loss and grad norm
-    (:func:`opskit.logs.spikes.spikes_of`, on the whole series before thinning: every spike iteration is kept)."""
+    (:func:`opskit.logs.spikes.spikes_of`, on the whole series before thinning: every spike iteration is kept). A large
+    log's columns stay polars / numpy to the thinned points (a Python object per value costs seconds a million)."""
+    import numpy as np
+
     try:
         columns = source.timeline(SERIES)
     except (OpskitError, OSError) as e:
         page.unknown.append(f"no iteration series: {e}")
         return
-    iterations = [int(i) for i in columns["iteration"]]
-    spikes = spikes_of({"iteration": iterations, **{m: _floats(columns[m]) for m in DEFAULT_CONFIG.metrics}})
+    spikes = spikes_of({"iteration": columns["iteration"], **{m: columns[m] for m in DEFAULT_CONFIG.metrics}})
     page.spikes = [s.as_json() for s in spikes]
-    marked = {i for s in spikes for i in range(s.first, s.last + 1)}
+    iterations = np.asarray(columns["iteration"], dtype=np.float64)
+    in_spike = np.zeros(len(iterations), dtype=bool)
+    for spike in spikes:
+        in_spike |= (iterations >= spike.first) & (iterations <= spike.last)
     for key in SERIES:
-        values = _floats(columns[key])
-        points = [(i, v) for i, v in zip(iterations, values, strict=True) if v is not None]
-        if not points:
+        values, present = _array(columns[key])
+        if not present.any():
             page.unknown.append(f"{key.replace('_', ' ')}: not in this log's iteration lines")
             continue
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        kept_x, kept_y = thin(xs, ys, xs[0], xs[-1], SCREEN_COLUMNS)
+        xs, ys = iterations[present], values[present]
+        kept_x, kept_y = thin(xs, ys, float(xs[0]), float(xs[-1]), SCREEN_COLUMNS)
         kept = set(kept_x)
-        spiked = [(x, y) for x, y in points if x in marked and x not in kept]
-        merged = sorted([*zip(kept_x, kept_y, strict=True), *spiked])
-        page.series[key] = {"iteration": [p[0] for p in merged], "value": [p[1] for p in merged],
-                            "points_in_log": len(points)}
+        spiked = [(x, y) for x, y in zip(xs[in_spike[present]].tolist(), ys[in_spike[present]].tolist(), strict=True)
+                  if x not in kept]
+        merged = sorted([*zip(list(kept_x), list(kept_y), strict=True), *spiked])
+        page.series[key] = {"iteration": [int(p[0]) for p in merged], "value": [p[1] for p in merged],
+                            "points_in_log": int(present.sum())}
 
 
-def _floats(column) -> list[float | None]:
-    return [None if v is None else float(v) for v in (column.to_list() if hasattr(column, "to_list") else column)]
+def _array(column):
+    """(float64 values, present mask) of a timeline column: a polars Series (null: absent) or a list (None)."""
+    import numpy as np
+
+    if hasattr(column, "is_not_null"):
+        import polars as pl
+
+        return column.cast(pl.Float64).fill_null(np.nan).to_numpy(), column.is_not_null().to_numpy()
+    present = np.array([v is not None for v in column], dtype=bool)
+    return np.array([np.nan if v is None else float(v) for v in column], dtype=np.float64), present
 
 
 def _watchdog(page: RunPage, spec, now: datetime | None) -> None:
