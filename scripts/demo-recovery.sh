@@ -100,29 +100,17 @@ step "scripts/local-slurm.sh start --nodes 3   (state: $OPSKIT_SLURM_DIR)"
 scripts/local-slurm.sh start --nodes 3
 sinfo
 
-step "1. a hang on node2: opskit submit demo-recovery-hang --wait"
-opskit submit demo-recovery-hang --wait
-timeline demo-recovery-hang
-grep -q "training step 1 on nodes node1,node3" runs/demo-recovery-hang/logs/main_log.txt
-test -e runs/demo-recovery-hang/finished
-
-step "2. a slow node2: opskit submit demo-recovery-slow --wait"
-opskit submit demo-recovery-slow --wait
-timeline demo-recovery-slow
-grep -q "pre-flight: node2 kept out" runs/demo-recovery-slow/logs/main_log.txt
-test -e runs/demo-recovery-slow/finished
-
-step "3. bad data: opskit submit demo-recovery-data --wait"
-opskit submit demo-recovery-data --wait
-timeline demo-recovery-data
-grep -q "the replay reproduced the spike at iteration 25" runs/demo-recovery-data/logs/main_log.txt
-test -e runs/demo-recovery-data/finished
-
-step "4. a flipped bit: opskit submit demo-recovery-flip --wait"
-opskit submit demo-recovery-flip --wait
-timeline demo-recovery-flip
-grep -q "training step 1 on nodes node1,node3" runs/demo-recovery-flip/logs/main_log.txt
-test -e runs/demo-recovery-flip/finished
+run_case() {  # label, name, a line main_log.txt must hold: submit, wait, show the timeline, check it finished
+    step "$1: opskit submit $2 --wait"
+    opskit submit "$2" --wait
+    timeline "$2"
+    grep -q "$3" "runs/$2/logs/main_log.txt"
+    test -e "runs/$2/finished"
+}
+run_case "1. a hang on node2" demo-recovery-hang "training step 1 on nodes node1,node3"
+run_case "2. a slow node2" demo-recovery-slow "pre-flight: node2 kept out"
+run_case "3. bad data" demo-recovery-data "the replay reproduced the spike at iteration 25"
+run_case "4. a flipped bit" demo-recovery-flip "training step 1 on nodes node1,node3"
 
 step "opskit logs spikes demo-recovery-data --window 10   (the spike, and what the run did about it)"
 COLUMNS=120 opskit logs spikes demo-recovery-data --window 10
