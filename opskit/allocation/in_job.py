@@ -34,6 +34,7 @@ from opskit.fsutil import OutputRefusedError, atomic_write_text, bounded_lines, 
 from opskit.logs.crash import expand_nodelist, find_crashes
 from opskit.logs.stacks import rank_stacks, stuck_ranks
 from opskit.rules.beats import DUMP_REQUEST, Beat, read_beats
+from opskit.rules.reliability import PREFLIGHT_MARGIN
 from opskit.run import chain
 from opskit.run.paths import RunPaths
 from opskit.slurm import client
@@ -121,7 +122,7 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def preflight_check(run: RunPaths, margin: float = 0.2, say: Callable[[str], None] = _print
+def preflight_check(run: RunPaths, margin: float, say: Callable[[str], None] = _print
                     ) -> Callable[[list[str]], dict[str, str]]:
     """``opskit preflight`` on the job's usable nodes, with the run's copy of its spec (``slurm/spec.yaml``): the
     failing nodes (put on the bad-node list) -> their problems. A check that cannot run excludes nobody (``say``
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if args[:1] == ["start"] and len(args) in (5, 6):  # 6: with --preflight
             _, root, job_id, need, nodelist, *preflight = args
             run = RunPaths(Path(root))
-            check = preflight_check(run) if preflight == ["--preflight"] and _under_slurm() else None
+            check = preflight_check(run, PREFLIGHT_MARGIN) if preflight == ["--preflight"] and _under_slurm() else None
             nodes, heartbeats, lines = start_step(run, job_id, int(need), nodelist, check)
             print("\n".join([*lines, f"STEP {','.join(nodes)} {heartbeats}"]))
             return 0

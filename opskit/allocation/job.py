@@ -40,6 +40,7 @@ from opskit.allocation import divergence, in_job
 from opskit.allocation.node_step import shell_code
 from opskit.fsutil import OutputRefusedError, atomic_write_text
 from opskit.rules.divergence import REPORT_DIR_ENV, read_reports
+from opskit.rules.reliability import PREFLIGHT_MARGIN
 from opskit.run import chain
 from opskit.run.incidents import IncidentsError
 from opskit.run.paths import RunPaths
@@ -69,6 +70,7 @@ class JobConfig:
     limits: in_job.Limits
     trainer_args: tuple[str, ...]
     divergence: divergence.Bounds = divergence.Bounds()
+    preflight_margin: float = PREFLIGHT_MARGIN
 
 
 def job_flags(config: JobConfig) -> list[str]:
@@ -80,7 +82,8 @@ def job_flags(config: JobConfig) -> list[str]:
             *(["--preflight"] if config.preflight else []), "--hang-timeout-s", f"{config.limits.timeout:g}",
             "--hang-startup-s", f"{config.limits.startup:g}", "--hang-factor", f"{config.limits.hang_factor:g}",
             "--skip-after", str(config.divergence.skip_after), "--max-rollbacks",
-            str(config.divergence.max_rollbacks), "--rollback-hours", f"{config.divergence.rollback_hours:g}"]
+            str(config.divergence.max_rollbacks), "--rollback-hours", f"{config.divergence.rollback_hours:g}",
+            "--preflight-margin", f"{config.preflight_margin:g}"]
 
 
 def parse_job_flags(argv: list[str]) -> JobConfig:
@@ -99,12 +102,13 @@ def parse_job_flags(argv: list[str]) -> JobConfig:
     parser.add_argument("--skip-after", type=int, default=bounds.skip_after)
     parser.add_argument("--max-rollbacks", type=int, default=bounds.max_rollbacks)
     parser.add_argument("--rollback-hours", type=float, default=bounds.rollback_hours)
+    parser.add_argument("--preflight-margin", type=float, default=PREFLIGHT_MARGIN)
     ours, trainer_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     a = parser.parse_args(ours)
     return JobConfig(RunPaths(a.run_dir), a.spec_name, a.nodes, a.gpus_per_node, a.master_port, a.time_limit_s,
                      a.max_failures, a.max_stalled_starts, a.in_job_restarts, a.preflight,
                      in_job.Limits(a.hang_timeout_s, a.hang_startup_s, a.hang_factor), tuple(trainer_args),
-                     divergence.Bounds(a.skip_after, a.max_rollbacks, a.rollback_hours))
+                     divergence.Bounds(a.skip_after, a.max_rollbacks, a.rollback_hours), a.preflight_margin)
 
 
 @dataclass(frozen=True)
@@ -317,7 +321,8 @@ class Job:
         run_check = check and self.config.preflight and self.allocation.under_slurm
         started = self._in_job(in_job.start_step, self.config.run, self.allocation.job_id, self.config.nodes,
                                self.allocation.nodelist,
-                               in_job.preflight_check(self.config.run, say=self.log.line) if run_check else None)
+                               in_job.preflight_check(self.config.run, self.config.preflight_margin, say=self.log.line)
+                               if run_check else None)
         if started is None:
             return None
         nodes, heartbeats, lines = started

@@ -12,8 +12,9 @@ from opskit.cli._common import JsonOutput, SpecName, console, emit, friendly_err
 def preflight(
     name: SpecName,
     nodes: str = typer.Option(..., "--nodes", help="SLURM node list to check, e.g. node[1-3]."),
-    margin: float = typer.Option(0.2, "--margin", min=0.0, max=1.0,
-                                 help="Exclude a node whose GEMM is below the median by more than this fraction."),
+    margin: float = typer.Option(None, "--margin", min=0.0, max=1.0,
+                                 help="Exclude a node whose GEMM is below the median by more than this fraction "
+                                      "(default: the spec's slurm.preflight_margin)."),
     exclude: bool = typer.Option(False, "--exclude", help="Put failing nodes on the run's bad-node list."),
     json_output: JsonOutput = False,
 ) -> None:
@@ -22,7 +23,8 @@ def preflight(
     from opskit.allocation.preflight import run_preflight
     from opskit.spec.load import load_spec
 
-    result = run_preflight(load_spec(name), nodes, margin, exclude)
+    spec = load_spec(name)
+    result = run_preflight(spec, nodes, spec.slurm.preflight_margin if margin is None else margin, exclude)
     emit(result, json_output, lambda checked: _render(checked, exclude))
     if result.excluded:
         raise typer.Exit(1)

@@ -41,3 +41,8 @@ def lost_fraction(interval_s: float, save_s: float, mtbf_s: float, restart_s: fl
     if interval_s <= 0 or mtbf_s <= 0:
         raise ValueError(f"interval {interval_s} s and mean time between failures {mtbf_s} s must be > 0")
     return save_s / interval_s + (interval_s / 2 + restart_s) / mtbf_s
+
+
+PREFLIGHT_MARGIN = 0.2
+"""The pre-flight's default: a node whose GEMM is slower than the nodes' median by more than this share, measured
+twice, is kept out (``slurm.preflight_margin``, ``opskit preflight --margin``)."""

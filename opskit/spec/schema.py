@@ -44,6 +44,7 @@ from opskit.rules import consistency, flags
 from opskit.rules.consistency import listed, valid_node_counts
 from opskit.rules.deepspeed import deepspeed_version_problem, installed_deepspeed_version
 from opskit.rules.model_size import padded_vocab_size as _padded_vocab_size
+from opskit.rules.reliability import PREFLIGHT_MARGIN
 from opskit.spec.files import USER_SPEC_DIR, SpecError, find_spec, preset_dir
 from opskit.spec.placeholders import ENV_VAR, has_value, var_of
 from opskit.targets import check_url
@@ -333,6 +334,9 @@ class SlurmSpec(_Section):
     preflight: bool = True
     """Check the allocation's nodes at each task's start, before training (``opskit preflight``: GPUs, a timed GEMM,
     free disk, Xid lines, all-reduces) and keep the failing ones out, a spare taking their place."""
+    preflight_margin: float = Field(default=PREFLIGHT_MARGIN, gt=0, lt=1)
+    """A node whose GEMM is slower than the nodes' median by more than this share, measured twice, is kept out
+    (``opskit preflight --margin``)."""
     cron_partition: str | None = Field(default=None, pattern=_ONE_LINE)
     """CPU partition of ``opskit cron install``'s self-resubmitting SLURM job (Jean Zay: compil)."""
     cron_account: str | None = Field(default=None, pattern=_ONE_LINE)

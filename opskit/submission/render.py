@@ -201,7 +201,8 @@ def job_config(spec: Spec, run: RunPaths) -> JobConfig:
     return JobConfig(run, spec.cli_name, spec.parallel.nodes, spec.parallel.gpus_per_node, s.master_port,
                      int(s.time_minutes * 60), s.max_failures, s.max_stalled_starts, s.in_job_restarts, s.preflight,
                      Limits(w.in_job_timeout_s, w.hang_min_minutes * 60, w.hang_factor),
-                     tuple(trainer_args(spec, run)), Bounds(d.skip_after, d.max_rollbacks, d.rollback_hours))
+                     tuple(trainer_args(spec, run)), Bounds(d.skip_after, d.max_rollbacks, d.rollback_hours),
+                     s.preflight_margin)
 
 
 def render_job(spec: Spec, run: RunPaths, python: str = sys.executable, exclude: list[str] = ()) -> RenderedJob:
