@@ -53,7 +53,7 @@ step "opskit report $SPEC   (the run on one self-contained HTML page)"
 opskit report "$SPEC"
 
 step "artefacts"
-echo "run page      $RUN/report.html"
+echo "run page      $RUN/logs/report.html"
 echo "main log      $RUN/logs/main_log.txt"
 echo "tensorboard   $RUN/tensorboard   (tensorboard --logdir $RUN/tensorboard)"
 echo "checkpoints   $RUN/checkpoints   (latest: $latest)"
