@@ -131,11 +131,9 @@ def _open_incident(run: RunPaths, incidents: list[dict], detected: list[Report],
     what = (f"incident {incident['id']}: {report.metric.replace('_', ' ')} {incident['kind']} from iteration "
             f"{report.first} ({report.value:.6g} against a median of {report.baseline:.6g}), acted on at "
             f"{report.detected_at}")
-    recent = rollbacks_since(incidents, now - bounds.rollback_hours * 3600)
-    if len(recent) >= bounds.max_rollbacks:
-        return _hold(run, incident, f"{what}; {len(recent)} rollbacks in {bounds.rollback_hours:g} h already "
-                     f"(watchdog.divergence.max_rollbacks {bounds.max_rollbacks}): change the run (the LR, the "
-                     "data), not skip more", job_id, task, step_nodes, spec_name, now, lines)
+    if bound := _past_bound(incidents, bounds, now):
+        return _hold(run, incident, f"{what}; {bound}: change the run (the LR, the data), not skip more", job_id,
+                     task, step_nodes, spec_name, now, lines)
     step = _step_before(run, report.first)
     if step is None:
         return _hold(run, incident, f"{what}; no complete checkpoint before the spike to replay from", job_id, task,
@@ -163,11 +161,8 @@ def _corruption(run: RunPaths, incidents: list[dict], digests: list[Report], ste
     incident["struck"] = odd
     what = (f"incident {incident['id']}: the data-parallel replicas' parameters differ after iteration {iteration} "
             f"(odd replica(s) on {', '.join(odd) or 'no node named'}; last agreed at {agreed})")
-    recent = rollbacks_since(incidents, now - bounds.rollback_hours * 3600)
-    if len(recent) >= bounds.max_rollbacks:
-        return _hold(run, incident, f"{what}; {len(recent)} rollbacks in {bounds.rollback_hours:g} h already "
-                     f"(watchdog.divergence.max_rollbacks {bounds.max_rollbacks})", job_id, task, step_nodes,
-                     spec_name, now, lines)
+    if bound := _past_bound(incidents, bounds, now):
+        return _hold(run, incident, f"{what}; {bound}", job_id, task, step_nodes, spec_name, now, lines)
     step = _step_before(run, (agreed if agreed is not None else iteration - 1) + 1)
     if step is None:
         return _hold(run, incident, f"{what}; no complete checkpoint before it", job_id, task, step_nodes, spec_name,
@@ -216,6 +211,15 @@ def _judge_replay(run: RunPaths, incidents: list[dict], replayed: list[Report], 
                  f" ({report.value:.6g} against {incident['value']:.6g}): a transient fault; strike for "
                  f"{', '.join(struck)} (on the run's bad-node list), the data kept")
     return None
+
+
+def _past_bound(incidents: list[dict], bounds: Bounds, now: float) -> str | None:
+    """Why one more rollback would pass ``max_rollbacks`` in ``rollback_hours`` (one clause), else None."""
+    recent = rollbacks_since(incidents, now - bounds.rollback_hours * 3600)
+    if len(recent) < bounds.max_rollbacks:
+        return None
+    return (f"{len(recent)} rollbacks in {bounds.rollback_hours:g} h already (watchdog.divergence.max_rollbacks "
+            f"{bounds.max_rollbacks})")
 
 
 def _hold(run: RunPaths, incident: dict, why: str, job_id: str, task: str, nodes: list[str], spec_name: str,

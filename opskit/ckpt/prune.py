@@ -213,6 +213,18 @@ def set_latest(directory: str | Path, step: int) -> str:
         PruneError: no such step, an incomplete one (its first problem named), or ``latest`` is a directory.
     """
     directory = Path(directory)
+    folder = _latest_target(directory, step)
+    previous, problem = latest_state(directory)
+    write_latest(directory, folder.name)
+    return f"unusable ({problem})" if problem else previous
+
+
+def _latest_target(directory: Path, step: int) -> Path:
+    """``global_step{step}``, checked as ``latest``'s next target (complete, ``latest`` a file or absent).
+
+    Raises:
+        PruneError: naming what is wrong; nothing is changed.
+    """
     folder = directory / f"global_step{step}"
     if not folder.is_dir():
         raise PruneError(f"{folder}: no such checkpoint step")
@@ -221,9 +233,7 @@ def set_latest(directory: str | Path, step: int) -> str:
         raise PruneError(f"{folder}: incomplete, latest not changed: {info.problems[0]}")
     if (directory / "latest").is_dir():
         raise PruneError(f"{directory / 'latest'}: a directory, not a file opskit may replace; move it away first")
-    previous, problem = latest_state(directory)
-    write_latest(directory, folder.name)
-    return f"unusable ({problem})" if problem else previous
+    return folder
 
 
 ABANDONED = ".abandoned-"
@@ -240,17 +250,16 @@ def roll_back(directory: str | Path, step: int, label: str) -> list[str]:
         PruneError: as :func:`set_latest`; OSError: a rename failed (``latest`` not moved).
     """
     directory = Path(directory)
-    if not (directory / f"global_step{step}").is_dir() or describe_step(directory / f"global_step{step}").problems:
-        set_latest(directory, step)  # raises, naming what is wrong
+    folder = _latest_target(directory, step)  # checked once, before anything is renamed
     set_aside = []
-    for iteration, folder in sorted(step_dirs(directory).items()):
+    for iteration, newer in sorted(step_dirs(directory).items()):
         if iteration > step:
-            target = folder.with_name(f"{folder.name}{ABANDONED}{label}")
+            target = newer.with_name(f"{newer.name}{ABANDONED}{label}")
             n = 1
             while target.exists():
                 n += 1
-                target = folder.with_name(f"{folder.name}{ABANDONED}{label}.{n}")
-            folder.rename(target)
+                target = newer.with_name(f"{newer.name}{ABANDONED}{label}.{n}")
+            newer.rename(target)
             set_aside.append(target.name)
-    set_latest(directory, step)
+    write_latest(directory, folder.name)
     return set_aside
