@@ -110,3 +110,6 @@ if [ "$redone" -ne $((6 - ${resumed:-0})) ]; then
     exit 1
 fi
 echo "redone iterations of task 1: $redone = 6 (the crash) - ${resumed:-0} (the last save): exact"
+
+step "opskit report $NAME   (the run's page: the crash on node2, its exclusion, the resume on node[1,3])"
+opskit report "$NAME"

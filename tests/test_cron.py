@@ -60,7 +60,7 @@ def test_cron_via_slurm_runs_resubmits_and_uninstalls(tmp_path, cron_name, monke
         time.sleep(1)
     assert f"PULSE: ***ALERT: {cron_name} is not RUNNING or SCHEDULED! Alert the on-call person***" in \
         output.read_text()
-    while any(e.array_id == first for e in cron_jobs(installed.job_name)):  # then `opskit report` refreshes the page
+    while any(e.array_id == first for e in cron_jobs(installed.job_name)):  # status refreshes the page
         assert time.monotonic() < deadline, output.read_text()
         time.sleep(1)
     assert run.report.read_text().startswith("<!-- written by opskit report -->"), output.read_text()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, write_spec
+from test_report import artifact, browse
 from test_submit import OPSKIT, iterations_logged, one, tasks_of
 
 from opskit.run import chain
@@ -152,6 +153,17 @@ def test_crash_on_one_node_excludes_it_and_the_chain_resumes_on_the_healthy_node
         assert {"channel": "command", "kind": "alert"} not in again["alerts"]["sent"]
     sent = alerts.read_text()
     assert sent.count("KIND=alert") == 1 and "node2" in sent, sent
+
+    # `opskit status --alert` refreshed the run's page: in Chromium, the crash on node2, its exclusion and the resume
+    # on node[1,3]; its screenshots are kept (tests/test_report.artifact).
+    page = browse(run.report, artifact("report-multinode.png"))
+    assert page["errors"] == [] and page["requests"] == []
+    text = page["text"]
+    assert re.search(rf"{sub.job_id}_1\tFAILED\tnode1,node2\t.*CUDA launch failure on node2", text), text
+    assert re.search(rf"{sub.job_id}_2\tCOMPLETED\tnode1,node3\t", text) and "blamed node2" in text
+    assert re.search(r"node2\t\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\trun\tjob \d+ \(in-job\): CUDA launch failure", text), text
+    timeline = next(points for title, _, points in page["points"] if title == "tasks and in-job steps")
+    assert timeline[0] == 3, timeline  # a bar per task
 
     # `opskit nodes list` says why; `opskit nodes clear NODE` puts it back.
     listed = opskit(cluster, "nodes", "list", spec_file)

@@ -860,7 +860,7 @@ def test_user_config_and_cron(slurm, tmp_path, webhook, monkeypatch):
     spec = spec_file(tmp_path, name, alerts={"resend_hours": 1})
     config = tmp_path / "alerts.yaml"
     config.write_text(f"webhook: {webhook.url}\nresend_hours: 12\n")
-    assert hourly_commands(load_spec(str(spec)), None)[0].endswith(f"status {spec}")  # no channel: no --alert
+    assert hourly_commands(load_spec(str(spec)), None)[0].endswith(f"status {spec} --page")  # no channel: no --alert
     done = status_cli(spec, "--alert", env={"OPSKIT_CONFIG": str(config)})
     assert done.returncode == 1 and len(webhook.posts) == 1, done.stdout + done.stderr
     age_alert_state(RunPaths(tmp_path / "run"), 2)  # the spec's resend_hours (1) wins over the user's (12)

@@ -66,6 +66,22 @@ def _load(run: RunPaths, job_id: str) -> dict:
     return state
 
 
+def read_job_states(run: RunPaths) -> tuple[dict[str, dict], list[str]]:
+    """Every job's state in ``<run>/in-job/`` (job id -> ``{"allocation", "need", "excluded": {node: why}, "steps":
+    [{"nodes", "started" (POSIX s), "hang": None | {"nodes", "ranks", "silent_s"}, ...}]}``), and one line for each
+    file that cannot be read as one (what ``opskit report`` shows of the job's steps)."""
+    folder, states, unreadable = run.root / "in-job", {}, []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            state = _load(run, path.stem)
+            if not isinstance(state.get("steps"), list) or not isinstance(state.get("excluded"), dict):
+                raise ValueError("no steps list or excluded object")
+            states[path.stem] = state
+        except (OSError, ValueError) as e:
+            unreadable.append(f"{path}: not a job's in-job state ({e})")
+    return states, unreadable
+
+
 def _save(run: RunPaths, job_id: str, state: dict) -> None:
     path = state_path(run, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""``opskit status NAME [--alert] [--ack] [--json] [--watch N]``: the hourly watchdog (opskit.monitor.watchdog.status).
+"""``opskit status NAME [--alert] [--ack] [--json] [--watch N] [--page]``: the hourly watchdog
+(opskit.monitor.watchdog.status; with --alert or --page it refreshes the run's page, opskit.report).
 
 Exit code: 0 ok (warnings included), 1 alert, 2 scheduler unreachable, a spec or alert setting error, or a channel that
 failed to send.
@@ -20,6 +21,7 @@ def status(
     ack: bool = typer.Option(False, "--ack", help="Silence the current alerts until something changes."),
     json_output: bool = typer.Option(False, "--json", help="Every finding as JSON."),
     watch: float = typer.Option(0, "--watch", min=0, help="Check again every N seconds (Ctrl-C stops)."),
+    page: bool = typer.Option(False, "--page", help="Refresh the run's page (`opskit report`); on with --alert."),
 ) -> None:
     """Is the training running or scheduled, and healthy? PULSE / ALERT lines, then every finding: scheduler, log
     health, checkpoints, disk, progress. Exit 0 ok, 1 alert, 2 SLURM unreachable or a configuration/channel error."""
@@ -27,8 +29,17 @@ def status(
     from opskit.spec.load import load_spec
 
     spec = load_spec(name)
-    raise typer.Exit(watchdog.watch(lambda: watchdog.status(spec, alert, ack, goodput=json_output), watch,
-                                    lambda found: _render(found, json_output)))
+
+    def check() -> watchdog.Status:
+        found = watchdog.status(spec, alert, ack, goodput=json_output)
+        if alert or page:
+            from opskit.report.page import refresh_run_page
+
+            if problem := refresh_run_page(name, found.report):
+                err_console.print(f"warning: {problem}", markup=False)
+        return found
+
+    raise typer.Exit(watchdog.watch(check, watch, lambda found: _render(found, json_output)))
 
 
 def _render(found, json_output: bool) -> int:

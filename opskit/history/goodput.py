@@ -38,6 +38,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import accumulate
 from pathlib import Path
 
 from opskit.allocation.in_job import HANG_LINE
@@ -45,7 +46,7 @@ from opskit.ckpt.format.layout import SAVED_LINE
 from opskit.errors import OpskitError
 from opskit.fsutil import bounded_lines, open_regular
 from opskit.logs.crash import STEP_HEADER, line_source
-from opskit.logs.grammar import parse_iteration_line
+from opskit.logs.grammar import parse_iteration_line, parse_memory_line
 from opskit.logs.plot import claim_image, save_image
 from opskit.run import chain
 from opskit.run.incidents import IncidentsError, divergence_account, read_incidents
@@ -60,7 +61,8 @@ LOSES_WORK = (*chain.FAILURES, "CANCELLED", RESTARTED)
 """Ledger states whose task's work since its last save is lost: the next task (or step) trains it again."""
 
 _DATE = "%Y-%m-%d %H:%M:%S"
-_OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job \S+ \(array task (\S+)\) nodes \S*: (.*)"
+_OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job (?P<job>\S+) \(array task (?P<task>\S+)\) "
+                     r"nodes (?P<nodes>\S*): (?P<message>.*)"
                      r"|submitted job (\S+))")
 _TIMER = re.compile(r"^time \(ms\) \| (save-checkpoint|load-checkpoint|evaluate): (\d+(?:\.\d+)?)\s*$")
 _TRAINING_START = re.compile(r"^\[before the start of training step\] datetime: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
@@ -97,6 +99,19 @@ class TaskTime:
     """Of those, the ones its failure lost (trained again by the next task)."""
     step: int = 0
     """The training step in its job (0 unless the job restarted training inside its allocation)."""
+    max_allocated_mib: float | None = None
+    """The largest ``max allocated`` of its memory lines (any rank; MiB), None without one."""
+    resumed_from: int = 0
+    """The iteration it loaded a checkpoint of (0: it started afresh, or loaded nothing)."""
+    nodes: str = ""
+    """Its nodes (its training step's, else its allocation's)."""
+    reason: str = ""
+    """The ledger's why (a crash's node and signature), "" without one."""
+    events: list[tuple[datetime, str]] = field(default_factory=list)
+    """What the job logged of it (:attr:`TaskLog.events`)."""
+    clock: list[tuple[int, float]] = field(default_factory=list, repr=False)
+    """(iteration, POSIX seconds) at the end of each logged window: its training start plus the windows' wall
+    seconds before and with it (the log's iteration lines carry no date); what ``opskit report`` charts over time."""
 
     @property
     def label(self) -> str:
@@ -104,10 +119,14 @@ class TaskTime:
         return f"{self.task} step {self.step}" if self.step else self.task
 
     def as_json(self) -> dict:
-        return {"task": self.task, "step": self.step, "state": self.state, "start": f"{self.start:{_DATE}}",
+        return {"task": self.task, "step": self.step, "state": self.state, "nodes": self.nodes, "reason": self.reason,
+                "resumed_from": self.resumed_from, "start": f"{self.start:{_DATE}}",
                 "end": f"{self.end:{_DATE}}",
                 "iterations": self.iterations, "redone_iterations": self.redone_iterations,
-                "hours": {name: round(s / 3600, 4) for name, s in self.seconds.items()}}
+                "max_allocated_gib": (None if self.max_allocated_mib is None else
+                                      round(self.max_allocated_mib / 1024, 2)),
+                "hours": {name: round(s / 3600, 4) for name, s in self.seconds.items()},
+                "events": [[f"{at:{_DATE}}", message] for at, message in self.events]}
 
 
 @dataclass
@@ -182,6 +201,14 @@ class TaskLog:
     reached: int = 0
     """The last iteration a ``saving checkpoint at iteration N`` line says was trained (an exit's save comes after
     iterations no line logged when ``--log-interval`` > 1)."""
+    max_allocated_mib: float | None = None
+    job: str | None = None
+    """The SLURM job id of its ``[opskit] ... job J (array task T)`` lines."""
+    nodes: str = ""
+    """Its nodes: the allocation's node list of its start line, then its training step's (the step header's)."""
+    events: list[tuple[datetime, str]] = field(default_factory=list)
+    """The job's own ``[opskit]`` lines about it, other than its start, step headers and end (a hang, a blamed node,
+    a pre-flight exclusion, a restart, a divergence): (date, message)."""
 
     def __post_init__(self):
         self.last_seen = self.last_seen or self.start
@@ -300,26 +327,31 @@ def _opskit_line(raw: str, found: TaskLogs, current: TaskLog | None) -> TaskLog 
     if m is None or (at := found.dates.read(m[1])) is None:
         return current
     tasks = found.tasks
-    if m[2] is None:  # a submission
+    if m["task"] is None:  # a submission
         found.first_submit = found.first_submit or at
-        found.submitted.setdefault(m[4], at)
+        found.submitted.setdefault(m[6], at)
         return current
-    message = m[3].rstrip()
+    message, task = m["message"].rstrip(), m["task"]
     if message == "start":
-        tasks.append(TaskLog(m[2], at))
+        tasks.append(TaskLog(task, at, job=m["job"], nodes=m["nodes"]))
         return tasks[-1]
-    if current is not None and current.task == m[2]:
+    if current is not None and current.task == task:
         current.last_seen = at
-        if (step := STEP_HEADER.match(raw)) and step["step"] != "0":  # an in-job restart: the step before ends here
-            current.end, current.end_state = at, RESTARTED
-            tasks.append(TaskLog(m[2], at, step=int(step["step"])))
+        if step := STEP_HEADER.match(raw):
+            if step["step"] == "0":
+                current.nodes = step["nodes"]
+                return current
+            current.end, current.end_state = at, RESTARTED  # an in-job restart: the step before ends here
+            tasks.append(TaskLog(task, at, step=int(step["step"]), job=m["job"], nodes=step["nodes"]))
             return tasks[-1]
         if message.startswith(HANG_LINE):
             current.hung = True
-        elif message.startswith("end, exit code"):
+        if message.startswith("end, exit code"):
             current.end = at
         elif state := _SIGTERM_STATE.match(message):
             current.end, current.end_state = at, state[1]
+        else:
+            current.events.append((at, message))
     return current
 
 
@@ -336,6 +368,9 @@ def _trainer_line(text: str, task: TaskLog, dates: LogDates) -> None:
     elif text.startswith("saving checkpoint"):
         if m := _SAVING.match(text):
             task.reached = max(task.reached, int(m[1]))
+    elif text.startswith("[Rank "):
+        if (memory := parse_memory_line(text)) is not None:
+            task.max_allocated_mib = max(task.max_allocated_mib or 0.0, memory["max_allocated_mib"])
     elif text.startswith("  successfully"):
         if m := SAVED_LINE.match(text):
             task.last_saved = int(m[1])
@@ -375,6 +410,7 @@ def account(run: RunPaths, watchdog: WatchdogSpec | None = None, now: datetime |
         is_last = i == len(logs) - 1
         end = log.end or states[i][1] or (now if is_last else logs[i + 1].start)
         task = _split(log, states[i][0] or log.end_state, end, watchdog)
+        task.reason = states[i][2]
         task.seconds["stopped"], waiting_since = _stopped(previous_end, found.submitted.get(_job_of(log.task)))
         task.seconds["queue"] = max((log.start - waiting_since).total_seconds(), 0.0)
         notes += _overrun_note(task)
@@ -413,16 +449,17 @@ def summary(run: RunPaths, watchdog: WatchdogSpec | None = None) -> dict:
     return account_json
 
 
-def _ledger_states(rows: list[chain.TaskOutcome], logs: list[TaskLog]) -> list[tuple[str | None, datetime | None]]:
-    """(ledger state, ledger time) of each task start, matched in order by task id (a requeued task starts twice
-    and has a line per run)."""
+def _ledger_states(rows: list[chain.TaskOutcome], logs: list[TaskLog]
+                   ) -> list[tuple[str | None, datetime | None, str]]:
+    """(ledger state, ledger time, ledger reason) of each task start, matched in order by task id (a requeued task
+    starts twice and has a line per run)."""
     by_task: dict[str, list[chain.TaskOutcome]] = {}
     for row in rows:
         by_task.setdefault(row.task, []).append(row)
     matched = []
     for log in logs:
         if log.end_state == RESTARTED:  # a step the job restarted: the task's ledger row is its last step's
-            matched.append((RESTARTED, log.end))
+            matched.append((RESTARTED, log.end, ""))
             continue
         row = by_task.get(log.task, []).pop(0) if by_task.get(log.task) else None
         at = None
@@ -431,7 +468,7 @@ def _ledger_states(rows: list[chain.TaskOutcome], logs: list[TaskLog]) -> list[t
                 at = datetime.strptime(row.time, _DATE)
             except ValueError:
                 at = None
-        matched.append((row.state if row else None, at))
+        matched.append((row.state if row else None, at, row.reason if row else ""))
     return matched
 
 
@@ -442,7 +479,8 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
     seconds.update(saving=log.saving_s, loading=log.loading_s, evaluation=log.evaluation_s)
     if log.training_start is None:  # it never trained: a start-up failure, or a task that exited at once
         seconds["idle" if state == "SKIPPED" else "startup"] = max(wall - log.loading_s, 0.0)
-        return TaskTime(log.task, state, log.start, end, seconds, 0, 0, log.step)
+        return TaskTime(log.task, state, log.start, end, seconds, 0, 0, log.step, log.max_allocated_mib,
+                        log.resumed_from, log.nodes, events=log.events)
     seconds["startup"] = max((log.training_start - log.start).total_seconds() - log.loading_s, 0.0)
     tail = _unlogged_tail(log, end)
     windows = log.windows + [tail] if tail else log.windows
@@ -458,7 +496,11 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
         seconds["hang"] = _hang_seconds(log, end, watchdog, tail[2] if tail else 0.0)
     seconds["training"] = training - seconds["redone"]
     seconds["idle"] = max(wall - sum(seconds.values()), 0.0)
-    return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations, log.step)
+    ends = accumulate((w[2] for w in log.windows), initial=log.training_start.timestamp())
+    next(ends)  # the training start: each window's end is the sum up to and with it
+    clock = [(w[1], at) for w, at in zip(log.windows, ends, strict=True)]
+    return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations, log.step,
+                    log.max_allocated_mib, log.resumed_from, log.nodes, events=log.events, clock=clock)
 
 
 def _silence_after_last_line(log: TaskLog, end: datetime) -> float:

@@ -91,11 +91,13 @@ def resolve(name_or_path: str) -> LogSource:
     Raises:
         SpecError: not a path, and no spec of that name.
         LogFormatError: a folder that is neither a run nor an event folder and no spec's name; a name that can only
-            be a path (a ``/`` or a log suffix) and does not exist.
+            be a path (a ``/`` or a log suffix) and does not exist; a FIFO, socket or device.
     """
     path = Path(name_or_path)
     if path.is_file() and path.suffix not in (".yaml", ".yml"):
         return LogSource(_file_name(path), path)
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise LogFormatError(f"{path}: not a regular file (a FIFO, socket or device); {_EXPECTED}")
     if path.is_dir():
         main_log = RunPaths(path).main_log
         if main_log.exists() or main_log.is_symlink():  # even a device or folder: its reader says what it is

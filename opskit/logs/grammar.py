@@ -241,3 +241,30 @@ def scan_lines(lines: Iterable[str], records: list, keep: frozenset[str] | None)
 def scan_bytes(data: bytes, records: list, keep: frozenset[str] | None) -> int:
     """:func:`scan_lines` of complete lines as read from a file (bad UTF-8 bytes replaced)."""
     return scan_lines(data.decode("utf-8", errors="replace").split("\n"), records, keep)
+
+
+MEMORY_WORDS = " memory (MB) |"
+"""What Megatron's one-time GPU memory line has after its ``(after K iterations)`` (``opskit.train.log.memory_line``
+writes it): ``[Rank R] (after K iterations) memory (MB) | allocated: A | max allocated: M | reserved: ... |``."""
+
+
+def parse_memory_line(text: str) -> dict | None:
+    """A memory line (:data:`MEMORY_WORDS`, after any prefix) -> ``{"rank", "iteration", "allocated_mib",
+    "max_allocated_mib", "reserved_mib", "max_reserved_mib"}`` (MiB: Megatron's "MB" are 2**20 bytes, as
+    ``torch.cuda.max_memory_allocated() / 2**20``); fields the line lacks are absent. None for any other line and for
+    a cut or garbled one."""
+    at = text.find(MEMORY_WORDS)
+    head = text[:at]
+    rank_at, after_at = head.rfind("[Rank "), head.rfind("] (after ")
+    if at < 0 or rank_at < 0 or after_at < rank_at or not head.endswith(" iterations)"):
+        return None
+    try:
+        record = {"rank": int(head[rank_at + 6:after_at]),
+                  "iteration": int(head[after_at + 9:-len(" iterations)")])}
+        for part in text[at + len(MEMORY_WORDS):].split("|"):
+            name, colon, value = part.partition(":")
+            if colon and name.strip() in ("allocated", "max allocated", "reserved", "max reserved"):
+                record[f"{snake_case(name)}_mib"] = float(value)
+    except ValueError:
+        return None
+    return record if "max_allocated_mib" in record else None

@@ -105,7 +105,7 @@ def read_installed(run: RunPaths) -> Installed | None:
 
 def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executable) -> list[str]:
     """The hourly shell commands: the watchdog (``opskit status``: PULSE or ALERT lines; ``--alert`` when the spec
-    or the user's alerts.yaml names an alert channel), the run's page refreshed (``opskit report``) and, with
+    or the user's alerts.yaml names an alert channel, else ``--page``: either refreshes the run's page) and, with
     ``sync_to`` or the spec's ``sync.targets``, the sync of logs (the page with them), TensorBoard and CodeCarbon; run
     from the current directory (where ``trainings/`` is found)."""
     opskit = f"{shlex.quote(python)} -m opskit.cli.app"
@@ -115,7 +115,7 @@ def hourly_commands(spec: Spec, sync_to: str | None, python: str = sys.executabl
         alert = bool(alerts.email.to or alerts.webhook or alerts.command)
     except AlertConfigError:
         alert = True  # then `opskit status --alert` names the broken file every hour
-    commands = [f"{opskit} status {name}" + (" --alert" if alert else ""), f"{opskit} report {name}"]
+    commands = [f"{opskit} status {name} " + ("--alert" if alert else "--page")]
     if sync_to:
         commands.append(f"{opskit} sync all {name} --to {shlex.quote(sync_to)}")
     elif spec.sync.targets:
