@@ -93,7 +93,8 @@ def make_data(folder: Path, tokens: int) -> tuple[Path, Path]:
 
 def plan_gib(mbs: int, gas: int, gpus: int, extra: list[str]) -> float:
     """``opskit plan``'s memory estimate (GiB per GPU) for the run: bench/specs/gpt2-1.3B.yaml (this file's shape) at
-    this micro-batch, global batch and DP, with BLOOM's ALiBi and embedding LayerNorm when ``extra`` has them."""
+    this micro-batch, global batch and DP, with BLOOM's ALiBi and embedding LayerNorm and ``torch_compile`` when
+    ``extra`` has them."""
     from opskit.spec.load import load_spec
     from opskit.spec.plan import make_plan
 
@@ -102,6 +103,8 @@ def plan_gib(mbs: int, gas: int, gpus: int, extra: list[str]) -> float:
                  "optimizer": {"lr_warmup_samples": mbs * gas * gpus}, "parallel": {"gpus_per_node": gpus}}
     if "alibi" in extra:
         overrides["model"] = {"position_embedding_type": "alibi", "embed_layernorm": True}
+    if "--torch-compile" in extra:
+        overrides["megatron_args"] = {"torch_compile": True}
     return make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), overrides)).memory.total_gib_per_gpu
 
 

@@ -111,13 +111,17 @@ def _tables(spec, result) -> list[Table]:
     memory.add_row("heaviest GPU", f"pipeline stage {stage.index}: {stage.layers} layers{holds}, "
                                    f"{stage.parameters_per_gpu / 1e9:.3f}B parameters per GPU, "
                                    f"{stage.in_flight_microbatches} micro-batches in flight")
+    unallocated = ("" if stage.gradients_at_peak else
+                   f"; gradients {_num(stage.gradient_gib)} GiB of them, not yet allocated at the peak")
     memory.add_row("  model states", f"{_num(m.model_state_gib_per_gpu)} GiB, optimizer states "
-                                     f"{_num(m.optimizer_state_gib_per_gpu)} GiB of them")
+                                     f"{_num(m.optimizer_state_gib_per_gpu)} GiB of them{unallocated}")
     chosen = "  (the spec's choice)"
     memory.add_row("  activations, recompute", f"{_num(m.activation_gib_per_gpu_recompute)} GiB"
                                                f"{chosen if m.activation_checkpointing else ''}")
     memory.add_row("  activations, no recompute", f"{_num(m.activation_gib_per_gpu_no_recompute)} GiB"
                                                   f"{'' if m.activation_checkpointing else chosen}")
+    if stage.lm_head:
+        memory.add_row("  LM head logits and loss", f"{_num(stage.lm_loss_gib)} GiB")
     capacity = f" of {m.gpu_memory_gib:g} GiB" if m.gpu_memory_gib else ""
     verdict = "" if m.fits is None else ("  fits" if m.fits else "  DOES NOT FIT")
     memory.add_row("  total", f"{_num(m.total_gib_per_gpu)} GiB{capacity}{verdict}")

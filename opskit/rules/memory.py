@@ -69,3 +69,50 @@ def checkpoint_bytes(parameters: float, breakdown: dict[str, int], shards: int =
     kept = sum(v for k, v in saved.items() if k not in SHARDED_BY_ZERO)
     split = sum(v for k, v in saved.items() if k in SHARDED_BY_ZERO)
     return parameters * kept + (parameters + tied) * split / shards
+
+
+FP32_LOSS_BYTES = 4
+"""Megatron computes the LM loss in fp32 (no ``--fp16-lm-cross-entropy``): each fp32 tensor the cross-entropy keeps
+or makes over the logits is 4 bytes per logit."""
+
+
+def cross_entropy_bytes_per_logit(logit_bytes: int, compiled: bool, vocab_parallel: bool) -> int:
+    """Bytes per logit (``[b, s, V_pad / TP]``, one micro-batch) that the last pipeline stage's LM head and fp32
+    cross-entropy (``opskit.train.model.lm_loss``) hold at once, at the start of the backward pass.
+
+    The activation formula (Korthikanti et al. 2022) counts the transformer layers only; at the 1.3B GPT-2 shape
+    (vocabulary 50,304, MBS 8) these buffers are 10.75 GiB eager, 19% of the measured peak: what kept ``opskit plan``
+    17% under it (issue 50; docs/benchmarks.md#memory-against-the-plan, ``bench/memory_peak.py``'s breakdown of
+    the peak). ``logit_bytes``: 2 for fp16/bf16 logits, 4 for fp32.
+
+    - Eager at TP = 1, measured: the logits (kept by the pipeline engine until their backward) + ``F.cross_entropy``'s
+      fp32 log-softmax output (saved for its backward: ``_log_softmax_backward_data`` reads ``result``, PyTorch's
+      derivatives.yaml) + the two fp32 gradients its backward makes (NLL's, dense over the logits, and
+      log-softmax's): ``logit_bytes + 12``, 14 in bf16. The peak is the moment log-softmax's gradient is allocated.
+    - ``torch.compile`` at TP = 1, measured: inductor fuses the upcast, log-softmax and NLL and their backward; the
+      logits and their gradient remain: ``2 * logit_bytes``.
+    - TP > 1 (megatron-core's ``vocab_parallel_cross_entropy``, from its code, not measured): one fp32 copy of
+      this rank's logits, in which the softmax and then its gradient are computed in place, and the gradient cast
+      back to the logits' dtype: ``logit_bytes + 4 + logit_bytes``, 8 in bf16; in fp32 the copy is the logits
+      themselves, 4.
+    """
+    if vocab_parallel:
+        return FP32_LOSS_BYTES + (2 * logit_bytes if logit_bytes < FP32_LOSS_BYTES else 0)
+    if compiled:
+        return 2 * logit_bytes
+    return logit_bytes + 3 * FP32_LOSS_BYTES
+
+
+def gradients_allocated_at_peak(zero_stage: int, microbatches: int, in_flight: int) -> bool:
+    """Whether a pipeline stage's gradients are allocated at its memory peak, the start of a backward pass with the
+    most micro-batches' activations in flight.
+
+    Under ZeRO stage >= 1 DeepSpeed's ZeRO optimizer (DeepSpeed 0.19.8 ``stage_1_and_2.py``, ``step``:
+    ``free_grad_in_param_list``) frees the 16-bit gradients at every step once it has copied its partition out, and
+    the next step's first backward allocates them again. A stage that runs no more micro-batches than it holds in
+    flight (one micro-batch per step at PP = 1; 1F1B's warm-up covering the whole step) reaches its peak before any
+    backward of the step: no gradient is allocated then (measured, the 1.3B GPT-2 at one micro-batch per step:
+    docs/benchmarks.md#memory-against-the-plan). With gradient accumulation they are all there, from the step's
+    first backward. At ZeRO stage 0 they are counted as allocated throughout (bf16: the fp32 gradient buffer of
+    DeepSpeed's BF16_Optimizer lives from start to end)."""
+    return zero_stage == 0 or microbatches > in_flight

@@ -7,7 +7,9 @@ reproduces):
   ``l*(12h^2 + 13h) + V*h + s*h + 2h`` (math/README.md; BLOOM: ``l*(12h^2 + 13h) + V*h + 4h``);
 - memory: 18 bytes per parameter with mixed-precision Adam (tr1-13B README), split over TP, PP stages and ZeRO, plus
   an activation estimate after Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-  Models"), with and without full activation checkpointing;
+  Models"), with and without full activation checkpointing, and at the peak (the start of a backward pass) the last
+  stage's logits and fp32 cross-entropy buffers, and the gradients only where they are allocated by then (issue 50,
+  measured: docs/benchmarks.md#memory-against-the-plan);
 - the layout and the node counts a batch ramp-up allows (Megatron's divisibility rule);
 - the ramp-up schedule, ``train_iters`` and the LR schedule in iterations, replayed with Megatron's own rules
   (``opskit.rules.schedule``: microbatches.py, training.py update_train_iters, learning_rates.py);
@@ -32,6 +34,8 @@ from opskit.rules.memory import (
     SHARDED_BY_ZERO,
     bytes_per_parameter,
     checkpoint_bytes,
+    cross_entropy_bytes_per_logit,
+    gradients_allocated_at_peak,
     sharded_over_dp,
 )
 from opskit.rules.model_size import has_embedding_layernorm, megatron_flops_per_iteration, splits_sequence
@@ -183,8 +187,25 @@ class StagePlan:
     model_state_gib: float
     optimizer_state_gib: float
     """The optimizer states within ``model_state_gib`` (Adam's moments; bitsandbytes' 8-bit ones with bnb)."""
+    gradient_gib: float
+    """The gradients within ``model_state_gib``."""
+    gradients_at_peak: bool
+    """Whether the gradients are allocated at the stage's peak (:func:`opskit.rules.memory.gradients_allocated_at_peak`:
+    not under ZeRO-1 when the stage runs no more micro-batches per step than it holds in flight)."""
     activation_gib_no_recompute: float
     activation_gib_recompute: float
+    lm_loss_gib: float
+    """The last stage's logits and fp32 cross-entropy buffers at the start of its backward, one micro-batch
+    (:func:`opskit.rules.memory.cross_entropy_bytes_per_logit`); 0 on the other stages."""
+
+    def peak_gib(self, recompute: bool) -> float:
+        """GiB per GPU at the start of the stage's backward pass with the most activations in flight, its peak:
+        model states (less the gradients where they are not allocated yet), the layers' activations with or without
+        full recompute, and the LM head's loss buffers; never below the model states with every gradient (where
+        that backward makes them, its end)."""
+        states = self.model_state_gib - (0.0 if self.gradients_at_peak else self.gradient_gib)
+        activations = self.activation_gib_recompute if recompute else self.activation_gib_no_recompute
+        return max(states + activations + self.lm_loss_gib, self.model_state_gib)
 
 
 @dataclass(frozen=True)
@@ -209,7 +230,8 @@ class MemoryPlan:
     activation_gib_per_gpu_recompute: float
     activation_checkpointing: bool
     total_gib_per_gpu: float
-    """Model states + activations (with the spec's checkpointing choice) on the heaviest GPU."""
+    """The heaviest GPU's peak (:meth:`StagePlan.peak_gib` with the spec's checkpointing choice): model states,
+    activations and the LM head's loss buffers at the start of a backward pass."""
     gpu_memory_gib: float | None
     fits: bool | None
     no_recompute_fits: bool | None
@@ -249,6 +271,11 @@ def stable_embedding_states(spec: Spec) -> bool:
     return _bnb(spec) and spec.model.precision == "fp32" and spec.parallel.zero_stage == 0
 
 
+def _compiled(spec: Spec) -> bool:
+    """Whether the trainer runs the model under ``torch.compile`` (``megatron_args.torch_compile``)."""
+    return bool(spec.megatron_args.get("torch_compile"))
+
+
 def _bnb(spec: Spec) -> bool:
     return bool(spec.megatron_args.get("use_bnb_optimizer"))
 
@@ -275,6 +302,19 @@ def pipeline_stages(spec: Spec) -> list[tuple[int, bool, bool]]:
 
 
 def _memory_plan(spec: Spec) -> MemoryPlan:
+    """Memory per GPU of each pipeline stage at its peak, the start of the backward pass with the most activations in
+    flight (:meth:`StagePlan.peak_gib`), and what a checkpoint holds.
+
+    Terms and sources: model states (:func:`opskit.rules.memory.bytes_per_parameter`, the READMEs' 18 bytes, split
+    by ZeRO); the layers' activations (:func:`activation_bytes_per_layer`, Korthikanti et al. 2022); what issue 50
+    found missing against the 1.3B GPT-2's measured peak (+17% eager, docs/benchmarks.md#memory-against-the-plan):
+    the last stage's logits and fp32 cross-entropy (:func:`opskit.rules.memory.cross_entropy_bytes_per_logit`, eager
+    or ``torch.compile``), and gradients counted although ZeRO-1 frees them at every step
+    (:func:`opskit.rules.memory.gradients_allocated_at_peak`). Not counted: allocator fragmentation (the reserved
+    memory, 5-9 GiB over the 1.3B GPT-2's peaks), the CUDA context, fused kernels' temporary buffers. Counted as the
+    READMEs do, above what DeepSpeed's ZeRO-1 holds: 4 bytes of fp32 gradients per parameter (it keeps bf16 ones and a
+    ``reduce_bucket_size`` buffer) and Korthikanti's two dropout masks per layer (none without dropout): the plan
+    stays 1-6% over the measured peaks."""
     m, p, b = spec.model, spec.parallel, spec.batch
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     breakdown = spec_bytes_per_parameter(spec)
@@ -301,6 +341,8 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp,
                                                     sequence_parallel=sp)
     kept_layer = scale * checkpointed_bytes_per_layer(m.seq_length, b.micro_batch_size, h, tp, sequence_parallel=sp)
+    logits = b.micro_batch_size * m.seq_length * vocab / tp
+    loss_bytes = cross_entropy_bytes_per_logit(2 * scale, _compiled(spec), vocab_parallel=tp > 1)
     stages = []
     for index, (layers, first, last) in enumerate(pipeline_stages(spec)):
         params = layers * layer_parameters(h, m.ffn_size) + (embedding if first else 0) + (
@@ -315,15 +357,16 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
             index=index, layers=layers, embedding=first, lm_head=last, parameters=params, parameters_per_gpu=per_gpu,
             in_flight_microbatches=in_flight,
             model_state_gib=(per_gpu * (kept + split / shards) + word_embeddings * stable_extra / shards) / GIB,
-            optimizer_state_gib=optimizer_bytes / GIB,
-            activation_gib_no_recompute=no_recompute / GIB, activation_gib_recompute=recompute / GIB))
+            optimizer_state_gib=optimizer_bytes / GIB, gradient_gib=per_gpu * breakdown["gradients"] / GIB,
+            gradients_at_peak=gradients_allocated_at_peak(p.zero_stage, microbatches, in_flight),
+            activation_gib_no_recompute=no_recompute / GIB, activation_gib_recompute=recompute / GIB,
+            lm_loss_gib=logits * loss_bytes / GIB if last else 0.0))
 
     def peak(stage: StagePlan) -> float:
-        active = stage.activation_gib_recompute if m.checkpoint_activations else stage.activation_gib_no_recompute
-        return stage.model_state_gib + active
+        return stage.peak_gib(m.checkpoint_activations)
 
     heaviest = max(stages, key=peak)
-    without = max(stage.model_state_gib + stage.activation_gib_no_recompute for stage in stages)
+    without = max(stage.peak_gib(False) for stage in stages)
     # StableEmbedding's 32-bit states are saved too, for the word embeddings of both stages that hold them
     step_bytes = checkpoint_bytes(total, breakdown, tied=tied) + stable_extra * vocab * h * (2 if pp > 1 else 1)
     return MemoryPlan(
@@ -692,7 +735,7 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
                      f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
                      f"{spec.parallel.gpu or 'GPU'}")
     if mem.activation_checkpointing and mem.no_recompute_fits:
-        without = max(s.model_state_gib + s.activation_gib_no_recompute for s in mem.stages)
+        without = max(s.peak_gib(False) for s in mem.stages)
         found.append(f"model.checkpoint_activations recomputes every layer's forward (4/3 of the compute), yet "
                      f"without it the heaviest GPU needs ~{without:.1f} GiB of {mem.gpu_memory_gib:g}: turning it "
                      f"off should give up to ~1.3x the tokens/s")
