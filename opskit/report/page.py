@@ -188,10 +188,14 @@ def _series_figures(page: RunPage, x: str) -> list:
 
 
 def _columns(series: dict) -> dict:
-    """A series' columns for a ColumnDataSource (times as NaN where unknown: Bokeh leaves a gap)."""
-    data = {"iteration": series["iteration"], "value": series["value"]}
+    """A series' columns for a ColumnDataSource, as numpy arrays (Bokeh embeds them as base64 buffers, not JSON
+    numbers); times NaN where unknown (Bokeh leaves a gap)."""
+    import numpy as np
+
+    data = {"iteration": np.asarray(series["iteration"], dtype=np.int64),
+            "value": np.asarray([math.nan if v is None else v for v in series["value"]], dtype=np.float64)}
     if "time" in series:
-        data["time"] = [math.nan if t is None else t for t in series["time"]]
+        data["time"] = np.asarray([math.nan if t is None else t for t in series["time"]], dtype=np.float64)
     return data
 
 
