@@ -11,7 +11,8 @@ its optimizer step is over the same number of parameters per GPU), so the measur
 ``(b - c1) / t(m)``.
 
 With one micro-batch count there is no fit and no bubble. ``--recompute none`` drops ``--checkpoint-activations``
-(what ``opskit plan`` advises where the activations fit); ``--extra=FLAG`` adds trainer flags (e.g.
+(what ``opskit plan`` advises where the activations fit), ``--recompute selective`` gives ``--recompute-granularity
+selective`` instead; ``--extra=FLAG`` adds trainer flags (e.g.
 ``--extra=--torch-compile``); ``--runs`` picks the runs: ``layout``, ``single`` (the default pair) and ``peer``,
 megatron-core's GPTModel at the same layout, batch and recompute (bench/mcore_gpt.py, its own 1F1B schedule, flash
 attention through SDPA, learned positions instead of ALiBi; with its sequence parallelism when ``--extra`` names
@@ -43,6 +44,9 @@ from trainer_throughput import BLOOM, PEAK_FLOPS, REPO, VOCAB, make_data  # noqa
 from opskit.logs.grammar import parse_iteration_line  # noqa: E402
 from opskit.rules.model_size import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
 
+RECOMPUTE_FLAGS = {"full": ["--checkpoint-activations"], "selective": ["--recompute-granularity", "selective"],
+                   "none": []}
+
 
 def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, iters: int, tp: int,
                   pp: int, data: Path, tokenizer: Path, recompute: str = "full") -> list[str]:
@@ -57,7 +61,7 @@ def trainer_flags(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs:
         "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "2", "--seed", "1",
         "--data-path", str(data), "--tokenizer-name-or-path", str(tokenizer), *BLOOM,
     ]
-    return [*flags, "--checkpoint-activations"] if recompute == "full" else flags
+    return [*flags, *RECOMPUTE_FLAGS[recompute]]
 
 
 def timed_run(flags: list[str], gpus: int, gbs: int, sync_points: str | None = None) -> dict:
@@ -89,7 +93,8 @@ def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int,
     overrides = {
         "model": {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": seq,
                   "max_position_embeddings": seq, "position_embedding_type": "alibi", "embed_layernorm": True,
-                  "checkpoint_activations": recompute == "full"},
+                  "checkpoint_activations": recompute == "full",
+                  "recompute_granularity": "selective" if recompute == "selective" else None},
         "parallel": {"gpus_per_node": tp * pp, "tensor_model_parallel_size": tp,
                      "pipeline_model_parallel_size": pp, "zero_stage": 0, "sequence_parallel": sequence_parallel},
         "batch": {"micro_batch_size": mbs, "global_batch_size": gbs, "train_samples": gbs * 100},
@@ -160,7 +165,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16], metavar="M",
                         help="one count, or two for the bubble fit")
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--recompute", choices=("full", "none"), default="full")
+    parser.add_argument("--recompute", choices=tuple(RECOMPUTE_FLAGS), default="full")
     parser.add_argument("--extra", action="append", default=[], help="a trainer flag, given as --extra=FLAG")
     parser.add_argument("--runs", default="layout,single",
                         help="which runs, comma-separated: layout (TP x PP), single (one GPU, the same share), peer "

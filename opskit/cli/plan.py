@@ -115,11 +115,13 @@ def _tables(spec, result) -> list[Table]:
                    f"; gradients {_num(stage.gradient_gib)} GiB of them, not yet allocated at the peak")
     memory.add_row("  model states", f"{_num(m.model_state_gib_per_gpu)} GiB, optimizer states "
                                      f"{_num(m.optimizer_state_gib_per_gpu)} GiB of them{unallocated}")
-    chosen = "  (the spec's choice)"
-    memory.add_row("  activations, recompute", f"{_num(m.activation_gib_per_gpu_recompute)} GiB"
-                                               f"{chosen if m.activation_checkpointing else ''}")
-    memory.add_row("  activations, no recompute", f"{_num(m.activation_gib_per_gpu_no_recompute)} GiB"
-                                                  f"{'' if m.activation_checkpointing else chosen}")
+    for mode, gib in (("full", m.activation_gib_per_gpu_recompute), ("selective", m.activation_gib_per_gpu_selective),
+                      ("none", m.activation_gib_per_gpu_no_recompute)):
+        notes = [note for note, yes in (("the spec's choice", mode == m.recompute),
+                                        ("the least that fits", mode == m.advised_recompute)) if yes]
+        label = "no" if mode == "none" else mode
+        memory.add_row(f"  activations, {label} recompute", f"{_num(gib)} GiB" + (f"  ({', '.join(notes)})"
+                                                                                  if notes else ""))
     if stage.lm_head:
         memory.add_row("  LM head logits and loss", f"{_num(stage.lm_loss_gib)} GiB")
     capacity = f" of {m.gpu_memory_gib:g} GiB" if m.gpu_memory_gib else ""

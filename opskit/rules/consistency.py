@@ -67,6 +67,36 @@ def tensor_parallel_problems(num_attention_heads: int, ffn_hidden_size: int, tp:
     return []
 
 
+def recompute_problems(checkpoint_activations: bool, recompute_granularity: str | None, torch_compile: bool,
+                       name: Namer) -> list[str]:
+    """One recompute mode at a time (``--checkpoint-activations`` is full recompute); selective recompute is the
+    eager model's (it hooks autograd's saved tensors, which a compiled graph does not expose; ``torch.compile``
+    recomputes elementwise ops itself)."""
+    if checkpoint_activations and recompute_granularity == "selective":
+        return [f"{name('checkpoint_activations')} (full recompute) and {name('recompute_granularity', 'selective')} "
+                "exclude each other: choose one"]
+    if recompute_granularity == "selective" and torch_compile:
+        return [f"{name('recompute_granularity', 'selective')} is for the eager model; with {name('torch_compile')} "
+                "the compiler already recomputes the elementwise ops: leave it out"]
+    return []
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recompute, least first: none, selective (the LayerNorms' outputs and the MLP's activation), full (each
+layer's forward again)."""
+
+
+def recompute_mode(checkpoint_activations: bool, recompute_granularity: str | None) -> str:
+    """The :data:`RECOMPUTE_MODES` entry of ``--checkpoint-activations`` / ``--recompute-granularity``."""
+    return "full" if checkpoint_activations or recompute_granularity == "full" else recompute_granularity or "none"
+
+
+def recomputes_fully(checkpoint_activations: bool, recompute_granularity: str | None) -> bool:
+    """Whether each layer's forward runs again in the backward pass (Megatron's c = 4 in its FLOPs; selective
+    recompute's elementwise ops are not counted, as Megatron-LM does not)."""
+    return recompute_mode(checkpoint_activations, recompute_granularity) == "full"
+
+
 def sequence_parallel_problems(sequence_parallel: bool, seq_length: int, tp: int, name: Namer) -> list[str]:
     """Sequence parallelism splits the sequence over TP (megatron-core's first-dimension scatter asserts)."""
     if splits_sequence(sequence_parallel, tp) and seq_length % tp:

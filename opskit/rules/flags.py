@@ -168,6 +168,9 @@ GROUPS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
              help="DeepSpeed JSON; missing keys are filled from the flags"),
         Flag("--zero-stage", type=int, default=1, section="parallel", ge=0, le=1),
         Flag("--checkpoint-activations", section="model", switch=True),
+        Flag("--recompute-granularity", choices=("full", "selective"), section="model",
+             help="full: as --checkpoint-activations; selective: recompute only the LayerNorms' outputs and the MLP's "
+                  "activation in the backward pass (eager model)"),
         Flag("--deepspeed-activation-checkpointing", switch=True,
              help="accepted, no effect: --checkpoint-activations always uses DeepSpeed's (pipeline) activation "
                   "checkpointing"),

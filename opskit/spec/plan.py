@@ -27,7 +27,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from opskit.errors import OpskitError
-from opskit.rules.consistency import batch_sizes_of, valid_node_counts
+from opskit.rules.consistency import (
+    RECOMPUTE_MODES,
+    batch_sizes_of,
+    recompute_mode,
+    recomputes_fully,
+    valid_node_counts,
+)
 from opskit.rules.memory import (
     ADAM_STATE_BYTES,
     BNB_OPTIMIZER_STATE_BYTES,
@@ -162,6 +168,16 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     return seq * micro_batch * hidden * (10 + 24 / tp + scores)
 
 
+def selectively_recomputed_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int = 1,
+                                           sequence_parallel: bool = False) -> float:
+    """What ``--recompute-granularity selective`` drops from one layer's activations
+    (:func:`activation_bytes_per_layer`) per micro-batch: the two LayerNorms' 16-bit outputs, ``4*s*b*h`` (replicated
+    over TP; with sequence parallelism the column-parallel linears keep their gathered copies instead, and nothing is
+    dropped there), and the MLP activation's output, ``8*s*b*h/t`` (opskit.train.model.recomputed_in_backward;
+    megatron-core's ``layernorm`` module and its activation recompute)."""
+    return seq * micro_batch * hidden * ((0 if sequence_parallel else 4) + 8 / tp)
+
+
 def checkpointed_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int = 1,
                                  sequence_parallel: bool = False) -> float:
     """What full activation checkpointing keeps per layer and micro-batch: the layer's 16-bit input, ``2*s*b*h``
@@ -194,17 +210,20 @@ class StagePlan:
     not under ZeRO-1 when the stage runs no more micro-batches per step than it holds in flight)."""
     activation_gib_no_recompute: float
     activation_gib_recompute: float
+    activation_gib_selective: float
+    """With ``--recompute-granularity selective`` (:func:`selectively_recomputed_bytes_per_layer`)."""
     lm_loss_gib: float
     """The last stage's logits and fp32 cross-entropy buffers at the start of its backward, one micro-batch
     (:func:`opskit.rules.memory.cross_entropy_bytes_per_logit`); 0 on the other stages."""
 
-    def peak_gib(self, recompute: bool) -> float:
+    def peak_gib(self, recompute: str) -> float:
         """GiB per GPU at the start of the stage's backward pass with the most activations in flight, its peak:
-        model states (less the gradients where they are not allocated yet), the layers' activations with or without
-        full recompute, and the LM head's loss buffers; never below the model states with every gradient (where
-        that backward makes them, its end)."""
+        model states (less the gradients where they are not allocated yet), the layers' activations under
+        ``recompute`` (:data:`opskit.rules.consistency.RECOMPUTE_MODES`), and the LM head's loss buffers; never below
+        the model states with every gradient (where that backward makes them, its end)."""
         states = self.model_state_gib - (0.0 if self.gradients_at_peak else self.gradient_gib)
-        activations = self.activation_gib_recompute if recompute else self.activation_gib_no_recompute
+        activations = {"full": self.activation_gib_recompute, "selective": self.activation_gib_selective,
+                       "none": self.activation_gib_no_recompute}[recompute]
         return max(states + activations + self.lm_loss_gib, self.model_state_gib)
 
 
@@ -228,7 +247,14 @@ class MemoryPlan:
     """The heaviest GPU's optimizer states (within ``model_state_gib_per_gpu``)."""
     activation_gib_per_gpu_no_recompute: float
     activation_gib_per_gpu_recompute: float
+    activation_gib_per_gpu_selective: float
     activation_checkpointing: bool
+    """Full recompute (``model.checkpoint_activations`` or ``recompute_granularity: full``)."""
+    recompute: str
+    """The spec's activation recompute, one of :data:`opskit.rules.consistency.RECOMPUTE_MODES`."""
+    advised_recompute: str | None
+    """The least recompute whose heaviest GPU fits with :data:`RECOMPUTE_MARGIN` of it spare (``full`` when none
+    does; None without ``parallel.gpu_memory_gb``)."""
     total_gib_per_gpu: float
     """The heaviest GPU's peak (:meth:`StagePlan.peak_gib` with the spec's checkpointing choice): model states,
     activations and the LM head's loss buffers at the start of a backward pass."""
@@ -341,6 +367,8 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
     full_layer = scale * activation_bytes_per_layer(m.seq_length, b.micro_batch_size, h, m.num_attention_heads, tp,
                                                     sequence_parallel=sp)
     kept_layer = scale * checkpointed_bytes_per_layer(m.seq_length, b.micro_batch_size, h, tp, sequence_parallel=sp)
+    selective_layer = full_layer - scale * selectively_recomputed_bytes_per_layer(m.seq_length, b.micro_batch_size, h,
+                                                                                    tp, sequence_parallel=sp)
     logits = b.micro_batch_size * m.seq_length * vocab / tp
     loss_bytes = cross_entropy_bytes_per_logit(2 * scale, _compiled(spec), vocab_parallel=tp > 1)
     stages = []
@@ -360,13 +388,16 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
             optimizer_state_gib=optimizer_bytes / GIB, gradient_gib=per_gpu * breakdown["gradients"] / GIB,
             gradients_at_peak=gradients_allocated_at_peak(p.zero_stage, microbatches, in_flight),
             activation_gib_no_recompute=no_recompute / GIB, activation_gib_recompute=recompute / GIB,
+            activation_gib_selective=layers * in_flight * selective_layer / GIB,
             lm_loss_gib=logits * loss_bytes / GIB if last else 0.0))
 
+    mode = recompute_mode(m.checkpoint_activations, m.recompute_granularity)
+
     def peak(stage: StagePlan) -> float:
-        return stage.peak_gib(m.checkpoint_activations)
+        return stage.peak_gib(mode)
 
     heaviest = max(stages, key=peak)
-    without = max(stage.peak_gib(False) for stage in stages)
+    without = max(stage.peak_gib("none") for stage in stages)
     # StableEmbedding's 32-bit states are saved too, for the word embeddings of both stages that hold them
     step_bytes = checkpoint_bytes(total, breakdown, tied=tied) + stable_extra * vocab * h * (2 if pp > 1 else 1)
     return MemoryPlan(
@@ -378,11 +409,22 @@ def _memory_plan(spec: Spec) -> MemoryPlan:
         optimizer_state_gib_per_gpu=heaviest.optimizer_state_gib,
         activation_gib_per_gpu_no_recompute=heaviest.activation_gib_no_recompute,
         activation_gib_per_gpu_recompute=heaviest.activation_gib_recompute,
-        activation_checkpointing=m.checkpoint_activations, total_gib_per_gpu=peak(heaviest),
+        activation_gib_per_gpu_selective=heaviest.activation_gib_selective,
+        activation_checkpointing=mode == "full", recompute=mode, advised_recompute=_advised_recompute(stages, p),
+        total_gib_per_gpu=peak(heaviest),
         gpu_memory_gib=p.gpu_memory_gb, fits=None if p.gpu_memory_gb is None else peak(heaviest) <= p.gpu_memory_gb,
         no_recompute_fits=None if p.gpu_memory_gb is None else without <= p.gpu_memory_gb * (1 - RECOMPUTE_MARGIN),
         checkpoint_bytes=round(step_bytes), checkpoint_gb=step_bytes / 1e9,
         async_save_host_gib_per_node=step_bytes / p.nodes / GIB if spec.checkpoint.async_save else None)
+
+
+def _advised_recompute(stages: list[StagePlan], p) -> str | None:
+    """The least recompute (none, then selective, then full) whose heaviest stage fits ``p.gpu_memory_gb`` with
+    :data:`RECOMPUTE_MARGIN` spare; full when neither fits; None without a GPU size."""
+    if p.gpu_memory_gb is None:
+        return None
+    room = p.gpu_memory_gb * (1 - RECOMPUTE_MARGIN)
+    return next((mode for mode in RECOMPUTE_MODES[:-1] if max(s.peak_gib(mode) for s in stages) <= room), "full")
 
 
 def _optimizer_text(spec: Spec) -> str:
@@ -628,10 +670,11 @@ def _time_plan(spec: Spec, parameters: int, tokens: int, rows: list[RampupRow], 
     vocab = padded_vocab_size(spec.data.vocab_size, m, p.tensor_model_parallel_size)
     flops = {rc: megatron_flops_per_iteration(b.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, vocab,
                                               recompute=rc) for rc in (True, False)}
-    factor = 8 if m.checkpoint_activations else 6
+    full = recomputes_fully(m.checkpoint_activations, m.recompute_granularity)
+    factor = 8 if full else 6
     if tflops is None:
         return TimePlan(None, source, gpus, flops[True], flops[False], None, factor, None, None, None)
-    seconds = flops[m.checkpoint_activations] / (gpus * tflops * 1e12)
+    seconds = flops[full] / (gpus * tflops * 1e12)
     days = training_days(tokens, parameters, gpus, tflops, factor)
     mp = p.model_parallel_size
     dp = gpus / mp
@@ -734,11 +777,19 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
         found.append(f"GPU memory: {mem.total_gib_per_gpu:.1f} GiB estimated on pipeline stage {mem.heaviest_stage} "
                      f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
                      f"{spec.parallel.gpu or 'GPU'}")
-    if mem.activation_checkpointing and mem.no_recompute_fits:
-        without = max(s.peak_gib(False) for s in mem.stages)
-        found.append(f"model.checkpoint_activations recomputes every layer's forward (4/3 of the compute), yet "
-                     f"without it the heaviest GPU needs ~{without:.1f} GiB of {mem.gpu_memory_gib:g}: turning it "
-                     f"off should give up to ~1.3x the tokens/s")
+    advised = mem.advised_recompute
+    if advised is not None and RECOMPUTE_MODES.index(advised) < RECOMPUTE_MODES.index(mem.recompute):
+        needs = max(s.peak_gib(advised) for s in mem.stages)
+        gain = ("turning model.checkpoint_activations off should give up to ~1.3x the tokens/s" if advised == "none"
+                else "model.recompute_granularity: selective recomputes only elementwise ops (full recompute: 4/3 "
+                     "of the compute)")
+        without = "without recompute" if advised == "none" else "with selective recompute"
+        found.append(f"{mem.recompute} activation recompute, yet {without} the heaviest GPU needs "
+                     f"~{needs:.1f} GiB of {mem.gpu_memory_gib:g}: {gain}")
+    elif mem.fits is False and advised is not None and (
+            max(s.peak_gib(advised) for s in mem.stages) <= mem.gpu_memory_gib * (1 - RECOMPUTE_MARGIN)):
+        found.append(f"with {advised} activation recompute the heaviest GPU would fit "
+                     f"(~{max(s.peak_gib(advised) for s in mem.stages):.1f} GiB)")
     if problem := deepspeed_resume_problem(spec):
         found.append(problem)
     cl = plan.curriculum

@@ -110,6 +110,12 @@ class ModelSpec(_Section):
     precision: Literal["fp32", "fp16", "bf16"] = "bf16"
     checkpoint_activations: bool = False
     """``--checkpoint-activations``: recompute each layer's activations in the backward pass (full recompute)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """``--recompute-granularity`` (Megatron-LM's): ``full`` is ``checkpoint_activations``; ``selective`` recomputes
+    only the LayerNorms' outputs and the MLP's activation in the backward pass (megatron-core's ``layernorm`` module
+    and activation recompute; its ``core_attn`` saves nothing here: the fused attention kernels keep no scores),
+    37% of a layer's activations for a few elementwise kernels, eager only (``torch.compile`` recomputes them
+    itself)."""
 
     @property
     def ffn_size(self) -> int:
@@ -644,6 +650,8 @@ class Spec(_Section):
         m, p = self.model, self.parallel
         tp = p.tensor_model_parallel_size
         return [*consistency.tensor_parallel_problems(m.num_attention_heads, m.ffn_size, tp, _field_name),
+                *consistency.recompute_problems(m.checkpoint_activations, m.recompute_granularity,
+                                                bool(self.megatron_args.get("torch_compile")), _field_name),
                 *consistency.sequence_parallel_problems(p.sequence_parallel, m.seq_length, tp, _field_name),
                 *consistency.partition_method_problems(p.pp_partition_method, _field_name),
                 *consistency.pipeline_problems(m.num_layers, p.pipeline_model_parallel_size, p.pp_partition_method,

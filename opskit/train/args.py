@@ -79,6 +79,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         *consistency.tensor_parallel_problems(args.num_attention_heads, args.ffn_hidden_size or 4 * args.hidden_size,
                                               tp, flag_name),
         *consistency.sequence_parallel_problems(args.sequence_parallel, args.seq_length, tp, flag_name),
+        *consistency.recompute_problems(args.checkpoint_activations, args.recompute_granularity, args.torch_compile,
+                                        flag_name),
         *consistency.pipeline_problems(args.num_layers, pp,
                                        args.pp_partition_method or consistency.TRAINER_PARTITION_METHOD, flag_name),
         *consistency.pad_vocab_problems(args.pad_vocab_size_to, args.make_vocab_size_divisible_by, tp, None, flag_name),

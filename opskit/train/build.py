@@ -20,6 +20,7 @@ from opskit.rules.consistency import (
     TRAINER_PARTITION_METHOD,
     client_optimizer_problems,
     flag_name,
+    recomputes_fully,
     world_size_problems,
 )
 from opskit.rules.deepspeed import (
@@ -235,9 +236,11 @@ def build_model(config: TrainConfig, world: World, padded_vocab_size: int):
         init_method_std=config.init_method_std, hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout, tensor_parallel=True,
         sequence_parallel=splits_sequence(config.sequence_parallel, world.tp),
+        selective_recompute=config.recompute_granularity == "selective",
     )
     model = GPTModelPipe(cfg, make_topology(world.tp, world.pp, world.dp), seed=config.seed,
-                         activation_checkpoint_interval=1 if config.checkpoint_activations else 0,
+                         activation_checkpoint_interval=1 if recomputes_fully(config.checkpoint_activations,
+                                                                             config.recompute_granularity) else 0,
                          partition_method=config.pp_partition_method or TRAINER_PARTITION_METHOD)
     if config.torch_compile:
         compile_stage(model)

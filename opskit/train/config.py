@@ -52,6 +52,7 @@ class TrainConfig:
     deepspeed_config: str | None
     zero_stage: int
     checkpoint_activations: bool
+    recompute_granularity: str | None
     pp_partition_method: str | None
     torch_compile: bool
     distributed_backend: str | None

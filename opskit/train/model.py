@@ -16,6 +16,7 @@ initialisation), BLOOM (ALiBi slopes, embedding LayerNorm, tanh-approximate GELU
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -56,6 +57,9 @@ class GPTConfig:
     linear becomes a reduce-scatter after it and an all-gather before the next column-parallel one (Korthikanti et
     al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.2.2). Not overlapped with
     compute: megatron-core's overlapping path is CUDA-only (:class:`_PlainAtOneRank`)."""
+    selective_recompute: bool = False
+    """``--recompute-granularity selective``: the two LayerNorms' outputs and the MLP's activation are recomputed in
+    the backward pass instead of kept (:func:`recomputed_in_backward`)."""
 
     @property
     def head_dim(self) -> int:
@@ -366,8 +370,11 @@ class SelfAttention(nn.Module):
         self.query_key_value = linear(cfg, cfg.hidden_size, 3 * cfg.hidden_size, cfg.init_method_std, "column")
         self.dense = linear(cfg, cfg.hidden_size, cfg.hidden_size, output_std, "row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]; sequence parallel [s/TP, b, h]
-        qkv = self.query_key_value(x)  # [b, s, 3h/TP]; sequence parallel: gathered, [s, b, 3h/TP]
+    def forward(self, x: torch.Tensor, recompute_input=None) -> torch.Tensor:
+        """``[b, s, h] -> [b, s, h]`` (sequence parallel ``[s/TP, b, h]``); ``recompute_input``: how to make ``x``
+        again in the backward pass instead of keeping it (:func:`recomputed_in_backward`), or None."""
+        with recomputed_in_backward(x, recompute_input):
+            qkv = self.query_key_value(x)  # [b, s, 3h/TP]; sequence parallel: gathered, [s, b, 3h/TP]
         if self.cfg.sequence_parallel:
             qkv = qkv.transpose(0, 1)
         b, s, _ = qkv.shape
@@ -385,6 +392,41 @@ class SelfAttention(nn.Module):
         return self.dense(context.reshape(*context.shape[:2], -1))  # the row-parallel linear reduce-scatters
 
 
+@contextmanager
+def recomputed_in_backward(output: torch.Tensor, recompute):
+    """Inside the block (the one op that takes ``output``), what autograd saves of ``output`` (that op's input, kept
+    for its weight gradient) is dropped, and ``recompute()`` (the op that made it, on inputs autograd keeps anyway)
+    makes it again in the backward pass; ``recompute`` None: nothing is dropped. Megatron-core's output-discarding
+    checkpointing of its ``--recompute-granularity selective`` module ``layernorm`` (and of its activation function),
+    written with autograd's saved-tensor hooks. A saved tensor is
+    ``output`` when it shares its storage (the linear's flattened view of it included); it is rebuilt with the same
+    size, strides and offset. Only while the block runs, when ``output`` is alive and its storage cannot belong to
+    another tensor. Exact: the op runs again on the same inputs (LayerNorm, GELU: no randomness).
+
+    Memory (eager, one layer, 16-bit): the two LayerNorm outputs (2 ``s*b*h`` bytes each) and the activation's
+    output (8 ``s*b*h``) of the 32 the layer keeps (docs/benchmarks.md#memory-against-the-plan)."""
+    if recompute is None or not torch.is_grad_enabled():
+        yield
+        return
+    # plain values only: autograd keeps the hooks as long as what they saved, and a closure over ``output`` would keep
+    # the very tensor this drops
+    storage, dtype = output.untyped_storage().data_ptr(), output.dtype
+
+    def pack(saved: torch.Tensor):
+        if saved.untyped_storage().data_ptr() != storage or saved.dtype != dtype:
+            return saved
+        return saved.size(), saved.stride(), saved.storage_offset()
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        with torch.no_grad():
+            return recompute().as_strided(*packed)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 class MLP(nn.Module):
     """h -> ffn -> h with the tanh-approximate GELU of Megatron's fused bias-GELU (``gelu_fast`` / BLOOM's GELU)."""
 
@@ -393,8 +435,15 @@ class MLP(nn.Module):
         self.dense_h_to_4h = linear(cfg, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, "column")
         self.dense_4h_to_h = linear(cfg, cfg.ffn_hidden_size, cfg.hidden_size, output_std, "row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, recompute_input=None) -> torch.Tensor:
+        """``recompute_input``: as :meth:`SelfAttention.forward`'s; given, the activation's output is made again in
+        the backward pass too (selective recompute)."""
+        with recomputed_in_backward(x, recompute_input):
+            h = self.dense_h_to_4h(x)
+        activation = F.gelu(h, approximate="tanh")
+        recompute = (lambda: F.gelu(h, approximate="tanh")) if recompute_input is not None else None
+        with recomputed_in_backward(activation, recompute):
+            return self.dense_4h_to_h(activation)
 
 
 class ParallelTransformerLayerPipe(nn.Module):
@@ -413,8 +462,12 @@ class ParallelTransformerLayerPipe(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]; sequence parallel [s/TP, b, h]
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x)))
-        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+        selective = self.cfg.selective_recompute
+        attended = x + self.dropout(self.self_attention(
+            self.input_layernorm(x), (lambda: self.input_layernorm(x)) if selective else None))
+        return attended + self.dropout(self.mlp(
+            self.post_attention_layernorm(attended), (lambda: self.post_attention_layernorm(attended)) if selective
+            else None))
 
 
 class FinalLayerNorm(nn.LayerNorm):

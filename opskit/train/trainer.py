@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from opskit.fsutil import atomic_write_text
+from opskit.rules.consistency import recomputes_fully
 from opskit.rules.model_size import megatron_flops_per_iteration
 from opskit.train.build import (
     World,
@@ -281,7 +282,9 @@ class Trainer:
             return
         seconds = (time.time() - state.interval.started) / state.interval.iterations
         flops = megatron_flops_per_iteration(step.global_batch_size, state.seqlen, config.num_layers,
-                                             config.hidden_size, self.padded_vocab_size, config.checkpoint_activations)
+                                             config.hidden_size, self.padded_vocab_size,
+                                             recomputes_fully(config.checkpoint_activations,
+                                                              config.recompute_granularity))
         tflops = flops / (seconds * world.size * 1e12)
         if world.is_last_rank:
             print(iteration_line(
