@@ -219,8 +219,10 @@ def test_status_from_another_folder_sees_the_run_or_says_it_cannot(slurm, tmp_pa
     spec.write_text(yaml.safe_dump(raw))
     (tmp_path / "elsewhere").mkdir()
 
-    done = opskit_cli("status", str(spec), "--json", cwd=tmp_path / "elsewhere")
+    done = opskit_cli("status", str(spec), "--json", "--page", cwd=tmp_path / "elsewhere")
     assert done.returncode == 2, done.stdout + done.stderr  # never "no log ... ok" for a run it cannot see
+    assert "the run's page was not refreshed" in done.stderr and "no run folder yet" in done.stderr
+    assert not (project / "runs").exists()  # the page never makes the run folder the alert is about
     findings = {f["key"]: f for f in json.loads(done.stdout)["findings"]}
     assert findings["run.missing"]["severity"] == "alert"
     assert str(project.resolve() / "runs" / "mine") in findings["run.missing"]["message"]

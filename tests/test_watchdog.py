@@ -788,7 +788,7 @@ def test_ack_silences_until_something_changes(slurm, tmp_path, webhook):
     assert "silenced (--ack)" in done.stdout and len(webhook.posts) == 1
 
     # Something changes (a crash line arrives): the silence ends, and the message lists both alerts.
-    run.logs.mkdir(parents=True)
+    run.logs.mkdir(parents=True, exist_ok=True)  # --alert refreshed the run's page there
     shutil.copy(FIXTURES / "crash.txt", run.main_log)
     saved_checkpoint(run, 31000)  # the log is past its saves: without one, checkpoint.missing would alert too
     done = status_cli(spec, "--alert")

@@ -62,13 +62,16 @@ def build_page(name_or_path: str, out: Path | None = None, force: bool = False,
     ``force``).
 
     Raises:
-        SpecError, LogFormatError: not a spec, run or log. OutputRefusedError: see :func:`write`; a log outside a run
-            folder and no ``out``. MissingExtraError: no bokeh.
+        SpecError, LogFormatError: not a spec, run or log. OutputRefusedError: see :func:`write`; no ``out`` for a
+            log outside a run folder or a spec whose run folder does not exist. MissingExtraError: no bokeh.
     """
     page = gather(name_or_path, watchdog_report=watchdog_report)
     if out is None:
         if page.run_dir is None:
             raise OutputRefusedError(f"{name_or_path}: a log outside a run folder; say where the page goes (--out)")
+        if not Path(page.run_dir).is_dir():  # never made here: a missing run folder is the watchdog's alert
+            raise OutputRefusedError(f"{page.run_dir}: no run folder yet (nothing submitted?); say where the page "
+                                     "goes (--out)")
         out, force = RunPaths(Path(page.run_dir)).report, True
     return BuiltPage(write(page, out, force), page)
 
