@@ -1,14 +1,17 @@
 """What one run's page shows (issue 49), gathered once into a JSON-able :class:`RunPage` from the library calls the
-terminal commands make: the watchdog's report (:func:`opskit.monitor.watchdog.run_checks`, its state left as it was),
-the log's series (:meth:`opskit.history.sources.LogSource.timeline`, thinned per screen column by
-:func:`opskit.logs.plot.thin`, spikes kept), the spikes and the divergence incidents, the ledger and each task's in-job
-steps, the goodput account, the checkpoints, the plan. What a source cannot give (a bare log has no ledger) is listed
-in :attr:`RunPage.unknown`, and a part that cannot be read is said in one line there, never raised.
+terminal commands make: the watchdog's report (the one ``opskit status`` just made, else
+:func:`opskit.monitor.watchdog.run_checks` with its state left as it was); the log read once
+(:meth:`opskit.history.sources.LogSource.timeline`): its series thinned per screen column by
+:func:`opskit.logs.plot.thin` with every spike kept, the validation loss, progress and the full-batch medians; the
+goodput account (:func:`opskit.history.goodput.account`), whose tasks and in-job steps carry their nodes, the job's
+own lines and a clock that puts each iteration on wall-clock time; the divergence incidents, the nodes kept out, the
+checkpoints with their backups and copies, and the plan beside what was measured. What a source cannot give (a bare
+log has no ledger) is listed in :attr:`RunPage.unknown`, and a part that cannot be read is said in one line there,
+never raised.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -430,6 +433,3 @@ def _finite(value):
         return [_finite(v) for v in value]
     return value
 
-
-def page_json(page: RunPage) -> str:
-    return json.dumps(page.as_json())

@@ -1,8 +1,10 @@
 """The run's page (issue 49): one self-contained HTML file from a :class:`~opskit.report.facts.RunPage`. Charts are
 Bokeh's (BokehJS inlined from the installed ``bokeh`` package, its BSD licence in the page; nothing is fetched when
-the page is viewed): the series over the iterations on one shared, zoomable x axis, with a hover showing the
-iteration's value, spikes marked, skipped ranges shaded and incidents drawn as lines. Tables for what needs a
-person now, the chain's tasks and their in-job steps, the incidents, goodput, checkpoints and the plan.
+the page is viewed): the series in two tabs, over the iterations and over wall-clock time, each on one shared,
+zoomable x axis with a hover showing the iteration's values, spikes marked, skipped ranges shaded and incidents drawn
+as lines; the chain's tasks and in-job steps on a time axis with the job's own lines as marks; each task's hours by
+goodput category. Tables for what needs a person now, the tasks, the nodes kept out, the incidents, goodput,
+checkpoints and the plan.
 """
 
 from __future__ import annotations
