@@ -84,9 +84,10 @@ def timed_run(flags: list[str], gpus: int, gbs: int, sync_points: str | None = N
 
 
 def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int, tp: int, pp: int,
-             recompute: str = "full", sequence_parallel: bool = False) -> float:
+             recompute: str = "full", extra: tuple[str, ...] = ()) -> float:
     """``opskit plan``'s memory estimate (GiB on the heaviest GPU) for the same run, from bench/specs/gpt2-1.3B.yaml
-    with this shape, layout and batch."""
+    with this shape, layout, batch, recompute and the extra flags the plan reads (``--sequence-parallel``,
+    ``--torch-compile``: its loss buffers differ)."""
     from opskit.spec.load import load_spec
     from opskit.spec.plan import make_plan
 
@@ -96,9 +97,11 @@ def plan_gib(layers: int, hidden: int, heads: int, seq: int, mbs: int, gbs: int,
                   "checkpoint_activations": recompute == "full",
                   "recompute_granularity": "selective" if recompute == "selective" else None},
         "parallel": {"gpus_per_node": tp * pp, "tensor_model_parallel_size": tp,
-                     "pipeline_model_parallel_size": pp, "zero_stage": 0, "sequence_parallel": sequence_parallel},
+                     "pipeline_model_parallel_size": pp, "zero_stage": 0,
+                     "sequence_parallel": "--sequence-parallel" in extra},
         "batch": {"micro_batch_size": mbs, "global_batch_size": gbs, "train_samples": gbs * 100},
         "optimizer": {"lr_warmup_samples": gbs},
+        "megatron_args": {"torch_compile": "--torch-compile" in extra},
     }
     return make_plan(load_spec(str(REPO / "bench" / "specs" / "gpt2-1.3B.yaml"), overrides)).memory.total_gib_per_gpu
 
@@ -118,7 +121,7 @@ def measure(layers: int, tp: int, pp: int, micro_batches: list[int], args, data:
         rows.append({"micro_batches": m, **run, "tokens_per_s": round(gbs * args.seq / run["s_per_iter"]),
                      "mfu_per_gpu": round(flops / run["s_per_iter"] / gpus / PEAK_FLOPS, 4),
                      "plan_gib": round(plan_gib(layers, args.hidden, args.heads, args.seq, args.mbs, gbs, tp, pp,
-                                                args.recompute, "--sequence-parallel" in args.extra), 1)})
+                                                args.recompute, tuple(args.extra)), 1)})
         print(json.dumps({"tp": tp, "pp": pp, **rows[-1]}), flush=True)
     result = {"tp": tp, "pp": pp, "layers": layers, "recompute": args.recompute, "extra": args.extra, "rows": rows}
     if len(rows) == 2:
