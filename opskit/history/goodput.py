@@ -61,9 +61,9 @@ LOSES_WORK = (*chain.FAILURES, "CANCELLED", RESTARTED)
 """Ledger states whose task's work since its last save is lost: the next task (or step) trains it again."""
 
 _DATE = "%Y-%m-%d %H:%M:%S"
-_OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job (?P<job>\S+) \(array task (?P<task>\S+)\) "
+_OPSKIT = re.compile(r"^\[opskit\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:job \S+ \(array task (?P<task>\S+)\) "
                      r"nodes (?P<nodes>\S*): (?P<message>.*)"
-                     r"|submitted job (\S+))")
+                     r"|submitted job (?P<submitted>\S+))")
 _TIMER = re.compile(r"^time \(ms\) \| (save-checkpoint|load-checkpoint|evaluate): (\d+(?:\.\d+)?)\s*$")
 _TRAINING_START = re.compile(r"^\[before the start of training step\] datetime: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
 _SAVING = re.compile(r"^saving checkpoint at iteration +(\d+) ")
@@ -202,8 +202,6 @@ class TaskLog:
     """The last iteration a ``saving checkpoint at iteration N`` line says was trained (an exit's save comes after
     iterations no line logged when ``--log-interval`` > 1)."""
     max_allocated_mib: float | None = None
-    job: str | None = None
-    """The SLURM job id of its ``[opskit] ... job J (array task T)`` lines."""
     nodes: str = ""
     """Its nodes: the allocation's node list of its start line, then its training step's (the step header's)."""
     events: list[tuple[datetime, str]] = field(default_factory=list)
@@ -329,11 +327,11 @@ def _opskit_line(raw: str, found: TaskLogs, current: TaskLog | None) -> TaskLog 
     tasks = found.tasks
     if m["task"] is None:  # a submission
         found.first_submit = found.first_submit or at
-        found.submitted.setdefault(m[6], at)
+        found.submitted.setdefault(m["submitted"], at)
         return current
     message, task = m["message"].rstrip(), m["task"]
     if message == "start":
-        tasks.append(TaskLog(task, at, job=m["job"], nodes=m["nodes"]))
+        tasks.append(TaskLog(task, at, nodes=m["nodes"]))
         return tasks[-1]
     if current is not None and current.task == task:
         current.last_seen = at
@@ -342,7 +340,7 @@ def _opskit_line(raw: str, found: TaskLogs, current: TaskLog | None) -> TaskLog 
                 current.nodes = step["nodes"]
                 return current
             current.end, current.end_state = at, RESTARTED  # an in-job restart: the step before ends here
-            tasks.append(TaskLog(task, at, step=int(step["step"]), job=m["job"], nodes=step["nodes"]))
+            tasks.append(TaskLog(task, at, step=int(step["step"]), nodes=step["nodes"]))
             return tasks[-1]
         if message.startswith(HANG_LINE):
             current.hung = True
@@ -479,8 +477,7 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
     seconds.update(saving=log.saving_s, loading=log.loading_s, evaluation=log.evaluation_s)
     if log.training_start is None:  # it never trained: a start-up failure, or a task that exited at once
         seconds["idle" if state == "SKIPPED" else "startup"] = max(wall - log.loading_s, 0.0)
-        return TaskTime(log.task, state, log.start, end, seconds, 0, 0, log.step, log.max_allocated_mib,
-                        log.resumed_from, log.nodes, events=log.events)
+        return _task_time(log, state, end, seconds)
     seconds["startup"] = max((log.training_start - log.start).total_seconds() - log.loading_s, 0.0)
     tail = _unlogged_tail(log, end)
     windows = log.windows + [tail] if tail else log.windows
@@ -499,8 +496,14 @@ def _split(log: TaskLog, state: str | None, end: datetime, watchdog: WatchdogSpe
     ends = accumulate((w[2] for w in log.windows), initial=log.training_start.timestamp())
     next(ends)  # the training start: each window's end is the sum up to and with it
     clock = [(w[1], at) for w, at in zip(log.windows, ends, strict=True)]
+    return _task_time(log, state, end, seconds, iterations, redone_iterations, clock)
+
+
+def _task_time(log: TaskLog, state: str | None, end: datetime, seconds: dict[str, float], iterations: int = 0,
+               redone_iterations: int = 0, clock: list[tuple[int, float]] | None = None) -> TaskTime:
+    """The :class:`TaskTime` of ``log`` with what its lines told of it (step, memory, resume point, nodes, events)."""
     return TaskTime(log.task, state, log.start, end, seconds, iterations, redone_iterations, log.step,
-                    log.max_allocated_mib, log.resumed_from, log.nodes, events=log.events, clock=clock)
+                    log.max_allocated_mib, log.resumed_from, log.nodes, events=log.events, clock=clock or [])
 
 
 def _silence_after_last_line(log: TaskLog, end: datetime) -> float:

@@ -169,8 +169,9 @@ def _series(page: RunPage, source: LogSource, spec) -> None:
     in_spike = np.zeros(len(iterations), dtype=bool)
     for spike in spikes:
         in_spike |= (iterations >= spike.first) & (iterations <= spike.last)
+    arrays = {key: _array(columns[key]) for key in SERIES}
     for key in SERIES:
-        values, present = _array(columns[key])
+        values, present = arrays[key]
         if not present.any():
             page.unknown.append(f"{key.replace('_', ' ')}: not in this log's iteration lines")
             continue
@@ -186,7 +187,7 @@ def _series(page: RunPage, source: LogSource, spec) -> None:
                             "points_in_log": int(present.sum())}
     _validation(page, chunk)
     _progress(page, columns, source.planned_tokens)
-    _full_batch_medians(page, columns)
+    _full_batch_medians(page, arrays)
 
 
 def _array(column):
@@ -348,17 +349,17 @@ def _plan(page: RunPage, spec, account) -> None:
         page.unknown.append("measured memory: no '[Rank N] (after K iterations) memory (MB)' line (a GPU run's)")
 
 
-def _full_batch_medians(page: RunPage, columns) -> None:
+def _full_batch_medians(page: RunPage, arrays: dict) -> None:
     """:attr:`RunPage.measured`: the median seconds per iteration and TFLOPs per GPU of the lines at the log's largest
-    global batch size (all lines when none gives one)."""
+    global batch size (all lines when none gives one); ``arrays``: :func:`_array` of each of :data:`SERIES`."""
     import numpy as np
 
-    batch, has_batch = _array(columns["global_batch_size"])
+    batch, has_batch = arrays["global_batch_size"]
     full = batch == batch[has_batch].max() if has_batch.any() else np.ones(len(batch), dtype=bool)
     if has_batch.any():
         page.measured["global_batch_size"] = int(batch[has_batch].max())
     for key, name in (("elapsed_time_per_iteration_s", "seconds_per_iteration"), ("tflops", "tflops")):
-        values, present = _array(columns[key])
+        values, present = arrays[key]
         if (present & full).any():
             page.measured[name] = float(np.median(values[present & full]))
 

@@ -132,14 +132,14 @@ def _headline(page: RunPage) -> str:
 def _figures(page: RunPage) -> dict:
     """The page's Bokeh models by place: ``series`` (tabs: over iterations, over wall-clock time), ``timeline`` and
     ``goodput`` (the chain's tasks); a place without data is left out."""
-    figures = {}
-    by_iteration = _series_figures(page, "iteration")
+    figures, sources = {}, _sources(page)
+    by_iteration = _series_figures(page, "iteration", sources)
     if by_iteration:
         from bokeh.layouts import column
         from bokeh.models import TabPanel, Tabs
 
         tabs = [TabPanel(child=column(*by_iteration, sizing_mode="stretch_width"), title="over iterations")]
-        by_time = _series_figures(page, "time")
+        by_time = _series_figures(page, "time", sources)
         if by_time:
             tabs.append(TabPanel(child=column(*by_time, sizing_mode="stretch_width"), title="over wall-clock time"))
         figures["series"] = Tabs(tabs=tabs, sizing_mode="stretch_width")
@@ -150,10 +150,21 @@ def _figures(page: RunPage) -> dict:
     return figures
 
 
-def _series_figures(page: RunPage, x: str) -> list:
+def _sources(page: RunPage) -> dict:
+    """One Bokeh data source per charted series and the validation loss, shared by both tabs (the page holds each
+    series' points once)."""
+    from bokeh.models import ColumnDataSource
+
+    found = {key: ColumnDataSource(_columns(series)) for key, series in page.series.items()}
+    if page.validation:
+        found["validation"] = ColumnDataSource(_columns(page.validation))
+    return found
+
+
+def _series_figures(page: RunPage, x: str, sources: dict) -> list:
     """One figure per charted series over ``x`` (``iteration`` or ``time``: [] when no point has one), all on the
-    first one's x range (zoom one, zoom all): hover gives the iteration's values, spikes are marked, skipped ranges
-    shaded and incidents drawn as dashed lines (over the iterations)."""
+    first one's x range (zoom one, zoom all), drawn from ``sources`` (:func:`_sources`): hover gives the iteration's
+    values, spikes are marked, skipped ranges shaded and incidents drawn as dashed lines (over the iterations)."""
     from bokeh.models import BoxAnnotation, ColumnDataSource, HoverTool, Span
     from bokeh.plotting import figure
 
@@ -168,14 +179,13 @@ def _series_figures(page: RunPage, x: str) -> list:
                      tools="xwheel_zoom,xpan,box_zoom,reset,save", active_scroll="xwheel_zoom",
                      **({"x_range": shared} if shared is not None else {}))
         shared = shared or fig.x_range
-        source = ColumnDataSource(_columns(series))
-        line = fig.line(x, "value", source=source, line_width=1.5)
+        line = fig.line(x, "value", source=sources[key], line_width=1.5)
         tooltips = [("iteration", "@iteration"), (label, "@value{0.[0000]}")]
         if "time" in series:
             tooltips.append(("time", "@time{%F %T}"))
         fig.add_tools(HoverTool(renderers=[line], mode="vline", tooltips=tooltips, formatters={"@time": "datetime"}))
         if key == "lm_loss" and page.validation:
-            fig.scatter(x, "value", source=ColumnDataSource(_columns(page.validation)), size=6, color="darkorange",
+            fig.scatter(x, "value", source=sources["validation"], size=6, color="darkorange",
                         legend_label="validation")
         metric_spikes = [s for s in page.spikes if s["metric"] == key]
         if metric_spikes and x == "iteration":
