@@ -25,7 +25,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_throughput import REPO, TRAINER_VARIANTS, S, make_data, plan_gib, trainer_flags  # noqa: E402
+from trainer_throughput import (  # noqa: E402
+    REPO,
+    TRAINER_VARIANTS,
+    S,
+    make_data,
+    memory_lines,
+    plan_gib,
+    trainer_flags,
+)
 
 ITERATIONS, LOG_INTERVAL = 3, 2
 GIB = 2**30
@@ -163,11 +170,11 @@ def run(variant: str, mbs: int, gas: int, data: Path, tokenizer: Path, snapshot:
                           capture_output=True, text=True, cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     result = {"name": f"{variant}:{mbs}x{gas}", "seconds": round(time.time() - started, 1),
               "plan_mem_gb": round(plan_gib(mbs, gas, 1, extra), 2)}
-    memory = re.search(r"max allocated: ([\d.]+) \| reserved: ([\d.]+) \| max reserved: ([\d.]+)", done.stdout)
+    memory = next((r for r in memory_lines(done.stdout) if "max_reserved_mib" in r), None)
     if done.returncode != 0 or memory is None:
         print(done.stdout[-3000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
         return {**result, "error": f"exit {done.returncode}"}
-    peak, _, max_reserved = (float(m) / 1024 for m in memory.groups())
+    peak, max_reserved = memory["max_allocated_mib"] / 1024, memory["max_reserved_mib"] / 1024
     result.update(peak_mem_gb=round(peak, 2), max_reserved_gb=round(max_reserved, 2),
                   plan_over_peak=round(result["plan_mem_gb"] / peak - 1, 4))
     if snapshot is not None and snapshot.exists():

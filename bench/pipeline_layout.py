@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_throughput import BLOOM, PEAK_FLOPS, REPO, VOCAB, make_data  # noqa: E402
+from trainer_throughput import BLOOM, PEAK_FLOPS, REPO, VOCAB, make_data, memory_lines  # noqa: E402
 
 from opskit.logs.grammar import parse_iteration_line  # noqa: E402
 from opskit.rules.model_size import megatron_flops_per_iteration, padded_vocab_size  # noqa: E402
@@ -78,8 +78,7 @@ def timed_run(flags: list[str], gpus: int, gbs: int, sync_points: str | None = N
         sys.exit(f"trainer exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
     records = [r for line in done.stdout.splitlines() if (r := parse_iteration_line(line))]
     seconds = statistics.median(gbs / r["samples_per_second"] for r in records[1:])
-    peaks = [float(line.split("max allocated:")[1].split("|")[0]) for line in done.stdout.splitlines()
-             if "max allocated:" in line]
+    peaks = [r["max_allocated_mib"] for r in memory_lines(done.stdout)]
     return {"s_per_iter": round(seconds, 4), "peak_gib": round(max(peaks) / 1024, 1) if peaks else None}
 
 

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from opskit.logs.grammar import parse_memory_line
 from opskit.rules.model_size import padded_vocab_size
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,11 @@ TRAINER_VARIANTS = {"gpt": [], "gpt-compile": ["--torch-compile"], "bloom": BLOO
 def model_flops(batch: int, padded_vocab: int = PADDED_VOCAB) -> float:
     """Megatron's FLOPs per iteration without recompute: 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
     return 72 * batch * S * L * H * H * (1 + S / (6 * H) + padded_vocab / (12 * L * H))
+
+
+def memory_lines(stdout: str) -> list[dict]:
+    """The trainer's memory lines in ``stdout``, any rank (:func:`opskit.logs.grammar.parse_memory_line`; MiB)."""
+    return [r for line in stdout.splitlines() if (r := parse_memory_line(line)) is not None]
 
 
 def median_step_seconds(step, warm: int, steps: int):
@@ -142,11 +148,11 @@ def run_trainer(name: str, extra: list[str], data: Path, tokenizer: Path, iters:
     tflops = [float(t) for t in re.findall(r"TFLOPs: ([\d.]+)", done.stdout)]
     steady_tflops = statistics.median(tflops[1:]) if len(tflops) > 1 else tflops[0]  # window 1 holds warm-up
     steady = megatron_flops_per_iteration(gbs, S, L, H, PADDED_VOCAB, False) / (steady_tflops * 1e12 * gpus)
-    peak = re.findall(r"max allocated: ([\d.]+)", done.stdout)
+    peak = [r["max_allocated_mib"] for r in memory_lines(done.stdout)]
     return {"name": name, "gpus": gpus, "mbs": mbs, "gas": gas, "s_per_iter": round(steady, 4),
             "tokens_per_s": round(gbs * S / steady),
             "mfu": round(model_flops(gbs) / gpus / steady / PEAK_FLOPS, 4), "log_tflops": steady_tflops,
-            "peak_mem_gb": round(max(float(p) for p in peak) / 1024, 1) if peak else None,
+            "peak_mem_gb": round(max(peak) / 1024, 1) if peak else None,
             "plan_mem_gb": round(plan_gib(mbs, gas, gpus, extra), 1)}
 
 
