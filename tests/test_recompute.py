@@ -89,16 +89,21 @@ def test_plan_counts_selective_recompute_and_advises_the_least_that_fits(kjv_dat
         spec = write_spec(tmp_path / "p.yaml", kjv_data, tmp_path / "run", model=model,
                           batch={"micro_batch_size": 8, "global_batch_size": 64, "train_samples": 64_000},
                           parallel={"gpu_memory_gb": gpu_memory_gb})
-        return make_plan(load_spec(str(spec))).memory
+        return make_plan(load_spec(str(spec)))
 
-    none, selective = plan({}), plan({"recompute_granularity": "selective"})
-    full = plan({"checkpoint_activations": True})
+    none, selective = plan({}).memory, plan({"recompute_granularity": "selective"}).memory
+    full = plan({"checkpoint_activations": True}).memory
     assert full.total_gib_per_gpu < selective.total_gib_per_gpu < none.total_gib_per_gpu
     # 12 of the 34 bytes per s*b*h a layer keeps (two LayerNorm outputs, the activation's 4h): 24 layers, MBS 8
     dropped = 24 * 12 * 2048 * 8 * 2048 / 2**30
     assert none.activation_gib_per_gpu_no_recompute - selective.activation_gib_per_gpu_selective == \
         pytest.approx(dropped) and selective.recompute == "selective" and not selective.activation_checkpointing
     between = (selective.total_gib_per_gpu + none.total_gib_per_gpu) / 2 / 0.85  # fits selective, not none
-    assert [plan({"checkpoint_activations": True}, gb).advised_recompute
+    assert [plan({"checkpoint_activations": True}, gb).memory.advised_recompute
             for gb in (None, none.total_gib_per_gpu / 0.8, between, full.total_gib_per_gpu)] == [
         None, "none", "selective", "full"]
+    # a spec without recompute on a GPU it does not fit is told the least recompute that would
+    tight = selective.total_gib_per_gpu / 0.85 + 0.01
+    assert tight < none.total_gib_per_gpu
+    assert [w for w in plan({}, tight).warnings if w.startswith("with ")] == [
+        f"with selective activation recompute the heaviest GPU would fit (~{selective.total_gib_per_gpu:.1f} GiB)"]

@@ -778,18 +778,16 @@ def _warnings(spec: Spec, plan: Plan) -> list[str]:
                      f"({which} activation checkpointing) exceeds the {mem.gpu_memory_gib:g} GiB of one "
                      f"{spec.parallel.gpu or 'GPU'}")
     advised = mem.advised_recompute
+    needs = None if advised is None else max(s.peak_gib(advised) for s in mem.stages)
     if advised is not None and RECOMPUTE_MODES.index(advised) < RECOMPUTE_MODES.index(mem.recompute):
-        needs = max(s.peak_gib(advised) for s in mem.stages)
         gain = ("turning model.checkpoint_activations off should give up to ~1.3x the tokens/s" if advised == "none"
                 else "model.recompute_granularity: selective recomputes only elementwise ops (full recompute: 4/3 "
                      "of the compute)")
         without = "without recompute" if advised == "none" else "with selective recompute"
         found.append(f"{mem.recompute} activation recompute, yet {without} the heaviest GPU needs "
                      f"~{needs:.1f} GiB of {mem.gpu_memory_gib:g}: {gain}")
-    elif mem.fits is False and advised is not None and (
-            max(s.peak_gib(advised) for s in mem.stages) <= mem.gpu_memory_gib * (1 - RECOMPUTE_MARGIN)):
-        found.append(f"with {advised} activation recompute the heaviest GPU would fit "
-                     f"(~{max(s.peak_gib(advised) for s in mem.stages):.1f} GiB)")
+    elif mem.fits is False and needs is not None and needs <= mem.gpu_memory_gib * (1 - RECOMPUTE_MARGIN):
+        found.append(f"with {advised} activation recompute the heaviest GPU would fit (~{needs:.1f} GiB)")
     if problem := deepspeed_resume_problem(spec):
         found.append(problem)
     cl = plan.curriculum
